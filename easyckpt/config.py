@@ -1,0 +1,112 @@
+"""The settings of one easyckpt job, and their validation.
+
+Validation happens in ``initialize_easyckpt`` so that a wrong setting fails before the first
+iteration, not at step N: every message names the argument and what to change.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from .errors import ConfigError
+from .storage.posix import probe_writable
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How a framework names its step directories and tracker file (supplied by the adapter)."""
+
+    dir_format: str = "step_{:08d}"          # str.format(step)
+    dir_regex: str = r"^step_(\d{8})$"       # group 1 = step; what pruning and loading recognise
+    tracker: str = "latest"                  # file name in save_dir, updated after each commit
+    tracker_format: str = "step_{:08d}"      # its content, str.format(step)
+    framework: str = "pytorch"
+
+    def dir_name(self, step: int) -> str:
+        return self.dir_format.format(step)
+
+
+@dataclass(frozen=True)
+class Config:
+    save_dir: str
+    save_mem_interval: int = 1
+    save_storage_interval: int = 5
+    max_ckpt_num: Optional[int] = 5
+    log_file_path: Optional[str] = None
+    job_name: Optional[str] = None
+    commit_timeout: float = 600.0       # seconds the coordinator waits for every rank's shard
+    agent_idle_timeout: float = 60.0    # seconds the agent keeps snapshots after its trainers died
+    agent_start_timeout: float = 60.0
+    naming: Naming = field(default_factory=Naming)
+
+    @property
+    def job_id(self) -> str:
+        """Stable across restarts of the same job (same save dir and job name), so that a restarted
+        trainer finds its agent and its shared-memory snapshots again."""
+        key = f"{os.path.realpath(self.save_dir)}\0{self.job_name or ''}"
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "Config":
+        data = dict(data)
+        data["naming"] = Naming(**data["naming"])
+        return cls(**data)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} must be a positive integer (number of iterations)")
+    if value < 1:
+        raise ConfigError(f"{name}={value} must be at least 1")
+    return value
+
+
+def validate(cfg: Config) -> Config:
+    """Check every setting and prepare the save directory; raise ConfigError naming the fix."""
+    mem = _positive_int("save_mem_interval", cfg.save_mem_interval)
+    sto = _positive_int("save_storage_interval", cfg.save_storage_interval)
+    if sto % mem:
+        lower, upper = (sto // mem) * mem, (sto // mem + 1) * mem
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ConfigError(
+            f"save_storage_interval={sto} is not a multiple of save_mem_interval={mem}: only memory "
+            f"snapshots can be persisted; use save_storage_interval={hint}")
+    if cfg.max_ckpt_num is not None:
+        if isinstance(cfg.max_ckpt_num, bool) or not isinstance(cfg.max_ckpt_num, int) or cfg.max_ckpt_num < 1:
+            raise ConfigError(f"max_ckpt_num={cfg.max_ckpt_num!r} must be a positive integer "
+                              f"(how many committed checkpoints to keep), or None to keep all")
+    for name in ("commit_timeout", "agent_idle_timeout", "agent_start_timeout"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive number of seconds")
+    if not cfg.save_dir or not isinstance(cfg.save_dir, (str, os.PathLike)):
+        raise ConfigError(f"save_dir={cfg.save_dir!r} must be a directory path")
+    save_dir = Path(cfg.save_dir)
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"save_dir={str(save_dir)!r} does not exist and cannot be created "
+                          f"({exc.strerror}); create it or point save_dir at a writable location") from exc
+    if not save_dir.is_dir():
+        raise ConfigError(f"save_dir={str(save_dir)!r} is not a directory")
+    try:
+        probe_writable(save_dir)
+    except OSError as exc:
+        raise ConfigError(f"save_dir={str(save_dir)!r} is not writable ({exc.strerror}); "
+                          f"fix its permissions or mount, or choose another save_dir") from exc
+    if cfg.log_file_path is not None:
+        log = Path(cfg.log_file_path)
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"log_file_path={str(log)!r} cannot be appended to ({exc.strerror}); "
+                              f"choose a writable path or None") from exc
+    return cfg

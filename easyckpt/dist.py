@@ -1,0 +1,39 @@
+"""Where this process sits in the job, and the one collective the engine needs (agreement)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, List
+
+import torch.distributed as dist
+
+from .errors import EasyCkptError
+
+
+@dataclass(frozen=True)
+class Placement:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def placement() -> Placement:
+    """From torch.distributed when initialised, else from torchrun's environment, else a single process."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return Placement(rank, world, int(os.environ.get("LOCAL_RANK", rank if world == 1 else 0)))
+
+
+def all_gather(obj: Any, world_size: int) -> List[Any]:
+    """Every rank's ``obj``. Bounded by the process group's timeout, so a dead rank is an error, not a hang."""
+    if world_size == 1:
+        return [obj]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise EasyCkptError(f"WORLD_SIZE={world_size} but torch.distributed is not initialised: call "
+                            f"torch.distributed.init_process_group() before load_checkpoint so that all "
+                            f"ranks can agree on the step to resume from")
+    out: List[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out

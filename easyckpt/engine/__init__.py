@@ -1,0 +1,1 @@
+"""The one engine shared by every adapter: snapshot → persist → commit → prune, and load."""

@@ -1,0 +1,403 @@
+"""The node agent: a long-lived process per (job, node) that persists and commits snapshots.
+
+It never runs in a trainer, so storage never stalls training. One event loop (socket messages,
+commit deadlines, idle exit) and one worker thread that does the disk work in FIFO order:
+
+  persist job (rank, slot, generation, step):
+    mark the slot busy → persist.persist_slot() into the step's staging dir → write the rank's
+    marker → release the slot → if coordinator and every rank's marker is there: commit, prune.
+  a commit still waiting for other nodes' ranks is retried from the loop until commit_timeout.
+
+The coordinator is the agent that serves global rank 0. On a failed persist (disk full, read-only
+file system, a slot overwritten) the step's staging dir is removed, nothing is pruned, and the
+error goes to the audit log and to the trainer's next flush.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from .. import faults
+from ..config import Config
+from ..events import AuditLog
+from . import commit, protocol, retention, shm
+from .persist import persist_slot
+
+
+@dataclass
+class _Client:
+    reader: protocol.LineReader = field(default_factory=protocol.LineReader)
+    rank: Optional[int] = None
+    said_bye: bool = False
+
+
+@dataclass
+class _Job:
+    kind: str                      # "persist" | "commit"
+    step: int
+    rank: int = -1
+    slot: int = -1
+    generation: int = 0
+    reason: str = "interval"
+
+
+class Agent:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.job_id = cfg.job_id
+        self.log = AuditLog(cfg.log_file_path, "agent")
+        self.sel = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(protocol.address(self.job_id))   # raises if an agent of this job is alive
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.sel.register(self.listener, selectors.EVENT_READ)
+        self.clients: Dict[socket.socket, _Client] = {}
+        self.world_size: Optional[int] = None
+        self.local_ranks: Set[int] = set()
+        self.dead_ranks: Set[int] = set()
+        self.jobs: "queue.Queue[_Job]" = queue.Queue()
+        self.results: "queue.Queue[Tuple[_Job, Optional[str]]]" = queue.Queue()
+        self.outstanding = 0
+        self.pending_commits: Dict[int, float] = {}     # step -> deadline
+        self.done: Dict[Tuple[int, int], Optional[str]] = {}   # (rank, step) -> error or None
+        self.flush_waiters: List[Tuple[socket.socket, int, int]] = []
+        self.queued: Set[Tuple[int, int]] = set()
+        self.idle_since: Optional[float] = time.monotonic()
+        self.ever_connected = False
+        self.coordinator = False
+        self.stop = False
+        self.views: Dict[str, shm.AgentView] = {}
+        threading.Thread(target=self._worker, daemon=True, name="easyckpt-persist").start()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
+        self.log.emit("agent_start", job_id=self.job_id, save_dir=self.cfg.save_dir)
+        self._clean_leftovers()
+        while not self.stop:
+            for key, _ in self.sel.select(timeout=0.05):
+                if key.fileobj is self.listener:
+                    self._accept()
+                else:
+                    self._read(key.fileobj)
+            self._drain_results()
+            self._check_commits()
+            if self._should_exit():
+                break
+        self._shutdown()
+
+    def _should_exit(self) -> bool:
+        if self.clients or self.outstanding or self.pending_commits:
+            self.idle_since = None
+            return False
+        now = time.monotonic()
+        if self.idle_since is None:
+            self.idle_since = now
+        if not self.ever_connected:
+            return now - self.idle_since > self.cfg.agent_start_timeout
+        if not self.dead_ranks:
+            return True          # every trainer said bye: the job is done
+        return now - self.idle_since > self.cfg.agent_idle_timeout
+
+    def _shutdown(self) -> None:
+        self.sel.unregister(self.listener)
+        self.listener.close()    # first, so no trainer attaches to an agent that is leaving
+        for view in self.views.values():
+            view.close()
+        if not self.clients:
+            removed = [p for p in shm.segments_of(self.job_id) if shm.unlink_quiet(p)]
+            if removed:
+                self.log.emit("shm_release", segments=len(removed))
+        self.log.emit("agent_exit", job_id=self.job_id)
+        self.log.close()
+
+    def _clean_leftovers(self) -> None:
+        commit.remove_staging(self.cfg.save_dir, self.job_id, self.log)
+        for path, job, _rank, _slot in shm.list_segments():
+            if job == self.job_id or _agent_alive(job) or shm.pid_alive(shm.segment_owner_pid(path)):
+                continue
+            self.log.emit("shm_release", path=path, reason="leftover of a dead job")
+            shm.unlink_quiet(path)
+
+    # ---- messages -------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        conn.setblocking(False)
+        self.sel.register(conn, selectors.EVENT_READ)
+        self.clients[conn] = _Client()
+        self.ever_connected = True
+
+    def _read(self, conn: socket.socket) -> None:
+        client = self.clients[conn]
+        try:
+            data = conn.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._disconnect(conn)
+            return
+        for msg in client.reader.feed(data):
+            self._handle(conn, client, msg)
+
+    def _disconnect(self, conn: socket.socket) -> None:
+        client = self.clients.pop(conn)
+        self.sel.unregister(conn)
+        conn.close()
+        self.flush_waiters = [w for w in self.flush_waiters if w[0] is not conn]
+        if client.rank is None:
+            return
+        if client.said_bye:
+            self.dead_ranks.discard(client.rank)
+            self.local_ranks.discard(client.rank)
+            return
+        self.dead_ranks.add(client.rank)
+        self.log.emit("trainer_lost", rank=client.rank)
+        if not any(c.rank is not None for c in self.clients.values()):
+            self._persist_after_death()
+
+    def _handle(self, conn: socket.socket, client: _Client, msg: Dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "hello":
+            client.rank = int(msg["rank"])
+            self.world_size = int(msg["world_size"])
+            self.coordinator = self.coordinator or client.rank == 0
+            self.local_ranks.add(client.rank)
+            self.dead_ranks.discard(client.rank)
+            self._release_stale(client.rank)
+            self._send(conn, {"op": "hello", "ok": True, "agent_pid": os.getpid()})
+        elif op == "persist":
+            self._enqueue(_Job("persist", int(msg["step"]), int(msg["rank"]), int(msg["slot"]),
+                               int(msg["generation"])))
+        elif op == "flush":
+            self.flush_waiters.append((conn, int(msg["rank"]), int(msg["step"])))
+            self._answer_flushes()
+        elif op == "bye":
+            client.said_bye = True
+            for i in (0, 1):   # the trainer unlinks its slots; our mappings must not keep them alive
+                view = self.views.pop(shm.slot_path(self.job_id, client.rank, i), None)
+                if view is not None:
+                    view.close()
+        else:
+            self.log.emit("error", message=f"unknown message {msg!r}")
+
+    def _send(self, conn: socket.socket, msg: Dict[str, Any]) -> None:
+        try:
+            conn.setblocking(True)
+            conn.sendall(protocol.encode(msg))
+            conn.setblocking(False)
+        except OSError:
+            pass   # the trainer is gone; its disconnect is handled by the loop
+
+    def _enqueue(self, job: _Job) -> None:
+        if job.kind == "persist":
+            if (job.rank, job.step) in self.queued:
+                return
+            self.queued.add((job.rank, job.step))
+        self.outstanding += 1
+        self.jobs.put(job)
+
+    def _answer_flushes(self) -> None:
+        keep = []
+        for conn, rank, step in self.flush_waiters:
+            if (rank, step) in self.done:
+                err = self.done[(rank, step)]
+                self._send(conn, {"op": "flush", "ok": err is None, "step": step, "error": err})
+            else:
+                keep.append((conn, rank, step))
+        self.flush_waiters = keep
+
+    def _release_stale(self, rank: int) -> None:
+        """A reservation nobody will serve (left by an agent that died) would pin a slot forever."""
+        for i in (0, 1):
+            path = shm.slot_path(self.job_id, rank, i)
+            if not os.path.exists(path) or any(j == (rank, i) for j in self._queued_slots()):
+                continue
+            try:
+                slot = shm.Slot(path, writable=False)
+            except OSError:
+                continue
+            gen = slot.state()[1] if slot.mm is not None and slot.size >= shm.HEADER_BYTES else 0
+            slot.close()
+            if gen:
+                self._view(rank, i).set(busy=0, released=gen)
+
+    def _queued_slots(self) -> List[Tuple[int, int]]:
+        with self.jobs.mutex:
+            return [(j.rank, j.slot) for j in self.jobs.queue if j.kind == "persist"]
+
+    # ---- after trainers died --------------------------------------------------------------
+
+    def _persist_after_death(self) -> None:
+        """Every local trainer is gone without saying bye: persist the newest step that is complete on
+        all of them (a rank killed mid-copy may be one step behind), unless storage already has it."""
+        if not self.dead_ranks:
+            return
+        per_rank: Dict[int, Dict[int, Tuple[int, int]]] = {}
+        for rank in self.dead_ranks:
+            per_rank[rank] = {}
+            for i in (0, 1):
+                try:
+                    slot = shm.Slot(shm.slot_path(self.job_id, rank, i), writable=False)
+                except FileNotFoundError:
+                    continue
+                hdr = slot.read_header()
+                if hdr is not None:
+                    per_rank[rank][hdr.step] = (i, hdr.generation)
+                slot.close()
+        common = set.intersection(*(set(s) for s in per_rank.values())) if per_rank else set()
+        if not common:
+            return
+        step = max(common)
+        done = retention.committed(self.cfg.save_dir, self.cfg.naming)
+        if done and done[0][0] >= step:
+            return
+        self.log.emit("persist_after_death", step=step, ranks=sorted(self.dead_ranks))
+        for rank, steps in per_rank.items():
+            slot, gen = steps[step]
+            if self.done.get((rank, step), "not done") is None:
+                continue
+            self._enqueue(_Job("persist", step, rank, slot, gen, reason="trainer died"))
+
+    # ---- worker: the disk work ------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                err = self._persist(job) if job.kind == "persist" else self._commit(job.step)
+            except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
+                err = f"{type(exc).__name__}: {exc}"
+            self.results.put((job, err))
+
+    def _view(self, rank: int, slot: int) -> shm.AgentView:
+        path = shm.slot_path(self.job_id, rank, slot)
+        if path not in self.views:
+            self.views[path] = shm.AgentView(path)
+        return self.views[path]
+
+    def _persist(self, job: _Job) -> Optional[str]:
+        path = shm.slot_path(self.job_id, job.rank, job.slot)
+        view = self._view(job.rank, job.slot)
+        staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(job.step))
+        view.set(busy=job.generation)
+        try:
+            faults.inject("agent.before_persist", job.rank)
+            step, files, nbytes, seconds = persist_slot(path, job.generation, staging, job.rank)
+            if step != job.step:
+                raise RuntimeError(f"slot holds step {step}, expected {job.step}")
+            commit.write_shard_marker(staging, job.rank, job.step, files)
+            faults.inject("agent.after_marker", job.rank)
+        finally:
+            view.set(busy=0, released=job.generation)
+        self.log.emit("persist", step=job.step, rank=job.rank, bytes=nbytes, seconds=round(seconds, 6),
+                      gbps=round(nbytes / max(seconds, 1e-9) / 1e9, 3), reason=job.reason)
+        if self.coordinator:
+            return self._commit(job.step, quiet=True)
+        return None
+
+    def _commit(self, step: int, quiet: bool = False) -> Optional[str]:
+        staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
+        markers = commit.read_markers(staging)
+        if self.world_size is None or len(markers) < self.world_size:
+            if quiet:
+                self.results.put((_Job("wait_commit", step), None))
+                return None
+            return "not ready"
+        t0 = time.perf_counter()
+        final = commit.commit(self.cfg.save_dir, self.job_id, step, self.world_size, self.cfg.naming, self.log)
+        self.log.emit("commit", step=step, path=final, seconds=round(time.perf_counter() - t0, 6))
+        self.results.put((_Job("committed", step), None))
+        retention.prune(self.cfg.save_dir, self.cfg.naming, self.job_id,
+                        retention.KeepLast(self.cfg.max_ckpt_num), self.log)
+        return None
+
+    # ---- results, flushes, commit deadlines (event loop) ---------------------------------------
+
+    def _drain_results(self) -> None:
+        while True:
+            try:
+                job, err = self.results.get_nowait()
+            except queue.Empty:
+                break
+            if job.kind == "wait_commit":
+                self.pending_commits.setdefault(job.step, time.monotonic() + self.cfg.commit_timeout)
+                continue
+            if job.kind == "committed":
+                self.pending_commits.pop(job.step, None)
+                continue
+            self.outstanding -= 1
+            if job.kind == "commit":
+                if err == "not ready":
+                    continue
+                self.pending_commits.pop(job.step, None)
+            if job.kind == "persist":
+                self.queued.discard((job.rank, job.step))
+                self.done[(job.rank, job.step)] = err
+            if err is not None:
+                self._fail(job.step, err, job.rank)
+        self._answer_flushes()
+
+    def _check_commits(self) -> None:
+        now = time.monotonic()
+        for step, deadline in list(self.pending_commits.items()):
+            staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
+            markers = commit.read_markers(staging)
+            if self.world_size is not None and len(markers) >= self.world_size:
+                if not any(j == step for j in self._queued_commits()):
+                    self._enqueue(_Job("commit", step))
+                    self.pending_commits[step] = deadline
+            elif now > deadline:
+                missing = sorted(set(range(self.world_size or 0)) - set(markers))
+                self.pending_commits.pop(step)
+                self._fail(step, f"commit timed out after {self.cfg.commit_timeout}s waiting for the "
+                                 f"shards of ranks {missing}", None)
+
+    def _queued_commits(self) -> List[int]:
+        with self.jobs.mutex:
+            return [j.step for j in self.jobs.queue if j.kind == "commit"]
+
+    def _fail(self, step: int, err: str, rank: Optional[int]) -> None:
+        self.log.emit("error", step=step, rank=rank, message=err)
+        print(f"easyckpt agent: step {step}: {err}", file=sys.stderr, flush=True)
+        self.pending_commits.pop(step, None)
+        staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
+        commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=staging)
+
+
+def _agent_alive(job_id: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(protocol.address(job_id))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def main(argv: List[str]) -> int:
+    cfg = Config.from_json(json.loads(argv[0]))
+    try:
+        agent = Agent(cfg)
+    except OSError as exc:
+        print(f"easyckpt agent for job {cfg.job_id} not started: {exc} (another agent is running?)",
+              file=sys.stderr)
+        return 3
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,119 @@
+"""The commit: the only module that renames step directories or writes markers, manifests, trackers.
+
+Order of operations (RELIABILITY.md, "the durable sequence"); the order IS the design:
+
+  all ranks, per shard (persist.py): write files into the staging dir → fsync each file and dir
+  all ranks:        write_shard_marker()      rank r's files are durable (temp, fsync, rename)
+  coordinator:      ready_ranks() == world    IMPORTANT: commit only after every rank's marker
+  coordinator:      commit():
+      1. merge the markers into the manifest; write it (temp, fsync, rename); drop the markers
+      2. fsync the staging dir
+      3. rename staging → final name, never over an existing directory
+      4. fsync save_dir (the rename is durable only now)
+      5. update the tracker (temp, fsync, rename, fsync save_dir): a hint for the frameworks' own
+         loaders; easyckpt's loader trusts manifests, so a crash between 4 and 5 loses nothing.
+  then:             retention.prune()  (only after a successful commit)
+
+A crash anywhere leaves either no visible step directory (before 3) or a complete one (after 3).
+Staging directories carry this job's id in their name, so a restart removes only its own leftovers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Dict, Optional, Set
+
+from .. import faults
+from ..config import Naming
+from ..events import AuditLog
+from ..storage.posix import atomic_write, fsync_dir, rename_noreplace
+from . import manifest as mf
+
+STAGING_PREFIX = ".easyckpt-staging-"
+TRASH_PREFIX = ".easyckpt-trash-"
+_MARKER = ".easyckpt-done-rank-{:05d}.json"
+
+
+def staging_dir(save_dir: str, job_id: str, final_name: str) -> str:
+    return os.path.join(save_dir, f"{STAGING_PREFIX}{job_id}-{final_name}")
+
+
+def write_shard_marker(staging: str, rank: int, step: int, files: Dict[str, Dict[str, Any]]) -> None:
+    atomic_write(os.path.join(staging, _MARKER.format(rank)),
+                 json.dumps({"rank": rank, "step": step, "files": files}).encode())
+
+
+def read_markers(staging: str) -> Dict[int, Dict[str, Any]]:
+    out = {}
+    try:
+        names = os.listdir(staging)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if name.startswith(".easyckpt-done-rank-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(staging, name), "rb") as f:
+                    marker = json.loads(f.read())
+                out[int(marker["rank"])] = marker
+            except (OSError, ValueError, KeyError):
+                continue
+    return out
+
+
+def commit(save_dir: str, job_id: str, step: int, world_size: int, naming: Naming, log: AuditLog,
+           extra: Optional[Dict[str, Any]] = None) -> str:
+    """Make step ``step`` a committed checkpoint; every rank's marker must be present."""
+    final_name = naming.dir_name(step)
+    staging = staging_dir(save_dir, job_id, final_name)
+    markers = read_markers(staging)
+    steps = {m["step"] for m in markers.values()}
+    if set(markers) != set(range(world_size)) or steps != {step}:
+        raise RuntimeError(f"refusing to commit step {step}: shards from ranks {sorted(markers)} for steps "
+                           f"{sorted(steps)}, expected every rank of {world_size} at step {step}")
+    files: Dict[str, Dict[str, Any]] = {}
+    for marker in markers.values():
+        files.update(marker["files"])
+    manifest = mf.build(step, job_id, naming.framework, world_size, files, extra)
+    atomic_write(os.path.join(staging, mf.MANIFEST_NAME), json.dumps(manifest, indent=1).encode())
+    faults.inject("agent.after_manifest")
+    for rank in markers:
+        os.unlink(os.path.join(staging, _MARKER.format(rank)))
+    fsync_dir(staging)
+    faults.inject("agent.before_rename")
+    final = os.path.join(save_dir, final_name)
+    if os.path.lexists(final):
+        _retire_existing(save_dir, final, log)
+    rename_noreplace(staging, final)
+    faults.inject("agent.after_rename")
+    fsync_dir(save_dir)
+    faults.inject("agent.before_tracker")
+    atomic_write(os.path.join(save_dir, naming.tracker), naming.tracker_format.format(step).encode())
+    faults.inject("agent.after_tracker")
+    return final
+
+
+def _retire_existing(save_dir: str, final: str, log: AuditLog) -> None:
+    """A step directory of the same name exists (a run resumed from an older step reached it again).
+    Replace it only if it is an easyckpt checkpoint: a foreign directory is never touched."""
+    if mf.read(final) is None and os.listdir(final):
+        raise FileExistsError(f"{final} exists and is not an easyckpt checkpoint; refusing to replace it")
+    trash = os.path.join(save_dir, TRASH_PREFIX + os.path.basename(final) + f"-{os.getpid()}")
+    log.emit("delete", path=final, reason="replaced by a newer commit of the same step")
+    os.rename(final, trash)
+    fsync_dir(save_dir)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_staging(save_dir: str, job_id: str, log: AuditLog, keep: Set[str] = frozenset(),
+                   only: Optional[str] = None) -> None:
+    """Remove this job's staging (and trash) leftovers; never anything without our prefix and id."""
+    own = (f"{STAGING_PREFIX}{job_id}-", TRASH_PREFIX)
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if not name.startswith(own) or path in keep or (only is not None and path != only):
+            continue
+        if name.startswith(TRASH_PREFIX) and not name.split("-")[-1].isdigit():
+            continue
+        log.emit("delete", path=path, reason="staging leftover")
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,117 @@
+"""Load: pick the newest state that is complete on every rank, verify it, fall back when damaged.
+
+Order:
+  1. every rank lists its complete shared-memory snapshots and the committed step directories;
+  2. all ranks exchange them (one all_gather): memory candidates are the steps every rank holds;
+  3. a memory snapshot at least as new as the newest committed checkpoint wins (it is faster);
+  4. otherwise, newest committed step first: each rank reads the files it needs and checks sizes
+     and checksums against the manifest; all ranks exchange the verdict; any failure anywhere
+     rejects the step for everyone (loudly) and the next older one is tried.
+The tracker file is ignored: manifests are the truth (a tracker can be stale, empty or garbage).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..config import Config
+from ..dist import all_gather
+from ..events import AuditLog
+from . import manifest as mf
+from . import retention, shardfile, snapshot
+from .tree import unflatten
+
+# (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
+# when the checkpoint was written)
+Needed = Callable[[Dict[str, Any]], List[Tuple[str, bool]]]
+
+
+@dataclass
+class Loaded:
+    step: int
+    source: str               # "memory" or "storage"
+    path: Optional[str]
+    trees: Dict[str, Any]
+    nbytes: int
+    seconds: float
+
+
+def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog) -> Optional[Loaded]:
+    mem = snapshot.complete_snapshots(cfg.job_id, rank)
+    stored = retention.committed(cfg.save_dir, cfg.naming)
+    views = all_gather(([s.step for s in mem], [s for s, _ in stored]), world_size)
+    common_mem = set.intersection(*(set(m) for m, _ in views))
+    common_sto = sorted(set.intersection(*(set(s) for _, s in views)), reverse=True)
+    best_mem = max(common_mem) if common_mem else None
+
+    if best_mem is not None and (not common_sto or best_mem >= common_sto[0]):
+        t0 = time.perf_counter()
+        trees, err = None, None
+        try:
+            info = next(s for s in mem if s.step == best_mem)
+            trees = snapshot.read_snapshot(cfg.job_id, rank, info.slot, best_mem)
+        except Exception as exc:  # noqa: BLE001 - any failure means: use storage instead
+            err = f"{type(exc).__name__}: {exc}"
+        verdicts = all_gather(err, world_size)
+        if all(v is None for v in verdicts):
+            nbytes = _nbytes(trees)
+            return Loaded(best_mem, "memory", None, trees, nbytes, time.perf_counter() - t0)
+        log.emit("warning", step=best_mem, message=f"memory snapshot unusable on some rank: {verdicts}; "
+                                                  f"falling back to storage")
+
+    paths = dict(stored)
+    for step in common_sto:
+        t0 = time.perf_counter()
+        trees, problem, nbytes = _read_step(paths[step], needed)
+        verdicts = all_gather(problem, world_size)
+        bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        if not bad:
+            return Loaded(step, "storage", paths[step], trees, nbytes, time.perf_counter() - t0)
+        message = "; ".join(f"rank {r}: {v}" for r, v in bad)
+        log.emit("error", step=step, path=paths[step], message=f"checkpoint rejected: {message}")
+        log.emit("warning", step=step, message="falling back to the previous committed checkpoint")
+    return None
+
+
+def _read_step(step_dir: str, needed: Needed) -> Tuple[Optional[Dict[str, Any]], Optional[str], int]:
+    man = mf.read(step_dir)
+    if man is None:
+        return None, "manifest missing or unreadable", 0
+    trees: Dict[str, Any] = {}
+    nbytes = 0
+    for rel, optional in needed(man):
+        if rel not in man["files"]:
+            if optional:
+                continue
+            return None, f"{rel}: not in the manifest", 0
+        path = os.path.join(step_dir, rel)
+        problems = mf.check_sizes(step_dir, man, [rel])
+        if problems:
+            return None, problems[0], 0
+        try:
+            buf = shardfile.read_file(path)
+        except OSError as exc:
+            return None, f"{rel}: {exc}", 0
+        problem = mf.check_bytes(rel, buf, man)
+        if problem:
+            return None, problem, 0
+        try:
+            skeleton, tensors = shardfile.decode(buf)
+            trees[rel] = unflatten(skeleton, tensors)
+        except (ValueError, KeyError) as exc:
+            return None, f"{rel}: unreadable ({exc})", 0
+        nbytes += len(buf)
+    return trees, None, nbytes
+
+
+def _nbytes(tree: Any) -> int:
+    import torch
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(v) for v in tree)
+    return 0

@@ -1,0 +1,71 @@
+"""Which committed checkpoints stay: pruning after a successful commit.
+
+Rules (promise 4): only directories that match the framework's naming AND carry a manifest of this
+job; never the newest committed one; every delete is logged before it happens; a directory is first
+renamed out of sight (atomic) and then removed, so a crash mid-delete never leaves a half-deleted
+directory under a checkpoint's name.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import List, Optional, Protocol, Tuple
+
+from ..config import Naming
+from ..events import AuditLog
+from ..storage.posix import fsync_dir
+from . import manifest as mf
+from .commit import TRASH_PREFIX
+
+
+def step_dirs(save_dir: str, naming: Naming) -> List[Tuple[int, str]]:
+    """(step, path) of every directory named like a step directory, newest first."""
+    pattern = re.compile(naming.dir_regex)
+    out = []
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = pattern.match(name)
+        path = os.path.join(save_dir, name)
+        if m and os.path.isdir(path):
+            out.append((int(m.group(1)), path))
+    return sorted(out, reverse=True)
+
+
+def committed(save_dir: str, naming: Naming, job_id: Optional[str] = None) -> List[Tuple[int, str]]:
+    """Step directories with a valid manifest of the same step (of one job if given), newest first."""
+    out = []
+    for step, path in step_dirs(save_dir, naming):
+        man = mf.read(path)
+        if man is not None and man["step"] == step and (job_id is None or man.get("job_id") == job_id):
+            out.append((step, path))
+    return out
+
+
+class RetentionPolicy(Protocol):
+    def to_delete(self, committed_newest_first: List[Tuple[int, str]]) -> List[Tuple[int, str]]: ...
+
+
+class KeepLast:
+    def __init__(self, n: Optional[int]):
+        self.n = n
+
+    def to_delete(self, committed_newest_first):
+        if self.n is None:
+            return []
+        return committed_newest_first[max(self.n, 1):]   # index 0, the newest, is never returned
+
+
+def prune(save_dir: str, naming: Naming, job_id: str, policy: RetentionPolicy, log: AuditLog) -> List[int]:
+    deleted = []
+    for step, path in policy.to_delete(committed(save_dir, naming, job_id)):
+        log.emit("delete", step=step, path=path, reason="retention")
+        trash = os.path.join(save_dir, f"{TRASH_PREFIX}{os.path.basename(path)}-{os.getpid()}")
+        os.rename(path, trash)
+        fsync_dir(save_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+        deleted.append(step)
+    return deleted

@@ -1,0 +1,119 @@
+"""The trainer-side engine of one process: the three verbs every adapter maps onto.
+
+    Engine(cfg)                      validate settings, attach to (or start) the node agent
+    engine.maybe_save(step, collect) every iteration; snapshots on save_mem_interval, asks the
+                                     agent to persist on save_storage_interval; never waits for storage
+    engine.load(needed)              newest complete state (memory or storage), agreed by all ranks
+    engine.finalize()                the newest state is committed when it returns; slots released
+
+Adapters supply ``collect`` (their framework's state as ShardSpecs) and the Naming of their native
+layout; they hold no file I/O, no threads, and no knowledge of slots or agents.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, List, Optional, Sequence
+
+from ..config import Config, validate
+from ..dist import placement
+from ..errors import AgentError
+from ..events import AuditLog
+from . import manifest as mf
+from .client import AgentClient
+from .load import Loaded, Needed, load_newest
+from .snapshot import ShardSpec, SnapshotResult, Snapshotter
+
+Collect = Callable[[], Sequence[ShardSpec]]
+
+
+class Engine:
+    def __init__(self, cfg: Config):
+        self.cfg = validate(cfg)
+        where = placement()
+        self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
+        self.log = AuditLog(cfg.log_file_path, f"rank{self.rank}")
+        self.snapshotter = Snapshotter(cfg.job_id, self.rank, self.world_size)
+        self.client = AgentClient(cfg, self.rank, self.local_rank, self.world_size, self.log)
+        self.last: Optional[SnapshotResult] = None
+        self.last_persisted_step: Optional[int] = None
+        self.last_step: Optional[int] = None
+        self._collect: Optional[Collect] = None
+        self.stalls: List[float] = []
+
+    # ---- save ----------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, collect: Collect) -> Optional[SnapshotResult]:
+        self.last_step, self._collect = step, collect
+        if step % self.cfg.save_mem_interval:
+            return None
+        return self._snapshot(step, collect, persist=step % self.cfg.save_storage_interval == 0)
+
+    def _snapshot(self, step: int, collect: Collect, persist: bool) -> Optional[SnapshotResult]:
+        result = self.snapshotter.snapshot(step, collect(), persist)
+        if result is None:
+            self.log.emit("skip", step=step, rank=self.rank,
+                          message="both snapshot slots are reserved for persisting: storage is slower than "
+                                  "save_storage_interval; this snapshot is skipped, training goes on")
+            return None
+        self.last = result
+        self.stalls.append(result.seconds)
+        self.log.emit("snapshot", step=step, rank=self.rank, slot=result.slot, bytes=result.nbytes,
+                      seconds=round(result.seconds, 6))
+        if persist:
+            self._request_persist(result)
+        return result
+
+    def _request_persist(self, result: SnapshotResult) -> None:
+        try:
+            self.client.send({"op": "persist", "rank": self.rank, "slot": result.slot,
+                              "generation": result.generation, "step": result.step})
+            self.last_persisted_step = result.step
+        except AgentError as exc:   # never take training down for a failed persist (promise 2)
+            self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def load(self, needed: Needed) -> Optional[Loaded]:
+        loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log)
+        if loaded is not None:
+            self.log.emit("load", step=loaded.step, rank=self.rank, source=loaded.source, path=loaded.path,
+                          bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
+            self.last_step = loaded.step
+        return loaded
+
+    # ---- finalize ------------------------------------------------------------------------
+
+    def finalize(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Persist and commit the newest state, wait for the commit, release the slots. Returns the step."""
+        timeout = self.cfg.commit_timeout if timeout is None else timeout
+        step = None
+        if self.last_step is not None and self._collect is not None:
+            if self.last is None or self.last.step != self.last_step:
+                deadline = time.monotonic() + timeout   # here waiting for a free slot is allowed
+                while self._snapshot(self.last_step, self._collect, persist=True) is None:
+                    if time.monotonic() > deadline:
+                        raise AgentError(f"rank {self.rank}: no snapshot slot was released within {timeout}s")
+                    time.sleep(0.01)
+            elif self.last_persisted_step != self.last.step:
+                self._request_persist(self.last)
+            step = self.last.step if self.last is not None else None
+        if step is not None:
+            reply = self.client.request({"op": "flush", "rank": self.rank, "step": step}, timeout)
+            if not reply.get("ok"):
+                raise AgentError(f"rank {self.rank}: persisting step {step} failed: {reply.get('error')}")
+            self._wait_committed(step, timeout)
+        self.client.send({"op": "bye", "rank": self.rank})
+        self.client.close()
+        self.snapshotter.close(unlink=True)
+        self.log.close()
+        return step
+
+    def _wait_committed(self, step: int, timeout: float) -> None:
+        final = os.path.join(self.cfg.save_dir, self.cfg.naming.dir_name(step))
+        deadline = time.monotonic() + timeout
+        while mf.read(final) is None or mf.read(final)["step"] != step:
+            if time.monotonic() > deadline:
+                raise AgentError(f"rank {self.rank}: step {step} was not committed within {timeout}s; "
+                                 f"see the audit log for the rank whose shard is missing")
+            time.sleep(0.02)

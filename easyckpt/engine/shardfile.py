@@ -1,0 +1,100 @@
+"""The shard file format: a valid safetensors file whose metadata carries the JSON skeleton.
+
+Any safetensors tool reads the tensors; easyckpt's loader also rebuilds the exact state tree from
+the skeleton. The format suits the persist path: after a small JSON header, the tensor bytes are
+one contiguous run, copied straight from the snapshot slot to the file by the kernel.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import struct
+from typing import Any, Dict, List, Sequence, Tuple
+
+SKELETON_KEY = "easyckpt.skeleton"
+
+# safetensors dtype names by torch dtype name; torch is imported lazily so that the agent, which only
+# copies bytes, starts fast and small
+_NAMES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
+    "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "complex64": "C64",
+}
+
+
+def dtype_name(dtype) -> str:
+    try:
+        return _NAMES[str(dtype).replace("torch.", "")]
+    except KeyError:
+        raise TypeError(f"easyckpt cannot store tensors of dtype {dtype}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def torch_dtype(name: str):
+    import torch
+    for tname, sname in _NAMES.items():
+        if sname == name:
+            return getattr(torch, tname)
+    raise ValueError(f"unknown tensor dtype {name!r} in shard")
+
+
+def encode_header(entries: Sequence[Tuple[str, str, Sequence[int], int, int]], skeleton: Any) -> bytes:
+    """``entries``: (key, dtype name, shape, begin, end) with offsets relative to the data start,
+    back to back in file order (safetensors rejects gaps)."""
+    header: Dict[str, Any] = {"__metadata__": {"format": "pt", SKELETON_KEY: json.dumps(skeleton)}}
+    for key, dtype, shape, begin, end in entries:
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)   # keeps the data section 8-byte aligned for zero-copy readers
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def decode(buf: bytearray) -> Tuple[Any, Dict[str, Any]]:
+    """Parse a whole shard held in ``buf``; tensors are views into ``buf`` (no copy)."""
+    import torch
+    if len(buf) < 8:
+        raise ValueError("shard is shorter than its 8-byte header length")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > len(buf) - 8:
+        raise ValueError(f"shard header length {n} exceeds the file size {len(buf)}")
+    header = json.loads(bytes(buf[8:8 + n]))
+    meta = header.pop("__metadata__", {}) or {}
+    base = 8 + n
+    tensors: Dict[str, torch.Tensor] = {}
+    for key, info in header.items():
+        begin, end = info["data_offsets"]
+        dtype = torch_dtype(info["dtype"])
+        shape = info["shape"]
+        if base + end > len(buf) or begin > end:
+            raise ValueError(f"tensor {key} lies outside the shard")
+        if end == begin:
+            tensors[key] = torch.empty(shape, dtype=dtype)
+        else:
+            tensors[key] = torch.frombuffer(buf, dtype=dtype, offset=base + begin,
+                                            count=(end - begin) // _itemsize(dtype)).view(shape)
+    skeleton = json.loads(meta[SKELETON_KEY]) if SKELETON_KEY in meta else {k: {"__t": k} for k in tensors}
+    return skeleton, tensors
+
+
+def read_file(path: str) -> bytearray:
+    size = os.path.getsize(path)
+    buf = bytearray(size)
+    with open(path, "rb", buffering=0) as f:
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{path} shrank while being read")
+            got += n
+    return buf
+
+
+def _itemsize(dtype) -> int:
+    return dtype.itemsize
+
+
+def file_entries(tensors: List[Tuple[str, str, List[int], int, int]], region_start: int):
+    """Translate slot offsets to offsets relative to the file's data section."""
+    return [(k, d, s, b - region_start, e - region_start) for k, d, s, b, e in tensors]

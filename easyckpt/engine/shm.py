@@ -1,0 +1,269 @@
+"""Shared-memory snapshot slots: one file per (job, rank, slot) in /dev/shm, mapped MAP_SHARED.
+
+A slot outlives the trainer that wrote it (no unlink on exit), so the node agent or a restarted
+trainer can still read it after a crash. Layout of a slot file::
+
+    [0, 4096)            header page
+        [0, 88)          trainer-owned header (written by the trainer only; state written last)
+        [2048, 2064)     agent-owned words: busy generation, released generation
+    [4096, 4096+D)       data region: tensor bytes, grouped by shard file
+    [4096+D, end)        meta region: JSON layout + skeletons of the snapshot
+
+Single writer per field, so no locks: the trainer publishes with a seqlock-like protocol
+(state=WRITING and a new generation first, data, then the header, state=COMPLETE last), and
+readers re-check the generation after reading.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple
+
+from ..errors import ShmCapacityError
+
+SHM_DIR = os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm")
+PREFIX = "easyckpt-"
+HEADER_BYTES = 4096
+MAGIC = b"EZCKSLOT"
+VERSION = 1
+EMPTY, WRITING, COMPLETE = 0, 1, 2
+
+# magic, version, state, step, generation, meta_len, meta_capacity, data_capacity, persist,
+# meta_crc, pid, rank, world_size, header_crc
+_HDR = struct.Struct("<8sIIqQQQQIIqII")
+_CRC = struct.Struct("<I")
+_CRC_AT = _HDR.size
+_STATE_AT = 12
+_AGENT_AT = 2048
+_AGENT = struct.Struct("<QQ")
+_NAME = re.compile(r"^easyckpt-([0-9a-f]{12})-r(\d{5})-s([01])$")
+
+
+def slot_path(job_id: str, rank: int, slot: int) -> str:
+    return os.path.join(SHM_DIR, f"{PREFIX}{job_id}-r{rank:05d}-s{slot}")
+
+
+def list_segments(job_id: Optional[str] = None) -> Iterator[Tuple[str, str, int, int]]:
+    """(path, job_id, rank, slot) of every easyckpt segment on this node (or of one job)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return
+    for name in sorted(names):
+        m = _NAME.match(name)
+        if m and (job_id is None or m.group(1) == job_id):
+            yield os.path.join(SHM_DIR, name), m.group(1), int(m.group(2)), int(m.group(3))
+
+
+@dataclass
+class Header:
+    state: int
+    step: int
+    generation: int
+    meta_len: int
+    meta_capacity: int
+    data_capacity: int
+    persist: bool
+    meta_crc: int
+    pid: int
+    rank: int
+    world_size: int
+
+    @property
+    def meta_offset(self) -> int:
+        return HEADER_BYTES + self.data_capacity
+
+
+def _header_crc(raw: bytes) -> int:
+    # the state word is excluded: it is flipped on its own as the publish/unpublish step
+    return zlib.crc32(raw[:_STATE_AT] + raw[_STATE_AT + 4:_HDR.size])
+
+
+def free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def shm_advice() -> str:
+    return ("give the machine or container more shared memory: `docker run --shm-size=<size>` or "
+            "`--ipc=host`; on Kubernetes mount an emptyDir with medium: Memory at /dev/shm; on a bare host "
+            "`mount -o remount,size=<size> /dev/shm`. Or lower the number of ranks per node")
+
+
+class Slot:
+    """One mapped slot file. Trainers open it read-write; the agent and loaders open it read-only."""
+
+    def __init__(self, path: str, writable: bool):
+        self.path = path
+        self.writable = writable
+        self.fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+        self.mm: Optional[mmap.mmap] = None
+        self._map()
+
+    def _map(self) -> None:
+        if self.size == 0:
+            self.mm = None
+            return
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+        self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, prot)
+
+    @classmethod
+    def create_or_grow(cls, path: str, size: int) -> "Slot":
+        """Open the slot at ``path`` with at least ``size`` bytes, reserving the memory now.
+
+        posix_fallocate makes tmpfs allocate the pages up front: running out of /dev/shm is an
+        ENOSPC here, before any copy, instead of a SIGBUS in the middle of a snapshot (promise 6).
+        Slots only grow: a reader may hold a mapping of the old size, and shrinking would SIGBUS it.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            current = os.fstat(fd).st_size
+            if current < size:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    os.ftruncate(fd, current)
+                    raise ShmCapacityError(
+                        f"cannot reserve {size / 2**30:.2f} GiB in {SHM_DIR} for snapshot slot {path} "
+                        f"({exc.strerror}); {shm_advice()}") from exc
+        finally:
+            os.close(fd)
+        slot = cls(path, writable=True)
+        if current < size:
+            slot.touch(current)
+        return slot
+
+    def touch(self, start: int) -> None:
+        """Fault every page in once: the first copy into fresh shm runs ~5x slower than a warm one."""
+        assert self.mm is not None
+        page = mmap.PAGESIZE
+        zero = bytes(1 << 20)
+        pos = start - start % page
+        while pos < self.size:
+            n = min(len(zero), self.size - pos)
+            self.mm[pos:pos + n] = zero[:n]
+            pos += n
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass  # a tensor view still exports the buffer; the mapping dies with it
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    # ---- trainer-owned header -------------------------------------------------------------
+
+    def read_header(self) -> Optional[Header]:
+        """The header if it is COMPLETE and intact, else None (a torn or half-written slot)."""
+        if self.mm is None or self.size < HEADER_BYTES:
+            return None
+        raw = self.mm[:_HDR.size + 4]
+        fields = _HDR.unpack_from(raw)
+        if fields[0] != MAGIC or fields[1] != VERSION:
+            return None
+        (crc,) = _CRC.unpack_from(raw, _CRC_AT)
+        if crc != _header_crc(raw):
+            return None
+        hdr = Header(*fields[2:])
+        hdr.persist = bool(hdr.persist)
+        if hdr.state != COMPLETE:
+            return None
+        if hdr.meta_offset + hdr.meta_capacity > self.size:
+            return None
+        return hdr
+
+    def state(self) -> Tuple[int, int]:
+        """(state, generation) read without validation, for the seqlock re-check."""
+        assert self.mm is not None
+        state, = struct.unpack_from("<I", self.mm, _STATE_AT)
+        gen, = struct.unpack_from("<Q", self.mm, 24)
+        return state, gen
+
+    def begin_write(self, generation: int) -> None:
+        assert self.mm is not None
+        struct.pack_into("<I", self.mm, _STATE_AT, WRITING)   # unpublish first ...
+        struct.pack_into("<Q", self.mm, 24, generation)       # ... then move the generation on
+
+    def publish(self, hdr: Header, meta: bytes) -> None:
+        assert self.mm is not None
+        off = hdr.meta_offset
+        self.mm[off:off + len(meta)] = meta
+        raw = bytearray(_HDR.pack(MAGIC, VERSION, WRITING, hdr.step, hdr.generation, len(meta),
+                                  hdr.meta_capacity, hdr.data_capacity, int(hdr.persist),
+                                  zlib.crc32(meta), os.getpid(), hdr.rank, hdr.world_size))
+        raw += _CRC.pack(_header_crc(bytes(raw)))
+        self.mm[:len(raw)] = bytes(raw)
+        struct.pack_into("<I", self.mm, _STATE_AT, COMPLETE)  # IMPORTANT: last store of a snapshot
+
+    def read_meta(self, hdr: Header) -> Optional[bytes]:
+        assert self.mm is not None
+        meta = self.mm[hdr.meta_offset:hdr.meta_offset + hdr.meta_len]
+        return meta if zlib.crc32(meta) == hdr.meta_crc else None
+
+    # ---- agent-owned words ----------------------------------------------------------------
+
+    def agent_words(self) -> Tuple[int, int]:
+        """(busy generation, released generation) as last written by the agent."""
+        assert self.mm is not None
+        return _AGENT.unpack_from(self.mm, _AGENT_AT)
+
+
+class AgentView:
+    """The agent's read-write handle on the two agent-owned words of a slot (nothing else)."""
+
+    def __init__(self, path: str):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    def set(self, busy: Optional[int] = None, released: Optional[int] = None) -> None:
+        cur_busy, cur_rel = _AGENT.unpack_from(self.mm, _AGENT_AT)
+        _AGENT.pack_into(self.mm, _AGENT_AT, cur_busy if busy is None else busy,
+                         cur_rel if released is None else max(cur_rel, released))
+
+    def close(self) -> None:
+        self.mm.close()
+
+
+def unlink_quiet(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def segment_owner_pid(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_HDR.size)
+        return _HDR.unpack_from(raw)[10] if len(raw) == _HDR.size and raw[:8] == MAGIC else 0
+    except OSError:
+        return 0
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def segments_of(job_id: str) -> List[str]:
+    return [p for p, *_ in list_segments(job_id)]

@@ -1,0 +1,280 @@
+"""Trainer side of a snapshot: copy one rank's state into a free shared-memory slot.
+
+The layout (where each tensor lives in the slot) is computed on the first snapshot and reused as
+long as the state has the same tensors; both slots are allocated and touched at that moment, so a
+steady-state snapshot is a plain copy into warm memory, with no allocation and no pickling.
+
+Slot choice. The agent may be reading a slot (busy) or owe it a persist (requested, not yet
+released); such a slot is *reserved* and never overwritten. Of the others, the one with the older
+snapshot is written, so the newest complete snapshot survives a crash in the middle of a copy.
+When both slots are reserved (storage slower than save_storage_interval) the snapshot is skipped
+rather than making training wait for storage.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import faults
+from ..errors import ShmCapacityError
+from . import shm
+from .shardfile import dtype_name
+from .tree import flatten, unflatten
+
+_ALIGN = 64
+MIN_META_CAPACITY = 1 << 20
+
+
+@dataclass
+class ShardSpec:
+    """One shard file of a rank's state: its relative path, tree, and whether this rank persists it."""
+
+    relpath: str
+    tree: Any
+    persist: bool = True
+
+
+@dataclass
+class _Layout:
+    signature: Tuple
+    files: List[Dict[str, Any]]   # relpath, persist, start, end, tensors[(key, dtype, shape, begin, end)]
+    data_bytes: int
+    json: bytes
+
+
+@dataclass
+class SnapshotResult:
+    step: int
+    slot: int
+    generation: int
+    nbytes: int
+    seconds: float
+
+
+def _build_layout(signature: Tuple, flat: List[Tuple[str, bool, List[Tuple[str, torch.Tensor]]]]) -> _Layout:
+    files, pos = [], 0
+    for relpath, persist, tensors in flat:
+        pos += -pos % _ALIGN
+        start = pos
+        entries = []
+        # biggest element size first: every tensor then starts at a multiple of its own item size
+        # while staying back to back (safetensors rejects gaps between tensors)
+        for key, t in sorted(tensors, key=lambda kt: -kt[1].element_size()):
+            n = t.numel() * t.element_size()
+            entries.append((key, dtype_name(t.dtype), list(t.shape), shm.HEADER_BYTES + pos,
+                            shm.HEADER_BYTES + pos + n))
+            pos += n
+        files.append({"relpath": relpath, "persist": persist, "start": shm.HEADER_BYTES + start,
+                      "end": shm.HEADER_BYTES + pos, "tensors": entries})
+    return _Layout(signature, files, pos, json.dumps(files, separators=(",", ":")).encode())
+
+
+def encode_meta(layout: _Layout, step: int, skeletons: Dict[str, Any], info: Dict[str, Any]) -> bytes:
+    tail = json.dumps({"step": step, "skeletons": skeletons, "info": info}, separators=(",", ":"))
+    return b'{"files":' + layout.json + b"," + tail[1:].encode()
+
+
+class Snapshotter:
+    def __init__(self, job_id: str, rank: int, world_size: int):
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.paths = [shm.slot_path(job_id, rank, i) for i in (0, 1)]
+        self.slots: List[Optional[shm.Slot]] = [None, None]
+        self.layout: Optional[_Layout] = None
+        self._views: List[Optional[List[torch.Tensor]]] = [None, None]
+        self.generation = 0
+        for path in self.paths:   # a restarted trainer continues the generation count of its slots
+            try:
+                slot = shm.Slot(path, writable=False)
+            except FileNotFoundError:
+                continue
+            if slot.mm is not None and slot.size >= shm.HEADER_BYTES:
+                self.generation = max(self.generation, slot.state()[1])
+            slot.close()
+
+    # ---- slot management -----------------------------------------------------------------
+
+    def _slot_size(self, meta_len: int) -> int:
+        assert self.layout is not None
+        return shm.HEADER_BYTES + self.layout.data_bytes + max(MIN_META_CAPACITY, 4 * meta_len)
+
+    def _ensure_slots(self, meta_len: int) -> None:
+        """Allocate (or grow) both slots before the first copy, after checking /dev/shm has room."""
+        size = self._slot_size(meta_len)
+        need = 0
+        for i, path in enumerate(self.paths):
+            current = self.slots[i].size if self.slots[i] is not None else _file_size(path)
+            if current < shm.HEADER_BYTES + self.layout.data_bytes + meta_len:
+                need += max(0, size - current)
+        if need == 0:
+            for i in (0, 1):
+                if self.slots[i] is None:
+                    self.slots[i] = shm.Slot(self.paths[i], writable=True)
+            return
+        free = shm.free_bytes()
+        if need > free:
+            raise ShmCapacityError(
+                f"rank {self.rank} needs {need / 2**30:.2f} GiB more in {shm.SHM_DIR} for its two snapshot "
+                f"slots ({size / 2**30:.2f} GiB each) but only {free / 2**30:.2f} GiB are free; every rank "
+                f"on this node needs as much. To fix: {shm.shm_advice()}")
+        for i, path in enumerate(self.paths):
+            if self.slots[i] is not None:
+                if self.slots[i].size >= size:
+                    continue
+                self.slots[i].close()
+                self.slots[i], self._views[i] = None, None
+            self.slots[i] = shm.Slot.create_or_grow(path, size)
+
+    def _dst_views(self, i: int) -> List[torch.Tensor]:
+        if self._views[i] is None:
+            slot = self.slots[i]
+            base = torch.frombuffer(slot.mm, dtype=torch.uint8)
+            views = []
+            for f in self.layout.files:
+                for key, dtype, shape, b, e in f["tensors"]:
+                    views.append(base[b:e].view(_dtype(dtype)).view(shape))
+            self._views[i] = views
+        return self._views[i]
+
+    def _reserved(self, slot: shm.Slot) -> bool:
+        hdr = slot.read_header()
+        if hdr is None:
+            return False
+        busy, released = slot.agent_words()
+        return busy == hdr.generation or (hdr.persist and hdr.generation > released)
+
+    def _pick_slot(self) -> Optional[int]:
+        best, best_step = None, None
+        for i in (0, 1):
+            slot = self.slots[i]
+            if self._reserved(slot):
+                continue
+            hdr = slot.read_header()
+            step = -1 if hdr is None else hdr.step
+            if best is None or step < best_step:
+                best, best_step = i, step
+        return best
+
+    # ---- the snapshot --------------------------------------------------------------------
+
+    def snapshot(self, step: int, shards: Sequence[ShardSpec], persist: bool,
+                 info: Optional[Dict[str, Any]] = None) -> Optional[SnapshotResult]:
+        t0 = time.perf_counter()
+        flat, skeletons, srcs = [], {}, []
+        for spec in shards:
+            skeleton, tensors = flatten(spec.tree)
+            skeletons[spec.relpath] = skeleton
+            flat.append((spec.relpath, spec.persist, tensors))
+        signature = tuple((rp, p, tuple((k, t.dtype, tuple(t.shape)) for k, t in ts)) for rp, p, ts in flat)
+        if self.layout is None or self.layout.signature != signature:
+            self.layout = _build_layout(signature, flat)
+            self._views = [None, None]
+        for relpath, _, tensors in flat:
+            order = sorted(tensors, key=lambda kt: -kt[1].element_size())
+            srcs.extend(t for _, t in order)
+        meta = encode_meta(self.layout, step, skeletons, info or {})
+        self._ensure_slots(len(meta))
+        i = self._pick_slot()
+        if i is None:
+            return None
+        slot = self.slots[i]
+        self.generation += 1
+        slot.begin_write(self.generation)
+        dsts = self._dst_views(i)
+        faults.inject("trainer.mid_snapshot", self.rank)
+        _copy_all(dsts, srcs)
+        hdr = shm.Header(state=shm.COMPLETE, step=step, generation=self.generation, meta_len=len(meta),
+                         meta_capacity=slot.size - shm.HEADER_BYTES - self.layout.data_bytes,
+                         data_capacity=self.layout.data_bytes, persist=persist, meta_crc=0,
+                         pid=0, rank=self.rank, world_size=self.world_size)
+        slot.publish(hdr, meta)
+        return SnapshotResult(step, i, self.generation, self.layout.data_bytes, time.perf_counter() - t0)
+
+    def close(self, unlink: bool) -> None:
+        self._views = [None, None]
+        for i, slot in enumerate(self.slots):
+            if slot is not None:
+                slot.close()
+            self.slots[i] = None
+        if unlink:
+            for path in self.paths:
+                shm.unlink_quiet(path)
+
+
+def _copy_all(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+    cuda = False
+    for d, s in zip(dsts, srcs):
+        if s.is_cuda:
+            cuda = True
+            d.copy_(s, non_blocking=True)
+        else:
+            d.copy_(s)
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+from .shardfile import torch_dtype as _dtype  # noqa: E402
+
+
+# ---- reading a snapshot back (loader) ---------------------------------------------------------
+
+@dataclass
+class SlotInfo:
+    slot: int
+    step: int
+    generation: int
+
+
+def complete_snapshots(job_id: str, rank: int) -> List[SlotInfo]:
+    """The complete, intact snapshots of ``rank`` on this node, newest first."""
+    found = []
+    for i in (0, 1):
+        try:
+            slot = shm.Slot(shm.slot_path(job_id, rank, i), writable=False)
+        except FileNotFoundError:
+            continue
+        try:
+            hdr = slot.read_header()
+            if hdr is not None and slot.read_meta(hdr) is not None:
+                found.append(SlotInfo(i, hdr.step, hdr.generation))
+        finally:
+            slot.close()
+    return sorted(found, key=lambda s: -s.step)
+
+
+def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[str, Any]:
+    """Rebuild ``{relpath: tree}`` from a complete slot; tensors are copied out of shared memory so
+    that nothing the trainer keeps aliases a slot it will overwrite later."""
+    slot = shm.Slot(shm.slot_path(job_id, rank, slot_index), writable=False)
+    try:
+        hdr = slot.read_header()
+        meta = None if hdr is None or hdr.step != step else slot.read_meta(hdr)
+        if meta is None:
+            raise ValueError(f"snapshot of step {step} in slot {slot_index} of rank {rank} is gone or damaged")
+        meta = json.loads(meta)
+        with warnings.catch_warnings():   # the mapping is read-only and we only read through it
+            warnings.simplefilter("ignore")
+            base = torch.frombuffer(slot.mm, dtype=torch.uint8)
+        trees = {}
+        for f in meta["files"]:
+            tensors = {key: base[b:e].view(_dtype(dtype)).view(shape).clone()
+                       for key, dtype, shape, b, e in f["tensors"]}
+            trees[f["relpath"]] = unflatten(meta["skeletons"][f["relpath"]], tensors)
+        del base
+        if slot.state() != (shm.COMPLETE, hdr.generation):
+            raise ValueError(f"snapshot of rank {rank} changed while it was read")
+        return trees
+    finally:
+        slot.close()

@@ -1,0 +1,22 @@
+"""Exceptions with messages that say what to change."""
+from __future__ import annotations
+
+
+class EasyCkptError(RuntimeError):
+    """Base class of every error easyckpt raises on purpose."""
+
+
+class ConfigError(EasyCkptError, ValueError):
+    """A setting is wrong; the message names the setting and the fix."""
+
+
+class ShmCapacityError(EasyCkptError):
+    """/dev/shm cannot hold the snapshot slots; raised before anything is copied."""
+
+
+class AgentError(EasyCkptError):
+    """The node agent could not be started, reached, or reported a failed persist."""
+
+
+class CheckpointError(EasyCkptError):
+    """A checkpoint is damaged or cannot be loaded into the current job."""

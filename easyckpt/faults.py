@@ -1,0 +1,51 @@
+"""Fault injection by name, for the tests of RELIABILITY.md. A no-op unless the environment asks.
+
+``EASYCKPT_FAULTS`` is a comma-separated list of ``point[@rank][=action]`` where action is ``kill``
+(SIGKILL this process, the default), ``raise``, or ``sleep:SECONDS``. Examples:
+``agent.after_manifest=kill``, ``trainer.mid_snapshot@1=kill``, ``agent.persist_file=sleep:0.5``.
+``EASYCKPT_FAULT_AFTER=point:N`` lets a point pass N times before it fires (default 0).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Dict, List, Optional, Tuple
+
+_counts: Dict[str, int] = {}
+
+
+def _parse() -> List[Tuple[str, Optional[int], str]]:
+    spec = os.environ.get("EASYCKPT_FAULTS", "")
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        point, _, action = item.partition("=")
+        point, _, rank = point.partition("@")
+        out.append((point, int(rank) if rank else None, action or "kill"))
+    return out
+
+
+def _skips(point: str) -> int:
+    for item in os.environ.get("EASYCKPT_FAULT_AFTER", "").split(","):
+        name, _, n = item.partition(":")
+        if name == point and n:
+            return int(n)
+    return 0
+
+
+def inject(point: str, rank: Optional[int] = None) -> None:
+    if "EASYCKPT_FAULTS" not in os.environ:
+        return
+    for name, want_rank, action in _parse():
+        if name != point or (want_rank is not None and want_rank != rank):
+            continue
+        seen = _counts.get(point, 0)
+        _counts[point] = seen + 1
+        if seen < _skips(point):
+            continue
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "raise":
+            raise RuntimeError(f"easyckpt injected fault at {point}")
+        elif action.startswith("sleep:"):
+            time.sleep(float(action.split(":", 1)[1]))
