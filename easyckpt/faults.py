@@ -4,6 +4,8 @@
 (SIGKILL this process, the default), ``raise``, or ``sleep:SECONDS``. Examples:
 ``agent.after_manifest=kill``, ``trainer.mid_snapshot@1=kill``, ``agent.persist_file=sleep:0.5``.
 ``EASYCKPT_FAULT_AFTER=point:N`` lets a point pass N times before it fires (default 0).
+``EASYCKPT_FAULT_ONCE_DIR=DIR`` makes each point fire once across processes (a restarted agent
+inherits the environment and would otherwise die at the same point again).
 """
 from __future__ import annotations
 
@@ -43,6 +45,12 @@ def inject(point: str, rank: Optional[int] = None) -> None:
         _counts[point] = seen + 1
         if seen < _skips(point):
             continue
+        once = os.environ.get("EASYCKPT_FAULT_ONCE_DIR")
+        if once:
+            try:
+                os.close(os.open(os.path.join(once, point), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "raise":

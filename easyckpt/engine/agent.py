@@ -98,7 +98,8 @@ class Agent:
         self._shutdown()
 
     def _should_exit(self) -> bool:
-        if self.clients or self.outstanding or self.pending_commits:
+        # connections that never said hello (liveness probes) do not keep the agent alive
+        if any(c.rank is not None for c in self.clients.values()) or self.outstanding or self.pending_commits:
             self.idle_since = None
             return False
         now = time.monotonic()
@@ -115,7 +116,7 @@ class Agent:
         self.listener.close()    # first, so no trainer attaches to an agent that is leaving
         for view in self.views.values():
             view.close()
-        if not self.clients:
+        if not any(c.rank is not None for c in self.clients.values()):
             removed = [p for p in shm.segments_of(self.job_id) if shm.unlink_quiet(p)]
             if removed:
                 self.log.emit("shm_release", segments=len(removed))
@@ -137,7 +138,6 @@ class Agent:
         conn.setblocking(False)
         self.sel.register(conn, selectors.EVENT_READ)
         self.clients[conn] = _Client()
-        self.ever_connected = True
 
     def _read(self, conn: socket.socket) -> None:
         client = self.clients[conn]
@@ -173,6 +173,7 @@ class Agent:
             client.rank = int(msg["rank"])
             self.world_size = int(msg["world_size"])
             self.coordinator = self.coordinator or client.rank == 0
+            self.ever_connected = True
             self.local_ranks.add(client.rank)
             self.dead_ranks.discard(client.rank)
             self._release_stale(client.rank)
@@ -181,7 +182,11 @@ class Agent:
             self._enqueue(_Job("persist", int(msg["step"]), int(msg["rank"]), int(msg["slot"]),
                                int(msg["generation"])))
         elif op == "flush":
-            self.flush_waiters.append((conn, int(msg["rank"]), int(msg["step"])))
+            rank, step = int(msg["rank"]), int(msg["step"])
+            if (rank, step) not in self.done:   # e.g. this agent replaced one that died: persist it now
+                self._enqueue(_Job("persist", step, rank, int(msg["slot"]), int(msg["generation"]),
+                                   reason="finalize"))
+            self.flush_waiters.append((conn, rank, step))
             self._answer_flushes()
         elif op == "bye":
             client.said_bye = True

@@ -5,8 +5,9 @@ Order of messages a trainer sends (the agent answers only hello and flush):
 
   1. hello   {rank, world_size, local_rank, pid}       → {ok, agent_pid}
   2. persist {rank, slot, generation, step}             after each snapshot on a storage step
-  3. flush   {rank, step}                               → {ok, step, error} once the rank's shard of
-                                                          ``step`` is durable (or failed)
+  3. flush   {rank, step, slot, generation}             → {ok, step, error} once the rank's shard of
+                                                          ``step`` is durable (or failed); persists
+                                                          it first if this agent never heard of it
   4. bye     {rank}                                     the trainer is done; its slots go with it
 A connection that closes without bye is a trainer that died: the agent persists the newest complete
 snapshot of its dead ranks, keeps the slots for agent_idle_timeout so a restart can resume from

@@ -99,7 +99,8 @@ class Engine:
                 self._request_persist(self.last)
             step = self.last.step if self.last is not None else None
         if step is not None:
-            reply = self.client.request({"op": "flush", "rank": self.rank, "step": step}, timeout)
+            reply = self.client.request({"op": "flush", "rank": self.rank, "step": step,
+                                         "slot": self.last.slot, "generation": self.last.generation}, timeout)
             if not reply.get("ok"):
                 raise AgentError(f"rank {self.rank}: persisting step {step} failed: {reply.get('error')}")
             self._wait_committed(step, timeout)

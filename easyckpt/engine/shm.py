@@ -127,7 +127,10 @@ class Slot:
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:
-                    os.ftruncate(fd, current)
+                    if current == 0:
+                        os.unlink(path)
+                    else:
+                        os.ftruncate(fd, current)
                     raise ShmCapacityError(
                         f"cannot reserve {size / 2**30:.2f} GiB in {SHM_DIR} for snapshot slot {path} "
                         f"({exc.strerror}); {shm_advice()}") from exc

@@ -1,0 +1,109 @@
+"""A small model trained with plain PyTorch (DDP under torchrun, or a single process) using easyckpt.
+
+    torchrun --standalone --nproc_per_node 2 examples/pytorch/train.py --save-dir /tmp/ckpt --iters 50
+
+Relaunch the same command after killing it: it resumes from the newest complete state. Every
+iteration's loss goes to ``--loss-file`` (one per rank, as exact float hex) so runs can be compared.
+The batch, the dropout masks and a numpy/python-random noise term all draw from the global RNGs, so
+losses match an uninterrupted run only if easyckpt restores the RNG states too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import easyckpt
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--mem-interval", type=int, default=1)
+    p.add_argument("--storage-interval", type=int, default=5)
+    p.add_argument("--max-ckpt", type=int, default=3)
+    p.add_argument("--log-file", default=None)
+    p.add_argument("--loss-file", default=None, help="prefix; rank r appends to PREFIX.rank{r}")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a kill")
+    p.add_argument("--stop-at", type=int, default=None, help="exit normally after this iteration")
+    p.add_argument("--no-finalize", action="store_true", help="exit without finalize_easyckpt()")
+    p.add_argument("--crash-at", type=int, default=None, help="raise an exception at this iteration")
+    p.add_argument("--crash-rank", type=int, default=0)
+    p.add_argument("--idle-timeout", type=float, default=60.0)
+    p.add_argument("--job-name", default=None)
+    p.add_argument("--dump-dir", default=None, help="save the model's state_dict per iteration here (tests)")
+    p.add_argument("--dump-loaded", default=None, help="save the loaded model's state_dict here (tests)")
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    random.seed(args.seed + rank)
+
+    torch.manual_seed(args.seed)   # same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(args.hidden, 1))
+    torch.manual_seed(args.seed + rank)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
+
+    easyckpt.initialize_easyckpt(args.save_dir, save_mem_interval=args.mem_interval,
+                                 save_storage_interval=args.storage_interval, max_ckpt_num=args.max_ckpt,
+                                 log_file_path=args.log_file, agent_idle_timeout=args.idle_timeout,
+                                 job_name=args.job_name)
+    t0 = time.perf_counter()
+    start, extra = easyckpt.load_checkpoint(ddp, optimizer, scheduler)
+    load_s = time.perf_counter() - t0
+    if args.dump_loaded and rank == 0:
+        torch.save(model.state_dict(), args.dump_loaded)
+    if start and extra["data_pos"] != start:
+        raise RuntimeError(f"extra does not match the iteration: {extra} vs {start}")
+    losses = open(f"{args.loss_file}.rank{rank}", "a", buffering=1) if args.loss_file else None
+    if losses:
+        losses.write(f"# start {start} load_s {load_s:.6f}\n")
+
+    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(args.seed))   # the task, fixed
+    for it in range(start + 1, args.iters + 1):
+        x = torch.randn(32, 16)
+        y = x @ w + 0.1 * float(np.random.randn()) + 0.01 * random.random()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        if args.crash_at == it and rank == args.crash_rank:
+            raise RuntimeError(f"injected crash at iteration {it} on rank {rank}")
+        if losses:
+            losses.write(f"{it} {loss.item().hex()}\n")
+        if args.dump_dir and rank == 0:
+            torch.save(model.state_dict(), os.path.join(args.dump_dir, f"model_{it}.pt"))
+        easyckpt.save_checkpoint_if_needed(it, ddp, optimizer, scheduler, extra={"data_pos": it})
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if args.stop_at == it:
+            break
+    if not args.no_finalize:
+        easyckpt.finalize_easyckpt()
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

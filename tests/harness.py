@@ -1,0 +1,165 @@
+"""Multi-process test harness: launch the example trainer under torchrun (or alone), kill it at a
+chosen iteration, and compare its per-iteration losses with an uninterrupted run.
+
+Every subprocess has a timeout. Agents run in their own session; `wait_no_agent` waits until the
+agent of a save dir has exited, and the `shm_clean` fixture (conftest.py) checks /dev/shm afterwards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "pytorch" / "train.py"
+TIMEOUT = 120
+
+
+def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    e = dict(os.environ)
+    e.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "EASYCKPT_FAULTS",
+              "EASYCKPT_FAULT_AFTER", "EASYCKPT_FAULT_ONCE_DIR"):
+        e.pop(k, None)
+    e.update(extra or {})
+    return e
+
+
+def train_cmd(save_dir: Path, nproc: int, *args: str) -> List[str]:
+    base = [sys.executable]
+    if nproc > 1:
+        base += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return base + [str(TRAIN), "--save-dir", str(save_dir), *args]
+
+
+def run(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, timeout: float = TIMEOUT,
+        check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), env=env(extra_env), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+                             f"stderr:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def start(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, log: Optional[Path] = None) -> subprocess.Popen:
+    out = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(list(cmd), env=env(extra_env), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _children() -> Dict[int, List[int]]:
+    kids: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def _is_agent(pid: int) -> bool:
+    try:
+        return b"easyckpt.engine.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """kill -9 the launcher and every trainer below it at once (torchrun puts its workers in sessions
+    of their own, so a process-group kill would miss them); the node agent is spared, as a node
+    agent outside the failed processes would be."""
+    kids = _children()
+    todo, victims = [proc.pid], []
+    while todo:
+        pid = todo.pop()
+        if _is_agent(pid):
+            continue
+        victims.append(pid)
+        todo.extend(kids.get(pid, []))
+    for pid in victims:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+kill_group = kill_tree
+
+
+def losses(prefix: Path, rank: int = 0) -> Dict[int, str]:
+    """iteration -> loss (hex); a later line for the same iteration (a redone one) wins."""
+    out: Dict[int, str] = {}
+    path = Path(f"{prefix}.rank{rank}")
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            it, val = line.split()
+            out[int(it)] = val
+    return out
+
+
+def starts(prefix: Path, rank: int = 0) -> List[int]:
+    path = Path(f"{prefix}.rank{rank}")
+    return [int(l.split()[2]) for l in path.read_text().splitlines() if l.startswith("# start")]
+
+
+def last_iteration(prefix: Path, rank: int = 0) -> int:
+    path = Path(f"{prefix}.rank{rank}")
+    if not path.exists():
+        return 0
+    its = [int(l.split()[0]) for l in path.read_text().splitlines() if l and not l.startswith("#")]
+    return its[-1] if its else 0
+
+
+def wait_for_iteration(prefix: Path, it: int, proc: subprocess.Popen, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while last_iteration(prefix) < it:
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited ({proc.returncode}) before iteration {it}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"iteration {it} not reached within {timeout}s")
+        time.sleep(0.01)
+
+
+def agent_alive(job_id: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(f"\0easyckpt-agent-{job_id}")
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def job_id(save_dir: Path, job_name: Optional[str] = None) -> str:
+    from easyckpt.config import Config
+    return Config(save_dir=str(save_dir), job_name=job_name).job_id
+
+
+def wait_no_agent(save_dir: Path, timeout: float = 60, job_name: Optional[str] = None) -> None:
+    jid = job_id(save_dir, job_name)
+    deadline = time.monotonic() + timeout
+    while agent_alive(jid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the agent of {save_dir} did not exit within {timeout}s")
+        time.sleep(0.05)
+
+
+def events(log: Path) -> List[dict]:
+    return [json.loads(l) for l in log.read_text().splitlines() if l.strip()] if log.exists() else []
+
+
+def shm_segments() -> List[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("easyckpt-"))

@@ -1,0 +1,86 @@
+"""Proof of resume: 2 ranks under torchrun, interrupted three ways, resumed; losses equal exactly."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from harness import (events, kill_group, last_iteration, losses, run, start, starts, train_cmd,
+                     wait_for_iteration, wait_no_agent)
+
+N = 30
+MEM = 2
+COMMON = ["--iters", str(N), "--mem-interval", str(MEM), "--storage-interval", "6", "--max-ckpt", "2"]
+SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reference")
+    run(train_cmd(d / "ckpt", 2, *COMMON, "--loss-file", str(d / "loss")))
+    ref = {r: losses(d / "loss", r) for r in (0, 1)}
+    assert sorted(ref[0]) == list(range(1, N + 1)) and sorted(ref[1]) == list(range(1, N + 1))
+    wait_no_agent(d / "ckpt")
+    return ref
+
+
+def assert_same_losses(prefix, reference):
+    for rank in (0, 1):
+        got = losses(prefix, rank)
+        assert sorted(got) == list(range(1, N + 1)), f"rank {rank} did not reach iteration {N}"
+        diff = [i for i in got if got[i] != reference[rank][i]]
+        assert not diff, f"rank {rank}: losses differ from the uninterrupted run at iterations {diff}"
+
+
+def load_event(log):
+    loads = [e for e in events(log) if e["event"] == "load" and e.get("step", 0) > 0]
+    assert loads, "no load event in the audit log"
+    return loads[-1]
+
+
+def test_kill9_of_both_ranks_resumes_from_memory_losing_at_most_mem_interval(tmp_path, reference):
+    kill_at = random.Random(SEED).randint(8, 22)
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmd = train_cmd(ckpt, 2, *COMMON, "--loss-file", str(loss), "--log-file", str(log),
+                    "--step-sleep", "0.05", "--idle-timeout", "60")
+    proc = start(cmd, log=tmp_path / "first.out")
+    wait_for_iteration(loss, kill_at, proc)
+    kill_group(proc)
+    reached = last_iteration(loss)
+    run(cmd)
+    resumed = starts(loss)[-1]
+    assert 0 < reached - resumed <= MEM or reached == resumed, (reached, resumed)
+    assert reached - resumed <= MEM, f"killed after iteration {reached}, resumed from {resumed}"
+    assert load_event(log)["source"] == "memory"
+    assert_same_losses(loss, reference)
+    wait_no_agent(ckpt)
+
+
+def test_clean_exit_without_finalize_loses_no_snapshot(tmp_path, reference):
+    stop = 13
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmd = train_cmd(ckpt, 2, *COMMON, "--loss-file", str(loss), "--log-file", str(log), "--idle-timeout", "60")
+    run(cmd + ["--stop-at", str(stop), "--no-finalize"])
+    run(cmd)
+    assert starts(loss)[-1] == stop - stop % MEM
+    assert_same_losses(loss, reference)
+    wait_no_agent(ckpt)
+
+
+def test_exception_in_one_rank_is_persisted_by_the_agent_and_resumed_from_storage(tmp_path, reference):
+    crash = 17
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmd = train_cmd(ckpt, 2, *COMMON, "--loss-file", str(loss), "--log-file", str(log), "--idle-timeout", "1")
+    first = run(cmd + ["--crash-at", str(crash), "--crash-rank", "1"], check=False)
+    assert first.returncode != 0 and "injected crash" in first.stderr + first.stdout
+    wait_no_agent(ckpt)   # the agent persisted the newest snapshot, then released memory and left
+    reached = last_iteration(loss)
+    run(cmd)
+    resumed = starts(loss)[-1]
+    assert reached - resumed <= MEM, f"crashed after iteration {reached}, resumed from {resumed}"
+    ev = load_event(log)
+    assert ev["source"] == "storage" and ev["step"] == resumed
+    assert any(e["event"] == "persist_after_death" for e in events(log))
+    assert_same_losses(loss, reference)
+    wait_no_agent(ckpt)
