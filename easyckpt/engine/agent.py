@@ -126,7 +126,7 @@ class Agent:
     def _clean_leftovers(self) -> None:
         commit.remove_staging(self.cfg.save_dir, self.job_id, self.log)
         for path, job, _rank, _slot in shm.list_segments():
-            if job == self.job_id or _agent_alive(job) or shm.pid_alive(shm.segment_owner_pid(path)):
+            if job == self.job_id or not shm.is_leftover(path, _agent_alive(job)):
                 continue
             self.log.emit("shm_release", path=path, reason="leftover of a dead job")
             shm.unlink_quiet(path)

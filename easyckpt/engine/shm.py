@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
@@ -139,6 +140,9 @@ class Slot:
         slot = cls(path, writable=True)
         if current < size:
             slot.touch(current)
+        if current == 0:   # a fresh slot names its owner at once, so no one mistakes it for a leftover
+            assert slot.mm is not None
+            slot.mm[:_HDR.size] = _HDR.pack(MAGIC, VERSION, EMPTY, -1, 0, 0, 0, 0, 0, 0, os.getpid(), 0, 0)
         return slot
 
     def touch(self, start: int) -> None:
@@ -243,6 +247,20 @@ def unlink_quiet(path: str) -> bool:
     try:
         os.unlink(path)
         return True
+    except FileNotFoundError:
+        return False
+
+
+LEFTOVER_SECONDS = float(os.environ.get("EASYCKPT_SHM_LEFTOVER_SECONDS", "60"))
+
+
+def is_leftover(path: str, job_alive: bool, quiet_seconds: float = LEFTOVER_SECONDS) -> bool:
+    """A segment of a job whose agent is gone, whose writer is dead, untouched for a while (a slot
+    being set up by a trainer whose agent is still starting must survive)."""
+    if job_alive or pid_alive(segment_owner_pid(path)):
+        return False
+    try:
+        return time.time() - os.stat(path).st_mtime > quiet_seconds
     except FileNotFoundError:
         return False
 

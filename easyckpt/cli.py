@@ -1,0 +1,99 @@
+"""easyckpt command line: ``ls`` and ``verify`` (more verbs come with the operator-tools issue).
+
+    easyckpt ls DIR [--framework pytorch] [--json]
+    easyckpt verify DIR [STEP] [--json]       exit status 1 on damage, naming the file
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+from .config import Naming
+from .engine import manifest as mf
+from .engine import retention, shardfile
+
+
+def _naming(framework: str) -> Naming:
+    from .pytorch import NAMING
+    known = {"pytorch": NAMING}
+    return known[framework]
+
+
+def _verify_dir(step_dir: str) -> List[str]:
+    man = mf.read(step_dir)
+    if man is None:
+        return [f"{mf.MANIFEST_NAME}: missing or unreadable (not a committed checkpoint)"]
+    problems = mf.check_sizes(step_dir, man)
+    for rel in man["files"]:
+        if any(p.startswith(rel + ":") for p in problems):
+            continue
+        problem = mf.check_bytes(rel, shardfile.read_file(os.path.join(step_dir, rel)), man)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    naming = _naming(args.framework)
+    rows = []
+    for step, path in retention.step_dirs(args.dir, naming):
+        man = mf.read(path)
+        size = sum(e["size"] for e in man["files"].values()) if man else None
+        rows.append({"step": step, "path": path, "committed": man is not None, "bytes": size,
+                     "world_size": man.get("world_size") if man else None})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            state = "committed" if r["committed"] else "incomplete (no manifest)"
+            print(f"{r['step']:>10}  {state:<25} {r['bytes'] or 0:>14,d} B  {r['path']}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.dir):
+        print(f"easyckpt verify: {args.dir} is not a directory", file=sys.stderr)
+        return 2
+    naming = _naming(args.framework)
+    dirs = retention.step_dirs(args.dir, naming)
+    if args.step is not None:
+        dirs = [(s, p) for s, p in dirs if s == args.step]
+    if not dirs:
+        print(f"easyckpt verify: no checkpoint{'' if args.step is None else f' of step {args.step}'} in {args.dir}",
+              file=sys.stderr)
+        return 2
+    report, bad = [], False
+    for step, path in dirs:
+        problems = _verify_dir(path)
+        bad = bad or bool(problems)
+        report.append({"step": step, "path": path, "ok": not problems, "problems": problems})
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        for r in report:
+            print(f"step {r['step']}: {'OK' if r['ok'] else 'DAMAGED'}  {r['path']}")
+            for p in r["problems"]:
+                print(f"    {p}")
+    return 1 if bad else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="easyckpt", description="inspect easyckpt checkpoints")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name, fn in (("ls", cmd_ls), ("verify", cmd_verify)):
+        p = sub.add_parser(name)
+        p.add_argument("dir")
+        if name == "verify":
+            p.add_argument("step", nargs="?", type=int)
+        p.add_argument("--framework", default="pytorch", choices=["pytorch"])
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

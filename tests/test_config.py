@@ -1,0 +1,67 @@
+"""Configuration errors are raised at initialisation, naming the argument and the fix (row 5 too)."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+import easyckpt
+from easyckpt import ConfigError
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"save_mem_interval": 0}, "save_mem_interval=0 must be at least 1"),
+    ({"save_mem_interval": -3}, "save_mem_interval=-3"),
+    ({"save_mem_interval": 1.5}, "save_mem_interval=1.5 must be a positive integer"),
+    ({"save_storage_interval": 0}, "save_storage_interval=0"),
+    ({"save_mem_interval": 2, "save_storage_interval": 7},
+     "save_storage_interval=7 is not a multiple of save_mem_interval=2: only memory snapshots can be "
+     "persisted; use save_storage_interval=6 or 8"),
+    ({"max_ckpt_num": 0}, "max_ckpt_num=0 must be a positive integer"),
+    ({"max_ckpt_num": True}, "max_ckpt_num=True"),
+    ({"agent_idle_timeout": -1}, "agent_idle_timeout=-1 must be a positive number of seconds"),
+])
+def test_bad_argument_names_itself_and_the_fix(tmp_path, kwargs, needle):
+    with pytest.raises(ConfigError) as err:
+        easyckpt.initialize_easyckpt(str(tmp_path / "ckpt"), **kwargs)
+    assert needle in str(err.value)
+
+
+def test_unknown_keyword_is_refused(tmp_path):
+    with pytest.raises(TypeError, match="save_intervall"):
+        easyckpt.initialize_easyckpt(str(tmp_path), save_intervall=3)
+
+
+def test_save_dir_that_cannot_be_created_fails_at_initialisation(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="does not exist and cannot be created"):
+        easyckpt.initialize_easyckpt(str(blocker / "ckpt"))
+
+
+def test_log_file_that_cannot_be_written_fails_at_initialisation(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="log_file_path="):
+        easyckpt.initialize_easyckpt(str(tmp_path / "ckpt"), log_file_path=str(blocker / "log.jsonl"))
+
+
+def test_read_only_save_dir_fails_at_initialisation_and_stays_untouched(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "existing").write_text("keep")
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], capture_output=True,
+                      timeout=30).returncode != 0:
+        pytest.skip("cannot make a read-only bind mount here (needs root): read-only case not exercised")
+    try:
+        with pytest.raises(ConfigError, match="is not writable .*Read-only file system"):
+            easyckpt.initialize_easyckpt(str(ro), log_file_path=None)
+    finally:
+        subprocess.run(["umount", str(ro)], timeout=30)
+    assert sorted(p.name for p in ro.iterdir()) == ["existing"]
+
+
+def test_verbs_before_initialisation_say_what_to_call(tmp_path):
+    import torch
+    with pytest.raises(easyckpt.EasyCkptError, match="initialize_easyckpt"):
+        easyckpt.save_checkpoint_if_needed(1, torch.nn.Linear(2, 2))
