@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[all,test]"
