@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Dict, Optional, Set
+from typing import Any, Dict, Optional
 
 from .. import faults
 from ..config import Naming
@@ -105,13 +105,12 @@ def _retire_existing(save_dir: str, final: str, log: AuditLog) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def remove_staging(save_dir: str, job_id: str, log: AuditLog, keep: Set[str] = frozenset(),
-                   only: Optional[str] = None) -> None:
+def remove_staging(save_dir: str, job_id: str, log: AuditLog, only: Optional[str] = None) -> None:
     """Remove this job's staging (and trash) leftovers; never anything without our prefix and id."""
     own = (f"{STAGING_PREFIX}{job_id}-", TRASH_PREFIX)
     for name in os.listdir(save_dir):
         path = os.path.join(save_dir, name)
-        if not name.startswith(own) or path in keep or (only is not None and path != only):
+        if not name.startswith(own) or (only is not None and path != only):
             continue
         if name.startswith(TRASH_PREFIX) and not name.split("-")[-1].isdigit():
             continue

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..config import Config, validate
 from ..dist import placement
@@ -39,7 +39,6 @@ class Engine:
         self.last_persisted_step: Optional[int] = None
         self.last_step: Optional[int] = None
         self._collect: Optional[Collect] = None
-        self.stalls: List[float] = []
 
     # ---- save ----------------------------------------------------------------------------
 
@@ -57,7 +56,6 @@ class Engine:
                                   "save_storage_interval; this snapshot is skipped, training goes on")
             return None
         self.last = result
-        self.stalls.append(result.seconds)
         self.log.emit("snapshot", step=step, rank=self.rank, slot=result.slot, bytes=result.nbytes,
                       seconds=round(result.seconds, 6))
         if persist:
