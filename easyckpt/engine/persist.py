@@ -12,7 +12,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 from .. import faults
 from ..storage.posix import copy_range, fsync_dir, write_all
@@ -41,21 +41,33 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int) -> Tu
         total = 0
         made_dirs = {staging}
         os.makedirs(staging, exist_ok=True)
-        with memoryview(slot.mm) as view:
-            for f in meta["files"]:
-                if not f["persist"]:
-                    continue
-                rel = f["relpath"]
-                path = os.path.join(staging, rel)
-                parent = os.path.dirname(path)
-                if parent not in made_dirs:
-                    os.makedirs(parent, exist_ok=True)
-                    made_dirs.add(parent)
-                header = encode_header(file_entries(f["tensors"], f["start"]), meta["skeletons"][rel])
-                size, digest = _write_shard(path, header, slot.fd, view, f["start"], f["end"])
-                files[rel] = {"size": size, "checksum": digest}
-                total += size
-                faults.inject("agent.persist_file", rank)
+        written: List[int] = []
+        try:
+            with memoryview(slot.mm) as view:
+                for f in meta["files"]:
+                    if not f["persist"]:
+                        continue
+                    rel = f["relpath"]
+                    path = os.path.join(staging, rel)
+                    parent = os.path.dirname(path)
+                    if parent not in made_dirs:
+                        os.makedirs(parent, exist_ok=True)
+                        made_dirs.add(parent)
+                    header = encode_header(file_entries(f["tensors"], f["start"]), meta["skeletons"][rel])
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    written.append(fd)
+                    digest = _write_shard(fd, header, slot.fd, view, f["start"], f["end"])
+                    size = len(header) + f["end"] - f["start"]
+                    files[rel] = {"size": size, "checksum": digest}
+                    total += size
+                    faults.inject("agent.persist_file", rank)
+            # fsync only once every file is written: the kernel writes the first files back while the
+            # later ones are copied, instead of the copy waiting for each flush in turn
+            for fd in written:
+                os.fsync(fd)
+        finally:
+            for fd in written:
+                os.close(fd)
         for d in sorted(made_dirs, key=len, reverse=True):
             fsync_dir(d)
         if slot.state() != (shm.COMPLETE, generation):
@@ -65,17 +77,14 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int) -> Tu
         slot.close()
 
 
-def _write_shard(path: str, header: bytes, src_fd: int, view: memoryview, start: int, end: int) -> Tuple[int, str]:
+def _write_shard(fd: int, header: bytes, src_fd: int, view: memoryview, start: int, end: int) -> str:
     hasher = mf.Hasher()
     hasher.update(header)
     worker = threading.Thread(target=hasher.update, args=(view[start:end],), daemon=True)
     worker.start()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         write_all(fd, header)
         copy_range(src_fd, fd, start, end - start)
-        os.fsync(fd)
     finally:
-        os.close(fd)
         worker.join()
-    return len(header) + end - start, hasher.hexdigest()
+    return hasher.hexdigest()
