@@ -321,8 +321,9 @@ class Agent:
                 return None
             return "not ready"
         t0 = time.perf_counter()
-        final = commit.commit(self.cfg.save_dir, self.job_id, step, self.world_size, self.cfg.naming, self.log)
-        self.log.emit("commit", step=step, path=final, seconds=round(time.perf_counter() - t0, 6))
+        final, nbytes = commit.commit(self.cfg.save_dir, self.job_id, step, self.world_size, self.cfg.naming,
+                                      self.log)
+        self.log.emit("commit", step=step, path=final, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
         self.results.put((_Job("committed", step), None))
         retention.prune(self.cfg.save_dir, self.cfg.naming, self.job_id,
                         retention.KeepLast(self.cfg.max_ckpt_num), self.log)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .. import faults
 from ..config import Naming
@@ -62,8 +62,9 @@ def read_markers(staging: str) -> Dict[int, Dict[str, Any]]:
 
 
 def commit(save_dir: str, job_id: str, step: int, world_size: int, naming: Naming, log: AuditLog,
-           extra: Optional[Dict[str, Any]] = None) -> str:
-    """Make step ``step`` a committed checkpoint; every rank's marker must be present."""
+           extra: Optional[Dict[str, Any]] = None) -> Tuple[str, int]:
+    """Make step ``step`` a committed checkpoint; every rank's marker must be present.
+    Returns the final directory and the bytes it holds."""
     final_name = naming.dir_name(step)
     staging = staging_dir(save_dir, job_id, final_name)
     markers = read_markers(staging)
@@ -90,7 +91,7 @@ def commit(save_dir: str, job_id: str, step: int, world_size: int, naming: Namin
     faults.inject("agent.before_tracker")
     atomic_write(os.path.join(save_dir, naming.tracker), naming.tracker_format.format(step).encode())
     faults.inject("agent.after_tracker")
-    return final
+    return final, sum(f["size"] for f in files.values())
 
 
 def _retire_existing(save_dir: str, final: str, log: AuditLog) -> None:
