@@ -21,7 +21,7 @@ from ..dist import all_gather
 from ..events import AuditLog
 from . import manifest as mf
 from . import retention, shardfile, snapshot
-from .tree import unflatten
+from .tree import safe_torch_load, unflatten
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
 # when the checkpoint was written)
@@ -98,9 +98,12 @@ def _read_step(step_dir: str, needed: Needed) -> Tuple[Optional[Dict[str, Any]],
         if problem:
             return None, problem, 0
         try:
-            skeleton, tensors = shardfile.decode(buf)
-            trees[rel] = unflatten(skeleton, tensors)
-        except (ValueError, KeyError) as exc:
+            if man["files"][rel].get("format", "safetensors") == "torch":
+                trees[rel] = safe_torch_load(bytes(buf))
+            else:
+                skeleton, tensors = shardfile.decode(buf)
+                trees[rel] = unflatten(skeleton, tensors)
+        except Exception as exc:  # noqa: BLE001 - any unreadable shard rejects the step
             return None, f"{rel}: unreadable ({exc})", 0
         nbytes += len(buf)
     return trees, None, nbytes

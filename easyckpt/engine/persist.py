@@ -53,12 +53,16 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int) -> Tu
                     if parent not in made_dirs:
                         os.makedirs(parent, exist_ok=True)
                         made_dirs.add(parent)
-                    header = encode_header(file_entries(f["tensors"], f["start"]), meta["skeletons"][rel])
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                     written.append(fd)
-                    digest = _write_shard(fd, header, slot.fd, view, f["start"], f["end"])
-                    size = len(header) + f["end"] - f["start"]
-                    files[rel] = {"size": size, "checksum": digest}
+                    fmt = f.get("fmt", "safetensors")
+                    if fmt == "torch":
+                        size, digest = _write_torch(fd, view, f, meta["skeletons"][rel])
+                    else:
+                        header = encode_header(file_entries(f["tensors"], f["start"]), meta["skeletons"][rel])
+                        digest = _write_shard(fd, header, slot.fd, view, f["start"], f["end"])
+                        size = len(header) + f["end"] - f["start"]
+                    files[rel] = {"size": size, "checksum": digest, "format": fmt}
                     total += size
                     faults.inject("agent.persist_file", rank)
             # fsync only once every file is written: the kernel writes the first files back while the
@@ -88,3 +92,62 @@ def _write_shard(fd: int, header: bytes, src_fd: int, view: memoryview, start: i
     finally:
         worker.join()
     return hasher.hexdigest()
+
+
+class _HashingWriter:
+    """A file object for torch.save that writes straight to ``fd`` and checksums on the way."""
+
+    def __init__(self, fd: int):
+        self.fd, self.size, self.hasher = fd, 0, mf.Hasher()
+
+    def write(self, data) -> int:
+        write_all(self.fd, data)
+        self.hasher.update(data)
+        n = memoryview(data).nbytes
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _write_torch(fd: int, view: memoryview, f: Dict[str, Any], skeleton: Any) -> Tuple[int, str]:
+    """A framework-native torch.save file. torch is imported here only: jobs whose layouts are all
+    safetensors keep an agent that never loads it."""
+    import warnings
+
+    import torch
+    import torch.utils.serialization as serialization
+
+    from .shardfile import torch_dtype
+    from .tree import unflatten_pickled
+
+    # one storage per run of same-dtype tensors (the layout keeps them together): torch.save writes
+    # each run once, and refuses one storage viewed as two dtypes
+    tensors: Dict[str, Any] = {}
+    runs: List[List[Any]] = []
+    for entry in f["tensors"]:
+        if runs and runs[-1][0][1] == entry[1] and runs[-1][-1][4] == entry[3]:
+            runs[-1].append(entry)
+        else:
+            runs.append([entry])
+    with warnings.catch_warnings():   # the slot is mapped read-only; we only read through it
+        warnings.simplefilter("ignore")
+        for run in runs:
+            dtype = torch_dtype(run[0][1])
+            base, stop = run[0][3], run[-1][4]
+            if stop == base:
+                for key, _, shape, _, _ in run:
+                    tensors[key] = torch.empty(shape, dtype=dtype)
+                continue
+            storage = torch.frombuffer(view[base:stop], dtype=dtype)
+            item = dtype.itemsize
+            for key, _, shape, b, e in run:
+                tensors[key] = storage[(b - base) // item:(e - base) // item].view(shape)
+    tree = unflatten_pickled(skeleton, tensors)
+    out = _HashingWriter(fd)
+    # the manifest's xxh3 already guards integrity; torch's per-record CRC32 would halve the speed
+    serialization.config.save.compute_crc32 = False
+    torch.save(tree, out)
+    del tree, tensors
+    return out.size, out.hasher.hexdigest()

@@ -25,7 +25,7 @@ from .. import faults
 from ..errors import ShmCapacityError
 from . import shm
 from .shardfile import dtype_name
-from .tree import flatten, unflatten
+from .tree import flatten, flatten_pickled, rebuild
 
 _ALIGN = 64
 MIN_META_CAPACITY = 1 << 20
@@ -38,6 +38,7 @@ class ShardSpec:
     relpath: str
     tree: Any
     persist: bool = True
+    fmt: str = "safetensors"      # or "torch": a native torch.save file (Megatron, DeepSpeed layouts)
 
 
 @dataclass
@@ -57,22 +58,27 @@ class SnapshotResult:
     seconds: float
 
 
-def _build_layout(signature: Tuple, flat: List[Tuple[str, bool, List[Tuple[str, torch.Tensor]]]]) -> _Layout:
+def _build_layout(signature: Tuple, flat: List[Tuple[str, bool, str, List[Tuple[str, torch.Tensor]]]]) -> _Layout:
     files, pos = [], 0
-    for relpath, persist, tensors in flat:
+    for relpath, persist, fmt, tensors in flat:
         pos += -pos % _ALIGN
         start = pos
         entries = []
-        # biggest element size first: every tensor then starts at a multiple of its own item size
-        # while staying back to back (safetensors rejects gaps between tensors)
-        for key, t in sorted(tensors, key=lambda kt: -kt[1].element_size()):
+        for key, t in _order(tensors):
             n = t.numel() * t.element_size()
             entries.append((key, dtype_name(t.dtype), list(t.shape), shm.HEADER_BYTES + pos,
                             shm.HEADER_BYTES + pos + n))
             pos += n
-        files.append({"relpath": relpath, "persist": persist, "start": shm.HEADER_BYTES + start,
+        files.append({"relpath": relpath, "persist": persist, "fmt": fmt, "start": shm.HEADER_BYTES + start,
                       "end": shm.HEADER_BYTES + pos, "tensors": entries})
     return _Layout(signature, files, pos, json.dumps(files, separators=(",", ":")).encode())
+
+
+def _order(tensors: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
+    """Biggest element size first: every tensor then starts at a multiple of its own item size while
+    staying back to back (safetensors rejects gaps). Same dtypes together: a torch.save file can then
+    hold one storage per dtype (torch refuses storages viewed as two dtypes)."""
+    return sorted(tensors, key=lambda kt: (-kt[1].element_size(), str(kt[1].dtype)))
 
 
 def encode_meta(layout: _Layout, step: int, skeletons: Dict[str, Any], info: Dict[str, Any]) -> bytes:
@@ -167,16 +173,15 @@ class Snapshotter:
         t0 = time.perf_counter()
         flat, skeletons, srcs = [], {}, []
         for spec in shards:
-            skeleton, tensors = flatten(spec.tree)
+            skeleton, tensors = (flatten_pickled if spec.fmt == "torch" else flatten)(spec.tree)
             skeletons[spec.relpath] = skeleton
-            flat.append((spec.relpath, spec.persist, tensors))
-        signature = tuple((rp, p, tuple((k, t.dtype, tuple(t.shape)) for k, t in ts)) for rp, p, ts in flat)
+            flat.append((spec.relpath, spec.persist, spec.fmt, tensors))
+        signature = tuple((rp, p, f, tuple((k, t.dtype, tuple(t.shape)) for k, t in ts)) for rp, p, f, ts in flat)
         if self.layout is None or self.layout.signature != signature:
             self.layout = _build_layout(signature, flat)
             self._views = [None, None]
-        for relpath, _, tensors in flat:
-            order = sorted(tensors, key=lambda kt: -kt[1].element_size())
-            srcs.extend(t for _, t in order)
+        for _, _, _, tensors in flat:
+            srcs.extend(t for _, t in _order(tensors))
         meta = encode_meta(self.layout, step, skeletons, info or {})
         self._ensure_slots(len(meta))
         i = self._pick_slot()
@@ -271,7 +276,7 @@ def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[st
         for f in meta["files"]:
             tensors = {key: base[b:e].view(_dtype(dtype)).view(shape).clone()
                        for key, dtype, shape, b, e in f["tensors"]}
-            trees[f["relpath"]] = unflatten(meta["skeletons"][f["relpath"]], tensors)
+            trees[f["relpath"]] = rebuild(meta["skeletons"][f["relpath"]], tensors)
         del base
         if slot.state() != (shm.COMPLETE, hdr.generation):
             raise ValueError(f"snapshot of rank {rank} changed while it was read")

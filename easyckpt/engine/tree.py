@@ -101,3 +101,104 @@ def unflatten(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
 
 def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+# ---- skeletons for framework-native torch.save files ---------------------------------------------
+#
+# Megatron and DeepSpeed write torch.save pickles that hold objects JSON cannot (argparse.Namespace,
+# enums). For such shards the trainer pickles the tree with every tensor replaced by a TensorRef; the
+# agent unpickles it from the trainer's own shared memory (never from a checkpoint file), puts views of
+# the slot in place of the refs and torch.saves the result. Checkpoint files themselves are only ever
+# read back through safe_torch_load (weights_only, with an explicit allow-list).
+
+class TensorRef:
+    __slots__ = ("key",)
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def __reduce__(self):
+        return (TensorRef, (self.key,))
+
+
+def flatten_pickled(tree: Any) -> Tuple[Any, Tensors]:
+    import pickle
+
+    tensors: Tensors = []
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = f"{path}#{len(tensors)}"
+            tensors.append((key, obj.detach()))
+            return TensorRef(key)
+        if isinstance(obj, dict):
+            return type(obj)((k, walk(v, f"{path}/{k}")) for k, v in obj.items()) if type(obj) is not dict \
+                else {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
+        return obj
+
+    refs = walk(tree, "")
+    return {"__pickle": base64.b64encode(pickle.dumps(refs, protocol=4)).decode()}, tensors
+
+
+def is_pickled(skeleton: Any) -> bool:
+    return isinstance(skeleton, dict) and set(skeleton) == {"__pickle"}
+
+
+def unflatten_pickled(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    """Only for skeletons this job's own trainers put into shared memory."""
+    import pickle
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, TensorRef):
+            return tensors[obj.key]
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                obj[k] = walk(v)
+            return obj
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        return obj
+
+    return walk(pickle.loads(base64.b64decode(skeleton["__pickle"])))
+
+
+def rebuild(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    return unflatten_pickled(skeleton, tensors) if is_pickled(skeleton) else unflatten(skeleton, tensors)
+
+
+SAFE_MODULE_PREFIXES = ("torch.", "megatron.", "deepspeed.", "transformers.", "numpy.")
+
+
+def safe_torch_load(data: bytes) -> Any:
+    """torch.load with weights_only=True, allowing argparse.Namespace and Enum classes of the known
+    frameworks (their modules are imported from the installed packages, never from the file)."""
+    import argparse
+    import enum
+    import importlib
+    import io
+
+    allowed = []
+    for name in torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)):
+        module, _, qual = name.rpartition(".")
+        if name == "argparse.Namespace":
+            allowed.append(argparse.Namespace)
+            continue
+        obj = None
+        if (module + ".").startswith(SAFE_MODULE_PREFIXES):
+            try:
+                obj = importlib.import_module(module)
+                obj = getattr(obj, qual)
+            except (ImportError, AttributeError):
+                obj = None
+        if not (isinstance(obj, type) and issubclass(obj, enum.Enum)):
+            raise ValueError(f"refusing to load: the file references {name}, which is not on easyckpt's "
+                             f"allow-list (tensors, containers, argparse.Namespace, framework enums)")
+        allowed.append(obj)
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")

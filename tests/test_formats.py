@@ -1,0 +1,84 @@
+"""Shard formats written by the agent from a real snapshot slot: safetensors (default) and native
+torch.save files (Megatron/DeepSpeed layouts), both read back by easyckpt's safe loader."""
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import os
+
+import pytest
+import torch
+
+from easyckpt.engine import shm
+from easyckpt.engine.load import _read_step
+from easyckpt.engine.manifest import MANIFEST_NAME, build
+from easyckpt.engine.persist import persist_slot
+from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
+from easyckpt.engine.tree import safe_torch_load
+
+
+class _Local(enum.Enum):   # an enum outside the frameworks' packages
+    A = 1
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/easyckpt-pwned",))
+
+
+@pytest.fixture
+def snap():
+    s = Snapshotter("feedfacecafe", rank=0, world_size=1)
+    yield s
+    s.close(unlink=True)
+
+
+def _state():
+    torch.manual_seed(0)
+    return {"args": argparse.Namespace(hidden=64, dtype=torch.bfloat16, layout=torch.strided),
+            "iteration": 7, "model": {"w": torch.randn(4, 3), "b": torch.arange(5, dtype=torch.int64),
+                                      "h": torch.randn(2, dtype=torch.bfloat16)},
+            "rng_state": [{"torch_rng_state": torch.get_rng_state(), "random": (3, tuple(range(5)), None)}]}
+
+
+def test_torch_format_shard_is_native_and_loads_safely(tmp_path, snap):
+    state = _state()
+    res = snap.snapshot(7, [ShardSpec("mp_rank_00/model_optim_rng.pt", state, True, fmt="torch"),
+                            ShardSpec("extra.safetensors", {"x": torch.ones(3)}, True)], persist=True)
+    step, files, nbytes, _ = persist_slot(shm.slot_path("feedfacecafe", 0, res.slot), res.generation,
+                                          str(tmp_path), 0)
+    assert step == 7 and files["mp_rank_00/model_optim_rng.pt"]["format"] == "torch"
+    native = torch.load(tmp_path / "mp_rank_00/model_optim_rng.pt", weights_only=False)   # the framework's way
+    assert native["args"].hidden == 64 and native["args"].dtype == torch.bfloat16
+    for k, v in state["model"].items():
+        assert torch.equal(native["model"][k], v)
+    assert native["rng_state"][0]["random"] == (3, tuple(range(5)), None)
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(build(7, "x", "t", 1, files)))
+    trees, problem, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m["files"]])
+    assert problem is None
+    assert torch.equal(trees["mp_rank_00/model_optim_rng.pt"]["model"]["h"], state["model"]["h"])
+    mem = read_snapshot("feedfacecafe", 0, res.slot, 7)
+    assert mem["mp_rank_00/model_optim_rng.pt"]["args"] == state["args"]
+
+
+def test_a_malicious_pickle_in_a_checkpoint_is_not_executed(tmp_path):
+    """Row 16 for the torch format: a shard whose pickle would run a command is refused."""
+    import io
+    buf = io.BytesIO()
+    torch.save({"model": {"w": torch.ones(2)}, "payload": _Evil()}, buf)
+    with pytest.raises(ValueError, match="posix.system|os.system|allow-list"):
+        safe_torch_load(buf.getvalue())
+    assert not os.path.exists("/tmp/easyckpt-pwned")
+
+
+def test_framework_enums_and_namespace_are_allowed_but_foreign_classes_are_not():
+    import io
+    buf = io.BytesIO()
+    torch.save({"a": argparse.Namespace(x=1), "d": torch.float16}, buf)
+    assert safe_torch_load(buf.getvalue())["a"].x == 1
+
+    buf = io.BytesIO()
+    torch.save({"e": _Local.A}, buf)
+    with pytest.raises(ValueError, match="allow-list"):
+        safe_torch_load(buf.getvalue())
