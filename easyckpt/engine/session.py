@@ -48,8 +48,10 @@ class Engine:
             return None
         return self._snapshot(step, collect, persist=step % self.cfg.save_storage_interval == 0)
 
-    def _snapshot(self, step: int, collect: Collect, persist: bool) -> Optional[SnapshotResult]:
+    def _snapshot(self, step: int, collect: Collect, persist: bool, quiet: bool = False) -> Optional[SnapshotResult]:
         result = self.snapshotter.snapshot(step, collect(), persist)
+        if result is None and quiet:
+            return None
         if result is None:
             self.log.emit("skip", step=step, rank=self.rank,
                           message="both snapshot slots are reserved for persisting: storage is slower than "
@@ -89,7 +91,7 @@ class Engine:
         if self.last_step is not None and self._collect is not None:
             if self.last is None or self.last.step != self.last_step:
                 deadline = time.monotonic() + timeout   # here waiting for a free slot is allowed
-                while self._snapshot(self.last_step, self._collect, persist=True) is None:
+                while self._snapshot(self.last_step, self._collect, persist=True, quiet=True) is None:
                     if time.monotonic() > deadline:
                         raise AgentError(f"rank {self.rank}: no snapshot slot was released within {timeout}s")
                     time.sleep(0.01)

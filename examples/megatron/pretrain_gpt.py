@@ -70,6 +70,8 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_compat  # noqa: E402
 
+import easyckpt.megatron as easyckpt_megatron  # noqa: E402
+
 VOCAB_SIZE = 128
 SEQ_LENGTH = 32
 
@@ -100,6 +102,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loss-file", default=None, help="prefix; rank r appends to PREFIX.rank{r}")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each iteration")
     p.add_argument("--quiet", action="store_true", help="no per-iteration log line")
+    ck = p.add_argument_group("checkpointing (easyckpt)")
+    ck.add_argument("--save", default=None, help="checkpoint directory; none: no checkpoints")
+    ck.add_argument("--save-mem-interval", type=int, default=1)
+    ck.add_argument("--save-storage-interval", type=int, default=5)
+    ck.add_argument("--max-ckpt-num", type=int, default=3)
+    ck.add_argument("--ckpt-log", default=None, help="easyckpt audit log (JSON lines)")
+    ck.add_argument("--agent-idle-timeout", type=float, default=60.0)
+    ck.add_argument("--no-finalize", action="store_true", help="exit without finalize_easyckpt()")
     return p.parse_args(argv)
 
 
@@ -349,9 +359,10 @@ def train(model, optimizer, scheduler, start_iteration: int, args: argparse.Name
                   f"grad norm {grad_norm:.4f} | {1000 * step_times[-1]:.1f} ms"
                   + ("" if update_successful else " | skipped"), flush=True)
 
-        # CHECKPOINT: save here (iteration completed)
         # The optimizer and the scheduler have stepped and the loss is written, so a save here holds
         # the state after `iteration`, and a run loaded from it continues with iteration + 1.
+        if args.save:
+            easyckpt_megatron.save_checkpoint_if_needed(iteration, [model], optimizer, scheduler)
 
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -377,12 +388,20 @@ def main(argv=None) -> int:
     model, optimizer, scheduler = build_model_and_optimizer(args)
     start_iteration = 0
 
-    # CHECKPOINT: load here
-    # Set start_iteration to the iteration the checkpoint was saved after; the loop continues with
-    # start_iteration + 1. The data need no state (they are a function of the iteration). Note that a
-    # DistributedOptimizer that has never stepped has no Adam state yet (see build_model_and_optimizer).
+    # The loop continues with start_iteration + 1. The data need no state (they are a function of the
+    # iteration), so iteration and RNG/model/optimizer/scheduler states are all a resume needs.
+    if args.save:
+        easyckpt_megatron.initialize_easyckpt(args.save_mem_interval, args.save_storage_interval,
+                                              args.max_ckpt_num, args.ckpt_log, save_dir=args.save, args=args,
+                                              agent_idle_timeout=args.agent_idle_timeout)
+        start_iteration, _ = easyckpt_megatron.load_checkpoint([model], optimizer, scheduler)
+        if args.loss_file and parallel_state.is_pipeline_last_stage():
+            with open(f"{args.loss_file}.rank{dist.get_rank()}", "a") as f:
+                f.write(f"# start {start_iteration}\n")
 
     train(model, optimizer, scheduler, start_iteration, args)
+    if args.save and not args.no_finalize:
+        easyckpt_megatron.finalize_easyckpt()
 
     dist.barrier()
     parallel_state.destroy_model_parallel()

@@ -1,0 +1,110 @@
+"""Megatron drop-ins: ``load_checkpoint``, ``initialize_easyckpt``, ``save_checkpoint_if_needed``.
+
+Same arguments and return values as Megatron-LM's ``megatron.training.checkpointing`` (core_v0.16):
+``load_checkpoint`` returns ``(iteration, num_floating_point_operations_so_far)``, ``(0, 0)`` when
+there is nothing to load. With Megatron-LM's ``megatron.training`` importable and its arguments
+parsed, the save directory, the arguments stored in the checkpoint and the consumed-sample counters
+come from ``get_args()``; with megatron-core alone pass ``save_dir=`` (and ``args=``) explicitly.
+
+Not yet: ``concat=True`` (resuming on another data-parallel size) raises NotImplementedError.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from ..config import Config
+from ..engine.session import Engine
+from ..errors import ConfigError, EasyCkptError
+from . import state as _state
+
+_engine: Optional[Engine] = None
+_args: Any = None
+
+
+def _megatron_args() -> Any:
+    try:
+        from megatron.training.global_vars import get_args
+        return get_args()
+    except (ImportError, AssertionError, AttributeError):
+        return None
+
+
+def initialize_easyckpt(save_mem_interval: int = 1, save_storage_interval: int = 5, max_ckpt_num: Optional[int] = 5,
+                        log_file_path: Optional[str] = None, *, save_dir: Optional[str] = None, args: Any = None,
+                        **advanced: Any) -> None:
+    """Attach this rank to easyckpt. ``save_dir`` defaults to Megatron's ``args.save``."""
+    global _engine, _args
+    if _engine is not None:
+        raise EasyCkptError("easyckpt.megatron.initialize_easyckpt was already called in this process")
+    _args = args if args is not None else _megatron_args()
+    save_dir = save_dir or getattr(_args, "save", None)
+    if not save_dir:
+        raise ConfigError("no save directory: pass save_dir=... or run under Megatron-LM with --save")
+    _engine = Engine(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
+                            save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
+                            log_file_path=log_file_path, naming=_state.NAMING, **advanced))
+
+
+def _require() -> Engine:
+    if _engine is None:
+        raise EasyCkptError("call easyckpt.megatron.initialize_easyckpt(...) before saving or loading")
+    return _engine
+
+
+def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                              num_floating_point_operations_so_far: Optional[float] = None) -> None:
+    """Call every iteration after the optimizer step; snapshots and persists on the configured intervals."""
+    engine = _require()
+    where = _state.parallel()
+    flops = num_floating_point_operations_so_far or 0
+    engine.maybe_save(iteration, lambda: _state.collect(iteration, model, optimizer, opt_param_scheduler, flops,
+                                                       _args, where))
+
+
+def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
+                    strict: bool = True, concat: bool = False, **kwargs: Any) -> Tuple[int, float]:
+    """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``."""
+    engine = _require()
+    if concat:
+        raise NotImplementedError("concat=True (a different data-parallel size) is not implemented yet")
+    where = _state.parallel()
+    loaded = engine.load(lambda manifest: _state.needed(where, optimizer, manifest))
+    if loaded is None:
+        engine.log.emit("load", step=0, rank=where.rank, source="none",
+                        message="no checkpoint found: starting from scratch")
+        return 0, 0
+    saved = _state.restore(loaded.trees, where, model, optimizer, opt_param_scheduler, strict)
+    iteration = int(saved["iteration"])
+    _restore_training_counters(saved, iteration)
+    return iteration, saved.get("num_floating_point_operations_so_far", 0) or 0
+
+
+def _restore_training_counters(saved: dict, iteration: int) -> None:
+    """What Megatron-LM's loader does besides tensors: sample counters, microbatch schedule, version."""
+    args, ckpt_args = _megatron_args(), saved.get("args")
+    if args is None:
+        return
+    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        if hasattr(ckpt_args, name):
+            setattr(args, name, getattr(ckpt_args, name))
+    try:
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+        update_num_microbatches(consumed_samples=getattr(args, "consumed_train_samples", 0), verbose=True)
+        from megatron.training import checkpointing
+        checkpointing.set_checkpoint_version(saved.get("checkpoint_version", _state.CHECKPOINT_VERSION))
+        checkpointing.set_loaded_iteration(iteration)
+    except ImportError:
+        pass
+
+
+def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:
+    """Persist and commit the newest state, then release shared memory. Returns the committed iteration."""
+    global _engine
+    engine = _require()
+    try:
+        return engine.finalize(timeout)
+    finally:
+        _engine = None
+
+
+__all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt"]

@@ -1,0 +1,201 @@
+"""Megatron state ↔ easyckpt shards: what Megatron itself saves, in its native torch layout.
+
+Per rank at (tp, pp, dp), for iteration N (directory ``iter_{N:07d}``):
+    mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt   Megatron's own file (torch.save): args, checkpoint_version,
+        iteration, model / model{i} (virtual pipeline chunks), optimizer, opt_param_scheduler, rng_state,
+        num_floating_point_operations_so_far — written once per (tp, pp), by data-parallel rank 0
+    mp_rank_.../distrib_optim_dp{dp:03d}.pt          with the DistributedOptimizer: this DP rank's shard of
+        the fp32 main params and Adam moments (per DP rank, so no gather stalls the save; Megatron's own
+        single-file ``distrib_optim.pt`` is produced by the converter, easyckpt.megatron.convert)
+    easyckpt_rng/rank_{r:05d}.safetensors             every rank's own RNG states (Megatron keeps DP rank 0's)
+
+This module holds no file I/O: it turns live Megatron objects into ShardSpecs and trees back into them.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..config import Naming
+from ..engine.snapshot import ShardSpec
+
+NAMING = Naming(dir_format="iter_{:07d}", dir_regex=r"^iter_(\d{7})$",
+                tracker="latest_checkpointed_iteration.txt", tracker_format="{}", framework="megatron")
+CHECKPOINT_VERSION = 3.0
+
+
+@dataclass(frozen=True)
+class Parallel:
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+    @property
+    def mp_dir(self) -> str:
+        return f"mp_rank_{self.tp:02d}" if self.pp_size == 1 else f"mp_rank_{self.tp:02d}_{self.pp:03d}"
+
+    @property
+    def model_file(self) -> str:
+        return f"{self.mp_dir}/model_optim_rng.pt"
+
+    @property
+    def distopt_file(self) -> str:
+        return f"{self.mp_dir}/distrib_optim_dp{self.dp:03d}.pt"
+
+    @property
+    def rng_file(self) -> str:
+        return f"easyckpt_rng/rank_{self.rank:05d}.safetensors"
+
+
+def parallel() -> Parallel:
+    from megatron.core import parallel_state as mpu
+    return Parallel(torch.distributed.get_rank(), mpu.get_tensor_model_parallel_rank(),
+                    mpu.get_pipeline_model_parallel_rank(), mpu.get_data_parallel_rank(),
+                    mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
+                    mpu.get_data_parallel_world_size())
+
+
+def chunks(model: Any) -> List[Any]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def optimizers(optimizer: Any) -> List[Any]:
+    return list(getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer is not None else []))
+
+
+def is_distributed(opt: Any) -> bool:
+    return hasattr(opt, "gbuf_ranges") and hasattr(opt, "_get_main_param_and_optimizer_states")
+
+
+# ---- RNG (Megatron's own rng_state dict, plus the tensor-parallel tracker) ----------------------------
+
+def rng_capture() -> Dict[str, Any]:
+    from megatron.core import tensor_parallel
+    try:
+        cuda_state = torch.cuda.get_rng_state()
+    except (RuntimeError, AssertionError, AttributeError):   # no CUDA: Megatron's loader still expects the key
+        cuda_state = torch.get_rng_state()
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": cuda_state,
+            "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def rng_restore(state: Dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    try:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    except (RuntimeError, AssertionError, AttributeError):
+        pass
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+# ---- DistributedOptimizer parameter state, this DP rank's shard -------------------------------------
+
+def _distopt_params(opt: Any):
+    """Model params in the optimizer's bucket order (the same on every run with the same layout)."""
+    for gbuf_idx, range_maps in enumerate(opt.gbuf_ranges):
+        for dtype, buckets in range_maps.items():
+            for bucket_idx, bucket in enumerate(buckets):
+                for model_param, ranges in bucket["param_map"].items():
+                    yield (gbuf_idx, str(dtype), bucket_idx), model_param, ranges
+
+
+def distopt_state(opt: Any) -> Dict[str, Any]:
+    params = []
+    for where, model_param, ranges in _distopt_params(opt):
+        tensors = opt._get_main_param_and_optimizer_states(model_param)
+        local = ranges["gbuf_local"]
+        params.append({"where": list(where), "gbuf_local": [local.start, local.end],
+                       "param_numel": model_param.numel(), **tensors})
+    return {"per_bucket_numel_unpadded": opt.per_bucket_numel_unpadded, "params": params}
+
+
+def distopt_restore(opt: Any, state: Dict[str, Any]) -> None:
+    mine = list(_distopt_params(opt))
+    saved = state["params"]
+    if len(saved) != len(mine) or state["per_bucket_numel_unpadded"] != opt.per_bucket_numel_unpadded:
+        raise ValueError("the distributed-optimizer shard does not match this run's parameter layout; "
+                         "resuming on another data-parallel size needs load_checkpoint(..., concat=True)")
+    for entry, (_, model_param, _) in zip(saved, mine):
+        tensors = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        _ensure_adam_state(opt, model_param, tensors)
+        opt._set_main_param_and_optimizer_states(model_param, tensors)
+
+
+def _ensure_adam_state(opt: Any, model_param: Any, tensors: Dict[str, torch.Tensor]) -> None:
+    """torch Adam creates its state at the first step, so a fresh optimizer has nowhere to copy into;
+    and without TE/Apex, DistributedOptimizer.load_state_dict gives every parameter the SAME "step"
+    tensor, which torch Adam then increments once per parameter per step: each needs its own."""
+    group_index, group_order = opt.model_param_group_index_map[model_param]
+    main = opt.optimizer.param_groups[group_index]["params"][group_order]
+    state = opt.optimizer.state[main]
+    for key, value in tensors.items():
+        if key == "step":
+            state[key] = value.detach().clone()
+        elif key != "param" and key not in state:
+            state[key] = torch.zeros_like(value, device=main.device)
+
+
+# ---- collect / restore ------------------------------------------------------------------------------
+
+def collect(iteration: int, model: Sequence[Any], optimizer: Any, scheduler: Any, flops: float,
+            args: Any, where: Parallel) -> List[ShardSpec]:
+    model = chunks(model)
+    state: Dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    for i, chunk in enumerate(model):
+        state["model" if len(model) == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    rng = rng_capture()
+    state["rng_state"] = [rng]
+    state["num_floating_point_operations_so_far"] = flops
+    owner = where.dp == 0
+    shards = [ShardSpec(where.model_file, state, persist=owner, fmt="torch")]
+    dist_opts = [o for o in optimizers(optimizer) if is_distributed(o)]
+    if dist_opts:
+        shards.append(ShardSpec(where.distopt_file, [distopt_state(o) for o in dist_opts], persist=True,
+                                fmt="torch"))
+    shards.append(ShardSpec(where.rng_file, {"iteration": iteration, "rng": rng}, persist=True))
+    return shards
+
+
+def needed(where: Parallel, optimizer: Any, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+    files = [(where.model_file, False)]
+    if any(is_distributed(o) for o in optimizers(optimizer)):
+        files.append((where.distopt_file, False))
+    files.append((where.rng_file, True))
+    return files
+
+
+def restore(trees: Dict[str, Any], where: Parallel, model: Sequence[Any], optimizer: Any, scheduler: Any,
+            strict: bool) -> Dict[str, Any]:
+    state = trees[where.model_file]
+    model = chunks(model)
+    for i, chunk in enumerate(model):
+        chunk.load_state_dict(state["model" if len(model) == 1 else f"model{i}"], strict=strict)
+    if optimizer is not None and "optimizer" in state:
+        with torch.no_grad():
+            optimizer.load_state_dict(state["optimizer"])
+            dist_opts = [o for o in optimizers(optimizer) if is_distributed(o)]
+            if dist_opts:
+                for opt, shard in zip(dist_opts, trees[where.distopt_file]):
+                    distopt_restore(opt, shard)
+    if scheduler is not None and "opt_param_scheduler" in state:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    own = trees.get(where.rng_file)
+    rng_restore(own["rng"] if own is not None else state["rng_state"][0])
+    return state
+

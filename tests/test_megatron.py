@@ -1,0 +1,82 @@
+"""Megatron (megatron-core GPTModel, Megatron DDP and optimizer, on CPU with gloo): kill -9 mid-run and
+resume with losses equal to an uninterrupted run, for TP=2, PP=2 and DP=2 with the DistributedOptimizer;
+the native layout loads through torch.load the way Megatron's own loader reads it."""
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import ROOT, kill_tree, last_iteration, run, start, wait_no_agent, events
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
+
+SCRIPT = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
+ITERS = 12
+CONFIGS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2_distopt": ["--use-distributed-optimizer"]}
+SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
+
+
+def cmd(save: Path, loss: Path, *extra: str):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
+            "--cpu", "--quiet", "--iters", str(ITERS), "--save", str(save), "--loss-file", str(loss),
+            "--save-storage-interval", "4", *extra]
+
+
+def loss_files(prefix: Path):
+    out = {}
+    for path in sorted(prefix.parent.glob(prefix.name + ".rank*")):
+        vals = {}
+        for line in path.read_text().splitlines():
+            if line and not line.startswith("#"):
+                it, v = line.split()
+                vals[int(it)] = v
+        out[path.name.rsplit(".", 1)[1]] = vals
+    return out
+
+
+def starts(prefix: Path):
+    path = sorted(prefix.parent.glob(prefix.name + ".rank*"))[0]
+    return [int(l.split()[2]) for l in path.read_text().splitlines() if l.startswith("# start")]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_kill9_resume_matches_uninterrupted_run(tmp_path, name):
+    extra = CONFIGS[name]
+    ref = tmp_path / "ref"
+    run(cmd(ref / "ckpt", ref / "loss", *extra), timeout=300)
+    reference = loss_files(ref / "loss")
+    assert reference and all(sorted(v) == list(range(1, ITERS + 1)) for v in reference.values())
+
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    args = cmd(ckpt, loss, *extra, "--ckpt-log", str(log), "--step-sleep", "0.15")
+    proc = start(args, log=tmp_path / "first.out")
+    kill_at = random.Random(SEED + len(name)).randint(4, 8)
+    import time
+    deadline = time.monotonic() + 300
+    probe = sorted(loss.parent.glob(loss.name + ".rank*"))
+    while not probe or last_iteration(Path(str(probe[0]).rsplit(".rank", 1)[0]), int(str(probe[0]).rsplit("rank", 1)[1])) < kill_at:
+        assert proc.poll() is None, (tmp_path / "first.out").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+        probe = sorted(loss.parent.glob(loss.name + ".rank*"))
+    kill_tree(proc)
+    run(args, timeout=300)
+    resumed = starts(loss)[-1]
+    assert resumed >= kill_at - 1, f"resumed from {resumed}, killed after {kill_at}"
+    assert any(e["event"] == "load" and e.get("source") == "memory" for e in events(log))
+    assert loss_files(loss) == reference, "losses after the resume differ from the uninterrupted run"
+    wait_no_agent(ckpt)
+    wait_no_agent(ref / "ckpt")
+
+    # the native file is what Megatron's torch-format loader reads: torch.load of model_optim_rng.pt
+    newest = sorted(ckpt.glob("iter_*"))[-1]
+    native = torch.load(next(newest.glob("mp_rank_*/model_optim_rng.pt")), weights_only=False)
+    assert native["checkpoint_version"] == 3.0 and native["iteration"] == int(newest.name[5:])
+    assert {"args", "model", "optimizer", "opt_param_scheduler", "rng_state",
+            "num_floating_point_operations_so_far"} <= set(native)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(native["iteration"])
