@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 from pathlib import Path
 
@@ -44,8 +45,10 @@ def starts(prefix: Path):
     return [int(l.split()[2]) for l in path.read_text().splitlines() if l.startswith("# start")]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_kill9_resume_matches_uninterrupted_run(tmp_path, name):
+@pytest.mark.parametrize("name,sig", [(n, signal.SIGKILL) for n in CONFIGS] + [("dp2_distopt", signal.SIGTERM)],
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, name, sig):
+    """kill -9 of every trainer, or SIGTERM to the launcher (torchrun forwards it to its workers)."""
     extra = CONFIGS[name]
     ref = tmp_path / "ref"
     run(cmd(ref / "ckpt", ref / "loss", *extra), timeout=300)
@@ -64,7 +67,11 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path, name):
         assert time.monotonic() < deadline
         time.sleep(0.02)
         probe = sorted(loss.parent.glob(loss.name + ".rank*"))
-    kill_tree(proc)
+    if sig == signal.SIGKILL:
+        kill_tree(proc)
+    else:
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
     run(args, timeout=300)
     resumed = starts(loss)[-1]
     assert resumed >= kill_at - 1, f"resumed from {resumed}, killed after {kill_at}"
