@@ -54,6 +54,9 @@ def test_torch_format_shard_is_native_and_loads_safely(tmp_path, snap):
     for k, v in state["model"].items():
         assert torch.equal(native["model"][k], v)
     assert native["rng_state"][0]["random"] == (3, tuple(range(5)), None)
+    # Megatron's loader hands these straight to torch.set_rng_state, which ignores a view's offset
+    torch.set_rng_state(native["rng_state"][0]["torch_rng_state"])
+    assert torch.equal(torch.get_rng_state(), state["rng_state"][0]["torch_rng_state"])
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(build(7, "x", "t", 1, files)))
     trees, problem, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m["files"]])
     assert problem is None

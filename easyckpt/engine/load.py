@@ -39,7 +39,8 @@ class Loaded:
 
 
 def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog) -> Optional[Loaded]:
-    mem = snapshot.complete_snapshots(cfg.job_id, rank)
+    # a snapshot taken with another world size holds another layout's shards: storage has to serve that
+    mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.world_size == world_size]
     stored = retention.committed(cfg.save_dir, cfg.naming)
     views = all_gather(([s.step for s in mem], [s for s, _ in stored]), world_size)
     common_mem = set.intersection(*(set(m) for m, _ in views))
@@ -81,7 +82,11 @@ def _read_step(step_dir: str, needed: Needed) -> Tuple[Optional[Dict[str, Any]],
         return None, "manifest missing or unreadable", 0
     trees: Dict[str, Any] = {}
     nbytes = 0
-    for rel, optional in needed(man):
+    try:
+        wanted = needed(man)
+    except ValueError as exc:
+        return None, str(exc), 0
+    for rel, optional in wanted:
         if rel not in man["files"]:
             if optional:
                 continue

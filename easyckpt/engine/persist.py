@@ -122,28 +122,15 @@ def _write_torch(fd: int, view: memoryview, f: Dict[str, Any], skeleton: Any) ->
     from .shardfile import torch_dtype
     from .tree import unflatten_pickled
 
-    # one storage per run of same-dtype tensors (the layout keeps them together): torch.save writes
-    # each run once, and refuses one storage viewed as two dtypes
+    # one storage per tensor, as a plain torch.save of the live state would have: consumers such as
+    # torch.set_rng_state read a tensor's storage from its start, ignoring a view's offset
     tensors: Dict[str, Any] = {}
-    runs: List[List[Any]] = []
-    for entry in f["tensors"]:
-        if runs and runs[-1][0][1] == entry[1] and runs[-1][-1][4] == entry[3]:
-            runs[-1].append(entry)
-        else:
-            runs.append([entry])
     with warnings.catch_warnings():   # the slot is mapped read-only; we only read through it
         warnings.simplefilter("ignore")
-        for run in runs:
-            dtype = torch_dtype(run[0][1])
-            base, stop = run[0][3], run[-1][4]
-            if stop == base:
-                for key, _, shape, _, _ in run:
-                    tensors[key] = torch.empty(shape, dtype=dtype)
-                continue
-            storage = torch.frombuffer(view[base:stop], dtype=dtype)
-            item = dtype.itemsize
-            for key, _, shape, b, e in run:
-                tensors[key] = storage[(b - base) // item:(e - base) // item].view(shape)
+        for key, dtype, shape, b, e in f["tensors"]:
+            dt = torch_dtype(dtype)
+            tensors[key] = (torch.frombuffer(view[b:e], dtype=dt).view(shape) if e > b
+                            else torch.empty(shape, dtype=dt))
     tree = unflatten_pickled(skeleton, tensors)
     out = _HashingWriter(fd)
     # the manifest's xxh3 already guards integrity; torch's per-record CRC32 would halve the speed

@@ -76,8 +76,7 @@ def _build_layout(signature: Tuple, flat: List[Tuple[str, bool, str, List[Tuple[
 
 def _order(tensors: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
     """Biggest element size first: every tensor then starts at a multiple of its own item size while
-    staying back to back (safetensors rejects gaps). Same dtypes together: a torch.save file can then
-    hold one storage per dtype (torch refuses storages viewed as two dtypes)."""
+    staying back to back (safetensors rejects gaps); same dtypes together, for a stable order."""
     return sorted(tensors, key=lambda kt: (-kt[1].element_size(), str(kt[1].dtype)))
 
 
@@ -240,6 +239,7 @@ class SlotInfo:
     slot: int
     step: int
     generation: int
+    world_size: int
 
 
 def complete_snapshots(job_id: str, rank: int) -> List[SlotInfo]:
@@ -253,7 +253,7 @@ def complete_snapshots(job_id: str, rank: int) -> List[SlotInfo]:
         try:
             hdr = slot.read_header()
             if hdr is not None and slot.read_meta(hdr) is not None:
-                found.append(SlotInfo(i, hdr.step, hdr.generation))
+                found.append(SlotInfo(i, hdr.step, hdr.generation, hdr.world_size))
         finally:
             slot.close()
     return sorted(found, key=lambda s: -s.step)

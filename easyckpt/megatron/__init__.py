@@ -6,7 +6,10 @@ there is nothing to load. With Megatron-LM's ``megatron.training`` importable an
 parsed, the save directory, the arguments stored in the checkpoint and the consumed-sample counters
 come from ``get_args()``; with megatron-core alone pass ``save_dir=`` (and ``args=``) explicitly.
 
-Not yet: ``concat=True`` (resuming on another data-parallel size) raises NotImplementedError.
+``concat=True`` resumes on another data-parallel size: the DistributedOptimizer state is stored per
+data-parallel rank (``distrib_optim_dp{r:03d}.pt``, no gather on the save path); concat reassembles every
+parameter from all saved shards and takes this rank's slice. Without it, a shard that does not match the
+current layout is refused with a message that names concat=True.
 """
 from __future__ import annotations
 
@@ -65,15 +68,13 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
                     strict: bool = True, concat: bool = False, **kwargs: Any) -> Tuple[int, float]:
     """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``."""
     engine = _require()
-    if concat:
-        raise NotImplementedError("concat=True (a different data-parallel size) is not implemented yet")
     where = _state.parallel()
-    loaded = engine.load(lambda manifest: _state.needed(where, optimizer, manifest))
+    loaded = engine.load(lambda manifest: _state.needed(where, optimizer, manifest, concat))
     if loaded is None:
         engine.log.emit("load", step=0, rank=where.rank, source="none",
                         message="no checkpoint found: starting from scratch")
         return 0, 0
-    saved = _state.restore(loaded.trees, where, model, optimizer, opt_param_scheduler, strict)
+    saved = _state.restore(loaded.trees, where, model, optimizer, opt_param_scheduler, strict, concat)
     iteration = int(saved["iteration"])
     _restore_training_counters(saved, iteration)
     return iteration, saved.get("num_floating_point_operations_so_far", 0) or 0

@@ -111,14 +111,49 @@ def _distopt_params(opt: Any):
                     yield (gbuf_idx, str(dtype), bucket_idx), model_param, ranges
 
 
-def distopt_state(opt: Any) -> Dict[str, Any]:
+def param_names(model: Sequence[Any]) -> Dict[Any, str]:
+    return {p: f"{i}.{n}" for i, chunk in enumerate(chunks(model)) for n, p in chunk.named_parameters()}
+
+
+def distopt_state(opt: Any, names: Dict[Any, str]) -> Dict[str, Any]:
+    """This DP rank's shard of every parameter it owns, with the range of the flattened parameter it
+    covers (what concat=True needs to reassemble full parameters on another data-parallel size)."""
     params = []
     for where, model_param, ranges in _distopt_params(opt):
         tensors = opt._get_main_param_and_optimizer_states(model_param)
-        local = ranges["gbuf_local"]
-        params.append({"where": list(where), "gbuf_local": [local.start, local.end],
-                       "param_numel": model_param.numel(), **tensors})
+        sub = ranges["param"]
+        params.append({"name": names[model_param], "where": list(where), "range": [sub.start, sub.end],
+                       "numel": model_param.numel(), **tensors})
     return {"per_bucket_numel_unpadded": opt.per_bucket_numel_unpadded, "params": params}
+
+
+def distopt_restore_concat(opt: Any, shards: List[Dict[str, Any]], names: Dict[Any, str]) -> None:
+    """Reassemble every parameter's main value and moments from the shards of all saved DP ranks, then
+    take the slice this rank owns under the current data-parallel layout."""
+    full: Dict[str, Dict[str, torch.Tensor]] = {}
+    for shard in shards:
+        for entry in shard["params"]:
+            start, end = entry["range"]
+            dst = full.setdefault(entry["name"], {})
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.dim() == 0:               # "step": the same on every shard
+                    dst[key] = value
+                    continue
+                if key not in dst:
+                    dst[key] = torch.full((entry["numel"],), float("nan"), dtype=value.dtype)
+                dst[key][start:end] = value.reshape(-1)
+    for _, model_param, ranges in _distopt_params(opt):
+        name = names[model_param]
+        if name not in full:
+            raise ValueError(f"the checkpoint has no optimizer state for parameter {name}")
+        sub = ranges["param"]
+        tensors = {k: (v if v.dim() == 0 else v[sub.start:sub.end]) for k, v in full[name].items()}
+        if any(v.dim() and torch.isnan(v).any() for v in tensors.values()):
+            raise ValueError(f"the saved shards do not cover parameter {name} entirely")
+        _ensure_adam_state(opt, model_param, tensors)
+        opt._set_main_param_and_optimizer_states(model_param, tensors)
 
 
 def distopt_restore(opt: Any, state: Dict[str, Any]) -> None:
@@ -166,22 +201,30 @@ def collect(iteration: int, model: Sequence[Any], optimizer: Any, scheduler: Any
     shards = [ShardSpec(where.model_file, state, persist=owner, fmt="torch")]
     dist_opts = [o for o in optimizers(optimizer) if is_distributed(o)]
     if dist_opts:
-        shards.append(ShardSpec(where.distopt_file, [distopt_state(o) for o in dist_opts], persist=True,
+        names = param_names(model)
+        shards.append(ShardSpec(where.distopt_file, [distopt_state(o, names) for o in dist_opts], persist=True,
                                 fmt="torch"))
     shards.append(ShardSpec(where.rng_file, {"iteration": iteration, "rng": rng}, persist=True))
     return shards
 
 
-def needed(where: Parallel, optimizer: Any, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+def needed(where: Parallel, optimizer: Any, manifest: Dict[str, Any], concat: bool) -> List[Tuple[str, bool]]:
     files = [(where.model_file, False)]
     if any(is_distributed(o) for o in optimizers(optimizer)):
-        files.append((where.distopt_file, False))
+        if concat:   # every saved DP rank's shard of this (tp, pp)
+            prefix = f"{where.mp_dir}/distrib_optim_dp"
+            shards = sorted(r for r in manifest["files"] if r.startswith(prefix))
+            if not shards:
+                raise ValueError(f"no distributed-optimizer shards under {where.mp_dir} in the checkpoint")
+            files.extend((r, False) for r in shards)
+        else:
+            files.append((where.distopt_file, False))
     files.append((where.rng_file, True))
     return files
 
 
 def restore(trees: Dict[str, Any], where: Parallel, model: Sequence[Any], optimizer: Any, scheduler: Any,
-            strict: bool) -> Dict[str, Any]:
+            strict: bool, concat: bool = False) -> Dict[str, Any]:
     state = trees[where.model_file]
     model = chunks(model)
     for i, chunk in enumerate(model):
@@ -190,7 +233,13 @@ def restore(trees: Dict[str, Any], where: Parallel, model: Sequence[Any], optimi
         with torch.no_grad():
             optimizer.load_state_dict(state["optimizer"])
             dist_opts = [o for o in optimizers(optimizer) if is_distributed(o)]
-            if dist_opts:
+            if dist_opts and concat:
+                prefix = f"{where.mp_dir}/distrib_optim_dp"
+                saved = [trees[r] for r in sorted(trees) if r.startswith(prefix)]
+                names = param_names(model)
+                for i, opt in enumerate(dist_opts):
+                    distopt_restore_concat(opt, [s[i] for s in saved], names)
+            elif dist_opts:
                 for opt, shard in zip(dist_opts, trees[where.distopt_file]):
                     distopt_restore(opt, shard)
     if scheduler is not None and "opt_param_scheduler" in state:
