@@ -1,7 +1,8 @@
-"""easyckpt command line: ``ls`` and ``verify`` (more verbs come with the operator-tools issue).
+"""easyckpt command line (more verbs come with the operator-tools issue).
 
-    easyckpt ls DIR [--framework pytorch] [--json]
-    easyckpt verify DIR [STEP] [--json]       exit status 1 on damage, naming the file
+    easyckpt ls DIR [--framework pytorch|megatron] [--json]
+    easyckpt verify DIR [STEP] [--framework ...] [--json]     exit status 1 on damage, naming the file
+    easyckpt convert megatron-distopt DIR [STEP]              Megatron's own distrib_optim.pt per (tp, pp)
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from .engine import retention, shardfile
 
 
 def _naming(framework: str) -> Naming:
+    from .megatron.state import NAMING as MEGATRON
     from .pytorch import NAMING
-    known = {"pytorch": NAMING}
+    known = {"pytorch": NAMING, "megatron": MEGATRON}
     return known[framework]
 
 
@@ -80,6 +82,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .megatron.convert import to_megatron_distrib_optim
+    committed = retention.committed(args.dir, _naming("megatron"))
+    if args.step is not None:
+        committed = [(s, p) for s, p in committed if s == args.step]
+    if not committed:
+        print(f"easyckpt convert: no committed Megatron checkpoint{'' if args.step is None else f' of step {args.step}'} "
+              f"in {args.dir}", file=sys.stderr)
+        return 2
+    try:
+        for path in to_megatron_distrib_optim(committed[0][1]):
+            print(f"wrote {path}")
+    except ValueError as exc:
+        print(f"easyckpt convert: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="easyckpt", description="inspect easyckpt checkpoints")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -88,9 +108,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("dir")
         if name == "verify":
             p.add_argument("step", nargs="?", type=int)
-        p.add_argument("--framework", default="pytorch", choices=["pytorch"])
+        p.add_argument("--framework", default="pytorch", choices=["pytorch", "megatron"])
         p.add_argument("--json", action="store_true")
         p.set_defaults(fn=fn)
+    conv = sub.add_parser("convert", help="megatron-distopt: per-DP optimizer shards -> Megatron's distrib_optim.pt")
+    conv.add_argument("what", choices=["megatron-distopt"])
+    conv.add_argument("dir")
+    conv.add_argument("step", nargs="?", type=int)
+    conv.set_defaults(fn=cmd_convert)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -130,3 +130,18 @@ def test_without_concat_a_different_data_parallel_size_is_refused_clearly(tmp_pa
     assert out.returncode != 0
     assert "concat=True" in out.stdout + out.stderr
     wait_no_agent(ckpt)
+
+
+def test_native_keys_and_converter_output_load_through_megatrons_own_paths(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(cmd(ckpt, tmp_path / "loss", "--use-distributed-optimizer", "--iters", "6", "--save-storage-interval", "3"),
+        timeout=300)
+    wait_no_agent(ckpt)
+    conv = run([sys.executable, "-m", "easyckpt.cli", "convert", "megatron-distopt", str(ckpt)], timeout=120)
+    assert "distrib_optim.pt" in conv.stdout
+    verify = run([sys.executable, "-m", "easyckpt.cli", "verify", "--framework", "megatron", str(ckpt), "6"])
+    assert "OK" in verify.stdout, "the converter's output is listed in the manifest and verifies"
+    check = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 str(ROOT / "tests" / "megatron_native_check.py"), str(ckpt)], timeout=300)
+    assert check.stdout.count("NATIVE OK at iteration 6") == 2, check.stdout[-3000:]
+    wait_no_agent(ckpt, job_name="native-check")

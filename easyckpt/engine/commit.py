@@ -94,6 +94,23 @@ def commit(save_dir: str, job_id: str, step: int, world_size: int, naming: Namin
     return final, sum(f["size"] for f in files.values())
 
 
+def add_file(step_dir: str, rel: str, data: bytes) -> None:
+    """Add a derived file (e.g. a converter's output) to a committed step: durable before it is listed."""
+    path = os.path.join(step_dir, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write(path, data)
+
+
+def add_to_manifest(step_dir: str, entries: Dict[str, Dict[str, Any]]) -> None:
+    """List files already written by add_file in the step's manifest (rewritten atomically)."""
+    man = mf.read(step_dir)
+    if man is None:
+        raise ValueError(f"{step_dir} has no valid manifest")
+    man["files"].update(entries)
+    man["files"] = dict(sorted(man["files"].items()))
+    atomic_write(os.path.join(step_dir, mf.MANIFEST_NAME), json.dumps(man, indent=1).encode())
+
+
 def _retire_existing(save_dir: str, final: str, log: AuditLog) -> None:
     """A step directory of the same name exists (a run resumed from an older step reached it again).
     Replace it only if it is an easyckpt checkpoint: a foreign directory is never touched."""

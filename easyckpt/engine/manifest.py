@@ -87,6 +87,16 @@ def check_sizes(step_dir: str, manifest: Dict[str, Any], relpaths: Optional[Iter
     return problems
 
 
+def read_verified(step_dir: str, rel: str, manifest: Dict[str, Any]) -> bytes:
+    """The bytes of one listed file, after checking its size and checksum; ValueError if damaged."""
+    with open(os.path.join(step_dir, rel), "rb") as f:
+        data = f.read()
+    problem = check_bytes(rel, data, manifest)
+    if problem:
+        raise ValueError(problem)
+    return data
+
+
 def check_bytes(rel: str, data, manifest: Dict[str, Any]) -> Optional[str]:
     entry = manifest["files"][rel]
     if len(data) != entry["size"]:

@@ -108,7 +108,7 @@ def _distopt_params(opt: Any):
         for dtype, buckets in range_maps.items():
             for bucket_idx, bucket in enumerate(buckets):
                 for model_param, ranges in bucket["param_map"].items():
-                    yield (gbuf_idx, str(dtype), bucket_idx), model_param, ranges
+                    yield (gbuf_idx, dtype, bucket_idx), model_param, ranges
 
 
 def param_names(model: Sequence[Any]) -> Dict[Any, str]:
@@ -122,14 +122,16 @@ def distopt_state(opt: Any, names: Dict[Any, str]) -> Dict[str, Any]:
     for where, model_param, ranges in _distopt_params(opt):
         tensors = opt._get_main_param_and_optimizer_states(model_param)
         sub = ranges["param"]
-        params.append({"name": names[model_param], "where": list(where), "range": [sub.start, sub.end],
-                       "numel": model_param.numel(), **tensors})
+        gbuf_idx, key, bucket_idx = where
+        params.append({"name": names[model_param], "gbuf": gbuf_idx, "key": key, "bucket": bucket_idx,
+                       # where the whole parameter starts in its bucket (Megatron's gathered layout)
+                       "bucket_start": ranges["gbuf_world_in_bucket"].start - sub.start,
+                       "range": [sub.start, sub.end], "numel": model_param.numel(), **tensors})
     return {"per_bucket_numel_unpadded": opt.per_bucket_numel_unpadded, "params": params}
 
 
-def distopt_restore_concat(opt: Any, shards: List[Dict[str, Any]], names: Dict[Any, str]) -> None:
-    """Reassemble every parameter's main value and moments from the shards of all saved DP ranks, then
-    take the slice this rank owns under the current data-parallel layout."""
+def assemble(shards: List[Dict[str, Any]]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Every parameter's whole main value and moments (flattened), from the shards of all DP ranks."""
     full: Dict[str, Dict[str, torch.Tensor]] = {}
     for shard in shards:
         for entry in shard["params"]:
@@ -144,6 +146,13 @@ def distopt_restore_concat(opt: Any, shards: List[Dict[str, Any]], names: Dict[A
                 if key not in dst:
                     dst[key] = torch.full((entry["numel"],), float("nan"), dtype=value.dtype)
                 dst[key][start:end] = value.reshape(-1)
+    return full
+
+
+def distopt_restore_concat(opt: Any, shards: List[Dict[str, Any]], names: Dict[Any, str]) -> None:
+    """Reassemble every parameter from the shards of all saved DP ranks, then take the slice this rank
+    owns under the current data-parallel layout."""
+    full = assemble(shards)
     for _, model_param, ranges in _distopt_params(opt):
         name = names[model_param]
         if name not in full:
