@@ -72,6 +72,23 @@ class Engine:
         except AgentError as exc:   # never take training down for a failed persist (promise 2)
             self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
 
+    def persist_now(self, step: int, collect: Collect, timeout: Optional[float] = None) -> SnapshotResult:
+        """Make sure ``step`` is snapshotted and handed to the agent for persisting; waits only for a free
+        slot (when both are reserved), never for storage."""
+        self.last_step, self._collect = step, collect
+        if self.last is not None and self.last.step == step:
+            if self.last_persisted_step != step:
+                self._request_persist(self.last)
+            return self.last
+        deadline = time.monotonic() + (self.cfg.commit_timeout if timeout is None else timeout)
+        while True:
+            result = self._snapshot(step, collect, persist=True, quiet=True)
+            if result is not None:
+                return result
+            if time.monotonic() > deadline:
+                raise AgentError(f"rank {self.rank}: no snapshot slot was released in time to save step {step}")
+            time.sleep(0.01)
+
     # ---- load ----------------------------------------------------------------------------
 
     def load(self, needed: Needed) -> Optional[Loaded]:
@@ -89,15 +106,7 @@ class Engine:
         timeout = self.cfg.commit_timeout if timeout is None else timeout
         step = None
         if self.last_step is not None and self._collect is not None:
-            if self.last is None or self.last.step != self.last_step:
-                deadline = time.monotonic() + timeout   # here waiting for a free slot is allowed
-                while self._snapshot(self.last_step, self._collect, persist=True, quiet=True) is None:
-                    if time.monotonic() > deadline:
-                        raise AgentError(f"rank {self.rank}: no snapshot slot was released within {timeout}s")
-                    time.sleep(0.01)
-            elif self.last_persisted_step != self.last.step:
-                self._request_persist(self.last)
-            step = self.last.step if self.last is not None else None
+            step = self.persist_now(self.last_step, self._collect, timeout).step
         if step is not None:
             reply = self.client.request({"op": "flush", "rank": self.rank, "step": step,
                                          "slot": self.last.slot, "generation": self.last.generation}, timeout)

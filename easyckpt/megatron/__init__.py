@@ -64,6 +64,24 @@ def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_pa
                                                        _args, where))
 
 
+def save_checkpoint_now(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                        num_floating_point_operations_so_far: Optional[float] = None) -> None:
+    """Snapshot ``iteration`` (unless it already is) and have it persisted, without waiting for storage:
+    what Megatron's own save points (--save-interval, exit signal, end of training) map to."""
+    engine = _require()
+    where = _state.parallel()
+    flops = num_floating_point_operations_so_far or 0
+    engine.persist_now(iteration, lambda: _state.collect(iteration, model, optimizer, opt_param_scheduler, flops,
+                                                        _args, where))
+
+
+def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                    num_floating_point_operations_so_far: float = 0, checkpointing_context: Any = None,
+                    *args: Any, **kwargs: Any) -> None:
+    """Megatron's ``save_checkpoint`` signature, easyckpt's behaviour: snapshot + background persist."""
+    save_checkpoint_now(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
+
+
 def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                     strict: bool = True, concat: bool = False, **kwargs: Any) -> Tuple[int, float]:
     """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``."""
@@ -108,4 +126,5 @@ def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:
         _engine = None
 
 
-__all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt"]
+__all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "save_checkpoint_now", "save_checkpoint",
+           "load_checkpoint", "finalize_easyckpt"]

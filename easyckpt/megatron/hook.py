@@ -1,0 +1,118 @@
+"""``import easyckpt.megatron.hook`` — one line at the top of Megatron-LM's pretrain_gpt.py.
+
+What it replaces (in both ``megatron.training.training`` and ``megatron.training.checkpointing``, since
+training.py imports the names at import time):
+
+- ``load_checkpoint``            → ``easyckpt.megatron.load_checkpoint``: the newest complete state from
+                                   memory or ``--save``; when easyckpt finds nothing and ``--load`` names
+                                   another directory, Megatron's own loader reads that one (fine-tuning
+                                   from a native checkpoint keeps working).
+- ``checkpoint_and_decide_exit`` → first ``save_checkpoint_if_needed`` (a memory snapshot every
+                                   ``EASYCKPT_SAVE_MEM_INTERVAL`` iterations, default 1, persisted every
+                                   ``--save-interval``), then Megatron's own function (exit signal,
+                                   ``--exit-interval``, ``--exit-duration-in-mins``).
+- ``save_checkpoint``            → no blocking write: the iteration is snapshotted (if it is not already)
+                                   and handed to the agent; at process exit the newest state is committed
+                                   before the process ends (atexit), so the saves Megatron makes before it
+                                   exits (SIGTERM with ``--exit-signal-handler``, end of training) are durable.
+
+Settings: ``--save`` (the checkpoint directory, also where easyckpt loads from), ``--save-interval``
+(storage interval), and the environment: EASYCKPT_SAVE_MEM_INTERVAL (1), EASYCKPT_MAX_CKPT_NUM (5),
+EASYCKPT_LOG_FILE (none). Checkpoints use Megatron's ``--ckpt-format torch`` layout.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import Any
+
+try:
+    from megatron.training import checkpointing as _ckpt
+    from megatron.training import training as _training
+    from megatron.training.global_vars import get_args
+except ImportError as exc:   # pragma: no cover - exercised only without Megatron-LM
+    raise ImportError(
+        "easyckpt.megatron.hook patches Megatron-LM's training loop (megatron.training), which is not part "
+        "of the megatron-core wheel: run it from a Megatron-LM checkout (PYTHONPATH=<Megatron-LM>), or use "
+        "easyckpt.megatron's functions directly in your own loop") from exc
+
+from .. import megatron as _em
+from ..engine.snapshot import ShardSpec  # noqa: F401  (keeps the engine importable before training)
+
+_orig_load = _ckpt.load_checkpoint
+_orig_save = _ckpt.save_checkpoint
+_orig_decide = _training.checkpoint_and_decide_exit
+_state = {"initialized": False}
+
+
+def _ensure_initialized() -> bool:
+    if _state["initialized"]:
+        return True
+    args = get_args()
+    if not args.save:
+        return False
+    mem = int(os.environ.get("EASYCKPT_SAVE_MEM_INTERVAL", "1"))
+    storage = args.save_interval or mem
+    if storage % mem:
+        storage = (storage // mem + 1) * mem
+    max_num = os.environ.get("EASYCKPT_MAX_CKPT_NUM", "5")
+    _em.initialize_easyckpt(mem, storage, None if max_num in ("", "0", "none") else int(max_num),
+                            os.environ.get("EASYCKPT_LOG_FILE") or None, save_dir=args.save, args=args)
+    _state["initialized"] = True
+    atexit.register(_finalize_at_exit)
+    return True
+
+
+def _finalize_at_exit() -> None:
+    # after an uncaught exception the other ranks are being torn down: waiting here for a commit that
+    # needs their shards would only stall; the agent persists the newest snapshot once all are gone
+    if _state["initialized"] and not _state.get("crashed"):
+        _state["initialized"] = False
+        _em.finalize_easyckpt()
+
+
+def _note_crash(excepthook):
+    def hook(*exc_info):
+        _state["crashed"] = True
+        excepthook(*exc_info)
+    return hook
+
+
+sys.excepthook = _note_crash(sys.excepthook)
+
+
+def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
+                    strict: bool = True, **kwargs: Any):
+    args = get_args()
+    if not _ensure_initialized():
+        return _orig_load(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, **kwargs)
+    iteration, flops = _em.load_checkpoint(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict)
+    other = getattr(args, load_arg, None)
+    if iteration == 0 and other and os.path.realpath(other) != os.path.realpath(args.save):
+        return _orig_load(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, **kwargs)
+    return iteration, flops
+
+
+def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                    num_floating_point_operations_so_far: float, *args: Any, **kwargs: Any) -> None:
+    if not _ensure_initialized():
+        return _orig_save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                          *args, **kwargs)
+    _em.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
+
+
+def checkpoint_and_decide_exit(model: Any, optimizer: Any, opt_param_scheduler: Any, iteration: int,
+                               num_floating_point_operations_so_far: float, *args: Any, **kwargs: Any) -> bool:
+    if _ensure_initialized():
+        _em.save_checkpoint_if_needed(iteration, model, optimizer, opt_param_scheduler,
+                                      num_floating_point_operations_so_far)
+    return _orig_decide(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
+                        *args, **kwargs)
+
+
+for _module in (_ckpt, _training):
+    for _name, _fn in (("load_checkpoint", load_checkpoint), ("save_checkpoint", save_checkpoint)):
+        if hasattr(_module, _name):
+            setattr(_module, _name, _fn)
+_training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
