@@ -70,7 +70,10 @@ def test_clean_exit_without_finalize_loses_no_snapshot(tmp_path, reference):
 def test_exception_in_one_rank_is_persisted_by_the_agent_and_resumed_from_storage(tmp_path, reference):
     crash = 17
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
-    cmd = train_cmd(ckpt, 2, *COMMON, "--loss-file", str(loss), "--log-file", str(log), "--idle-timeout", "1")
+    # a short step time keeps the agent ahead on a loaded 2-core box: when storage lags, a rank whose two
+    # slots are both reserved skips a snapshot, and ranks that skip differently share no newer step
+    cmd = train_cmd(ckpt, 2, *COMMON, "--loss-file", str(loss), "--log-file", str(log), "--idle-timeout", "1",
+                    "--step-sleep", "0.02")
     first = run(cmd + ["--crash-at", str(crash), "--crash-rank", "1"], check=False)
     assert first.returncode != 0 and "injected crash" in first.stderr + first.stdout
     wait_no_agent(ckpt)   # the agent persisted the newest snapshot, then released memory and left
