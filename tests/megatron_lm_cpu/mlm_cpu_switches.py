@@ -22,6 +22,10 @@ assumes a GPU in more places; this module covers those, for tests only:
 * ``megatron.core.datasets.helpers_cpp`` (the compiled dataset index builder, needed by the GPT
   datasets): a Megatron-LM source tree has only ``helpers.cpp``; since ``compile_helpers`` is off, the
   compiled module of the installed megatron-core wheel (same release) is served when the tree has none.
+* ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer``: four fixes to its checkpoint
+  loading (not CPU switches: bugs on the fp32 / torch-Adam-fallback paths, see
+  ``_after_distrib_optimizer``) without which ``--use-distributed-optimizer`` runs cannot resume.
+  ``EASYCKPT_MEGATRON_NO_UPSTREAM_FIXES=1`` turns them off.
 * ``cpu_compat.enable()`` itself runs once ``megatron.core.tensor_parallel.random`` has been imported
   (``enable()`` patches that module; megatron.core's ``__init__`` imports it first thing). Nothing in
   megatron allocates tensors at import time, so this is early enough, and processes that never import
@@ -315,11 +319,14 @@ def _init_torch_adam_state(optimizer) -> None:
 def _after_distrib_optimizer(module) -> None:
     """Make Megatron's own checkpoint loading work for --use-distributed-optimizer on this machine.
 
-    These are NOT CPU switches but bugs of megatron-core's DistributedOptimizer (core_v0.16.1) on paths
-    that a GPU run with Transformer Engine or Apex does not take: without them megatron falls back to
-    torch's Adam(W), whose state keeps a "step" tensor per parameter (TE/Apex FusedAdam keep the step in
-    the param group, and Megatron's formats are made for that). Measured here, each of these breaks a
-    resume of the real training loop; EASYCKPT_MEGATRON_NO_UPSTREAM_FIXES=1 leaves megatron as it is.
+    These are NOT CPU switches but bugs in megatron-core's DistributedOptimizer loading (core_v0.16.1;
+    the same code is on Megatron-LM main). Switch 1 concerns every fp32 model; switches 2-4 concern the
+    fallback a machine without Transformer Engine or Apex takes: torch's Adam(W), whose state keeps a
+    "step" tensor per parameter (TE/Apex FusedAdam keep the step in the param group, which is what
+    Megatron's checkpoint formats are made for). Measured here, each one on its own breaks the resume
+    of a --use-distributed-optimizer run of the real training loop (an exception, or resumed losses
+    that differ from an uninterrupted run); EASYCKPT_MEGATRON_NO_UPSTREAM_FIXES=1 leaves megatron as
+    it is.
     """
     if os.environ.get("EASYCKPT_MEGATRON_NO_UPSTREAM_FIXES") == "1":
         return
@@ -343,15 +350,20 @@ def _after_distrib_optimizer(module) -> None:
     if module.HAVE_APEX_OR_TE:
         return
 
-    # 2. --ckpt-format torch: load_state_dict() restores "step" from the param groups into the torch
-    #    state, then _set_main_param_and_optimizer_states() copies every key of that state from the
-    #    file's tensors, which hold only param / exp_avg / exp_avg_sq: KeyError 'step'. Hand it the
-    #    step the state already has (a tensor copied onto itself is unchanged).
+    # 2. load_state_dict() restores "step" from the param groups into the torch state (the one value
+    #    Megatron keeps for it), then _set_main_param_and_optimizer_states() copies every key of that
+    #    state from the per-parameter tensors of the checkpoint:
+    #    - --ckpt-format torch (load_parameter_state_from_dp_zero): those have only param / exp_avg /
+    #      exp_avg_sq -> KeyError 'step';
+    #    - torch_dist (load_parameter_state_from_dp_reshardable): "step" is left out of the sharded
+    #      tensors ("read from param_groups"), so the value there is the placeholder of the optimizer
+    #      the load started from (0 after switch 4 below) and would overwrite the restored step.
+    #    Hand it the step the state already has (a tensor copied onto itself is unchanged).
     set_states = copy_states
 
     @functools.wraps(set_states)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             group_index, group_order = self.model_param_group_index_map[model_param]
             main_param = self.optimizer.param_groups[group_index]["params"][group_order]
             state = self.optimizer.state.get(main_param, {})
@@ -377,10 +389,6 @@ def _after_distrib_optimizer(module) -> None:
                 if id(step) in seen:
                     state["step"] = step.detach().clone()
                 seen.add(id(step))
-        if os.environ.get("DBG"):
-            import torch.distributed as dist
-            for i, (p, st) in enumerate(list(self.optimizer.state.items())[:4]):
-                print("DBG", dist.get_rank(), i, {k: (float(v.float().norm()) if v.dim() else float(v)) for k, v in st.items()}, float(p.norm()), flush=True)
         return result
 
     cls.load_state_dict = load_state_dict_own_steps
