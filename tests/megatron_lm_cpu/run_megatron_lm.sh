@@ -73,4 +73,4 @@ args=(
     --log-interval 1 --eval-iters 0 --eval-interval 1000
 )
 
-exec "$torchrun" --standalone --nproc_per_node "$nproc" "$mlm/pretrain_gpt.py" "${args[@]}" "$@"
+exec "$torchrun" --standalone --nproc_per_node "$nproc" "${MLM_SCRIPT:-$mlm/pretrain_gpt.py}" "${args[@]}" "$@"
