@@ -57,13 +57,14 @@ def finish(proc, out, timeout=300):
     assert rc == 0, out.read_text()[-4000:]
 
 
-def interrupted_run_matches(tmp: Path, tree: str, script, extra, sig, kill_after: int = 6):
+def interrupted_run_matches(tmp: Path, tree: str, script, extra, sig, kill_after: int = 6, log_name=None):
     ref_out = tmp / "ref.out"
     finish(launch(tmp / "ref", ref_out, tree, script, extra), ref_out)
     reference = losses(ref_out)
     assert sorted(reference) == list(range(1, ITERS + 1)), ref_out.read_text()[-3000:]
 
-    ckpt, log, first = tmp / "ckpt", tmp / "audit.jsonl", tmp / "first.out"
+    ckpt, first = tmp / "ckpt", tmp / "first.out"
+    log = ckpt / log_name if log_name else tmp / "audit.jsonl"   # the patches log into --save
     proc = launch(ckpt, first, tree, script, extra, log)
     deadline = time.monotonic() + 300
     while max(losses(first), default=0) < kill_after:
@@ -110,4 +111,4 @@ def test_patches_apply_and_the_patched_loop_resumes_with_equal_losses(tmp_path):
                                timeout=60)
         assert check.returncode == 0, check.stderr
         subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, timeout=60)
-    interrupted_run_matches(tmp_path, str(tree), None, (), signal.SIGKILL)
+    interrupted_run_matches(tmp_path, str(tree), None, (), signal.SIGKILL, log_name="easyckpt.log")
