@@ -45,7 +45,7 @@ def starts(prefix: Path):
     return [int(l.split()[2]) for l in path.read_text().splitlines() if l.startswith("# start")]
 
 
-@pytest.mark.parametrize("name,sig", [(n, signal.SIGKILL) for n in CONFIGS] + [("dp2_distopt", signal.SIGTERM)],
+@pytest.mark.parametrize("name,sig", [(n, s) for n in CONFIGS for s in (signal.SIGKILL, signal.SIGTERM)],
                          ids=lambda v: v if isinstance(v, str) else v.name)
 def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, name, sig):
     """kill -9 of every trainer, or SIGTERM to the launcher (torchrun forwards it to its workers)."""
@@ -95,18 +95,21 @@ def _losses_close(a, b, its):
         assert abs(x - y) <= 1e-5 * abs(y), f"iteration {i}: {x} vs {y}"
 
 
-@pytest.mark.parametrize("saved_dp,resumed_dp", [(2, 1), (1, 2)])
-def test_concat_resumes_the_distributed_optimizer_on_another_data_parallel_size(tmp_path, saved_dp, resumed_dp):
+@pytest.mark.parametrize("saved_dp,resumed_dp,opt", [(2, 1, "--use-distributed-optimizer"),
+                                                     (1, 2, "--use-distributed-optimizer"), (2, 1, "")],
+                         ids=["distopt-2to1", "distopt-1to2", "plain-2to1"])
+def test_concat_resumes_on_another_data_parallel_size(tmp_path, saved_dp, resumed_dp, opt):
     """Saved at one DP size, resumed at the other with concat=True. DP=1 and DP=2 runs of this model
     agree to ~5e-7 on their own, so the resumed losses must match a run that never stopped to 1e-5;
     misplaced moments or main params would put them far apart within a step or two."""
+    opt_args = [opt] if opt else []
     half = ITERS // 2
     ref = tmp_path / "ref"
-    run(cmd(ref / "ckpt", ref / "loss", "--use-distributed-optimizer", nproc=resumed_dp), timeout=300)
+    run(cmd(ref / "ckpt", ref / "loss", *opt_args, nproc=resumed_dp), timeout=300)
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
 
     def launch(nproc, *extra):
-        return cmd(ckpt, loss, "--use-distributed-optimizer", "--ckpt-log", str(log), *extra, nproc=nproc)
+        return cmd(ckpt, loss, *opt_args, "--ckpt-log", str(log), *extra, nproc=nproc)
 
     run(launch(saved_dp, "--iters", str(half)), timeout=300)
     wait_no_agent(ckpt)
@@ -145,3 +148,64 @@ def test_native_keys_and_converter_output_load_through_megatrons_own_paths(tmp_p
                  str(ROOT / "tests" / "megatron_native_check.py"), str(ckpt)], timeout=300)
     assert check.stdout.count("NATIVE OK at iteration 6") == 2, check.stdout[-3000:]
     wait_no_agent(ckpt, job_name="native-check")
+
+
+def test_pruning_foreign_files_and_a_damaged_shard_in_megatrons_layout(tmp_path):
+    """The core promises under Megatron naming: only this job's iter_* dirs are pruned (to max_ckpt_num,
+    each delete logged), foreign files stay byte-identical, and a damaged newest shard makes the loader
+    fall back to the previous committed iteration, saying which file is bad."""
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    ckpt.mkdir()
+    (ckpt / "iter_0000001").mkdir()                      # Megatron's naming, not ours: no manifest
+    (ckpt / "iter_0000001" / "mp_rank_00").mkdir()
+    (ckpt / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"native")
+    (ckpt / "notes.txt").write_text("keep me")
+    foreign = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    base = ["--use-distributed-optimizer", "--ckpt-log", str(log), "--save-storage-interval", "2",
+            "--max-ckpt-num", "2"]
+    run(cmd(ckpt, loss, *base, "--iters", "8", "--step-sleep", "0.05"), timeout=300)
+    wait_no_agent(ckpt)
+    ours = sorted(p.name for p in ckpt.glob("iter_*") if (p / "easyckpt_manifest.json").exists())
+    assert len(ours) == 2 and ours[-1] == "iter_0000008", ours
+    for path, data in foreign.items():
+        assert path.read_bytes() == data, f"{path} was touched"
+    ev = events(log)
+    committed = {e["step"] for e in ev if e["event"] == "commit"}
+    deleted = {e["step"] for e in ev if e["event"] == "delete" and e.get("reason") == "retention"}
+    assert deleted == committed - {int(n[5:]) for n in ours}
+
+    previous = int(ours[0][5:])
+    shard = ckpt / "iter_0000008" / "mp_rank_00" / "distrib_optim_dp001.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    run(cmd(ckpt, loss, *base, "--iters", "10"), timeout=300)
+    loads = [e for e in events(log) if e["event"] == "load" and e.get("step")]
+    assert loads[-1]["step"] == previous and loads[-1]["source"] == "storage"
+    assert any(e["event"] == "error" and "distrib_optim_dp001.pt" in e.get("message", "") for e in events(log))
+    wait_no_agent(ckpt)
+
+
+def test_concat_state_equals_megatrons_own_resharding_of_the_converted_checkpoint(tmp_path):
+    """State equality at the resume step: a DP=2 checkpoint loaded at DP=1 with concat=True holds exactly
+    the main params and Adam moments that Megatron's own dp_zero loader produces from the converted
+    distrib_optim.pt on the same DP=1 layout."""
+    ckpt = tmp_path / "ckpt"
+    run(cmd(ckpt, tmp_path / "loss", "--use-distributed-optimizer", "--iters", "6", "--save-storage-interval", "3"),
+        timeout=300)
+    wait_no_agent(ckpt)
+    run([sys.executable, "-m", "easyckpt.cli", "convert", "megatron-distopt", str(ckpt)], timeout=120)
+    check = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                 str(ROOT / "tests" / "megatron_native_check.py"), str(ckpt), "--concat"], timeout=300)
+    assert check.stdout.count("NATIVE OK at iteration 6") == 1, check.stdout[-3000:]
+    wait_no_agent(ckpt, job_name="native-check")
+
+
+def test_the_hook_says_clearly_when_megatron_training_is_missing():
+    try:
+        import megatron.training  # noqa: F401
+        pytest.skip("megatron.training is importable here; the message is for installs without Megatron-LM")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="not part of the megatron-core wheel"):
+        import easyckpt.megatron.hook  # noqa: F401
