@@ -85,9 +85,10 @@ class Agent:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
         self.log.emit("agent_start", job_id=self.job_id, save_dir=self.cfg.save_dir)
         if self.cfg.naming.framework != "pytorch":
-            # native torch.save layouts need torch in this process: import it now, off the loop, instead
-            # of during the first persist (seconds, while both of a trainer's slots stay reserved)
-            threading.Thread(target=__import__, args=("torch",), daemon=True).start()
+            # native torch.save layouts need torch in this process: import it before answering the first
+            # hello (trainers wait for it once, at start-up) rather than during the first persist, when
+            # seconds of import would keep a slot reserved and leave the trainer a single one to write
+            import torch  # noqa: F401
         self._clean_leftovers()
         while not self.stop:
             for key, _ in self.sel.select(timeout=0.05):

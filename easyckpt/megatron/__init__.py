@@ -54,25 +54,24 @@ def _require() -> Engine:
     return _engine
 
 
+def _collector(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any, flops: Optional[float]):
+    where = _state.parallel()
+    return lambda: _state.collect(iteration, model, optimizer, opt_param_scheduler, flops or 0, _args, where)
+
+
 def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
                               num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Call every iteration after the optimizer step; snapshots and persists on the configured intervals."""
-    engine = _require()
-    where = _state.parallel()
-    flops = num_floating_point_operations_so_far or 0
-    engine.maybe_save(iteration, lambda: _state.collect(iteration, model, optimizer, opt_param_scheduler, flops,
-                                                       _args, where))
+    _require().maybe_save(iteration, _collector(iteration, model, optimizer, opt_param_scheduler,
+                                                num_floating_point_operations_so_far))
 
 
 def save_checkpoint_now(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
                         num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Snapshot ``iteration`` (unless it already is) and have it persisted, without waiting for storage:
     what Megatron's own save points (--save-interval, exit signal, end of training) map to."""
-    engine = _require()
-    where = _state.parallel()
-    flops = num_floating_point_operations_so_far or 0
-    engine.persist_now(iteration, lambda: _state.collect(iteration, model, optimizer, opt_param_scheduler, flops,
-                                                        _args, where))
+    _require().persist_now(iteration, _collector(iteration, model, optimizer, opt_param_scheduler,
+                                                 num_floating_point_operations_so_far))
 
 
 def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
