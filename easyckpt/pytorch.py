@@ -20,15 +20,14 @@ import torch
 
 from . import rng
 from .config import Config, Naming
-from .engine.session import Engine
+from .engine.session import Engine, EngineSlot
 from .engine.snapshot import ShardSpec
-from .errors import EasyCkptError
 
 NAMING = Naming(dir_format="step_{:08d}", dir_regex=r"^step_(\d{8})$", tracker="latest",
                 tracker_format="step_{:08d}", framework="pytorch")
 MODEL, OPTIM = "model.safetensors", "optimizer.safetensors"
 
-_engine: Optional[Engine] = None
+_slot = EngineSlot("easyckpt")
 
 
 def _rank_file(rank: int) -> str:
@@ -46,23 +45,13 @@ def initialize_easyckpt(save_dir: str, save_mem_interval: int = 1, save_storage_
 
     ``advanced``: job_name, commit_timeout, agent_idle_timeout, agent_start_timeout (see Config).
     """
-    global _engine
-    if _engine is not None:
-        raise EasyCkptError("initialize_easyckpt was already called in this process; call "
-                            "finalize_easyckpt() first to start another job")
     unknown = set(advanced) - {"job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout"}
     if unknown:
         raise TypeError(f"initialize_easyckpt got unexpected arguments {sorted(unknown)}")
-    _engine = Engine(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
+    _slot.start(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
                             save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
                             log_file_path=None if log_file_path is None else str(log_file_path),
                             naming=NAMING, **advanced))
-
-
-def _require() -> Engine:
-    if _engine is None:
-        raise EasyCkptError("call easyckpt.initialize_easyckpt(save_dir, ...) before saving or loading")
-    return _engine
 
 
 def _shards(engine: Engine, iteration: int, model: torch.nn.Module, optimizer, lr_scheduler,
@@ -81,13 +70,13 @@ def _shards(engine: Engine, iteration: int, model: torch.nn.Module, optimizer, l
 def save_checkpoint_if_needed(iteration: int, model: torch.nn.Module, optimizer=None, lr_scheduler=None,
                               extra: Optional[Dict[str, Any]] = None) -> None:
     """Call once per iteration, after the optimizer step; ``iteration`` counts completed iterations."""
-    engine = _require()
+    engine = _slot.require()
     engine.maybe_save(iteration, lambda: _shards(engine, iteration, model, optimizer, lr_scheduler, extra))
 
 
 def load_checkpoint(model: torch.nn.Module, optimizer=None, lr_scheduler=None) -> Tuple[int, Optional[Dict[str, Any]]]:
     """Restore the newest complete state; returns ``(iteration, extra)``, or ``(0, None)`` when there is none."""
-    engine = _require()
+    engine = _slot.require()
 
     def needed(manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
         files = [(MODEL, False)]
@@ -122,9 +111,4 @@ def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:
     """Make the newest state durable (persisted and committed), then release shared memory.
 
     Returns the committed step (None if nothing was ever saved)."""
-    global _engine
-    engine = _require()
-    try:
-        return engine.finalize(timeout)
-    finally:
-        _engine = None
+    return _slot.finalize(timeout)

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 from ..config import Config, validate
 from ..dist import placement
-from ..errors import AgentError
+from ..errors import AgentError, EasyCkptError
 from ..events import AuditLog
 from . import manifest as mf
 from .client import AgentClient
@@ -127,3 +127,30 @@ class Engine:
                 raise AgentError(f"rank {self.rank}: step {step} was not committed within {timeout}s; "
                                  f"see the audit log for the rank whose shard is missing")
             time.sleep(0.02)
+
+
+class EngineSlot:
+    """The one engine behind an adapter's module-level verbs (initialize → save/load → finalize)."""
+
+    def __init__(self, verbs: str):
+        self.verbs = verbs            # e.g. "easyckpt" or "easyckpt.megatron", for messages
+        self.engine: Optional[Engine] = None
+
+    def start(self, cfg: Config) -> Engine:
+        if self.engine is not None:
+            raise EasyCkptError(f"{self.verbs}.initialize_easyckpt was already called in this process; call "
+                                f"{self.verbs}.finalize_easyckpt() first to start another job")
+        self.engine = Engine(cfg)
+        return self.engine
+
+    def require(self) -> Engine:
+        if self.engine is None:
+            raise EasyCkptError(f"call {self.verbs}.initialize_easyckpt(...) before saving or loading")
+        return self.engine
+
+    def finalize(self, timeout: Optional[float] = None) -> Optional[int]:
+        engine = self.require()
+        try:
+            return engine.finalize(timeout)
+        finally:
+            self.engine = None

@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from ..config import Config
-from ..engine.session import Engine
-from ..errors import ConfigError, EasyCkptError
+from ..engine.session import EngineSlot
+from ..errors import ConfigError
 from . import state as _state
 
-_engine: Optional[Engine] = None
+_slot = EngineSlot("easyckpt.megatron")
 _args: Any = None
 
 
@@ -36,22 +36,14 @@ def initialize_easyckpt(save_mem_interval: int = 1, save_storage_interval: int =
                         log_file_path: Optional[str] = None, *, save_dir: Optional[str] = None, args: Any = None,
                         **advanced: Any) -> None:
     """Attach this rank to easyckpt. ``save_dir`` defaults to Megatron's ``args.save``."""
-    global _engine, _args
-    if _engine is not None:
-        raise EasyCkptError("easyckpt.megatron.initialize_easyckpt was already called in this process")
+    global _args
     _args = args if args is not None else _megatron_args()
     save_dir = save_dir or getattr(_args, "save", None)
     if not save_dir:
         raise ConfigError("no save directory: pass save_dir=... or run under Megatron-LM with --save")
-    _engine = Engine(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
+    _slot.start(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
                             save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
                             log_file_path=log_file_path, naming=_state.NAMING, **advanced))
-
-
-def _require() -> Engine:
-    if _engine is None:
-        raise EasyCkptError("call easyckpt.megatron.initialize_easyckpt(...) before saving or loading")
-    return _engine
 
 
 def _collector(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any, flops: Optional[float]):
@@ -62,7 +54,7 @@ def _collector(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: 
 def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
                               num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Call every iteration after the optimizer step; snapshots and persists on the configured intervals."""
-    _require().maybe_save(iteration, _collector(iteration, model, optimizer, opt_param_scheduler,
+    _slot.require().maybe_save(iteration, _collector(iteration, model, optimizer, opt_param_scheduler,
                                                 num_floating_point_operations_so_far))
 
 
@@ -70,7 +62,7 @@ def save_checkpoint_now(iteration: int, model: Any, optimizer: Any, opt_param_sc
                         num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Snapshot ``iteration`` (unless it already is) and have it persisted, without waiting for storage:
     what Megatron's own save points (--save-interval, exit signal, end of training) map to."""
-    _require().persist_now(iteration, _collector(iteration, model, optimizer, opt_param_scheduler,
+    _slot.require().persist_now(iteration, _collector(iteration, model, optimizer, opt_param_scheduler,
                                                  num_floating_point_operations_so_far))
 
 
@@ -84,7 +76,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
 def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                     strict: bool = True, concat: bool = False, **kwargs: Any) -> Tuple[int, float]:
     """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``."""
-    engine = _require()
+    engine = _slot.require()
     where = _state.parallel()
     loaded = engine.load(lambda manifest: _state.needed(where, optimizer, manifest, concat))
     if loaded is None:
@@ -117,12 +109,7 @@ def _restore_training_counters(saved: dict, iteration: int) -> None:
 
 def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:
     """Persist and commit the newest state, then release shared memory. Returns the committed iteration."""
-    global _engine
-    engine = _require()
-    try:
-        return engine.finalize(timeout)
-    finally:
-        _engine = None
+    return _slot.finalize(timeout)
 
 
 __all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "save_checkpoint_now", "save_checkpoint",

@@ -38,7 +38,6 @@ except ImportError as exc:   # pragma: no cover - exercised only without Megatro
         "easyckpt.megatron's functions directly in your own loop") from exc
 
 from .. import megatron as _em
-from ..engine.snapshot import ShardSpec  # noqa: F401  (keeps the engine importable before training)
 
 _orig_load = _ckpt.load_checkpoint
 _orig_save = _ckpt.save_checkpoint
