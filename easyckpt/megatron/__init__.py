@@ -47,8 +47,9 @@ def initialize_easyckpt(save_mem_interval: int = 1, save_storage_interval: int =
 
 
 def _collector(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any, flops: Optional[float]):
-    where = _state.parallel()
-    return lambda: _state.collect(iteration, model, optimizer, opt_param_scheduler, flops or 0, _args, where)
+    # everything happens inside the callable: an iteration that takes no snapshot pays for nothing
+    return lambda: _state.collect(iteration, model, optimizer, opt_param_scheduler, flops or 0, _args,
+                                  _state.parallel())
 
 
 def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
