@@ -9,7 +9,7 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .errors import ConfigError
 from .storage.posix import probe_writable
@@ -24,6 +24,9 @@ class Naming:
     tracker: str = "latest"                  # file name in save_dir, updated after each commit
     tracker_format: str = "step_{:08d}"      # its content, str.format(step)
     framework: str = "pytorch"
+    # modules the agent imports before serving (the classes inside the framework's torch.save files),
+    # so that the first persist does not pay for the import while the trainer waits for a free slot
+    agent_imports: Tuple[str, ...] = ()
 
     def dir_name(self, step: int) -> str:
         return self.dir_format.format(step)
@@ -55,7 +58,9 @@ class Config:
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "Config":
         data = dict(data)
-        data["naming"] = Naming(**data["naming"])
+        naming = dict(data["naming"])
+        naming["agent_imports"] = tuple(naming.get("agent_imports", ()))
+        data["naming"] = Naming(**naming)
         return cls(**data)
 
 

@@ -46,7 +46,7 @@ def test_torch_format_shard_is_native_and_loads_safely(tmp_path, snap):
     state = _state()
     res = snap.snapshot(7, [ShardSpec("mp_rank_00/model_optim_rng.pt", state, True, fmt="torch"),
                             ShardSpec("extra.safetensors", {"x": torch.ones(3)}, True)], persist=True)
-    step, files, nbytes, _ = persist_slot(shm.slot_path("feedfacecafe", 0, res.slot), res.generation,
+    step, files, nbytes, _, _ = persist_slot(shm.slot_path("feedfacecafe", 0, res.slot), res.generation,
                                           str(tmp_path), 0)
     assert step == 7 and files["mp_rank_00/model_optim_rng.pt"]["format"] == "torch"
     native = torch.load(tmp_path / "mp_rank_00/model_optim_rng.pt", weights_only=False)   # the framework's way

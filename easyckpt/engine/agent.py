@@ -14,6 +14,7 @@ error goes to the audit log and to the trainer's next flush.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import queue
@@ -89,6 +90,11 @@ class Agent:
             # hello (trainers wait for it once, at start-up) rather than during the first persist, when
             # seconds of import would keep a slot reserved and leave the trainer a single one to write
             import torch  # noqa: F401
+        for module in self.cfg.naming.agent_imports:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass
         self._clean_leftovers()
         while not self.stop:
             for key, _ in self.sel.select(timeout=0.05):
@@ -304,10 +310,10 @@ class Agent:
         view.set(busy=job.generation)
         try:
             faults.inject("agent.before_persist", job.rank)
-            step, files, nbytes, seconds = persist_slot(path, job.generation, staging, job.rank)
+            step, files, nbytes, seconds, info = persist_slot(path, job.generation, staging, job.rank)
             if step != job.step:
                 raise RuntimeError(f"slot holds step {step}, expected {job.step}")
-            commit.write_shard_marker(staging, job.rank, job.step, files)
+            commit.write_shard_marker(staging, job.rank, job.step, files, info)
             faults.inject("agent.after_marker", job.rank)
         finally:
             view.set(busy=0, released=job.generation)
@@ -331,7 +337,7 @@ class Agent:
         self.log.emit("commit", step=step, path=final, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
         self.results.put((_Job("committed", step), None))
         retention.prune(self.cfg.save_dir, self.cfg.naming, self.job_id,
-                        retention.KeepLast(self.cfg.max_ckpt_num), self.log)
+                        retention.KeepLast(self.cfg.max_ckpt_num, retention.protected(final)), self.log)
         return None
 
     # ---- results, flushes, commit deadlines (event loop) ---------------------------------------

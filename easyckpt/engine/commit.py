@@ -39,9 +39,10 @@ def staging_dir(save_dir: str, job_id: str, final_name: str) -> str:
     return os.path.join(save_dir, f"{STAGING_PREFIX}{job_id}-{final_name}")
 
 
-def write_shard_marker(staging: str, rank: int, step: int, files: Dict[str, Dict[str, Any]]) -> None:
+def write_shard_marker(staging: str, rank: int, step: int, files: Dict[str, Dict[str, Any]],
+                       info: Optional[Dict[str, Any]] = None) -> None:
     atomic_write(os.path.join(staging, _MARKER.format(rank)),
-                 json.dumps({"rank": rank, "step": step, "files": files}).encode())
+                 json.dumps({"rank": rank, "step": step, "files": files, "info": info or {}}).encode())
 
 
 def read_markers(staging: str) -> Dict[int, Dict[str, Any]]:
@@ -73,9 +74,11 @@ def commit(save_dir: str, job_id: str, step: int, world_size: int, naming: Namin
         raise RuntimeError(f"refusing to commit step {step}: shards from ranks {sorted(markers)} for steps "
                            f"{sorted(steps)}, expected every rank of {world_size} at step {step}")
     files: Dict[str, Dict[str, Any]] = {}
-    for marker in markers.values():
-        files.update(marker["files"])
-    manifest = mf.build(step, job_id, naming.framework, world_size, files, extra)
+    info: Dict[str, Any] = {}
+    for rank in sorted(markers, reverse=True):   # what the adapter said on rank 0 wins
+        files.update(markers[rank]["files"])
+        info.update(markers[rank].get("info") or {})
+    manifest = mf.build(step, job_id, naming.framework, world_size, files, {**(extra or {}), "info": info})
     atomic_write(os.path.join(staging, mf.MANIFEST_NAME), json.dumps(manifest, indent=1).encode())
     faults.inject("agent.after_manifest")
     for rank in markers:

@@ -103,8 +103,11 @@ def _read_step(step_dir: str, needed: Needed) -> Tuple[Optional[Dict[str, Any]],
         if problem:
             return None, problem, 0
         try:
-            if man["files"][rel].get("format", "safetensors") == "torch":
+            fmt = man["files"][rel].get("format", "safetensors")
+            if fmt == "torch":
                 trees[rel] = safe_torch_load(bytes(buf))
+            elif fmt == "raw":
+                trees[rel] = bytes(buf)
             else:
                 skeleton, tensors = shardfile.decode(buf)
                 trees[rel] = unflatten(skeleton, tensors)

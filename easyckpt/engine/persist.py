@@ -19,14 +19,17 @@ from ..storage.posix import copy_range, fsync_dir, write_all
 from . import manifest as mf
 from . import shm
 from .shardfile import encode_header, file_entries
+from .tree import raw_bytes
 
 
 class SnapshotChanged(RuntimeError):
     pass
 
 
-def persist_slot(slot_path: str, generation: int, staging: str, rank: int) -> Tuple[int, Dict[str, Any], int, float]:
-    """Persist the snapshot ``generation`` held in ``slot_path``; return (step, files, bytes, seconds)."""
+def persist_slot(slot_path: str, generation: int, staging: str,
+                 rank: int) -> Tuple[int, Dict[str, Any], int, float, Dict[str, Any]]:
+    """Persist the snapshot ``generation`` held in ``slot_path``;
+    return (step, files, bytes, seconds, the adapter's info for the manifest)."""
     t0 = time.perf_counter()
     slot = shm.Slot(slot_path, writable=False)
     try:
@@ -58,6 +61,10 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int) -> Tu
                     fmt = f.get("fmt", "safetensors")
                     if fmt == "torch":
                         size, digest = _write_torch(fd, view, f, meta["skeletons"][rel])
+                    elif fmt == "raw":
+                        data = raw_bytes(meta["skeletons"][rel])
+                        write_all(fd, data)
+                        size, digest = len(data), mf.checksum(data)
                     else:
                         header = encode_header(file_entries(f["tensors"], f["start"]), meta["skeletons"][rel])
                         digest = _write_shard(fd, header, slot.fd, view, f["start"], f["end"])
@@ -76,7 +83,7 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int) -> Tu
             fsync_dir(d)
         if slot.state() != (shm.COMPLETE, generation):
             raise SnapshotChanged(f"slot {slot_path} was overwritten while it was persisted")
-        return hdr.step, files, total, time.perf_counter() - t0
+        return hdr.step, files, total, time.perf_counter() - t0, meta.get("info") or {}
     finally:
         slot.close()
 

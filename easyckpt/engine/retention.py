@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import List, Optional, Protocol, Tuple
+from typing import Iterable, List, Optional, Protocol, Set, Tuple
 
 from ..config import Naming
 from ..events import AuditLog
@@ -49,14 +49,34 @@ class RetentionPolicy(Protocol):
     def to_delete(self, committed_newest_first: List[Tuple[int, str]]) -> List[Tuple[int, str]]: ...
 
 
+def protected(step_dir: str) -> Set[int]:
+    """Steps the adapter asked to keep whatever their age (the HF Trainer's best checkpoint), as recorded
+    in the manifest of the newest commit."""
+    man = mf.read(step_dir) or {}
+    return {int(s) for s in (man.get("info") or {}).get("protect", [])}
+
+
 class KeepLast:
-    def __init__(self, n: Optional[int]):
-        self.n = n
+    """Keep the newest ``n`` committed checkpoints; protected steps are kept as well and count towards
+    ``n`` (the Trainer's rule: at most max(n, protected + newest) remain)."""
+
+    def __init__(self, n: Optional[int], protect: Iterable[int] = ()):
+        self.n, self.protect = n, set(protect)
 
     def to_delete(self, committed_newest_first):
-        if self.n is None:
+        if self.n is None or not committed_newest_first:
             return []
-        return committed_newest_first[max(self.n, 1):]   # index 0, the newest, is never returned
+        keep = {committed_newest_first[0][0]} | (self.protect & {s for s, _ in committed_newest_first})
+        room = max(self.n, len(keep)) - len(keep)
+        out = []
+        for step, path in committed_newest_first[1:]:   # index 0, the newest, is never returned
+            if step in keep:
+                continue
+            if room > 0:
+                room -= 1
+                continue
+            out.append((step, path))
+        return out
 
 
 def prune(save_dir: str, naming: Naming, job_id: str, policy: RetentionPolicy, log: AuditLog) -> List[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from ..config import Config, validate
 from ..dist import placement
@@ -25,6 +25,8 @@ from .load import Loaded, Needed, load_newest
 from .snapshot import ShardSpec, SnapshotResult, Snapshotter
 
 Collect = Callable[[], Sequence[ShardSpec]]
+# what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})
+Info = Optional[Dict[str, Any]]
 
 
 class Engine:
@@ -39,17 +41,19 @@ class Engine:
         self.last_persisted_step: Optional[int] = None
         self.last_step: Optional[int] = None
         self._collect: Optional[Collect] = None
+        self._info: Info = None
 
     # ---- save ----------------------------------------------------------------------------
 
-    def maybe_save(self, step: int, collect: Collect) -> Optional[SnapshotResult]:
-        self.last_step, self._collect = step, collect
+    def maybe_save(self, step: int, collect: Collect, info: Info = None) -> Optional[SnapshotResult]:
+        self.last_step, self._collect, self._info = step, collect, info
         if step % self.cfg.save_mem_interval:
             return None
-        return self._snapshot(step, collect, persist=step % self.cfg.save_storage_interval == 0)
+        return self._snapshot(step, collect, persist=step % self.cfg.save_storage_interval == 0, info=info)
 
-    def _snapshot(self, step: int, collect: Collect, persist: bool, quiet: bool = False) -> Optional[SnapshotResult]:
-        result = self.snapshotter.snapshot(step, collect(), persist)
+    def _snapshot(self, step: int, collect: Collect, persist: bool, quiet: bool = False,
+                  info: Info = None) -> Optional[SnapshotResult]:
+        result = self.snapshotter.snapshot(step, collect(), persist, info)
         if result is None and quiet:
             return None
         if result is None:
@@ -72,17 +76,19 @@ class Engine:
         except AgentError as exc:   # never take training down for a failed persist (promise 2)
             self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
 
-    def persist_now(self, step: int, collect: Collect, timeout: Optional[float] = None) -> SnapshotResult:
+    def persist_now(self, step: int, collect: Collect, timeout: Optional[float] = None, info: Info = None,
+                    fresh: bool = False) -> SnapshotResult:
         """Make sure ``step`` is snapshotted and handed to the agent for persisting; waits only for a free
-        slot (when both are reserved), never for storage."""
-        self.last_step, self._collect = step, collect
-        if self.last is not None and self.last.step == step:
+        slot (when both are reserved), never for storage. ``fresh``: snapshot again even if ``step``
+        already is (the state changed without the step changing, e.g. evaluation results)."""
+        self.last_step, self._collect, self._info = step, collect, info
+        if not fresh and self.last is not None and self.last.step == step:
             if self.last_persisted_step != step:
                 self._request_persist(self.last)
             return self.last
         deadline = time.monotonic() + (self.cfg.commit_timeout if timeout is None else timeout)
         while True:
-            result = self._snapshot(step, collect, persist=True, quiet=True)
+            result = self._snapshot(step, collect, persist=True, quiet=True, info=info)
             if result is not None:
                 return result
             if time.monotonic() > deadline:
@@ -106,20 +112,22 @@ class Engine:
         timeout = self.cfg.commit_timeout if timeout is None else timeout
         step = None
         if self.last_step is not None and self._collect is not None:
-            step = self.persist_now(self.last_step, self._collect, timeout).step
+            step = self.persist_now(self.last_step, self._collect, timeout, self._info).step
         if step is not None:
             reply = self.client.request({"op": "flush", "rank": self.rank, "step": step,
                                          "slot": self.last.slot, "generation": self.last.generation}, timeout)
             if not reply.get("ok"):
                 raise AgentError(f"rank {self.rank}: persisting step {step} failed: {reply.get('error')}")
-            self._wait_committed(step, timeout)
+            self.wait_committed(step, timeout)
         self.client.send({"op": "bye", "rank": self.rank})
         self.client.close()
         self.snapshotter.close(unlink=True)
         self.log.close()
         return step
 
-    def _wait_committed(self, step: int, timeout: float) -> None:
+    def wait_committed(self, step: int, timeout: Optional[float] = None) -> None:
+        """Block until ``step`` (already handed to the agent) is committed, or raise after ``timeout``."""
+        timeout = self.cfg.commit_timeout if timeout is None else timeout
         final = os.path.join(self.cfg.save_dir, self.cfg.naming.dir_name(step))
         deadline = time.monotonic() + timeout
         while mf.read(final) is None or mf.read(final)["step"] != step:

@@ -25,7 +25,7 @@ from .. import faults
 from ..errors import ShmCapacityError
 from . import shm
 from .shardfile import dtype_name
-from .tree import flatten, flatten_pickled, rebuild
+from .tree import FLATTEN, rebuild
 
 _ALIGN = 64
 MIN_META_CAPACITY = 1 << 20
@@ -38,7 +38,8 @@ class ShardSpec:
     relpath: str
     tree: Any
     persist: bool = True
-    fmt: str = "safetensors"      # or "torch": a native torch.save file (Megatron, DeepSpeed layouts)
+    fmt: str = "safetensors"      # "torch": a native torch.save file (Megatron, DeepSpeed layouts);
+                                  # "raw": tree is bytes/str written as is (JSON state, small files)
 
 
 @dataclass
@@ -172,7 +173,7 @@ class Snapshotter:
         t0 = time.perf_counter()
         flat, skeletons, srcs = [], {}, []
         for spec in shards:
-            skeleton, tensors = (flatten_pickled if spec.fmt == "torch" else flatten)(spec.tree)
+            skeleton, tensors = FLATTEN[spec.fmt](spec.tree)
             skeletons[spec.relpath] = skeleton
             flat.append((spec.relpath, spec.persist, spec.fmt, tensors))
         signature = tuple((rp, p, f, tuple((k, t.dtype, tuple(t.shape)) for k, t in ts)) for rp, p, f, ts in flat)

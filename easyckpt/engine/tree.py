@@ -168,37 +168,72 @@ def unflatten_pickled(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
     return walk(pickle.loads(base64.b64decode(skeleton["__pickle"])))
 
 
+# Small non-tensor files of a native layout (JSON state, a pickled arguments object, a helper script)
+# travel as raw bytes in the snapshot's metadata and are written as they are.
+def flatten_raw(data: Any) -> Tuple[Any, Tensors]:
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, (bytes, bytearray)):
+        raise TypeError(f"a raw shard holds bytes or str, not {type(data).__name__}")
+    return {"__raw": base64.b64encode(bytes(data)).decode()}, []
+
+
+def raw_bytes(skeleton: Any) -> bytes:
+    return base64.b64decode(skeleton["__raw"])
+
+
+FLATTEN = {"safetensors": flatten, "torch": flatten_pickled, "raw": flatten_raw}
+
+
 def rebuild(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict) and set(skeleton) == {"__raw"}:
+        return raw_bytes(skeleton)
     return unflatten_pickled(skeleton, tensors) if is_pickled(skeleton) else unflatten(skeleton, tensors)
 
 
 SAFE_MODULE_PREFIXES = ("torch.", "megatron.", "deepspeed.", "transformers.", "numpy.")
+# Plain data classes the frameworks put into their own checkpoint files, rebuilt from their fields only
+# (no __reduce__ calls into arbitrary code): DeepSpeed's loss scaler and ZeRO fragment addresses, and
+# numpy arrays (RNG states of numpy, saved by Megatron and the HF Trainer).
+SAFE_CLASSES = {
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+}
 
 
-def safe_torch_load(data: bytes) -> Any:
-    """torch.load with weights_only=True, allowing argparse.Namespace and Enum classes of the known
-    frameworks (their modules are imported from the installed packages, never from the file)."""
+def _allowed(name: str) -> Any:
     import argparse
     import enum
     import importlib
+
+    if name == "argparse.Namespace":
+        return argparse.Namespace
+    module, _, qual = name.rpartition(".")
+    if not (module + ".").startswith(SAFE_MODULE_PREFIXES):
+        return None
+    try:
+        obj = getattr(importlib.import_module(module), qual)
+    except (ImportError, AttributeError):
+        return None
+    if name in SAFE_CLASSES or module == "numpy.dtypes":    # numpy.dtypes.UInt32DType and friends
+        return obj
+    return obj if isinstance(obj, type) and issubclass(obj, enum.Enum) else None
+
+
+def safe_torch_load(data: bytes) -> Any:
+    """torch.load with weights_only=True, allowing argparse.Namespace, Enum classes of the known
+    frameworks and the few data classes in SAFE_CLASSES (their modules are imported from the installed
+    packages, never from the file)."""
     import io
 
     allowed = []
     for name in torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)):
-        module, _, qual = name.rpartition(".")
-        if name == "argparse.Namespace":
-            allowed.append(argparse.Namespace)
-            continue
-        obj = None
-        if (module + ".").startswith(SAFE_MODULE_PREFIXES):
-            try:
-                obj = importlib.import_module(module)
-                obj = getattr(obj, qual)
-            except (ImportError, AttributeError):
-                obj = None
-        if not (isinstance(obj, type) and issubclass(obj, enum.Enum)):
+        obj = _allowed(name)
+        if obj is None:
             raise ValueError(f"refusing to load: the file references {name}, which is not on easyckpt's "
-                             f"allow-list (tensors, containers, argparse.Namespace, framework enums)")
+                             f"allow-list (tensors, containers, argparse.Namespace, framework enums, "
+                             f"DeepSpeed's loss scaler and fragment addresses, numpy arrays)")
         allowed.append(obj)
     with torch.serialization.safe_globals(allowed):
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
