@@ -21,7 +21,7 @@ class Naming:
 
     dir_format: str = "step_{:08d}"          # str.format(step)
     dir_regex: str = r"^step_(\d{8})$"       # group 1 = step; what pruning and loading recognise
-    tracker: str = "latest"                  # file name in save_dir, updated after each commit
+    tracker: Optional[str] = "latest"        # file name in save_dir, updated after each commit (None: none)
     tracker_format: str = "step_{:08d}"      # its content, str.format(step)
     framework: str = "pytorch"
     # modules the agent imports before serving (the classes inside the framework's torch.save files),

@@ -23,6 +23,7 @@ are not written by the plain-engine verbs: they would live outside the atomicall
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,18 +116,26 @@ def native_shards(engine: Any, tag: str, prefix: str = "",
     (no collective, no file I/O: the state dicts hold the live tensors, the snapshot copies them)."""
     writer = bool(engine.save_non_zero_checkpoint)
     client = {_UNIVERSAL_INFO: _universal_info(), **(client_state or {})}
-    with _files(engine, tag) as files:
-        engine.save_non_zero_checkpoint = True
-        try:
-            engine._save_checkpoint(_ROOT, tag, client_state=client)
-        finally:
-            engine.save_non_zero_checkpoint = writer
-        if engine.zero_optimization() and engine.save_zero_checkpoint:
-            engine._copy_recovery_script = lambda path: None   # a file copy DeepSpeed does on its own
+    # ZeRO-3 partitions every parameter before a save (and gathers the persistent ones again after):
+    # the saved module holds placeholders, as DeepSpeed's own loader expects
+    if engine._optimizer_has_ckpt_event_prologue():
+        engine.optimizer.checkpoint_event_prologue()
+    try:
+        with _files(engine, tag) as files:
+            engine.save_non_zero_checkpoint = True
             try:
-                engine._save_zero_checkpoint(_ROOT, tag)
+                engine._save_checkpoint(_ROOT, tag, client_state=client)
             finally:
-                del engine._copy_recovery_script
+                engine.save_non_zero_checkpoint = writer
+            if engine.zero_optimization() and engine.save_zero_checkpoint:
+                engine._copy_recovery_script = lambda path: None   # a file copy DeepSpeed does on its own
+                try:
+                    engine._save_zero_checkpoint(_ROOT, tag)
+                finally:
+                    del engine._copy_recovery_script
+    finally:
+        if engine._optimizer_has_ckpt_event_epilogue():
+            engine.optimizer.checkpoint_event_epilogue()
     model_rel = model_file(engine, tag)
     return [ShardSpec(prefix + rel, tree, persist=writer if rel == model_rel else True, fmt="torch")
             for rel, tree in files.saved]
@@ -137,16 +146,23 @@ def _universal_info() -> Dict[str, Any]:
     return {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
 
 
-def needed_files(engine: Any, tag: str, prefix: str, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
-    """Files this rank reads to resume at the same data-parallel size (its own partition only); every
-    file of the step when the size changed (the universal converter reads them all)."""
-    if not same_layout(engine, manifest):
-        return [(rel, False) for rel in manifest["files"] if rel.startswith(prefix)]
-    out = [(prefix + model_file(engine, tag), False)]
-    zero = zero_file(engine, tag)
-    if zero is not None:
-        out.append((prefix + zero, False))
-    return out
+def needed_files(prefix: str, dp_rank: int, dp_world: int, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+    """Files under ``prefix`` that data-parallel rank ``dp_rank`` reads to resume: the shared ones and its
+    own ZeRO partition; every file when the data-parallel size changed (the universal converter reads
+    them all). By name, so that it works before the engine exists (the Trainer builds it late)."""
+    files = [rel for rel in manifest["files"] if rel.startswith(prefix)]
+    saved = int((manifest.get("info") or {}).get("dp_world_size", dp_world))
+    if saved != dp_world:
+        return [(rel, False) for rel in files]
+    mine = re.compile(rf"(^|/)(bf16_)?zero_pp_rank_{dp_rank}_")
+    any_rank = re.compile(r"(^|/)(bf16_)?zero_pp_rank_\d+_")
+    return [(rel, False) for rel in files if mine.search(rel) or not any_rank.search(rel)]
+
+
+def dp_rank(engine: Any) -> int:
+    import deepspeed.comm as dist
+    return dist.get_rank(group=engine.optimizer.dp_process_group) if hasattr(engine.optimizer, "dp_process_group") \
+        else engine.global_rank
 
 
 def same_layout(engine: Any, manifest: Dict[str, Any]) -> bool:
@@ -227,8 +243,11 @@ def universal_work_dir(cfg: Config) -> str:
 
 # ---- the three verbs for a DeepSpeed engine used without the Trainer --------------------------------
 
+RNG_DIR = "easyckpt_rng/"
+
+
 def _rng_file(rank: int) -> str:
-    return f"easyckpt_rng/rank_{rank:05d}.safetensors"
+    return f"{RNG_DIR}rank_{rank:05d}.safetensors"
 
 
 def initialize_easyckpt(save_dir: str, save_mem_interval: int = 1, save_storage_interval: int = 5,
@@ -276,9 +295,8 @@ def load_checkpoint(ds_engine: Any, load_module_strict: bool = True, load_optimi
                   load_lr_scheduler_states=load_lr_scheduler_states)
 
     def needed(manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
-        tag = NAMING.dir_name(manifest["step"])
-        files = needed_files(ds_engine, tag, "", manifest)
-        return files + [(_rng_file(engine.rank), True)]
+        files = needed_files("", dp_rank(ds_engine), dp_size(ds_engine), manifest)
+        return [f for f in files if not f[0].startswith(RNG_DIR)] + [(_rng_file(engine.rank), True)]
 
     loaded = engine.load(needed)
     if loaded is None:

@@ -38,6 +38,13 @@ def train_cmd(save_dir: Path, nproc: int, *args: str) -> List[str]:
     return base + [str(TRAIN), "--save-dir", str(save_dir), *args]
 
 
+def script_cmd(script: Path, nproc: int, *args: str, torchrun: Optional[bool] = None) -> List[str]:
+    base = [sys.executable]
+    if nproc > 1 or torchrun:
+        base += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return base + [str(script), *args]
+
+
 def run(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, timeout: float = TIMEOUT,
         check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(cmd), env=env(extra_env), capture_output=True, text=True, timeout=timeout)
@@ -163,3 +170,28 @@ def events(log: Path) -> List[dict]:
 
 def shm_segments() -> List[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("easyckpt-"))
+
+
+def interrupted_runs(cmd: Sequence[str], loss: Path, workdir: Path, interrupts: Sequence[tuple],
+                     timeout: float = 300) -> None:
+    """Launch ``cmd``; at each (iteration, signal) interrupt it once the loss file shows that iteration
+    (SIGKILL: every trainer at once, the agent spared; SIGTERM: to the launcher, which forwards it to its
+    workers; neither lets the trainers save), relaunch the same command; finally run it to the end."""
+    for i, (at, sig) in enumerate(interrupts):
+        proc = start(cmd, log=workdir / f"interrupted{i}.out")
+        try:
+            wait_for_iteration(loss, at, proc, timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{(workdir / f'interrupted{i}.out').read_text()[-4000:]}") from None
+        if sig == signal.SIGKILL:
+            kill_tree(proc)
+        else:
+            proc.send_signal(sig)
+            proc.wait(timeout=120)
+    run(cmd, timeout=timeout)
+
+
+def assert_losses_equal(got: Dict[int, str], reference: Dict[int, str], n: int, what: str = "") -> None:
+    assert sorted(got) == list(range(1, n + 1)), f"{what}: iterations {sorted(got)}, expected 1..{n}"
+    diff = [i for i in got if got[i] != reference[i]]
+    assert not diff, f"{what}: losses differ from the uninterrupted run at iterations {diff}"

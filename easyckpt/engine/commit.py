@@ -92,7 +92,8 @@ def commit(save_dir: str, job_id: str, step: int, world_size: int, naming: Namin
     faults.inject("agent.after_rename")
     fsync_dir(save_dir)
     faults.inject("agent.before_tracker")
-    atomic_write(os.path.join(save_dir, naming.tracker), naming.tracker_format.format(step).encode())
+    if naming.tracker:
+        atomic_write(os.path.join(save_dir, naming.tracker), naming.tracker_format.format(step).encode())
     faults.inject("agent.after_tracker")
     return final, sum(f["size"] for f in files.values())
 

@@ -45,11 +45,16 @@ class Engine:
 
     # ---- save ----------------------------------------------------------------------------
 
-    def maybe_save(self, step: int, collect: Collect, info: Info = None) -> Optional[SnapshotResult]:
+    def maybe_save(self, step: int, collect: Collect, info: Info = None,
+                   persist: Optional[bool] = None) -> Optional[SnapshotResult]:
+        """``persist``: None = on save_storage_interval; False for adapters whose framework decides
+        when to persist (they call persist_now at its save points)."""
         self.last_step, self._collect, self._info = step, collect, info
         if step % self.cfg.save_mem_interval:
             return None
-        return self._snapshot(step, collect, persist=step % self.cfg.save_storage_interval == 0, info=info)
+        if persist is None:
+            persist = step % self.cfg.save_storage_interval == 0
+        return self._snapshot(step, collect, persist=persist, info=info)
 
     def _snapshot(self, step: int, collect: Collect, persist: bool, quiet: bool = False,
                   info: Info = None) -> Optional[SnapshotResult]:
@@ -107,11 +112,12 @@ class Engine:
 
     # ---- finalize ------------------------------------------------------------------------
 
-    def finalize(self, timeout: Optional[float] = None) -> Optional[int]:
-        """Persist and commit the newest state, wait for the commit, release the slots. Returns the step."""
+    def finalize(self, timeout: Optional[float] = None, persist: bool = True) -> Optional[int]:
+        """Persist and commit the newest state, wait for the commit, release the slots. Returns the step.
+        ``persist=False``: only release (the framework was told not to save)."""
         timeout = self.cfg.commit_timeout if timeout is None else timeout
         step = None
-        if self.last_step is not None and self._collect is not None:
+        if persist and self.last_step is not None and self._collect is not None:
             step = self.persist_now(self.last_step, self._collect, timeout, self._info).step
         if step is not None:
             reply = self.client.request({"op": "flush", "rank": self.rank, "step": step,

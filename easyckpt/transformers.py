@@ -1,0 +1,430 @@
+"""The Hugging Face Trainer (with or without DeepSpeed): ``TrainerWrapper(trainer).train(resume_from_checkpoint=True)``.
+
+What the wrapper changes, and what it keeps:
+- Memory snapshots: after each optimizer step's logging/evaluation/saving (the Trainer's
+  ``_maybe_log_save_evaluate``), every ``save_mem_interval`` steps, the whole training state goes into
+  shared memory: the same content the Trainer would write to ``checkpoint-N/``.
+- Storage: the Trainer still decides *when* to save (``save_strategy`` ``no``/``steps``/``epoch``/``best``,
+  ``save_steps``); its ``_save_checkpoint`` is replaced by "snapshot now, let the node agent write it in the
+  background". ``save_total_limit`` becomes ``max_ckpt_num`` and the best checkpoint (``load_best_model_at_end``,
+  ``metric_for_best_model``) is never pruned: the Trainer's own rule, applied by the agent after each commit.
+- Layout: the Trainer's native ``checkpoint-N/`` (model.safetensors, config.json, optimizer.pt,
+  scheduler.pt, rng_state[_R].pth, trainer_state.json, training_args.bin; with DeepSpeed
+  ``global_stepN/`` + ``latest`` + zero_to_fp32.py instead of optimizer.pt), plus easyckpt_manifest.json.
+  A plain Trainer resumes from it with ``train(resume_from_checkpoint=path)``.
+- Resume (``resume_from_checkpoint=True``): the newest complete state — a surviving memory snapshot, else
+  the newest committed ``checkpoint-N`` whose manifest verifies (damaged or incomplete ones are skipped
+  loudly) — is fed to the Trainer's own resume path (data skipping, RNG, trainer state, callbacks) through
+  its load hooks, so nothing is read twice. A newer checkpoint written by a plain Trainer (no manifest, but
+  a trainer_state.json of its step) is resumed from with the Trainer's own loader. Nothing at all: a log
+  line, and training starts from scratch, so the first launch and every relaunch use the same command.
+  With DeepSpeed on another data-parallel size, the step goes through DeepSpeed's universal checkpoint.
+- An explicit ``resume_from_checkpoint="path"`` is handed to the Trainer unchanged.
+
+Decision: with ZeRO-3 no consolidated ``model.safetensors`` is written (it would need a gather of every
+parameter at every snapshot); ``global_stepN/`` holds the weights, as with the Trainer when
+``stage3_gather_16bit_weights_on_model_save`` is false.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import random
+import re
+import shutil
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import deepspeed as ds
+from .config import Config, Naming
+from .engine import manifest as mf
+from .engine.session import Engine
+from .engine.snapshot import ShardSpec
+
+# the Trainer keeps no tracker file: it finds checkpoints by their names
+NAMING = Naming(dir_format="checkpoint-{}", dir_regex=r"^checkpoint-(\d+)$", tracker=None,
+                tracker_format="checkpoint-{}", framework="transformers", agent_imports=ds.NAMING.agent_imports)
+STATE, ARGS, MODEL, OPTIM, SCHED, SCALER = ("trainer_state.json", "training_args.bin", "model.safetensors",
+                                            "optimizer.pt", "scheduler.pt", "scaler.pt")
+
+
+class TrainerWrapper:
+    """Behaves as the wrapped ``transformers.Trainer``; ``train`` adds easyckpt's snapshots and resume.
+
+    ``save_mem_interval``: every how many optimizer steps the state is copied to memory (default 1).
+    ``log_file_path``: easyckpt's audit log. ``advanced``: job_name, commit_timeout, agent_idle_timeout,
+    agent_start_timeout (see easyckpt.config.Config).
+    """
+
+    def __init__(self, trainer: Any, save_mem_interval: int = 1, log_file_path: Optional[str] = None,
+                 **advanced: Any):
+        object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "_opts", dict(save_mem_interval=save_mem_interval, log_file_path=log_file_path,
+                                               **advanced))
+        object.__setattr__(self, "engine", None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._trainer, name, value)
+
+    def __dir__(self) -> List[str]:
+        return sorted(set(dir(self._trainer)) | {"engine", "train"})
+
+    # ---- train ------------------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None,
+              **kwargs: Any) -> Any:
+        trainer = self._trainer
+        args = trainer.args
+        limit = args.save_total_limit if args.save_total_limit and args.save_total_limit > 0 else None
+        engine = Engine(Config(save_dir=str(args.output_dir), save_storage_interval=self._opts["save_mem_interval"],
+                               max_ckpt_num=limit, naming=NAMING, **self._opts))
+        object.__setattr__(self, "engine", engine)
+        session = _Session(trainer, engine)
+        finished = False
+        try:
+            with session.hooks():
+                if resume_from_checkpoint is True:
+                    resume_from_checkpoint = session.resume_point()
+                elif resume_from_checkpoint is False:
+                    resume_from_checkpoint = None
+                output = trainer.train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            finished = True
+            return output
+        finally:
+            session.cleanup()
+            if finished:
+                engine.finalize(persist=args.save_strategy != "no")
+            object.__setattr__(self, "engine", None)
+
+
+class _Session:
+    """One ``train`` call: the Trainer's hooks swapped for easyckpt's, and the state they share."""
+
+    def __init__(self, trainer: Any, engine: Engine):
+        self.trainer, self.engine = trainer, engine
+        self.trees: Optional[Dict[str, Any]] = None      # what a resume feeds the Trainer's load hooks
+        self.loaded_manifest: Dict[str, Any] = {}
+        self.loaded_path: Optional[str] = None
+        self.virtual_dir: Optional[str] = None
+        self.saved_now = False
+        self.requested: set = set()                     # steps handed to the agent in this run
+        self.static = self._static_files()
+
+    # ---- what goes into checkpoint-N --------------------------------------------------------------
+
+    @property
+    def args(self) -> Any:
+        return self.trainer.args
+
+    @property
+    def ds_engine(self) -> Any:
+        return self.trainer.model_wrapped if self.trainer.is_deepspeed_enabled else None
+
+    def _rng_file(self) -> str:
+        return "rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"
+
+    def _static_files(self) -> List[Tuple[str, bytes]]:
+        """Files that do not change during training, serialised once: arguments, model config,
+        tokenizer/processor files."""
+        out: List[Tuple[str, bytes]] = []
+        buf = io.BytesIO()
+        torch.save(self.args, buf)
+        out.append((ARGS, buf.getvalue()))
+        model = self.trainer.model
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            out.append(("config.json", config.to_json_string(use_diff=True).encode()))
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and hasattr(model, "can_generate") and model.can_generate():
+            out.append(("generation_config.json", gen.to_json_string(use_diff=True).encode()))
+        processor = getattr(self.trainer, "processing_class", None)
+        if processor is not None and hasattr(processor, "save_pretrained") and self.args.should_save:
+            tmp = os.path.join(self.args.output_dir, f".easyckpt-processor-{self.engine.cfg.job_id}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                processor.save_pretrained(tmp)
+                for name in sorted(os.listdir(tmp)):
+                    with open(os.path.join(tmp, name), "rb") as f:
+                        out.append((name, f.read()))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if self.ds_engine is not None:
+            from deepspeed.utils import zero_to_fp32
+            with open(zero_to_fp32.__file__, "rb") as f:
+                out.append(("zero_to_fp32.py", f.read()))
+        return out
+
+    def _trainer_state_json(self) -> str:
+        """trainer_state.json as the Trainer's _save_checkpoint would write it now, without changing the
+        live state (the Trainer appends callback states only when it really saves)."""
+        from transformers.trainer_callback import ExportableState
+        state = self.trainer.state
+        data = dataclasses.asdict(state)
+        callbacks = dict(data.get("stateful_callbacks") or {})
+        for cb in self.trainer.callback_handler.callbacks + [self.trainer.control]:
+            if isinstance(cb, ExportableState):
+                name = cb.__class__.__name__
+                callbacks[name] = (list(callbacks[name]) + [cb.state()]) if isinstance(callbacks.get(name), list) \
+                    else cb.state()
+        data["stateful_callbacks"] = callbacks
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def _model_state(self) -> Dict[str, torch.Tensor]:
+        """The model's weights without the duplicates of tied parameters (what save_pretrained keeps)."""
+        out, seen = {}, set()
+        for name, t in self.trainer.model.state_dict().items():
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
+            if key is not None and key in seen:
+                continue
+            seen.add(key)
+            out[name] = t
+        return out
+
+    def collect(self) -> List[ShardSpec]:
+        trainer, args, writer = self.trainer, self.args, self.args.should_save
+        trainer.store_flos()          # as the Trainer does before each save (a sum across ranks)
+        shards: List[ShardSpec] = [ShardSpec(name, data, persist=writer, fmt="raw") for name, data in self.static]
+        dse = self.ds_engine
+        if dse is None:
+            shards.append(ShardSpec(MODEL, self._model_state(), persist=writer))
+            shards.append(ShardSpec(OPTIM, trainer.optimizer.state_dict(), persist=writer, fmt="torch"))
+        else:
+            tag = f"global_step{dse.global_steps}"
+            if not dse.zero_optimization_partition_weights():
+                shards.append(ShardSpec(MODEL, self._model_state(), persist=writer))
+            shards.extend(ds.native_shards(dse, tag, prefix=tag + "/"))
+            shards.append(ShardSpec("latest", tag, persist=writer, fmt="raw"))
+        if trainer.lr_scheduler is not None and not _is_ds_scheduler(trainer.lr_scheduler):
+            shards.append(ShardSpec(SCHED, trainer.lr_scheduler.state_dict(), persist=writer, fmt="torch"))
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None:
+            shards.append(ShardSpec(SCALER, scaler.state_dict(), persist=writer, fmt="torch"))
+        shards.append(ShardSpec(self._rng_file(), _rng_states(args), persist=True, fmt="torch"))
+        shards.append(ShardSpec(STATE, self._trainer_state_json(), persist=writer, fmt="raw"))
+        return shards
+
+    def info(self) -> Dict[str, Any]:
+        state = self.trainer.state
+        best = _step_of(state.best_model_checkpoint)
+        out: Dict[str, Any] = {"protect": [best] if best is not None else []}
+        if self.ds_engine is not None:
+            out["dp_world_size"] = ds.dp_size(self.ds_engine)
+        return out
+
+    # ---- the Trainer's hooks ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        import transformers.trainer as trainer_module
+        t = self.trainer
+        t._maybe_log_save_evaluate = self._maybe_log_save_evaluate(t._maybe_log_save_evaluate)
+        t._save_checkpoint = self._save_checkpoint
+        t._load_best_model = self._load_best_model(t._load_best_model)
+        saved_limit = t.args.save_total_limit
+        # easyckpt prunes (logged, never the newest); the Trainer's end-of-training deletion must not
+        t.args.save_total_limit = None
+        ds_load = trainer_module.deepspeed_load_checkpoint
+        trainer_module.deepspeed_load_checkpoint = self._deepspeed_load(ds_load)
+        try:
+            yield
+        finally:
+            trainer_module.deepspeed_load_checkpoint = ds_load
+            t.args.save_total_limit = saved_limit
+            for name in ("_maybe_log_save_evaluate", "_save_checkpoint", "_load_best_model", "_load_from_checkpoint",
+                         "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state"):
+                t.__dict__.pop(name, None)
+
+    def _maybe_log_save_evaluate(self, original):
+        def wrapped(*args: Any, **kwargs: Any) -> None:
+            self.saved_now = False
+            original(*args, **kwargs)
+            step = self.trainer.state.global_step
+            if step > 0 and not self.saved_now:
+                self.engine.maybe_save(step, self.collect, info=self.info(), persist=False)
+        return wrapped
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's save points: snapshot this step now (the state may have changed since the last
+        snapshot of the same step: evaluation, best metric) and hand it to the agent."""
+        state, args = self.trainer.state, self.args
+        if self.trainer.hp_search_backend is None and trial is None:
+            self.trainer.store_flos()
+        run_dir = self.trainer._get_output_dir(trial=trial)
+        if args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
+            best = state.best_global_step
+            if best in self.requested or best == state.global_step or \
+                    mf.read(os.path.join(run_dir, NAMING.dir_name(best))) is not None:
+                state.best_model_checkpoint = os.path.join(run_dir, NAMING.dir_name(best))
+        self.engine.persist_now(state.global_step, self.collect, info=self.info(), fresh=True)
+        self.requested.add(state.global_step)
+        self.saved_now = True
+
+    def _load_best_model(self, original):
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            best = _step_of(self.trainer.state.best_model_checkpoint)
+            if best is not None and best in self.requested:
+                self.engine.wait_committed(best)      # its persist may still be under way
+            return original(*args, **kwargs)
+        return wrapped
+
+    # ---- resume -----------------------------------------------------------------------------------
+
+    def resume_point(self) -> Optional[str]:
+        """Choose what to resume from; install the load hooks that feed it. None: from scratch."""
+        engine = self.engine
+        loaded = engine.load(self._needed)
+        plain = newest_plain_checkpoint(self.args.output_dir, above=loaded.step if loaded else 0)
+        if plain is not None:
+            engine.log.emit("load", step=_step_of(plain), rank=engine.rank, source="plain", path=plain,
+                            message="a newer checkpoint without an easyckpt manifest: the Trainer loads it")
+            return plain
+        if loaded is None:
+            engine.log.emit("load", step=0, rank=engine.rank, source="none",
+                            message="no checkpoint found: starting from scratch")
+            return None
+        self.trees, self.loaded_path = loaded.trees, loaded.path
+        self.loaded_manifest = mf.read(loaded.path) if loaded.path else {}
+        t = self.trainer
+        t._load_from_checkpoint = self._load_model
+        t._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler
+        t._load_scaler = self._load_scaler
+        t._load_rng_state = self._load_rng_state
+        if loaded.path is not None:
+            return loaded.path
+        # from memory: the Trainer reads trainer_state.json by path; give it just that file
+        self.virtual_dir = os.path.join(self.args.output_dir, f".easyckpt-resume-{engine.cfg.job_id}-r{engine.rank}",
+                                        NAMING.dir_name(loaded.step))
+        os.makedirs(self.virtual_dir, exist_ok=True)
+        with open(os.path.join(self.virtual_dir, STATE), "wb") as f:
+            f.write(loaded.trees[STATE])
+        return self.virtual_dir
+
+    def _needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+        files = [(STATE, False), (self._rng_file(), True)]
+        if not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
+            files += [(MODEL, False), (OPTIM, False)]
+        else:
+            tag = f"global_step{manifest['step']}"
+            files += ds.needed_files(tag + "/", self.args.process_index, self.args.world_size, manifest)
+        for optional in (SCHED, SCALER):
+            files.append((optional, True))
+        return files
+
+    def _load_model(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        model = model if model is not None else self.trainer.model
+        result = model.load_state_dict(self.trees[MODEL], strict=False)
+        tied = {k for k in result.missing_keys if _is_tied(model, k)}
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"checkpoint does not match the model: missing {missing}, "
+                               f"unexpected {result.unexpected_keys}")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str) -> None:
+        t = self.trainer
+        if self.ds_engine is None:
+            t.optimizer.load_state_dict(self.trees[OPTIM])
+        if SCHED in self.trees and not _is_ds_scheduler(t.lr_scheduler):
+            t.lr_scheduler.load_state_dict(self.trees[SCHED])
+
+    def _load_scaler(self, checkpoint: str) -> None:
+        scaler = getattr(self.trainer.accelerator, "scaler", None)
+        if scaler is not None and SCALER in self.trees:
+            scaler.load_state_dict(self.trees[SCALER])
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        state = (self.trees or {}).get(self._rng_file())
+        if state is None:
+            self.engine.log.emit("warning", rank=self.engine.rank, message="no RNG state saved for this process")
+            return
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.random.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            if isinstance(state["cuda"], (list, tuple)):
+                torch.cuda.random.set_rng_state_all(state["cuda"])
+            else:
+                torch.cuda.random.set_rng_state(state["cuda"])
+
+    def _deepspeed_load(self, original):
+        def load(ds_engine: Any, checkpoint_path: str, load_module_strict: bool = True) -> None:
+            if self.trees is None:          # an explicit path or a plain Trainer's checkpoint
+                return original(ds_engine, checkpoint_path, load_module_strict=load_module_strict)
+            step = int(json.loads(self.trees[STATE])["global_step"])
+            tag = f"global_step{step}"
+            kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=True,
+                          load_lr_scheduler_states=True)
+            if self.loaded_path is None or ds.same_layout(ds_engine, self.loaded_manifest):
+                ds.restore_native(ds_engine, self.trees, tag, prefix=tag + "/", **kwargs)
+            else:
+                self.engine.log.emit("convert", step=step, rank=self.engine.rank, path=self.loaded_path,
+                                     message="data-parallel size changed: loading through DeepSpeed's "
+                                             "universal checkpoint")
+                ds.restore_universal(ds_engine, os.path.join(self.loaded_path, tag), tag,
+                                     ds.universal_work_dir(self.engine.cfg), self.engine.rank,
+                                     self.engine.world_size, **kwargs)
+        return load
+
+    def cleanup(self) -> None:
+        if self.virtual_dir is not None:
+            shutil.rmtree(os.path.dirname(self.virtual_dir), ignore_errors=True)
+            self.virtual_dir = None
+        self.trees = None
+
+
+def _rng_states(args: Any) -> Dict[str, Any]:
+    """The Trainer's rng_state file content (see Trainer._save_rng_state)."""
+    states: Dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                              "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = (torch.cuda.random.get_rng_state_all() if args.parallel_mode.value == "distributed"
+                          else torch.cuda.random.get_rng_state())
+    return states
+
+
+def _is_ds_scheduler(scheduler: Any) -> bool:
+    return type(scheduler).__name__ == "DeepSpeedSchedulerWrapper"
+
+
+def _is_tied(model: Any, key: str) -> bool:
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    return key in tied
+
+
+def _step_of(path: Optional[str]) -> Optional[int]:
+    m = re.search(r"checkpoint-(\d+)$", str(path).rstrip("/")) if path else None
+    return int(m.group(1)) if m else None
+
+
+def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
+    """The newest ``checkpoint-N`` written by a plain Trainer (no easyckpt manifest) that looks complete
+    (its trainer_state.json is readable and of step N), if newer than ``above``."""
+    pattern = re.compile(NAMING.dir_regex)
+    found = []
+    try:
+        names = os.listdir(output_dir)
+    except FileNotFoundError:
+        return None
+    for name in names:
+        m = pattern.match(name)
+        path = os.path.join(output_dir, name)
+        if not m or int(m.group(1)) <= above or mf.read(path) is not None:
+            continue
+        try:
+            with open(os.path.join(path, STATE)) as f:
+                if int(json.load(f)["global_step"]) == int(m.group(1)):
+                    found.append((int(m.group(1)), path))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(found)[1] if found else None
+
+
+__all__ = ["TrainerWrapper", "newest_plain_checkpoint", "NAMING"]

@@ -1,0 +1,144 @@
+"""The Hugging Face Trainer under TrainerWrapper: real Trainers (tiny GPT-2, CPU), interrupted and resumed.
+
+Each interrupted run is killed twice (kill -9 of every process, then SIGTERM) and relaunched with the same
+command; the per-step losses must equal an uninterrupted run's bit for bit: single process, 2-process DDP,
+and DeepSpeed ZeRO 1, 2 and 3 (2 processes). Also: a plain Trainer resumes from an easyckpt checkpoint and
+the wrapper from a plain Trainer's, save_total_limit keeps what the Trainer itself keeps (the best
+checkpoint included), and ZeRO-2 saved on 2 processes resumes on 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+
+from harness import (ROOT, assert_losses_equal, events, interrupted_runs, losses, run, script_cmd, start, starts,
+                     wait_for_iteration, kill_tree, wait_no_agent)
+
+HF = ROOT / "examples" / "deepspeed" / "hf_train.py"
+STEPS = 24
+SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
+
+
+def hf(out, loss, *extra, nproc=1, log=None):
+    args = ["--output-dir", str(out), "--loss-file", str(loss), "--max-steps", str(STEPS), "--idle-timeout", "8", *extra]
+    if log is not None:
+        args += ["--log-file", str(log)]
+    return script_cmd(HF, nproc, *args, torchrun="--zero" in extra)   # DeepSpeed wants a process group
+
+
+def reference(tmp, *extra, nproc=1):
+    run(hf(tmp / "ref", tmp / "ref-loss", *extra, nproc=nproc), timeout=300)
+    wait_no_agent(tmp / "ref")
+    return losses(tmp / "ref-loss")
+
+
+@pytest.fixture(scope="module")
+def single_reference(tmp_path_factory):
+    return reference(tmp_path_factory.mktemp("hf-single"))
+
+
+CONFIGS = {"single": (1, []), "ddp": (2, []), "zero1": (2, ["--zero", "1"]), "zero2": (2, ["--zero", "2"]),
+           "zero3": (2, ["--zero", "3"])}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_kill9_and_sigterm_resume_with_equal_losses(tmp_path, name, single_reference):
+    nproc, extra = CONFIGS[name]
+    ref = single_reference if name == "single" else reference(tmp_path, *extra, nproc=nproc)
+    rnd = random.Random(SEED + len(name))
+    kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
+    out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmd = hf(out, loss, *extra, "--step-sleep", "0.15", nproc=nproc, log=log)
+    interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    assert_losses_equal(losses(loss), ref, STEPS, name)
+    resumed = starts(loss)[1:]
+    assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at - 1, \
+        f"resumed from {resumed} after interrupts at {kill_at}, {term_at}: progress was lost"
+    assert any(e["event"] == "load" and e.get("source") == "memory" for e in events(log))
+    wait_no_agent(out)
+    # the Trainer's native layout, checkpoint by checkpoint
+    newest = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    names = set(os.listdir(newest))
+    assert {"trainer_state.json", "training_args.bin", "config.json", "easyckpt_manifest.json"} <= names
+    if name in ("single",):
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"} <= names
+    elif name == "ddp":
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
+    else:
+        step = json.loads((newest / "trainer_state.json").read_text())["global_step"]
+        assert (newest / "latest").read_text() == f"global_step{step}"
+        assert {"zero_to_fp32.py", f"global_step{step}"} <= names
+        assert (name == "zero3") != ("model.safetensors" in names)
+
+
+def test_plain_trainer_and_wrapper_resume_from_each_others_checkpoints(tmp_path, single_reference):
+    # wrapper writes, wrapper killed; the plain Trainer resumes from the wrapper's checkpoint-10
+    a = tmp_path / "a"
+    proc = start(hf(a / "out", a / "loss", "--step-sleep", "0.15"), log=tmp_path / "a.out")
+    wait_for_iteration(a / "loss", 12, proc, 300)
+    kill_tree(proc)
+    wait_no_agent(a / "out", timeout=90)
+    run(hf(a / "out", a / "loss", "--plain", "--resume", str(a / "out" / "checkpoint-10")), timeout=300)
+    assert starts(a / "loss")[-1] == 10
+    assert_losses_equal(losses(a / "loss"), single_reference, STEPS, "plain Trainer from easyckpt's checkpoint")
+
+    # the plain Trainer writes, and is killed; the wrapper resumes from its newest complete checkpoint-N
+    b = tmp_path / "b"
+    log = tmp_path / "b-audit.jsonl"
+    proc = start(hf(b / "out", b / "loss", "--plain", "--resume", "none", "--step-sleep", "0.15"),
+                 log=tmp_path / "b.out")
+    wait_for_iteration(b / "loss", 13, proc, 300)
+    kill_tree(proc)
+    (b / "out" / "checkpoint-15").mkdir()      # as a crash in the middle of the Trainer's save leaves it
+    run(hf(b / "out", b / "loss", log=log), timeout=300)
+    assert starts(b / "loss")[-1] == 10
+    assert [e["source"] for e in events(log) if e["event"] == "load"] == ["plain"]
+    assert_losses_equal(losses(b / "loss"), single_reference, STEPS, "wrapper from a plain Trainer's checkpoint")
+    wait_no_agent(b / "out")
+
+
+def test_save_total_limit_keeps_what_the_trainer_keeps_including_the_best(tmp_path):
+    extra = ["--eval-best", "--save-steps", "3", "--save-total-limit", "2"]
+    run(hf(tmp_path / "plain", tmp_path / "plain-loss", "--plain", "--resume", "none", *extra), timeout=300)
+    log = tmp_path / "audit.jsonl"
+    run(hf(tmp_path / "wrapped", tmp_path / "wrapped-loss", *extra, log=log), timeout=300)
+    wait_no_agent(tmp_path / "wrapped")
+    plain = sorted(p.name for p in (tmp_path / "plain").glob("checkpoint-*"))
+    wrapped = sorted(p.name for p in (tmp_path / "wrapped").glob("checkpoint-*"))
+    state = json.loads((tmp_path / "wrapped" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    best = os.path.basename(state["best_model_checkpoint"])
+    evals = {e["step"]: e["eval_loss"] for e in state["log_history"] if "eval_loss" in e}
+    assert best == f"checkpoint-{min(evals, key=evals.get)}"
+    assert wrapped == plain, f"the wrapper kept {wrapped}, the Trainer keeps {plain}"
+    assert best in wrapped and f"checkpoint-{STEPS}" in wrapped and len(wrapped) == 2
+    if best != f"checkpoint-{STEPS - STEPS % 3}":
+        assert best != sorted(wrapped, key=lambda n: int(n.split("-")[1]))[-1]
+    deletes = [e for e in events(log) if e["event"] == "delete"]
+    assert len(deletes) == STEPS // 3 - 2 + (0 if STEPS % 3 == 0 else 0)
+    assert all(e["reason"] == "retention" for e in deletes)
+
+
+def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):
+    """DeepSpeed refuses a ZeRO checkpoint of another data-parallel size; easyckpt converts it through
+    DeepSpeed's universal checkpoint. Without dropout, 1- and 2-process runs differ only by rounding."""
+    ref = reference(tmp_path, "--zero", "2", "--dropout", "0", nproc=1)
+    out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    proc = start(hf(out, loss, "--zero", "2", "--dropout", "0", "--step-sleep", "0.15", nproc=2, log=log),
+                 log=tmp_path / "first.out")
+    wait_for_iteration(loss, 12, proc, 300)
+    kill_tree(proc)
+    wait_no_agent(out, timeout=90)
+    run(hf(out, loss, "--zero", "2", "--dropout", "0", nproc=1, log=log), timeout=300)
+    resumed = starts(loss)[-1]
+    assert resumed >= 10
+    assert any(e["event"] == "convert" for e in events(log))
+    got = losses(loss)
+    for i in range(resumed + 1, STEPS + 1):
+        x, y = float.fromhex(got[i]), float.fromhex(ref[i])
+        assert abs(x - y) <= 1e-4 * abs(y), f"step {i}: {x} vs {y} (uninterrupted 1-process run)"
+    assert not list(out.glob(".easyckpt-universal-*")), "the converted copy was not removed"
+    wait_no_agent(out)
