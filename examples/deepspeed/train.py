@@ -25,7 +25,7 @@ import cpu_switch  # noqa: E402
 import easyckpt.deepspeed as eds  # noqa: E402
 
 
-def parse() -> argparse.Namespace:
+def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--save-dir", required=True)
     p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3))
@@ -42,16 +42,16 @@ def parse() -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a kill")
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def main() -> int:
-    args = parse()
+def build(args: argparse.Namespace):
+    """The DeepSpeed engine of this example (also used by the tests to build a second, fresh one)."""
     cpu_switch.enable()
     import deepspeed
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    world = torch.distributed.get_world_size()
     torch.manual_seed(args.seed)   # same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(args.dropout),
                                 torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
@@ -67,6 +67,13 @@ def main() -> int:
         "steps_per_print": 10 ** 9,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def main() -> int:
+    args = parse()
+    engine = build(args)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     random.seed(args.seed + rank)

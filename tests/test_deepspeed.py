@@ -1,0 +1,73 @@
+"""A DeepSpeed engine without the Trainer, through easyckpt.deepspeed: ZeRO 1, 2 and 3 on 2 ranks (CPU, gloo).
+
+Each interrupted run is killed twice (kill -9 of both ranks, then SIGTERM) and relaunched with the same
+command; losses must equal an uninterrupted run's bit for bit. The checkpoints are DeepSpeed's own:
+``engine.load_checkpoint(save_dir)`` reads the newest through ``latest`` and restores the same state as
+easyckpt's loader. A ZeRO-3 checkpoint of 2 ranks resumes on 1 through the universal checkpoint.
+"""
+from __future__ import annotations
+
+import random
+import signal
+import os
+
+import pytest
+
+from harness import (ROOT, assert_losses_equal, events, interrupted_runs, kill_tree, losses, run, script_cmd, start,
+                     starts, wait_for_iteration, wait_no_agent)
+
+TRAIN = ROOT / "examples" / "deepspeed" / "train.py"
+CHECK = ROOT / "tests" / "deepspeed_native_check.py"
+ITERS = 20
+SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
+
+
+def ds(save_dir, loss, *extra, nproc=2, log=None):
+    args = ["--save-dir", str(save_dir), "--loss-file", str(loss), "--iters", str(ITERS), "--idle-timeout", "8",
+            *extra]
+    if log is not None:
+        args += ["--log-file", str(log)]
+    return script_cmd(TRAIN, nproc, *args, torchrun=True)
+
+
+@pytest.mark.parametrize("zero", ["1", "2", "3"])
+def test_kill9_and_sigterm_resume_with_equal_losses_and_deepspeed_reads_the_checkpoint(tmp_path, zero):
+    run(ds(tmp_path / "ref", tmp_path / "ref-loss", "--zero", zero), timeout=300)
+    reference = {r: losses(tmp_path / "ref-loss", r) for r in (0, 1)}
+    rnd = random.Random(SEED + int(zero))
+    kill_at, term_at = rnd.randint(3, 8), rnd.randint(11, 16)
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmd = ds(ckpt, loss, "--zero", zero, "--step-sleep", "0.1", log=log)
+    interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), reference[rank], ITERS, f"ZeRO-{zero} rank {rank}")
+    resumed = starts(loss)[1:]
+    assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at - 1, resumed
+    assert any(e["event"] == "load" and e.get("source") == "memory" for e in events(log))
+    wait_no_agent(ckpt)
+    wait_no_agent(tmp_path / "ref")
+    assert (ckpt / "latest").read_text() == f"global_step{ITERS}"
+    out = run(script_cmd(CHECK, 2, str(ckpt), zero), timeout=300)
+    assert "optimizer tensors equal" in out.stdout
+    wait_no_agent(ckpt)
+
+
+def test_zero3_saved_on_two_ranks_resumes_on_one_through_the_universal_checkpoint(tmp_path):
+    run(ds(tmp_path / "ref", tmp_path / "ref-loss", "--zero", "3", "--dropout", "0", nproc=1), timeout=300)
+    reference = losses(tmp_path / "ref-loss")
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    proc = start(ds(ckpt, loss, "--zero", "3", "--dropout", "0", "--step-sleep", "0.1", log=log),
+                 log=tmp_path / "first.out")
+    wait_for_iteration(loss, 10, proc, 300)
+    kill_tree(proc)
+    wait_no_agent(ckpt, timeout=90)
+    run(ds(ckpt, loss, "--zero", "3", "--dropout", "0", nproc=1, log=log), timeout=300)
+    resumed = starts(loss)[-1]
+    assert resumed >= 9
+    assert any(e["event"] == "convert" for e in events(log))
+    got = losses(loss)
+    for i in range(resumed + 1, ITERS + 1):
+        x, y = float.fromhex(got[i]), float.fromhex(reference[i])
+        assert abs(x - y) <= 1e-4 * abs(y), f"iteration {i}: {x} vs {y} (uninterrupted 1-rank run)"
+    assert not list(ckpt.glob(".easyckpt-universal-*")), "the converted copy was not removed"
+    wait_no_agent(ckpt)
