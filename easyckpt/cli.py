@@ -1,6 +1,6 @@
 """easyckpt command line (more verbs come with the operator-tools issue).
 
-    easyckpt ls DIR [--framework pytorch|megatron] [--json]
+    easyckpt ls DIR [--framework pytorch|megatron|deepspeed|transformers] [--json]
     easyckpt verify DIR [STEP] [--framework ...] [--json]     exit status 1 on damage, naming the file
     easyckpt convert megatron-distopt DIR [STEP]              Megatron's own distrib_optim.pt per (tp, pp)
 """
@@ -17,11 +17,13 @@ from .engine import manifest as mf
 from .engine import retention, shardfile
 
 
+FRAMEWORKS = {"pytorch": "easyckpt.pytorch", "megatron": "easyckpt.megatron.state",
+              "deepspeed": "easyckpt.deepspeed", "transformers": "easyckpt.transformers"}
+
+
 def _naming(framework: str) -> Naming:
-    from .megatron.state import NAMING as MEGATRON
-    from .pytorch import NAMING
-    known = {"pytorch": NAMING, "megatron": MEGATRON}
-    return known[framework]
+    import importlib
+    return importlib.import_module(FRAMEWORKS[framework]).NAMING
 
 
 def _verify_dir(step_dir: str) -> List[str]:
@@ -108,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("dir")
         if name == "verify":
             p.add_argument("step", nargs="?", type=int)
-        p.add_argument("--framework", default="pytorch", choices=["pytorch", "megatron"])
+        p.add_argument("--framework", default="pytorch", choices=sorted(FRAMEWORKS))
         p.add_argument("--json", action="store_true")
         p.set_defaults(fn=fn)
     conv = sub.add_parser("convert", help="megatron-distopt: per-DP optimizer shards -> Megatron's distrib_optim.pt")

@@ -85,3 +85,45 @@ def test_framework_enums_and_namespace_are_allowed_but_foreign_classes_are_not()
     torch.save({"e": _Local.A}, buf)
     with pytest.raises(ValueError, match="allow-list"):
         safe_torch_load(buf.getvalue())
+
+
+def test_raw_shards_are_written_as_they_are_and_read_back_from_memory_and_storage(tmp_path, snap):
+    state = json.dumps({"global_step": 7, "log_history": [{"loss": 1.5}]}, indent=2) + "\n"
+    blob = bytes(range(256)) * 3
+    res = snap.snapshot(7, [ShardSpec("trainer_state.json", state, True, fmt="raw"),
+                            ShardSpec("sub/training_args.bin", blob, True, fmt="raw"),
+                            ShardSpec("model.safetensors", {"w": torch.ones(3)}, True)], persist=True,
+                        info={"protect": [3]})
+    step, files, _, _, info = persist_slot(shm.slot_path("feedfacecafe", 0, res.slot), res.generation,
+                                           str(tmp_path), 0)
+    assert info == {"protect": [3]} and files["trainer_state.json"]["format"] == "raw"
+    assert (tmp_path / "trainer_state.json").read_text() == state
+    assert (tmp_path / "sub" / "training_args.bin").read_bytes() == blob
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(build(7, "x", "t", 1, files)))
+    trees, problem, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m["files"]])
+    assert problem is None and trees["sub/training_args.bin"] == blob
+    assert read_snapshot("feedfacecafe", 0, res.slot, 7)["trainer_state.json"] == state.encode()
+
+
+def test_deepspeed_and_numpy_data_classes_are_allowed():
+    import io
+
+    import numpy as np
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.utils.tensor_fragment import fragment_address
+    buf = io.BytesIO()
+    torch.save({"scaler": LossScaler(1.0), "map": {"w": fragment_address(numel=4, start=8)},
+                "rng": np.random.get_state()}, buf)
+    out = safe_torch_load(buf.getvalue())
+    assert out["map"]["w"].start == 8 and out["scaler"].cur_scale == 1.0
+    assert np.array_equal(out["rng"][1], np.random.get_state()[1])
+
+
+def test_retention_keeps_the_newest_and_protected_steps_like_the_trainer():
+    from easyckpt.engine.retention import KeepLast
+    dirs = [(s, f"checkpoint-{s}") for s in (30, 25, 20, 15, 10, 5)]
+    assert [s for s, _ in KeepLast(2).to_delete(dirs)] == [20, 15, 10, 5]
+    assert [s for s, _ in KeepLast(2, protect=[10]).to_delete(dirs)] == [25, 20, 15, 5]
+    assert [s for s, _ in KeepLast(1, protect=[10]).to_delete(dirs)] == [25, 20, 15, 5]   # newest + best
+    assert [s for s, _ in KeepLast(3, protect=[30]).to_delete(dirs)] == [15, 10, 5]
+    assert KeepLast(None, protect=[10]).to_delete(dirs) == []

@@ -25,7 +25,7 @@ SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 def cmd(save: Path, loss: Path, *extra: str, nproc: int = 2):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
             "--cpu", "--quiet", "--iters", str(ITERS), "--save", str(save), "--loss-file", str(loss),
-            "--save-storage-interval", "4", *extra]
+            "--save-storage-interval", "4", "--agent-idle-timeout", "10", *extra]
 
 
 def loss_files(prefix: Path):

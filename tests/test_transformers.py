@@ -118,8 +118,21 @@ def test_save_total_limit_keeps_what_the_trainer_keeps_including_the_best(tmp_pa
     if best != f"checkpoint-{STEPS - STEPS % 3}":
         assert best != sorted(wrapped, key=lambda n: int(n.split("-")[1]))[-1]
     deletes = [e for e in events(log) if e["event"] == "delete"]
-    assert len(deletes) == STEPS // 3 - 2 + (0 if STEPS % 3 == 0 else 0)
-    assert all(e["reason"] == "retention" for e in deletes)
+    assert len(deletes) == STEPS // 3 - 2 and all(e["reason"] == "retention" for e in deletes)
+
+    # a damaged newest checkpoint is never resumed from: the other kept one is, loudly
+    wait_no_agent(tmp_path / "wrapped")
+    damaged = tmp_path / "wrapped" / f"checkpoint-{STEPS}" / "optimizer.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    run(hf(tmp_path / "wrapped", tmp_path / "wrapped-loss", *extra, log=log), timeout=300)
+    other = min(int(n.split("-")[1]) for n in wrapped)
+    assert any(e["event"] == "error" and e.get("step") == STEPS and "optimizer.pt" in e["message"]
+               for e in events(log))
+    loads = [e for e in events(log) if e["event"] == "load"]
+    assert loads[-1]["source"] == "storage" and loads[-1]["step"] == other
+    wait_no_agent(tmp_path / "wrapped")
 
 
 def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):

@@ -34,6 +34,9 @@ from . import commit, protocol, retention, shm
 from .persist import persist_slot
 
 
+ABANDONED = "abandoned: its trainers died before every rank's shard of the step was written"
+
+
 @dataclass
 class _Client:
     reader: protocol.LineReader = field(default_factory=protocol.LineReader)
@@ -49,6 +52,7 @@ class _Job:
     slot: int = -1
     generation: int = 0
     reason: str = "interval"
+    epoch: int = 0                 # persists asked for before the trainers last died are stale
 
 
 class Agent:
@@ -78,6 +82,8 @@ class Agent:
         self.coordinator = False
         self.stop = False
         self.views: Dict[str, shm.AgentView] = {}
+        self.epoch = 0
+        self.death_step: Optional[int] = None
         threading.Thread(target=self._worker, daemon=True, name="easyckpt-persist").start()
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -85,16 +91,6 @@ class Agent:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
         self.log.emit("agent_start", job_id=self.job_id, save_dir=self.cfg.save_dir)
-        if self.cfg.naming.framework != "pytorch":
-            # native torch.save layouts need torch in this process: import it before answering the first
-            # hello (trainers wait for it once, at start-up) rather than during the first persist, when
-            # seconds of import would keep a slot reserved and leave the trainer a single one to write
-            import torch  # noqa: F401
-        for module in self.cfg.naming.agent_imports:
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                pass
         self._clean_leftovers()
         while not self.stop:
             for key, _ in self.sel.select(timeout=0.05):
@@ -181,7 +177,15 @@ class Agent:
     def _handle(self, conn: socket.socket, client: _Client, msg: Dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "hello":
-            client.rank = int(msg["rank"])
+            rank = int(msg["rank"])
+            for other_conn, other in list(self.clients.items()):
+                if other is not client and other.rank == rank:
+                    # a restarted trainer of this rank: the old connection outlived its trainer (held open by
+                    # a surviving child process); it must not keep the agent alive or count as this rank
+                    self.log.emit("trainer_replaced", rank=rank)
+                    other.rank = None
+                    self._disconnect(other_conn)
+            client.rank = rank
             self.world_size = int(msg["world_size"])
             self.coordinator = self.coordinator or client.rank == 0
             self.ever_connected = True
@@ -217,6 +221,7 @@ class Agent:
             pass   # the trainer is gone; its disconnect is handled by the loop
 
     def _enqueue(self, job: _Job) -> None:
+        job.epoch = self.epoch
         if job.kind == "persist":
             if (job.rank, job.step) in self.queued:
                 return
@@ -273,9 +278,10 @@ class Agent:
                     per_rank[rank][hdr.step] = (i, hdr.generation)
                 slot.close()
         common = set.intersection(*(set(s) for s in per_rank.values())) if per_rank else set()
-        if not common:
+        step = max(common) if common else None
+        self._abandon_other_steps(step)
+        if step is None:
             return
-        step = max(common)
         done = retention.committed(self.cfg.save_dir, self.cfg.naming)
         if done and done[0][0] >= step:
             return
@@ -286,13 +292,40 @@ class Agent:
                 continue
             self._enqueue(_Job("persist", step, rank, slot, gen, reason="trainer died"))
 
+    def _abandon_other_steps(self, keep: Optional[int]) -> None:
+        """Every local trainer died: a step some rank had not handed over yet can never be completed by
+        them (a restarted job redoes it, and its shards must not be mixed with these). Drop its staging
+        and pending commit, and the persists still queued for it, so that nothing waits for it."""
+        self.epoch, self.death_step = self.epoch + 1, keep
+        for step in sorted(set(self.pending_commits) - {keep}):
+            self.log.emit("abandon", step=step, message="trainers died before every rank's shard was written")
+            self.pending_commits.pop(step)
+            staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
+            commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=staging)
+
     # ---- worker: the disk work ------------------------------------------------------------
 
+    def _warm_up(self) -> None:
+        """Native torch.save layouts need torch (and the classes inside the framework's files) in this
+        process. The persist thread imports them as soon as the agent starts, while the trainers are still
+        building their models: neither the trainers' start-up nor the first persist (during which a slot
+        stays reserved) waits for seconds of imports."""
+        modules = (["torch"] if self.cfg.naming.framework != "pytorch" else []) + list(self.cfg.naming.agent_imports)
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass
+
     def _worker(self) -> None:
+        self._warm_up()
         while True:
             job = self.jobs.get()
             try:
-                err = self._persist(job) if job.kind == "persist" else self._commit(job.step)
+                if job.kind == "persist" and job.epoch < self.epoch and job.step != self.death_step:
+                    err = ABANDONED
+                else:
+                    err = self._persist(job) if job.kind == "persist" else self._commit(job.step)
             except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
                 err = f"{type(exc).__name__}: {exc}"
             self.results.put((job, err))
@@ -362,7 +395,7 @@ class Agent:
             if job.kind == "persist":
                 self.queued.discard((job.rank, job.step))
                 self.done[(job.rank, job.step)] = err
-            if err is not None:
+            if err is not None and err != ABANDONED:
                 self._fail(job.step, err, job.rank)
         self._answer_flushes()
 

@@ -27,7 +27,18 @@ class AgentClient:
         self.reader = protocol.LineReader()
         self.agent_pid: Optional[int] = None
         self._spawned: Optional[subprocess.Popen] = None
+        # A process forked from the trainer (data-loader workers, a multiprocessing manager) would keep
+        # the connection open after the trainer died, and the agent would never learn of the death.
+        os.register_at_fork(after_in_child=self._drop_in_child)
         self._connect()
+
+    def _drop_in_child(self) -> None:
+        if self.sock is not None:
+            try:
+                os.close(self.sock.detach())   # this process's copy only; the trainer keeps its own
+            except OSError:
+                pass
+            self.sock = None
 
     def _connect(self) -> None:
         deadline = time.monotonic() + self.cfg.agent_start_timeout

@@ -216,7 +216,10 @@ def _allowed(name: str) -> Any:
         obj = getattr(importlib.import_module(module), qual)
     except (ImportError, AttributeError):
         return None
-    if name in SAFE_CLASSES or module == "numpy.dtypes":    # numpy.dtypes.UInt32DType and friends
+    if name == "numpy.dtype":     # a dtype unpickles into an instance of its numpy.dtypes class
+        import numpy.dtypes
+        return [obj] + [c for c in vars(numpy.dtypes).values() if isinstance(c, type)]
+    if name in SAFE_CLASSES:
         return obj
     return obj if isinstance(obj, type) and issubclass(obj, enum.Enum) else None
 
@@ -234,6 +237,6 @@ def safe_torch_load(data: bytes) -> Any:
             raise ValueError(f"refusing to load: the file references {name}, which is not on easyckpt's "
                              f"allow-list (tensors, containers, argparse.Namespace, framework enums, "
                              f"DeepSpeed's loss scaler and fragment addresses, numpy arrays)")
-        allowed.append(obj)
+        allowed.extend(obj if isinstance(obj, list) else [obj])
     with torch.serialization.safe_globals(allowed):
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
