@@ -23,7 +23,7 @@ SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
 
 def ds(save_dir, loss, *extra, nproc=2, log=None):
-    args = ["--save-dir", str(save_dir), "--loss-file", str(loss), "--iters", str(ITERS), "--idle-timeout", "8",
+    args = ["--save-dir", str(save_dir), "--loss-file", str(loss), "--iters", str(ITERS), "--idle-timeout", "20",
             *extra]
     if log is not None:
         args += ["--log-file", str(log)]
@@ -56,7 +56,7 @@ def test_zero3_saved_on_two_ranks_resumes_on_one_through_the_universal_checkpoin
     run(ds(tmp_path / "ref", tmp_path / "ref-loss", "--zero", "3", "--dropout", "0", nproc=1), timeout=300)
     reference = losses(tmp_path / "ref-loss")
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
-    proc = start(ds(ckpt, loss, "--zero", "3", "--dropout", "0", "--step-sleep", "0.1", log=log),
+    proc = start(ds(ckpt, loss, "--zero", "3", "--dropout", "0", "--step-sleep", "0.1", "--idle-timeout", "2", log=log),
                  log=tmp_path / "first.out")
     wait_for_iteration(loss, 10, proc, 300)
     kill_tree(proc)

@@ -25,7 +25,7 @@ SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 def cmd(save: Path, loss: Path, *extra: str, nproc: int = 2):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
             "--cpu", "--quiet", "--iters", str(ITERS), "--save", str(save), "--loss-file", str(loss),
-            "--save-storage-interval", "4", "--agent-idle-timeout", "10", *extra]
+            "--save-storage-interval", "4", "--agent-idle-timeout", "20", *extra]
 
 
 def loss_files(prefix: Path):
@@ -129,7 +129,7 @@ def test_without_concat_a_different_data_parallel_size_is_refused_clearly(tmp_pa
     ckpt, loss = tmp_path / "ckpt", tmp_path / "loss"
     run(cmd(ckpt, loss, "--use-distributed-optimizer", "--iters", "4"), timeout=300)
     wait_no_agent(ckpt)
-    out = run(cmd(ckpt, loss, "--use-distributed-optimizer", "--iters", "6", nproc=1), timeout=300, check=False)
+    out = run(cmd(ckpt, loss, "--use-distributed-optimizer", "--iters", "6", "--agent-idle-timeout", "2", nproc=1), timeout=300, check=False)
     assert out.returncode != 0
     assert "concat=True" in out.stdout + out.stderr
     wait_no_agent(ckpt)

@@ -24,7 +24,7 @@ SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
 
 def hf(out, loss, *extra, nproc=1, log=None):
-    args = ["--output-dir", str(out), "--loss-file", str(loss), "--max-steps", str(STEPS), "--idle-timeout", "8", *extra]
+    args = ["--output-dir", str(out), "--loss-file", str(loss), "--max-steps", str(STEPS), "--idle-timeout", "20", *extra]
     if log is not None:
         args += ["--log-file", str(log)]
     return script_cmd(HF, nproc, *args, torchrun="--zero" in extra)   # DeepSpeed wants a process group
@@ -52,7 +52,7 @@ def test_kill9_and_sigterm_resume_with_equal_losses(tmp_path, name, single_refer
     rnd = random.Random(SEED + len(name))
     kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
     out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
-    cmd = hf(out, loss, *extra, "--step-sleep", "0.15", nproc=nproc, log=log)
+    cmd = hf(out, loss, *extra, "--step-sleep", "0.1", nproc=nproc, log=log)
     interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
     assert_losses_equal(losses(loss), ref, STEPS, name)
     resumed = starts(loss)[1:]
@@ -78,7 +78,7 @@ def test_kill9_and_sigterm_resume_with_equal_losses(tmp_path, name, single_refer
 def test_plain_trainer_and_wrapper_resume_from_each_others_checkpoints(tmp_path, single_reference):
     # wrapper writes, wrapper killed; the plain Trainer resumes from the wrapper's checkpoint-10
     a = tmp_path / "a"
-    proc = start(hf(a / "out", a / "loss", "--step-sleep", "0.15"), log=tmp_path / "a.out")
+    proc = start(hf(a / "out", a / "loss", "--step-sleep", "0.1", "--idle-timeout", "2"), log=tmp_path / "a.out")
     wait_for_iteration(a / "loss", 12, proc, 300)
     kill_tree(proc)
     wait_no_agent(a / "out", timeout=90)
@@ -89,7 +89,7 @@ def test_plain_trainer_and_wrapper_resume_from_each_others_checkpoints(tmp_path,
     # the plain Trainer writes, and is killed; the wrapper resumes from its newest complete checkpoint-N
     b = tmp_path / "b"
     log = tmp_path / "b-audit.jsonl"
-    proc = start(hf(b / "out", b / "loss", "--plain", "--resume", "none", "--step-sleep", "0.15"),
+    proc = start(hf(b / "out", b / "loss", "--plain", "--resume", "none", "--step-sleep", "0.1"),
                  log=tmp_path / "b.out")
     wait_for_iteration(b / "loss", 13, proc, 300)
     kill_tree(proc)
@@ -140,7 +140,8 @@ def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):
     DeepSpeed's universal checkpoint. Without dropout, 1- and 2-process runs differ only by rounding."""
     ref = reference(tmp_path, "--zero", "2", "--dropout", "0", nproc=1)
     out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
-    proc = start(hf(out, loss, "--zero", "2", "--dropout", "0", "--step-sleep", "0.15", nproc=2, log=log),
+    proc = start(hf(out, loss, "--zero", "2", "--dropout", "0", "--step-sleep", "0.1", "--idle-timeout", "2",
+                    nproc=2, log=log),
                  log=tmp_path / "first.out")
     wait_for_iteration(loss, 12, proc, 300)
     kill_tree(proc)
@@ -155,3 +156,17 @@ def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):
         assert abs(x - y) <= 1e-4 * abs(y), f"step {i}: {x} vs {y} (uninterrupted 1-process run)"
     assert not list(out.glob(".easyckpt-universal-*")), "the converted copy was not removed"
     wait_no_agent(out)
+
+
+def test_save_strategy_epoch_and_no_write_what_the_trainer_writes(tmp_path):
+    run(hf(tmp_path / "plain", tmp_path / "plain-loss", "--plain", "--resume", "none", "--save-strategy", "epoch"),
+        timeout=300)
+    run(hf(tmp_path / "wrapped", tmp_path / "wrapped-loss", "--save-strategy", "epoch"), timeout=300)
+    run(hf(tmp_path / "none", tmp_path / "none-loss", "--save-strategy", "no"), timeout=300)
+    wait_no_agent(tmp_path / "wrapped")
+    wait_no_agent(tmp_path / "none")
+    plain = sorted(p.name for p in (tmp_path / "plain").glob("checkpoint-*"))
+    assert plain == ["checkpoint-16", "checkpoint-24", "checkpoint-8"]
+    assert sorted(p.name for p in (tmp_path / "wrapped").glob("checkpoint-*")) == plain
+    assert not list((tmp_path / "none").glob("checkpoint-*")), "save_strategy='no' must write no checkpoint"
+    assert losses(tmp_path / "wrapped-loss") == losses(tmp_path / "plain-loss") == losses(tmp_path / "none-loss")
