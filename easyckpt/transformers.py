@@ -43,6 +43,7 @@ import torch
 from . import deepspeed as ds
 from .config import Config, Naming
 from .engine import manifest as mf
+from .engine import retention
 from .engine.session import Engine
 from .engine.snapshot import ShardSpec
 
@@ -407,21 +408,14 @@ def _step_of(path: Optional[str]) -> Optional[int]:
 def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
     """The newest ``checkpoint-N`` written by a plain Trainer (no easyckpt manifest) that looks complete
     (its trainer_state.json is readable and of step N), if newer than ``above``."""
-    pattern = re.compile(NAMING.dir_regex)
     found = []
-    try:
-        names = os.listdir(output_dir)
-    except FileNotFoundError:
-        return None
-    for name in names:
-        m = pattern.match(name)
-        path = os.path.join(output_dir, name)
-        if not m or int(m.group(1)) <= above or mf.read(path) is not None:
+    for step, path in retention.step_dirs(output_dir, NAMING):
+        if step <= above or mf.read(path) is not None:
             continue
         try:
             with open(os.path.join(path, STATE)) as f:
-                if int(json.load(f)["global_step"]) == int(m.group(1)):
-                    found.append((int(m.group(1)), path))
+                if int(json.load(f)["global_step"]) == step:
+                    found.append((step, path))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return max(found)[1] if found else None

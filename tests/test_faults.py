@@ -78,6 +78,35 @@ def test_kill_mid_snapshot_ignores_the_half_written_slot(tmp_path):
     wait_no_agent(ref / "ckpt")
 
 
+def test_a_step_one_rank_never_handed_over_is_abandoned_not_mixed_with_the_rerun(tmp_path):
+    """Rank 1 dies inside its copy of step 10, a persist step that rank 0 has already handed to the agent.
+    Step 10 can never be completed by these trainers: the agent must drop rank 0's half of it (a rerun of
+    step 10 must not be committed with it) and must not wait for it; the relaunch resumes from step 9."""
+    ckpt, loss, log, once = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl", tmp_path / "once"
+    once.mkdir()
+    args = ["--iters", "14", "--storage-interval", "5", "--loss-file", str(loss), "--log-file", str(log),
+            "--step-sleep", "0.05", "--idle-timeout", "30"]
+    ref = tmp_path / "ref"
+    run(train_cmd(ref / "ckpt", 2, "--iters", "14", "--loss-file", str(ref / "loss")))
+    first = run(train_cmd(ckpt, 2, *args), check=False, extra_env={
+        "EASYCKPT_FAULTS": "trainer.mid_snapshot@1=kill", "EASYCKPT_FAULT_AFTER": "trainer.mid_snapshot:9",
+        "EASYCKPT_FAULT_ONCE_DIR": str(once)})
+    assert first.returncode != 0 and (once / "trainer.mid_snapshot").exists()
+    run(train_cmd(ckpt, 2, *args))
+    assert starts(loss)[-1] == 9
+    for rank in (0, 1):
+        assert losses(loss, rank) == losses(ref / "loss", rank)
+    assert committed_steps(ckpt)[-1] == 14 and verify(ckpt).returncode == 0
+    evs = events(log)
+    death = next(i for i, e in enumerate(evs) if e["event"] == "persist_after_death")
+    assert evs[death]["step"] == 9
+    if any(e["event"] == "persist" and e.get("step") == 10 for e in evs[:death]):   # rank 0 got that far
+        assert any(e["event"] == "abandon" for e in evs[death - 1:]), "rank 0's half of step 10 was kept"
+    assert [e["event"] for e in evs if e.get("step") == 10 and e["event"] in ("persist", "commit")][-1] == "commit"
+    wait_no_agent(ckpt, timeout=20)      # nothing left pending: the agent leaves as soon as the job is done
+    wait_no_agent(ref / "ckpt")
+
+
 # ---- row 2 ----------------------------------------------------------------------------------
 
 def test_agent_killed_mid_persist_leaves_no_step_dir_and_is_restarted(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import ROOT, kill_tree, last_iteration, run, start, wait_no_agent, events
+from harness import ROOT, assert_losses_close, events, kill_tree, last_iteration, run, start, wait_no_agent
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 
@@ -89,12 +89,6 @@ def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_pat
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(native["iteration"])
 
 
-def _losses_close(a, b, its):
-    for i in its:
-        x, y = float.fromhex(a[i]), float.fromhex(b[i])
-        assert abs(x - y) <= 1e-5 * abs(y), f"iteration {i}: {x} vs {y}"
-
-
 @pytest.mark.parametrize("saved_dp,resumed_dp,opt", [(2, 1, "--use-distributed-optimizer"),
                                                      (1, 2, "--use-distributed-optimizer"), (2, 1, "")],
                          ids=["distopt-2to1", "distopt-1to2", "plain-2to1"])
@@ -120,7 +114,7 @@ def test_concat_resumes_on_another_data_parallel_size(tmp_path, saved_dp, resume
     reference = loss_files(ref / "loss")["rank0"]
     got = loss_files(loss)["rank0"]
     assert sorted(got) == list(range(1, ITERS + 1))
-    _losses_close(got, reference, range(half + 1, ITERS + 1))
+    assert_losses_close(got, reference, range(half + 1, ITERS + 1), rel=1e-5)
     wait_no_agent(ckpt)
     wait_no_agent(ref / "ckpt")
 

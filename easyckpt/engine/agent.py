@@ -298,10 +298,18 @@ class Agent:
         and pending commit, and the persists still queued for it, so that nothing waits for it."""
         self.epoch, self.death_step = self.epoch + 1, keep
         for step in sorted(set(self.pending_commits) - {keep}):
-            self.log.emit("abandon", step=step, message="trainers died before every rank's shard was written")
             self.pending_commits.pop(step)
-            staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
-            commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=staging)
+        # the staging dirs go in the persist thread, after whatever it is writing now (queue order)
+        self._enqueue(_Job("abandon", -1 if keep is None else keep))
+
+    def _remove_abandoned_staging(self, keep: int) -> None:
+        keep_dir = None if keep < 0 else commit.staging_dir(self.cfg.save_dir, self.job_id,
+                                                              self.cfg.naming.dir_name(keep))
+        for path in commit.staging_dirs(self.cfg.save_dir, self.job_id):
+            if path != keep_dir:
+                self.log.emit("abandon", path=path, message="its trainers died before every rank's shard of "
+                                                            "this step was written; a restarted job redoes it")
+                commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=path)
 
     # ---- worker: the disk work ------------------------------------------------------------
 
@@ -324,8 +332,10 @@ class Agent:
             try:
                 if job.kind == "persist" and job.epoch < self.epoch and job.step != self.death_step:
                     err = ABANDONED
-                else:
+                elif job.kind in ("persist", "commit"):
                     err = self._persist(job) if job.kind == "persist" else self._commit(job.step)
+                elif job.kind == "abandon":
+                    err = self._remove_abandoned_staging(job.step)
             except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
                 err = f"{type(exc).__name__}: {exc}"
             self.results.put((job, err))
@@ -353,15 +363,15 @@ class Agent:
         self.log.emit("persist", step=job.step, rank=job.rank, bytes=nbytes, seconds=round(seconds, 6),
                       gbps=round(nbytes / max(seconds, 1e-9) / 1e9, 3), reason=job.reason)
         if self.coordinator:
-            return self._commit(job.step, quiet=True)
+            return self._commit(job.step, quiet=True, epoch=job.epoch)
         return None
 
-    def _commit(self, step: int, quiet: bool = False) -> Optional[str]:
+    def _commit(self, step: int, quiet: bool = False, epoch: int = 0) -> Optional[str]:
         staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
         markers = commit.read_markers(staging)
         if self.world_size is None or len(markers) < self.world_size:
             if quiet:
-                self.results.put((_Job("wait_commit", step), None))
+                self.results.put((_Job("wait_commit", step, epoch=epoch), None))
                 return None
             return "not ready"
         t0 = time.perf_counter()
@@ -382,6 +392,8 @@ class Agent:
             except queue.Empty:
                 break
             if job.kind == "wait_commit":
+                if job.epoch < self.epoch and job.step != self.death_step:
+                    continue          # its trainers died meanwhile: abandoned, nobody will complete it
                 self.pending_commits.setdefault(job.step, time.monotonic() + self.cfg.commit_timeout)
                 continue
             if job.kind == "committed":

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import faults
 from ..config import Naming
@@ -125,6 +125,11 @@ def _retire_existing(save_dir: str, final: str, log: AuditLog) -> None:
     os.rename(final, trash)
     fsync_dir(save_dir)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def staging_dirs(save_dir: str, job_id: str) -> List[str]:
+    prefix = f"{STAGING_PREFIX}{job_id}-"
+    return sorted(os.path.join(save_dir, n) for n in os.listdir(save_dir) if n.startswith(prefix))
 
 
 def remove_staging(save_dir: str, job_id: str, log: AuditLog, only: Optional[str] = None) -> None:
