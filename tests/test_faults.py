@@ -101,7 +101,7 @@ def test_a_step_one_rank_never_handed_over_is_abandoned_not_mixed_with_the_rerun
     death = next(i for i, e in enumerate(evs) if e["event"] == "persist_after_death")
     assert evs[death]["step"] == 9
     if any(e["event"] == "persist" and e.get("step") == 10 for e in evs[:death]):   # rank 0 got that far
-        assert any(e["event"] == "abandon" for e in evs[death - 1:]), "rank 0's half of step 10 was kept"
+        assert any(e["event"] == "abandon" for e in evs), "rank 0's half of step 10 was kept"
     assert [e["event"] for e in evs if e.get("step") == 10 and e["event"] in ("persist", "commit")][-1] == "commit"
     wait_no_agent(ckpt, timeout=20)      # nothing left pending: the agent leaves as soon as the job is done
     wait_no_agent(ref / "ckpt")
