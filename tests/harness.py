@@ -129,9 +129,10 @@ def last_iteration(prefix: Path, rank: int = 0) -> int:
     return its[-1] if its else 0
 
 
-def wait_for_iteration(prefix: Path, it: int, proc: subprocess.Popen, timeout: float = TIMEOUT) -> None:
+def wait_for_iteration(prefix: Path, it: int, proc: subprocess.Popen, timeout: float = TIMEOUT,
+                       rank: int = 0) -> None:
     deadline = time.monotonic() + timeout
-    while last_iteration(prefix) < it:
+    while last_iteration(prefix, rank) < it:
         if proc.poll() is not None:
             raise AssertionError(f"trainer exited ({proc.returncode}) before iteration {it}")
         if time.monotonic() > deadline:
@@ -173,14 +174,14 @@ def shm_segments() -> List[str]:
 
 
 def interrupted_runs(cmd: Sequence[str], loss: Path, workdir: Path, interrupts: Sequence[tuple],
-                     timeout: float = 300) -> None:
+                     timeout: float = 300, rank: int = 0) -> None:
     """Launch ``cmd``; at each (iteration, signal) interrupt it once the loss file shows that iteration
     (SIGKILL: every trainer at once, the agent spared; SIGTERM: to the launcher, which forwards it to its
     workers; neither lets the trainers save), relaunch the same command; finally run it to the end."""
     for i, (at, sig) in enumerate(interrupts):
         proc = start(cmd, log=workdir / f"interrupted{i}.out")
         try:
-            wait_for_iteration(loss, at, proc, timeout)
+            wait_for_iteration(loss, at, proc, timeout, rank)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{(workdir / f'interrupted{i}.out').read_text()[-4000:]}") from None
         if sig == signal.SIGKILL:

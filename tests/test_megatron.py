@@ -1,5 +1,5 @@
-"""Megatron (megatron-core GPTModel, Megatron DDP and optimizer, on CPU with gloo): kill -9 mid-run and
-resume with losses equal to an uninterrupted run, for TP=2, PP=2 and DP=2 with the DistributedOptimizer;
+"""Megatron (megatron-core GPTModel, Megatron DDP and optimizer, on CPU with gloo): kill -9 and SIGTERM
+mid-run, each followed by a resume, with losses equal to an uninterrupted run, for TP=2, PP=2 and DP=2 with the DistributedOptimizer;
 the native layout loads through torch.load the way Megatron's own loader reads it."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import ROOT, assert_losses_close, events, kill_tree, last_iteration, run, start, wait_no_agent
+from harness import ROOT, assert_losses_close, events, interrupted_runs, run, wait_no_agent
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 
@@ -45,10 +45,10 @@ def starts(prefix: Path):
     return [int(l.split()[2]) for l in path.read_text().splitlines() if l.startswith("# start")]
 
 
-@pytest.mark.parametrize("name,sig", [(n, s) for n in CONFIGS for s in (signal.SIGKILL, signal.SIGTERM)],
-                         ids=lambda v: v if isinstance(v, str) else v.name)
-def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, name, sig):
-    """kill -9 of every trainer, or SIGTERM to the launcher (torchrun forwards it to its workers)."""
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, name):
+    """kill -9 of every trainer, relaunch, then SIGTERM to the launcher (torchrun forwards it to its
+    workers), relaunch: the stitched losses equal an uninterrupted run's."""
     extra = CONFIGS[name]
     ref = tmp_path / "ref"
     run(cmd(ref / "ckpt", ref / "loss", *extra), timeout=300)
@@ -57,26 +57,15 @@ def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_pat
 
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
     args = cmd(ckpt, loss, *extra, "--ckpt-log", str(log), "--step-sleep", "0.15")
-    proc = start(args, log=tmp_path / "first.out")
-    kill_at = random.Random(SEED + len(name)).randint(4, 8)
-    import time
-    deadline = time.monotonic() + 300
-    probe = sorted(loss.parent.glob(loss.name + ".rank*"))
-    while not probe or last_iteration(Path(str(probe[0]).rsplit(".rank", 1)[0]), int(str(probe[0]).rsplit("rank", 1)[1])) < kill_at:
-        assert proc.poll() is None, (tmp_path / "first.out").read_text()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-        probe = sorted(loss.parent.glob(loss.name + ".rank*"))
-    if sig == signal.SIGKILL:
-        kill_tree(proc)
-    else:
-        proc.send_signal(sig)
-        proc.wait(timeout=120)
-    run(args, timeout=300)
-    resumed = starts(loss)[-1]
-    assert resumed >= kill_at - 1, f"resumed from {resumed}, killed after {kill_at}"
+    rnd = random.Random(SEED + len(name))
+    kill_at, term_at = rnd.randint(3, 5), rnd.randint(7, 9)
+    watch = int(sorted(reference)[0][len("rank"):])     # with PP only the last stage writes losses
+    interrupted_runs(args, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)], rank=watch)
+    resumed = starts(loss)[1:]
+    assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at - 1, \
+        f"resumed from {resumed} after interrupts at {kill_at}, {term_at}: progress was lost"
     assert any(e["event"] == "load" and e.get("source") == "memory" for e in events(log))
-    assert loss_files(loss) == reference, "losses after the resume differ from the uninterrupted run"
+    assert loss_files(loss) == reference, "losses after the resumes differ from the uninterrupted run"
     wait_no_agent(ckpt)
     wait_no_agent(ref / "ckpt")
 
