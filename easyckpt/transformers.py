@@ -85,6 +85,8 @@ class TrainerWrapper:
         trainer = self._trainer
         args = trainer.args
         limit = args.save_total_limit if args.save_total_limit and args.save_total_limit > 0 else None
+        # the Trainer's save points decide what is persisted (persist_now); the engine's own storage
+        # interval goes unused and only has to be a multiple of the memory interval
         engine = Engine(Config(save_dir=str(args.output_dir), save_storage_interval=self._opts["save_mem_interval"],
                                max_ckpt_num=limit, naming=NAMING, **self._opts))
         object.__setattr__(self, "engine", engine)
@@ -102,7 +104,7 @@ class TrainerWrapper:
             return output
         finally:
             session.cleanup()
-            if finished:
+            if finished:   # after an exception the process is usually on its way out: the agent persists
                 engine.finalize(persist=args.save_strategy != "no")
             object.__setattr__(self, "engine", None)
 
