@@ -181,3 +181,20 @@ def test_save_strategy_epoch_and_no_write_what_the_trainer_writes(tmp_path, sing
         ["checkpoint-16", "checkpoint-24", "checkpoint-8"]
     assert not list((tmp_path / "none").glob("checkpoint-*")), "save_strategy='no' must write no checkpoint"
     assert losses(tmp_path / "wrapped-loss") == losses(tmp_path / "none-loss") == single_reference
+
+
+def test_the_wrapper_behaves_as_the_trainer_it_wraps(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from easyckpt.transformers import TrainerWrapper
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    trainer = Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)), args=args)
+    wrapped = TrainerWrapper(trainer, save_mem_interval=2)
+    assert wrapped.args is trainer.args and wrapped.model is trainer.model
+    assert wrapped.create_optimizer.__self__ is trainer
+    wrapped.custom_flag = 7                      # attributes set on the wrapper land on the Trainer
+    assert trainer.custom_flag == 7
+    assert "train" in dir(wrapped) and "evaluate" in dir(wrapped) and wrapped.engine is None
+    assert isinstance(wrapped.model, torch.nn.Module)
