@@ -203,3 +203,16 @@ def assert_losses_close(got: Dict[int, str], reference: Dict[int, str], iteratio
     for i in iterations:
         x, y = float.fromhex(got[i]), float.fromhex(reference[i])
         assert abs(x - y) <= rel * abs(y), f"iteration {i}: {x} vs {y} (uninterrupted run)"
+
+
+def killed_then_resumed(first: Sequence[str], then: Sequence[str], save_dir: Path, loss: Path, workdir: Path,
+                        kill_at: int, timeout: float = 300) -> int:
+    """Run ``first`` until its loss file shows ``kill_at``, kill -9 it, let its agent persist the newest
+    state and leave, then run ``then`` (e.g. on another number of ranks) to the end. Returns the
+    iteration ``then`` resumed from."""
+    proc = start(first, log=workdir / "first.out")
+    wait_for_iteration(loss, kill_at, proc, timeout)
+    kill_tree(proc)
+    wait_no_agent(save_dir, timeout=90)
+    run(then, timeout=timeout)
+    return starts(loss)[-1]

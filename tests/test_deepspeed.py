@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from harness import (ROOT, assert_losses_close, assert_losses_equal, events, interrupted_runs, kill_tree,
-                     losses, run, script_cmd, start, starts, wait_for_iteration, wait_no_agent)
+from harness import (ROOT, assert_losses_close, assert_losses_equal, events, interrupted_runs,
+                     killed_then_resumed, losses, run, script_cmd, starts, wait_no_agent)
 
 TRAIN = ROOT / "examples" / "deepspeed" / "train.py"
 CHECK = ROOT / "tests" / "deepspeed_native_check.py"
@@ -72,13 +72,9 @@ def test_zero3_saved_on_two_ranks_resumes_on_one_through_the_universal_checkpoin
     run(ds(tmp_path / "ref", tmp_path / "ref-loss", "--zero", "3", "--dropout", "0", nproc=1), timeout=300)
     reference = losses(tmp_path / "ref-loss")
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
-    proc = start(ds(ckpt, loss, "--zero", "3", "--dropout", "0", "--step-sleep", "0.1", "--idle-timeout", "2", log=log),
-                 log=tmp_path / "first.out")
-    wait_for_iteration(loss, 10, proc, 300)
-    kill_tree(proc)
-    wait_no_agent(ckpt, timeout=90)
-    run(ds(ckpt, loss, "--zero", "3", "--dropout", "0", nproc=1, log=log), timeout=300)
-    resumed = starts(loss)[-1]
+    resumed = killed_then_resumed(
+        ds(ckpt, loss, "--zero", "3", "--dropout", "0", "--step-sleep", "0.1", "--idle-timeout", "2", log=log),
+        ds(ckpt, loss, "--zero", "3", "--dropout", "0", nproc=1, log=log), ckpt, loss, tmp_path, kill_at=10)
     assert resumed >= 9
     assert any(e["event"] == "convert" for e in events(log))
     assert_losses_close(losses(loss), reference, range(resumed + 1, ITERS + 1), rel=1e-4)

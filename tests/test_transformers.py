@@ -16,7 +16,8 @@ import signal
 import pytest
 
 from harness import (ROOT, assert_losses_close, assert_losses_equal, events, interrupted_runs, kill_tree,
-                     losses, run, script_cmd, start, starts, wait_for_iteration, wait_no_agent)
+                     killed_then_resumed, losses, run, script_cmd, start, starts, wait_for_iteration,
+                     wait_no_agent)
 
 HF = ROOT / "examples" / "deepspeed" / "hf_train.py"
 STEPS = 24
@@ -155,14 +156,9 @@ def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):
     DeepSpeed's universal checkpoint. Without dropout, 1- and 2-process runs differ only by rounding."""
     ref = reference(tmp_path, "--zero", "2", "--dropout", "0", nproc=1)
     out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
-    proc = start(hf(out, loss, "--zero", "2", "--dropout", "0", "--step-sleep", "0.1", "--idle-timeout", "2",
-                    nproc=2, log=log),
-                 log=tmp_path / "first.out")
-    wait_for_iteration(loss, 12, proc, 300)
-    kill_tree(proc)
-    wait_no_agent(out, timeout=90)
-    run(hf(out, loss, "--zero", "2", "--dropout", "0", nproc=1, log=log), timeout=300)
-    resumed = starts(loss)[-1]
+    resumed = killed_then_resumed(
+        hf(out, loss, "--zero", "2", "--dropout", "0", "--step-sleep", "0.1", "--idle-timeout", "2", nproc=2, log=log),
+        hf(out, loss, "--zero", "2", "--dropout", "0", nproc=1, log=log), out, loss, tmp_path, kill_at=12)
     assert resumed >= 10
     assert any(e["event"] == "convert" for e in events(log))
     assert_losses_close(losses(loss), ref, range(resumed + 1, STEPS + 1), rel=1e-4)
