@@ -111,9 +111,9 @@ def dp_size(engine: Any) -> int:
 
 def native_shards(engine: Any, tag: str, prefix: str = "",
                   client_state: Optional[Dict[str, Any]] = None) -> List[ShardSpec]:
-    """This rank's files of ``engine.save_checkpoint(save_dir, tag)`` (relative to the tag directory),
-    as ShardSpecs under ``prefix``
-    (no collective, no file I/O: the state dicts hold the live tensors, the snapshot copies them)."""
+    """This rank's files of ``engine.save_checkpoint(save_dir, tag)`` (relative to the tag directory), as
+    ShardSpecs under ``prefix``. No file I/O, and no collective but ZeRO-3's own save epilogue (an all-gather
+    of its persistent parameters): the state dicts hold the live tensors, the snapshot copies them."""
     writer = bool(engine.save_non_zero_checkpoint)
     client = {_UNIVERSAL_INFO: _universal_info(), **(client_state or {})}
     # ZeRO-3 partitions every parameter before a save (and gathers the persistent ones again after):
