@@ -304,7 +304,7 @@ def load_checkpoint(ds_engine: Any, load_module_strict: bool = True, load_optimi
                         message="no checkpoint found: starting from scratch")
         return None, None
     tag = NAMING.dir_name(loaded.step)
-    manifest = {"info": {}} if loaded.path is None else _manifest(loaded.path)
+    manifest = loaded.manifest or {}          # a memory snapshot always has the current layout
     if same_layout(ds_engine, manifest):
         client_state = restore_native(ds_engine, loaded.trees, tag, **kwargs)
     else:
@@ -316,14 +316,8 @@ def load_checkpoint(ds_engine: Any, load_module_strict: bool = True, load_optimi
     per_rank = loaded.trees.get(_rng_file(engine.rank))
     if per_rank is not None:
         rng.restore(per_rank["rng"])
-    for key in (_UNIVERSAL_INFO,):
-        client_state.pop(key, None)
+    client_state.pop(_UNIVERSAL_INFO, None)
     return loaded.path or os.path.join(engine.cfg.save_dir, tag), client_state
-
-
-def _manifest(step_dir: str) -> Dict[str, Any]:
-    from .engine import manifest as mf
-    return mf.read(step_dir) or {"info": {}}
 
 
 def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:

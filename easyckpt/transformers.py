@@ -259,8 +259,6 @@ class _Session:
         """The Trainer's save points: snapshot this step now (the state may have changed since the last
         snapshot of the same step: evaluation, best metric) and hand it to the agent."""
         state, args = self.trainer.state, self.args
-        if self.trainer.hp_search_backend is None and trial is None:
-            self.trainer.store_flos()
         run_dir = self.trainer._get_output_dir(trial=trial)
         if args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
             best = state.best_global_step
@@ -295,7 +293,7 @@ class _Session:
                             message="no checkpoint found: starting from scratch")
             return None
         self.trees, self.loaded_path = loaded.trees, loaded.path
-        self.loaded_manifest = mf.read(loaded.path) if loaded.path else {}
+        self.loaded_manifest = loaded.manifest or {}
         t = self.trainer
         t._load_from_checkpoint = self._load_model
         t._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler

@@ -336,6 +336,8 @@ class Agent:
                     err = self._persist(job) if job.kind == "persist" else self._commit(job.step)
                 elif job.kind == "abandon":
                     err = self._remove_abandoned_staging(job.step)
+                else:
+                    raise ValueError(f"unknown job kind {job.kind!r}")
             except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
                 err = f"{type(exc).__name__}: {exc}"
             self.results.put((job, err))

@@ -36,6 +36,7 @@ class Loaded:
     trees: Dict[str, Any]
     nbytes: int
     seconds: float
+    manifest: Optional[Dict[str, Any]] = None   # the committed step's manifest (storage only)
 
 
 def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog) -> Optional[Loaded]:
@@ -65,43 +66,43 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     paths = dict(stored)
     for step in common_sto:
         t0 = time.perf_counter()
-        trees, problem, nbytes = _read_step(paths[step], needed)
+        trees, problem, nbytes, man = _read_step(paths[step], needed)
         verdicts = all_gather(problem, world_size)
         bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
         if not bad:
-            return Loaded(step, "storage", paths[step], trees, nbytes, time.perf_counter() - t0)
+            return Loaded(step, "storage", paths[step], trees, nbytes, time.perf_counter() - t0, man)
         message = "; ".join(f"rank {r}: {v}" for r, v in bad)
         log.emit("error", step=step, path=paths[step], message=f"checkpoint rejected: {message}")
         log.emit("warning", step=step, message="falling back to the previous committed checkpoint")
     return None
 
 
-def _read_step(step_dir: str, needed: Needed) -> Tuple[Optional[Dict[str, Any]], Optional[str], int]:
+def _read_step(step_dir: str, needed: Needed) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Optional[Dict[str, Any]]]:
     man = mf.read(step_dir)
     if man is None:
-        return None, "manifest missing or unreadable", 0
+        return None, "manifest missing or unreadable", 0, man
     trees: Dict[str, Any] = {}
     nbytes = 0
     try:
         wanted = needed(man)
     except ValueError as exc:
-        return None, str(exc), 0
+        return None, str(exc), 0, man
     for rel, optional in wanted:
         if rel not in man["files"]:
             if optional:
                 continue
-            return None, f"{rel}: not in the manifest", 0
+            return None, f"{rel}: not in the manifest", 0, man
         path = os.path.join(step_dir, rel)
         problems = mf.check_sizes(step_dir, man, [rel])
         if problems:
-            return None, problems[0], 0
+            return None, problems[0], 0, man
         try:
             buf = shardfile.read_file(path)
         except OSError as exc:
-            return None, f"{rel}: {exc}", 0
+            return None, f"{rel}: {exc}", 0, man
         problem = mf.check_bytes(rel, buf, man)
         if problem:
-            return None, problem, 0
+            return None, problem, 0, man
         try:
             fmt = man["files"][rel].get("format", "safetensors")
             if fmt == "torch":
@@ -112,9 +113,9 @@ def _read_step(step_dir: str, needed: Needed) -> Tuple[Optional[Dict[str, Any]],
                 skeleton, tensors = shardfile.decode(buf)
                 trees[rel] = unflatten(skeleton, tensors)
         except Exception as exc:  # noqa: BLE001 - any unreadable shard rejects the step
-            return None, f"{rel}: unreadable ({exc})", 0
+            return None, f"{rel}: unreadable ({exc})", 0, man
         nbytes += len(buf)
-    return trees, None, nbytes
+    return trees, None, nbytes, man
 
 
 def _nbytes(tree: Any) -> int:
