@@ -43,6 +43,13 @@ class Config:
     commit_timeout: float = 600.0       # seconds the coordinator waits for every rank's shard
     agent_idle_timeout: float = 60.0    # seconds the agent keeps snapshots after its trainers died
     agent_start_timeout: float = 60.0
+    # SIGTERM (preemption, maintenance): all ranks agree on a step at the next safe point, save and
+    # commit it; then exit (exit_after_ondemand_checkpoint) or train on. grace_deadline: seconds from the
+    # signal until the machine is expected to go (Cloud TPU: up to 5 minutes); when the trainers cannot
+    # reach a safe point by then, the node agent persists their newest complete snapshot itself.
+    autocheckpoint_on_sigterm: bool = True
+    exit_after_ondemand_checkpoint: bool = False
+    grace_deadline: float = 300.0
     naming: Naming = field(default_factory=Naming)
 
     @property
@@ -62,6 +69,17 @@ class Config:
         naming["agent_imports"] = tuple(naming.get("agent_imports", ()))
         data["naming"] = Naming(**naming)
         return cls(**data)
+
+
+# the keyword arguments every adapter's initialize_easyckpt accepts besides its own
+ADVANCED = ("job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout",
+            "autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "grace_deadline")
+
+
+def check_advanced(verb: str, advanced: Dict[str, Any]) -> None:
+    unknown = set(advanced) - set(ADVANCED)
+    if unknown:
+        raise TypeError(f"{verb} got unexpected arguments {sorted(unknown)}; it accepts {list(ADVANCED)}")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -86,7 +104,10 @@ def validate(cfg: Config) -> Config:
         if isinstance(cfg.max_ckpt_num, bool) or not isinstance(cfg.max_ckpt_num, int) or cfg.max_ckpt_num < 1:
             raise ConfigError(f"max_ckpt_num={cfg.max_ckpt_num!r} must be a positive integer "
                               f"(how many committed checkpoints to keep), or None to keep all")
-    for name in ("commit_timeout", "agent_idle_timeout", "agent_start_timeout"):
+    for name in ("autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} must be True or False")
+    for name in ("commit_timeout", "agent_idle_timeout", "agent_start_timeout", "grace_deadline"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive number of seconds")

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import rng
-from .config import Config, Naming
+from .config import Config, Naming, check_advanced
 from .engine.session import Engine, EngineSlot
 from .engine.snapshot import ShardSpec
 
@@ -43,11 +43,9 @@ def initialize_easyckpt(save_dir: str, save_mem_interval: int = 1, save_storage_
                         **advanced: Any) -> None:
     """Validate the settings and attach to this node's agent (starting it on the first local rank).
 
-    ``advanced``: job_name, commit_timeout, agent_idle_timeout, agent_start_timeout (see Config).
+    ``advanced``: see config.ADVANCED and Config (e.g. ``exit_after_ondemand_checkpoint=True``).
     """
-    unknown = set(advanced) - {"job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout"}
-    if unknown:
-        raise TypeError(f"initialize_easyckpt got unexpected arguments {sorted(unknown)}")
+    check_advanced("initialize_easyckpt", advanced)
     _slot.start(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
                             save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
                             log_file_path=None if log_file_path is None else str(log_file_path),

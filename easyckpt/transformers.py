@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import deepspeed as ds
-from .config import Config, Naming
+from .config import Config, Naming, check_advanced
 from .engine import manifest as mf
 from .engine import retention
 from .engine.session import Engine
@@ -58,12 +58,13 @@ class TrainerWrapper:
     """Behaves as the wrapped ``transformers.Trainer``; ``train`` adds easyckpt's snapshots and resume.
 
     ``save_mem_interval``: every how many optimizer steps the state is copied to memory (default 1).
-    ``log_file_path``: easyckpt's audit log. ``advanced``: job_name, commit_timeout, agent_idle_timeout,
-    agent_start_timeout (see easyckpt.config.Config).
+    ``log_file_path``: easyckpt's audit log. ``advanced``: see easyckpt.config.ADVANCED (job_name,
+    exit_after_ondemand_checkpoint, grace_deadline, ...).
     """
 
     def __init__(self, trainer: Any, save_mem_interval: int = 1, log_file_path: Optional[str] = None,
                  **advanced: Any):
+        check_advanced("TrainerWrapper", advanced)
         object.__setattr__(self, "_trainer", trainer)
         object.__setattr__(self, "_opts", dict(save_mem_interval=save_mem_interval, log_file_path=log_file_path,
                                                **advanced))
@@ -253,6 +254,8 @@ class _Session:
             step = self.trainer.state.global_step
             if step > 0 and not self.saved_now:
                 self.engine.maybe_save(step, self.collect, info=self.info(), persist=False)
+            elif step > 0:     # saved by the Trainer just now; still a safe point for a SIGTERM agreement
+                self.engine.safe_point(step, self.collect, info=self.info())
         return wrapped
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

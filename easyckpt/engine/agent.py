@@ -8,9 +8,17 @@ commit deadlines, idle exit) and one worker thread that does the disk work in FI
     marker → release the slot → if coordinator and every rank's marker is there: commit, prune.
   a commit still waiting for other nodes' ranks is retried from the loop until commit_timeout.
 
-The coordinator is the agent that serves global rank 0. On a failed persist (disk full, read-only
-file system, a slot overwritten) the step's staging dir is removed, nothing is pruned, and the
-error goes to the audit log and to the trainer's next flush.
+The coordinator is the agent that serves global rank 0; it holds the save directory's job lock
+(joblock.py). On a failed persist (disk full, read-only file system, a slot overwritten) the step's
+staging dir is removed, nothing is pruned, and the error goes to the audit log and to the trainer's
+next flush.
+
+SIGTERM and the grace deadline. A trainer that gets SIGTERM tells the agent at once (``term``, with
+the signal's time), even when its main thread is stuck. The trainers then agree on a step and save it
+(``term_step``); if that step is not committed by ``fallback_at`` (the deadline less a reserve for
+the write), the agent persists the newest snapshot complete on all its ranks itself. The agent's own
+SIGTERM (a node shutdown) starts the same clock and makes it leave as soon as its work is done; at
+the deadline it abandons a commit in flight (its staging dir goes; nothing half-written is visible).
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from .. import faults
 from ..config import Config
 from ..events import AuditLog
 from . import commit, protocol, retention, shm
+from .joblock import JobLock
 from .persist import persist_slot
 
 
@@ -42,6 +51,7 @@ class _Client:
     reader: protocol.LineReader = field(default_factory=protocol.LineReader)
     rank: Optional[int] = None
     said_bye: bool = False
+    pid: int = 0
 
 
 @dataclass
@@ -84,12 +94,21 @@ class Agent:
         self.views: Dict[str, shm.AgentView] = {}
         self.epoch = 0
         self.death_step: Optional[int] = None
+        self.lock = JobLock(cfg.save_dir, self.job_id, cfg.job_name)
+        self.last_error: Optional[str] = None
+        self.slowest_write = 0.0                # seconds of the slowest persist + commit seen
+        self.got_sigterm = False
+        self.leaving = False                    # the agent itself got SIGTERM
+        self.term_at: Optional[float] = None    # wall time of the SIGTERM being served
+        self.term_step: Optional[int] = None    # the step the trainers agreed to save for it
+        self.fallback_at = self.hard_deadline = 0.0   # monotonic
+        self.fallback_done = False
         threading.Thread(target=self._worker, daemon=True, name="easyckpt-persist").start()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "got_sigterm", True))
         self.log.emit("agent_start", job_id=self.job_id, save_dir=self.cfg.save_dir)
         self._clean_leftovers()
         while not self.stop:
@@ -100,15 +119,22 @@ class Agent:
                     self._read(key.fileobj)
             self._drain_results()
             self._check_commits()
-            if self._should_exit():
+            if self._check_term() or self._should_exit():
                 break
+            if self.lock.held and not self._busy():
+                self.lock.release()     # idle: another job may use the directory now
         self._shutdown()
 
+    def _busy(self) -> bool:
+        # connections that never said hello (liveness probes) do not count
+        return any(c.rank is not None for c in self.clients.values()) or bool(self.outstanding or self.pending_commits)
+
     def _should_exit(self) -> bool:
-        # connections that never said hello (liveness probes) do not keep the agent alive
-        if any(c.rank is not None for c in self.clients.values()) or self.outstanding or self.pending_commits:
+        if self._busy():
             self.idle_since = None
             return False
+        if self.leaving:
+            return True          # the node is going down: nothing left to write
         now = time.monotonic()
         if self.idle_since is None:
             self.idle_since = now
@@ -127,6 +153,7 @@ class Agent:
             removed = [p for p in shm.segments_of(self.job_id) if shm.unlink_quiet(p)]
             if removed:
                 self.log.emit("shm_release", segments=len(removed))
+        self.lock.release()
         self.log.emit("agent_exit", job_id=self.job_id)
         self.log.close()
 
@@ -178,6 +205,11 @@ class Agent:
         op = msg.get("op")
         if op == "hello":
             rank = int(msg["rank"])
+            refused = self._refuse(rank, int(msg.get("pid", 0)), client)
+            if refused:
+                self.log.emit("error", rank=rank, message=refused)
+                self._send(conn, {"op": "hello", "ok": False, "error": refused})
+                return
             for other_conn, other in list(self.clients.items()):
                 if other is not client and other.rank == rank:
                     # a restarted trainer of this rank: the old connection outlived its trainer (held open by
@@ -185,7 +217,7 @@ class Agent:
                     self.log.emit("trainer_replaced", rank=rank)
                     other.rank = None
                     self._disconnect(other_conn)
-            client.rank = rank
+            client.rank, client.pid = rank, int(msg.get("pid", 0))
             self.world_size = int(msg["world_size"])
             self.coordinator = self.coordinator or client.rank == 0
             self.ever_connected = True
@@ -209,8 +241,40 @@ class Agent:
                 view = self.views.pop(shm.slot_path(self.job_id, client.rank, i), None)
                 if view is not None:
                     view.close()
+        elif op == "term":
+            self._on_term(float(msg["at"]), f"rank {msg.get('rank')}")
+        elif op == "term_step":
+            self.term_step = int(msg["step"])
+        elif op == "status":
+            self._send(conn, self._status())
         else:
             self.log.emit("error", message=f"unknown message {msg!r}")
+
+    def _refuse(self, rank: int, pid: int, client: _Client) -> Optional[str]:
+        """Why a hello cannot be accepted (promise 8: one job per directory), or None."""
+        for other in self.clients.values():
+            if other is not client and other.rank == rank and other.pid != pid and shm.pid_alive(other.pid):
+                return (f"rank {rank} of this job is already running (pid {other.pid}) with save_dir "
+                        f"{self.cfg.save_dir}: two jobs with the same save_dir and job_name; give the second one "
+                        f"another save_dir")
+        if rank == 0:
+            holder = self.lock.acquire()
+            if holder is not None:
+                return (f"save_dir {self.cfg.save_dir} is in use by {holder}; two jobs must not share a save "
+                        f"directory: give this one another save_dir, or stop the other job first")
+        return None
+
+    def _status(self) -> Dict[str, Any]:
+        now = time.time()
+        return {"op": "status", "ok": True, "agent_pid": os.getpid(), "job_id": self.job_id,
+                "save_dir": self.cfg.save_dir, "world_size": self.world_size, "coordinator": self.coordinator,
+                "connected": sorted(c.rank for c in self.clients.values() if c.rank is not None),
+                "dead_ranks": sorted(self.dead_ranks), "pending_commits": sorted(self.pending_commits),
+                "outstanding": self.outstanding, "last_error": self.last_error, "leaving": self.leaving,
+                "sigterm": None if self.term_at is None else {
+                    "seconds_ago": round(now - self.term_at, 3), "agreed_step": self.term_step,
+                    "deadline_in": round(self.term_at + self.cfg.grace_deadline - now, 3),
+                    "fallback_done": self.fallback_done}}
 
     def _send(self, conn: socket.socket, msg: Dict[str, Any]) -> None:
         try:
@@ -265,8 +329,17 @@ class Agent:
         all of them (a rank killed mid-copy may be one step behind), unless storage already has it."""
         if not self.dead_ranks:
             return
+        per_rank = self._snapshots_of(self.dead_ranks)
+        common = set.intersection(*(set(s) for s in per_rank.values())) if per_rank else set()
+        step = max(common) if common else None
+        self._abandon_other_steps(step)
+        if step is not None:
+            self._persist_from_slots(step, per_rank, "trainer died")
+
+    def _snapshots_of(self, ranks: Set[int]) -> Dict[int, Dict[int, Tuple[int, int]]]:
+        """rank -> {step: (slot, generation)} of its complete snapshots."""
         per_rank: Dict[int, Dict[int, Tuple[int, int]]] = {}
-        for rank in self.dead_ranks:
+        for rank in ranks:
             per_rank[rank] = {}
             for i in (0, 1):
                 try:
@@ -277,20 +350,78 @@ class Agent:
                 if hdr is not None:
                     per_rank[rank][hdr.step] = (i, hdr.generation)
                 slot.close()
-        common = set.intersection(*(set(s) for s in per_rank.values())) if per_rank else set()
-        step = max(common) if common else None
-        self._abandon_other_steps(step)
-        if step is None:
-            return
+        return per_rank
+
+    def _persist_from_slots(self, step: int, per_rank: Dict[int, Dict[int, Tuple[int, int]]], reason: str) -> bool:
+        """Persist ``step`` of every rank in ``per_rank`` unless storage already has it; True if it had to."""
         done = retention.committed(self.cfg.save_dir, self.cfg.naming)
         if done and done[0][0] >= step:
-            return
-        self.log.emit("persist_after_death", step=step, ranks=sorted(self.dead_ranks))
+            return False
+        event = "persist_after_death" if reason == "trainer died" else "deadline_fallback"
+        self.log.emit(event, step=step, ranks=sorted(per_rank))
         for rank, steps in per_rank.items():
             slot, gen = steps[step]
             if self.done.get((rank, step), "not done") is None:
                 continue
-            self._enqueue(_Job("persist", step, rank, slot, gen, reason="trainer died"))
+            self._enqueue(_Job("persist", step, rank, slot, gen, reason=reason))
+        return True
+
+    # ---- SIGTERM: the grace deadline ---------------------------------------------------------
+
+    def _on_term(self, at: float, who: str) -> None:
+        if self.term_at is not None and self.term_at <= at:
+            return
+        self.term_at, self.fallback_done = at, False
+        grace = self.cfg.grace_deadline
+        # leave room for writing the fallback: twice the slowest write seen, at least a tenth of the grace
+        reserve = max(0.1 * grace, 2 * self.slowest_write)
+        left = at + grace - time.time()
+        self.hard_deadline = time.monotonic() + left
+        self.fallback_at = time.monotonic() + max(0.0, left - reserve)
+        self.log.emit("sigterm_notice", source=who, deadline_in=round(left, 3),
+                      fallback_in=round(max(0.0, left - reserve), 3))
+
+    def _check_term(self) -> bool:
+        """Serve the grace deadline; True when the agent must leave now."""
+        if self.got_sigterm and not self.leaving:
+            self.leaving = True
+            self._on_term(time.time(), "agent")
+        if self.term_at is None:
+            return False
+        now = time.monotonic()
+        if not self.fallback_done and now >= self.fallback_at:
+            self.fallback_done = True
+            self._deadline_fallback()
+        if self.leaving and now >= self.hard_deadline:
+            self._abandon_all("the grace deadline after SIGTERM has passed")
+            return True
+        return False
+
+    def _deadline_fallback(self) -> None:
+        """The trainers did not commit the agreed step in time (a long step, a hung collective): persist
+        the newest snapshot that is complete on every rank of this node."""
+        ranks = set(self.local_ranks)
+        per_rank = self._snapshots_of(ranks)
+        common = set.intersection(*(set(s) for s in per_rank.values())) if per_rank else set()
+        if not common:
+            self.log.emit("error", message="grace deadline: no snapshot is complete on every rank of this node; "
+                                           "nothing to persist")
+            return
+        step = max(common)
+        if not self._persist_from_slots(step, per_rank, "grace deadline"):
+            self.log.emit("deadline_fallback", step=step, message="already committed")
+
+    def _term_served(self, step: int) -> None:
+        if self.term_at is not None and self.term_step is not None and step >= self.term_step:
+            self.log.emit("sigterm_served", step=step, seconds=round(time.time() - self.term_at, 3))
+            if not self.leaving:
+                self.term_at, self.term_step = None, None
+
+    def _abandon_all(self, why: str) -> None:
+        for path in commit.staging_dirs(self.cfg.save_dir, self.job_id):
+            self.log.emit("abandon", path=path, message=why)
+            commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=path)
+        self.log.emit("deadline_exit", message=why, outstanding=self.outstanding)
 
     def _abandon_other_steps(self, keep: Optional[int]) -> None:
         """Every local trainer died: a step some rank had not handed over yet can never be completed by
@@ -362,6 +493,7 @@ class Agent:
             faults.inject("agent.after_marker", job.rank)
         finally:
             view.set(busy=0, released=job.generation)
+        self.slowest_write = max(self.slowest_write, seconds)
         self.log.emit("persist", step=job.step, rank=job.rank, bytes=nbytes, seconds=round(seconds, 6),
                       gbps=round(nbytes / max(seconds, 1e-9) / 1e9, 3), reason=job.reason)
         if self.coordinator:
@@ -400,6 +532,7 @@ class Agent:
                 continue
             if job.kind == "committed":
                 self.pending_commits.pop(job.step, None)
+                self._term_served(job.step)
                 continue
             self.outstanding -= 1
             if job.kind == "commit":
@@ -433,6 +566,7 @@ class Agent:
             return [j.step for j in self.jobs.queue if j.kind == "commit"]
 
     def _fail(self, step: int, err: str, rank: Optional[int]) -> None:
+        self.last_error = f"step {step}: {err}"
         self.log.emit("error", step=step, rank=rank, message=err)
         print(f"easyckpt agent: step {step}: {err}", file=sys.stderr, flush=True)
         self.pending_commits.pop(step, None)

@@ -15,7 +15,7 @@ import time
 from typing import Any, Dict, Optional
 
 from ..config import Config
-from ..errors import AgentError
+from ..errors import AgentError, ConfigError
 from ..events import AuditLog
 from . import protocol
 
@@ -55,6 +55,8 @@ class AgentClient:
                     self.sock, self.agent_pid = sock, reply["agent_pid"]
                     return
                 sock.close()   # an agent on its way out: try again (and start a new one)
+                if reply and reply.get("error"):
+                    raise ConfigError(reply["error"])
             except OSError:
                 sock.close()
             if self.local_rank == 0 and (self._spawned is None or self._spawned.poll() is not None):
@@ -104,3 +106,21 @@ class AgentClient:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+def one_shot(job_id: str, msg: Dict[str, Any], timeout: float = 2.0) -> Optional[Dict[str, Any]]:
+    """Send one message to a job's agent on a connection of its own (no hello: the agent does not count it
+    as a trainer); return the reply for ops that have one (status), None otherwise or when no agent runs.
+    Threads other than the trainer's main one use this, so they never share its socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(protocol.address(job_id))
+        sock.sendall(protocol.encode(msg))
+        if msg.get("op") != "status":
+            return None
+        return protocol.recv_one(sock, protocol.LineReader())
+    except OSError:
+        return None
+    finally:
+        sock.close()

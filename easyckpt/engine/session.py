@@ -6,6 +6,10 @@
     engine.load(needed)              newest complete state (memory or storage), agreed by all ranks
     engine.finalize()                the newest state is committed when it returns; slots released
 
+SIGTERM (preempt.py): ``maybe_save`` is the safe point. Once every rank agreed on a step, that step is
+snapshotted (even off-interval), persisted and committed before ``maybe_save`` returns; then the process
+exits with status 0 if ``exit_after_ondemand_checkpoint`` is set, else training goes on.
+
 Adapters supply ``collect`` (their framework's state as ShardSpecs) and the Naming of their native
 layout; they hold no file I/O, no threads, and no knowledge of slots or agents.
 """
@@ -20,8 +24,10 @@ from ..dist import placement
 from ..errors import AgentError, EasyCkptError
 from ..events import AuditLog
 from . import manifest as mf
-from .client import AgentClient
+from . import runlog
+from .client import AgentClient, one_shot
 from .load import Loaded, Needed, load_newest
+from .preempt import Preemption
 from .snapshot import ShardSpec, SnapshotResult, Snapshotter
 
 Collect = Callable[[], Sequence[ShardSpec]]
@@ -42,6 +48,15 @@ class Engine:
         self.last_step: Optional[int] = None
         self._collect: Optional[Collect] = None
         self._info: Info = None
+        self.progress = runlog.Progress(self.rank)
+        self.preempt: Optional[Preemption] = None
+        if cfg.autocheckpoint_on_sigterm:
+            job = cfg.job_id
+            self.preempt = Preemption(
+                job, self.rank, self.world_size, cfg.grace_deadline, self.log,
+                tell_agent=lambda at: one_shot(job, {"op": "term", "rank": self.rank, "at": at}),
+                dead_ranks=lambda: (one_shot(job, {"op": "status"}) or {}).get("dead_ranks", []))
+            self.preempt.install()
 
     # ---- save ----------------------------------------------------------------------------
 
@@ -49,7 +64,8 @@ class Engine:
                    persist: Optional[bool] = None) -> Optional[SnapshotResult]:
         """``persist``: None = on save_storage_interval; False for adapters whose framework decides
         when to persist (they call persist_now at its save points)."""
-        self.last_step, self._collect, self._info = step, collect, info
+        if self.safe_point(step, collect, info):
+            return self.last
         if step % self.cfg.save_mem_interval:
             return None
         if persist is None:
@@ -72,6 +88,47 @@ class Engine:
         if persist:
             self._request_persist(result)
         return result
+
+    def safe_point(self, step: int, collect: Collect, info: Info = None) -> bool:
+        """Every iteration, on every rank (maybe_save calls it; adapters whose framework already saved this
+        step call it alone). True when this step was the one agreed on after SIGTERM and is now committed."""
+        self.last_step, self._collect, self._info = step, collect, info
+        self.progress.mark(step)
+        pre = self.preempt
+        if pre is None:
+            return False
+        pre.at = step
+        if pre.pending and pre.target(step) == step:
+            self._save_on_demand(step, collect, info)
+            return True
+        return False
+
+    def _save_on_demand(self, step: int, collect: Collect, info: Info) -> None:
+        """The step all ranks agreed on after SIGTERM: snapshot, persist, wait for the commit; then exit
+        (``exit_after_ondemand_checkpoint``) or return to training."""
+        pre = self.preempt
+        assert pre is not None
+        t0 = time.time()
+        since = pre.signalled_at
+        try:
+            self.client.send({"op": "term_step", "rank": self.rank, "step": step})
+            self.persist_now(step, collect, max(1.0, pre.deadline_left()), info)
+            self.wait_committed(step, max(1.0, pre.deadline_left()))
+        except EasyCkptError as exc:
+            pre.done()
+            self.log.emit("error", step=step, rank=self.rank, message=f"SIGTERM checkpoint failed: {exc}")
+            if self.cfg.exit_after_ondemand_checkpoint:
+                raise      # exiting as if it had been saved would lose progress silently
+            return         # promise 2: a failed save does not stop training the user wanted to go on
+        self.log.emit("sigterm_save", step=step, rank=self.rank, seconds=round(time.time() - t0, 6),
+                      since_signal=None if since is None else round(time.time() - since, 6),
+                      exit=self.cfg.exit_after_ondemand_checkpoint)
+        pre.done()
+        if self.rank == 0:
+            runlog.record("sigterm_save", step=step, exit=self.cfg.exit_after_ondemand_checkpoint)
+        if self.cfg.exit_after_ondemand_checkpoint:
+            self.finalize(persist=False)
+            raise SystemExit(0)
 
     def _request_persist(self, result: SnapshotResult) -> None:
         try:
@@ -108,6 +165,10 @@ class Engine:
             self.log.emit("load", step=loaded.step, rank=self.rank, source=loaded.source, path=loaded.path,
                           bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
             self.last_step = loaded.step
+            self.progress.mark(loaded.step)
+        if self.rank == 0:
+            runlog.record("resume", step=loaded.step if loaded else 0, source=loaded.source if loaded else "none",
+                          seconds=round(loaded.seconds, 6) if loaded else 0.0)
         return loaded
 
     # ---- finalize ------------------------------------------------------------------------
@@ -125,6 +186,8 @@ class Engine:
             if not reply.get("ok"):
                 raise AgentError(f"rank {self.rank}: persisting step {step} failed: {reply.get('error')}")
             self.wait_committed(step, timeout)
+        if self.preempt is not None:
+            self.preempt.uninstall()
         self.client.send({"op": "bye", "rank": self.rank})
         self.client.close()
         self.snapshotter.close(unlink=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from ..config import Config
+from ..config import Config, check_advanced
 from ..engine.session import EngineSlot
 from ..errors import ConfigError
 from . import state as _state
@@ -37,6 +37,7 @@ def initialize_easyckpt(save_mem_interval: int = 1, save_storage_interval: int =
                         **advanced: Any) -> None:
     """Attach this rank to easyckpt. ``save_dir`` defaults to Megatron's ``args.save``."""
     global _args
+    check_advanced("initialize_easyckpt", advanced)
     _args = args if args is not None else _megatron_args()
     save_dir = save_dir or getattr(_args, "save", None)
     if not save_dir:

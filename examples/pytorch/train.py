@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import sys
 import time
 
@@ -42,7 +43,38 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dump-dir", default=None, help="save the model's state_dict per iteration here (tests)")
     p.add_argument("--dump-loaded", default=None, help="save the loaded model's state_dict here (tests)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-exit-on-sigterm", action="store_true",
+                   help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
+    p.add_argument("--grace", type=float, default=300.0, help="grace deadline after SIGTERM, seconds")
+    p.add_argument("--slow-step", default=None, metavar="IT:SECONDS",
+                   help="iteration IT takes SECONDS longer (before its optimizer step), on every rank")
+    p.add_argument("--inject", default="", metavar="IT[@RANK]:HOW,...",
+                   help="faults for tests: at iteration IT (on RANK, default 0) HOW = raise | kill | exit | term "
+                        "(SIGTERM to itself); each fires once per --once-dir")
+    p.add_argument("--once-dir", default=None)
     return p.parse_args()
+
+
+def inject(spec: str, once_dir, it: int, rank: int) -> None:
+    for item in filter(None, spec.split(",")):
+        where, how = item.split(":")
+        at, _, r = where.partition("@")
+        if int(at) != it or int(r or 0) != rank:
+            continue
+        if once_dir:
+            try:
+                os.close(os.open(os.path.join(once_dir, item.replace("@", "_").replace(":", "_")),
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+        if how == "raise":
+            raise RuntimeError(f"injected crash at iteration {it} on rank {rank}")
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "exit":
+            os._exit(17)
+        if how == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main() -> int:
@@ -66,7 +98,8 @@ def main() -> int:
     easyckpt.initialize_easyckpt(args.save_dir, save_mem_interval=args.mem_interval,
                                  save_storage_interval=args.storage_interval, max_ckpt_num=args.max_ckpt,
                                  log_file_path=args.log_file, agent_idle_timeout=args.idle_timeout,
-                                 job_name=args.job_name)
+                                 job_name=args.job_name, grace_deadline=args.grace,
+                                 exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
     t0 = time.perf_counter()
     start, extra = easyckpt.load_checkpoint(ddp, optimizer, scheduler)
     load_s = time.perf_counter() - t0
@@ -79,18 +112,24 @@ def main() -> int:
         losses.write(f"# start {start} load_s {load_s:.6f}\n")
 
     w = torch.randn(16, 1, generator=torch.Generator().manual_seed(args.seed))   # the task, fixed
+    slow_it, slow_s = (int(args.slow_step.split(":")[0]), float(args.slow_step.split(":")[1])) \
+        if args.slow_step else (None, 0.0)
     for it in range(start + 1, args.iters + 1):
         x = torch.randn(32, 16)
         y = x @ w + 0.1 * float(np.random.randn()) + 0.01 * random.random()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         optimizer.zero_grad()
         loss.backward()
+        if it == slow_it:
+            time.sleep(slow_s)
         optimizer.step()
         scheduler.step()
         if args.crash_at == it and rank == args.crash_rank:
             raise RuntimeError(f"injected crash at iteration {it} on rank {rank}")
         if losses:
             losses.write(f"{it} {loss.item().hex()}\n")
+        if args.inject:
+            inject(args.inject, args.once_dir, it, rank)
         if args.dump_dir and rank == 0:
             torch.save(model.state_dict(), os.path.join(args.dump_dir, f"model_{it}.pt"))
         easyckpt.save_checkpoint_if_needed(it, ddp, optimizer, scheduler, extra={"data_pos": it})
