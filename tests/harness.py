@@ -216,3 +216,36 @@ def killed_then_resumed(first: Sequence[str], then: Sequence[str], save_dir: Pat
     wait_no_agent(save_dir, timeout=90)
     run(then, timeout=timeout)
     return starts(loss)[-1]
+
+
+def worker_pids(proc: subprocess.Popen, n: int, timeout: float = 60) -> Dict[int, int]:
+    """rank -> pid of the trainers below ``proc`` (torchrun's workers, or ``proc`` itself), by their RANK."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kids, found, todo = _children(), {}, [proc.pid]
+        while todo:
+            pid = todo.pop()
+            todo.extend(kids.get(pid, []))
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"torch.distributed.run" in cmdline or b"easyckpt.engine.agent" in cmdline:
+                continue
+            ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
+            found[int(ranks[0]) if ranks else 0] = pid
+        if len(found) >= n:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"found trainers {found}, expected {n}")
+        time.sleep(0.05)
+
+
+def committed_steps(save_dir: Path, pattern: str = "step_*") -> List[int]:
+    out = []
+    for p in sorted(save_dir.glob(pattern)):
+        man = p / "easyckpt_manifest.json"
+        if man.exists():
+            out.append(json.loads(man.read_text())["step"])
+    return sorted(out)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import (ROOT, events, job_id, losses, run, shm_segments, starts, train_cmd, wait_no_agent)
+from harness import (ROOT, committed_steps, events, job_id, losses, run, shm_segments, starts, train_cmd, wait_no_agent)
 
 FAST = ["--idle-timeout", "1"]
 
@@ -32,15 +32,6 @@ def probe(ckpt: Path, tmp: Path, name: str):
     wait_no_agent(ckpt, job_name=name)
     loads = [e for e in events(log) if e["event"] == "load"]
     return loads[-1]["step"], torch.load(dump), events(log)
-
-
-def committed_steps(ckpt: Path):
-    out = []
-    for p in sorted(ckpt.glob("step_*")):
-        man = p / "easyckpt_manifest.json"
-        if man.exists():
-            out.append(json.loads(man.read_text())["step"])
-    return out
 
 
 def assert_state_equal(a, b):
