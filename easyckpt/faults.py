@@ -1,7 +1,8 @@
 """Fault injection by name, for the tests of RELIABILITY.md. A no-op unless the environment asks.
 
 ``EASYCKPT_FAULTS`` is a comma-separated list of ``point[@rank][=action]`` where action is ``kill``
-(SIGKILL this process, the default), ``raise``, or ``sleep:SECONDS``. Examples:
+(SIGKILL this process, the default), ``raise``, ``enospc`` (an OSError "No space left on device",
+as a full disk gives) or ``sleep:SECONDS``. Examples:
 ``agent.after_manifest=kill``, ``trainer.mid_snapshot@1=kill``, ``agent.persist_file=sleep:0.5``.
 ``EASYCKPT_FAULT_AFTER=point:N`` lets a point pass N times before it fires (default 0).
 ``EASYCKPT_FAULT_ONCE_DIR=DIR`` makes each point fire once across processes (a restarted agent
@@ -9,6 +10,7 @@ inherits the environment and would otherwise die at the same point again).
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -55,5 +57,7 @@ def inject(point: str, rank: Optional[int] = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "raise":
             raise RuntimeError(f"easyckpt injected fault at {point}")
+        elif action == "enospc":
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (easyckpt injected fault at {point})")
         elif action.startswith("sleep:"):
             time.sleep(float(action.split(":", 1)[1]))

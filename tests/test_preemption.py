@@ -37,6 +37,7 @@ def reference(tmp_path_factory):
 
 def sigterm_run(workdir: Path, seed: int, mode: str, reference) -> int:
     """One seeded run: SIGTERM at a random moment, checks, resume, checks. Returns the agreed step."""
+    workdir.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(seed)
     at, delay, victim = rnd.randint(2, N - 6), rnd.uniform(0, 0.04), rnd.randint(0, 1)
     ckpt, loss, log = workdir / "ckpt", workdir / "loss", workdir / "audit.jsonl"
@@ -76,6 +77,7 @@ def test_sigterm_saves_the_agreed_step_and_loses_nothing(tmp_path, reference, mo
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_sigterm_at_51_random_moments(tmp_path, reference):
     agreed = []
     for i in range(51):

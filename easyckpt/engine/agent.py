@@ -207,6 +207,7 @@ class Agent:
             rank = int(msg["rank"])
             refused = self._refuse(rank, int(msg.get("pid", 0)), client)
             if refused:
+                self.ever_connected = True     # an agent started only for this trainer leaves at once
                 self.log.emit("error", rank=rank, message=refused)
                 self._send(conn, {"op": "hello", "ok": False, "error": refused})
                 return
@@ -568,7 +569,10 @@ class Agent:
     def _fail(self, step: int, err: str, rank: Optional[int]) -> None:
         self.last_error = f"step {step}: {err}"
         self.log.emit("error", step=step, rank=rank, message=err)
-        print(f"easyckpt agent: step {step}: {err}", file=sys.stderr, flush=True)
+        try:
+            print(f"easyckpt agent: step {step}: {err}", file=sys.stderr, flush=True)
+        except OSError:
+            pass     # the agent's log may sit on the very disk that is full
         self.pending_commits.pop(step, None)
         staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
         commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=staging)

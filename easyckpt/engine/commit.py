@@ -87,7 +87,7 @@ def commit(save_dir: str, job_id: str, step: int, world_size: int, naming: Namin
     faults.inject("agent.before_rename")
     final = os.path.join(save_dir, final_name)
     if os.path.lexists(final):
-        _retire_existing(save_dir, final, log)
+        _retire_existing(save_dir, job_id, final, log)
     rename_noreplace(staging, final)
     faults.inject("agent.after_rename")
     fsync_dir(save_dir)
@@ -115,12 +115,22 @@ def add_to_manifest(step_dir: str, entries: Dict[str, Dict[str, Any]]) -> None:
     atomic_write(os.path.join(step_dir, mf.MANIFEST_NAME), json.dumps(man, indent=1).encode())
 
 
-def _retire_existing(save_dir: str, final: str, log: AuditLog) -> None:
+def trash_path(save_dir: str, job_id: str, victim: str) -> str:
+    """Where a directory goes before it is deleted (a rename is atomic, rmtree is not); named after the
+    job, so that a restart of this job finishes only its own deletions."""
+    return os.path.join(save_dir, f"{TRASH_PREFIX}{job_id}-{os.path.basename(victim)}-{os.getpid()}")
+
+
+def _retire_existing(save_dir: str, job_id: str, final: str, log: AuditLog) -> None:
     """A step directory of the same name exists (a run resumed from an older step reached it again).
-    Replace it only if it is an easyckpt checkpoint: a foreign directory is never touched."""
-    if mf.read(final) is None and os.listdir(final):
+    Replace it only if it is a checkpoint of this job: a foreign directory is never touched (promise 4)."""
+    man = mf.read(final)
+    if man is None and os.listdir(final):
         raise FileExistsError(f"{final} exists and is not an easyckpt checkpoint; refusing to replace it")
-    trash = os.path.join(save_dir, TRASH_PREFIX + os.path.basename(final) + f"-{os.getpid()}")
+    if man is not None and man.get("job_id") != job_id:
+        raise FileExistsError(f"{final} holds a checkpoint of another job ({man.get('job_id')}); refusing to "
+                              f"replace it: move it away, or give this job another save_dir")
+    trash = trash_path(save_dir, job_id, final)
     log.emit("delete", path=final, reason="replaced by a newer commit of the same step")
     os.rename(final, trash)
     fsync_dir(save_dir)
@@ -134,12 +144,10 @@ def staging_dirs(save_dir: str, job_id: str) -> List[str]:
 
 def remove_staging(save_dir: str, job_id: str, log: AuditLog, only: Optional[str] = None) -> None:
     """Remove this job's staging (and trash) leftovers; never anything without our prefix and id."""
-    own = (f"{STAGING_PREFIX}{job_id}-", TRASH_PREFIX)
+    own = (f"{STAGING_PREFIX}{job_id}-", f"{TRASH_PREFIX}{job_id}-")
     for name in os.listdir(save_dir):
         path = os.path.join(save_dir, name)
         if not name.startswith(own) or (only is not None and path != only):
-            continue
-        if name.startswith(TRASH_PREFIX) and not name.split("-")[-1].isdigit():
             continue
         log.emit("delete", path=path, reason="staging leftover")
         shutil.rmtree(path, ignore_errors=True)

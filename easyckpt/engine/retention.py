@@ -16,7 +16,7 @@ from ..config import Naming
 from ..events import AuditLog
 from ..storage.posix import fsync_dir
 from . import manifest as mf
-from .commit import TRASH_PREFIX
+from .commit import trash_path
 
 
 def step_dirs(save_dir: str, naming: Naming) -> List[Tuple[int, str]]:
@@ -83,7 +83,7 @@ def prune(save_dir: str, naming: Naming, job_id: str, policy: RetentionPolicy, l
     deleted = []
     for step, path in policy.to_delete(committed(save_dir, naming, job_id)):
         log.emit("delete", step=step, path=path, reason="retention")
-        trash = os.path.join(save_dir, f"{TRASH_PREFIX}{os.path.basename(path)}-{os.getpid()}")
+        trash = trash_path(save_dir, job_id, path)
         os.rename(path, trash)
         fsync_dir(save_dir)
         shutil.rmtree(trash, ignore_errors=True)

@@ -23,6 +23,7 @@ from ..config import Config, validate
 from ..dist import placement
 from ..errors import AgentError, EasyCkptError
 from ..events import AuditLog
+from . import commit
 from . import manifest as mf
 from . import runlog
 from .client import AgentClient, one_shot
@@ -46,6 +47,7 @@ class Engine:
         self.last: Optional[SnapshotResult] = None
         self.last_persisted_step: Optional[int] = None
         self.last_step: Optional[int] = None
+        self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
         self.progress = runlog.Progress(self.rank)
@@ -176,6 +178,9 @@ class Engine:
     def finalize(self, timeout: Optional[float] = None, persist: bool = True) -> Optional[int]:
         """Persist and commit the newest state, wait for the commit, release the slots. Returns the step.
         ``persist=False``: only release (the framework was told not to save)."""
+        if self.closed:          # e.g. after the SIGTERM exit, an atexit finalize of the adapter
+            return self.last.step if self.last is not None else None
+        self.closed = True
         timeout = self.cfg.commit_timeout if timeout is None else timeout
         step = None
         if persist and self.last_step is not None and self._collect is not None:
@@ -201,9 +206,18 @@ class Engine:
         deadline = time.monotonic() + timeout
         while mf.read(final) is None or mf.read(final)["step"] != step:
             if time.monotonic() > deadline:
-                raise AgentError(f"rank {self.rank}: step {step} was not committed within {timeout}s; "
-                                 f"see the audit log for the rank whose shard is missing")
+                raise AgentError(f"rank {self.rank}: step {step} was not committed within {timeout:g}s: "
+                                 f"{self._missing_shards(step)}")
             time.sleep(0.02)
+
+
+    def _missing_shards(self, step: int) -> str:
+        staging = commit.staging_dir(self.cfg.save_dir, self.cfg.job_id, self.cfg.naming.dir_name(step))
+        if not os.path.isdir(staging):
+            return "its staging directory is gone (the persist failed; see the audit log)"
+        missing = sorted(set(range(self.world_size)) - set(commit.read_markers(staging)))
+        return (f"no shard from rank(s) {missing} (dead, or stuck before saving step {step})" if missing
+                else "every shard is there; the coordinator's agent did not commit (see its log)")
 
 
 class EngineSlot:

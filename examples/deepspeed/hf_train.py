@@ -38,6 +38,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--log-file", default=None)
     p.add_argument("--loss-file", default=None, help="prefix; process r appends to PREFIX.rank{r}")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a kill")
+    p.add_argument("--no-exit-on-sigterm", action="store_true",
+                   help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args()
@@ -119,7 +121,8 @@ def main() -> int:
     else:
         from easyckpt.transformers import TrainerWrapper
         wrapped = TrainerWrapper(trainer, save_mem_interval=args.mem_interval, log_file_path=args.log_file,
-                                 agent_idle_timeout=args.idle_timeout)
+                                 agent_idle_timeout=args.idle_timeout,
+                                 exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
         wrapped.train(resume_from_checkpoint=resume)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -40,6 +40,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--log-file", default=None)
     p.add_argument("--loss-file", default=None, help="prefix; rank r appends to PREFIX.rank{r}")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a kill")
+    p.add_argument("--no-exit-on-sigterm", action="store_true",
+                   help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
@@ -80,7 +82,8 @@ def main() -> int:
 
     eds.initialize_easyckpt(args.save_dir, save_mem_interval=args.mem_interval,
                             save_storage_interval=args.storage_interval, max_ckpt_num=args.max_ckpt,
-                            log_file_path=args.log_file, agent_idle_timeout=args.idle_timeout)
+                            log_file_path=args.log_file, agent_idle_timeout=args.idle_timeout,
+                            exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
     t0 = time.perf_counter()
     path, client = eds.load_checkpoint(engine)
     load_s = time.perf_counter() - t0

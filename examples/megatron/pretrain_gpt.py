@@ -109,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ck.add_argument("--max-ckpt-num", type=int, default=3)
     ck.add_argument("--ckpt-log", default=None, help="easyckpt audit log (JSON lines)")
     ck.add_argument("--agent-idle-timeout", type=float, default=60.0)
+    ck.add_argument("--no-exit-on-sigterm", action="store_true",
+                    help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     ck.add_argument("--no-finalize", action="store_true", help="exit without finalize_easyckpt()")
     ck.add_argument("--concat", action="store_true",
                     help="resume a checkpoint saved with another data-parallel size")
@@ -395,7 +397,8 @@ def main(argv=None) -> int:
     if args.save:
         easyckpt_megatron.initialize_easyckpt(args.save_mem_interval, args.save_storage_interval,
                                               args.max_ckpt_num, args.ckpt_log, save_dir=args.save, args=args,
-                                              agent_idle_timeout=args.agent_idle_timeout)
+                                              agent_idle_timeout=args.agent_idle_timeout,
+                                              exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
         start_iteration, _ = easyckpt_megatron.load_checkpoint([model], optimizer, scheduler, concat=args.concat)
         if args.loss_file and parallel_state.is_pipeline_last_stage():
             with open(f"{args.loss_file}.rank{dist.get_rank()}", "a") as f:

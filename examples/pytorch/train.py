@@ -52,6 +52,9 @@ def parse() -> argparse.Namespace:
                    help="faults for tests: at iteration IT (on RANK, default 0) HOW = raise | kill | exit | term "
                         "(SIGTERM to itself); each fires once per --once-dir")
     p.add_argument("--once-dir", default=None)
+    p.add_argument("--misreport", default=None, metavar="IT@RANK:STEP",
+                   help="tests: at iteration IT, RANK passes STEP to save_checkpoint_if_needed (ranks disagree)")
+    p.add_argument("--commit-timeout", type=float, default=600.0)
     return p.parse_args()
 
 
@@ -99,7 +102,8 @@ def main() -> int:
                                  save_storage_interval=args.storage_interval, max_ckpt_num=args.max_ckpt,
                                  log_file_path=args.log_file, agent_idle_timeout=args.idle_timeout,
                                  job_name=args.job_name, grace_deadline=args.grace,
-                                 exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
+                                 exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm,
+                                 commit_timeout=args.commit_timeout)
     t0 = time.perf_counter()
     start, extra = easyckpt.load_checkpoint(ddp, optimizer, scheduler)
     load_s = time.perf_counter() - t0
@@ -132,7 +136,10 @@ def main() -> int:
             inject(args.inject, args.once_dir, it, rank)
         if args.dump_dir and rank == 0:
             torch.save(model.state_dict(), os.path.join(args.dump_dir, f"model_{it}.pt"))
-        easyckpt.save_checkpoint_if_needed(it, ddp, optimizer, scheduler, extra={"data_pos": it})
+        told = it
+        if args.misreport and args.misreport.split(":")[0] == f"{it}@{rank}":
+            told = int(args.misreport.split(":")[1])
+        easyckpt.save_checkpoint_if_needed(told, ddp, optimizer, scheduler, extra={"data_pos": it})
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if args.stop_at == it:

@@ -1,0 +1,267 @@
+"""RELIABILITY.md's fault-injection matrix: rows 4, 8, 11, 12 and 14 here, and the index of every row's
+test (``ROWS``), checked below so that a row cannot lose its test unnoticed."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import (committed_steps, events, last_iteration, run, start, train_cmd, wait_for_iteration,
+                     wait_no_agent)
+
+SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
+
+ROWS = {
+    1: "test_faults.py::test_kill_mid_snapshot_ignores_the_half_written_slot",
+    2: "test_faults.py::test_agent_killed_mid_persist_leaves_no_step_dir_and_is_restarted",
+    3: "test_preemption.py::test_sigterm_saves_the_agreed_step_and_loses_nothing",
+    4: "test_fault_matrix.py::test_disk_full_during_persist_harms_nothing",
+    5: "test_config.py::test_read_only_save_dir_fails_at_initialisation_and_stays_untouched",
+    6: "test_faults.py::test_damaged_shard_is_rejected_and_the_loader_falls_back",
+    7: "test_faults.py::test_bad_tracker_does_not_mislead_the_loader",
+    8: "test_fault_matrix.py::test_a_second_job_on_the_same_directory_fails_fast",
+    9: "test_faults.py::test_too_small_shm_is_a_clear_error_before_any_copy",
+    10: "test_faults.py::test_leftover_segments_of_a_dead_job_are_cleaned_on_next_start",
+    11: "test_fault_matrix.py::test_ranks_that_disagree_on_the_step_get_no_manifest",
+    12: "test_fault_matrix.py::test_a_rank_dying_while_the_other_waits_to_commit_is_named",
+    13: "test_faults.py::test_tensors_changed_after_save_returns_do_not_leak_into_the_persisted_step",
+    14: "test_fault_matrix.py::test_random_save_fail_kill_prune_sequences_keep_the_invariants",
+    15: "test_faults.py::test_crash_at_each_point_of_the_durable_sequence_loads_old_or_new",
+    16: "test_formats.py::test_a_malicious_pickle_in_a_checkpoint_is_not_executed",
+}
+
+
+def test_every_row_of_the_matrix_has_its_test():
+    """docs/reliability.md lists the 16 rows of the matrix, each with the test that proves it."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    assert sorted(ROWS) == list(range(1, 17))
+    for row, ref in ROWS.items():
+        module, name = ref.split("::")
+        assert hasattr(importlib.import_module(module[:-3]), name), f"row {row}: {ref} does not exist"
+        assert f"| {row} |" in doc and name in doc, f"row {row} or its test {name} missing in docs/reliability.md"
+
+
+def digest(root: Path):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def committed_digest(ckpt: Path):
+    return {k: v for k, v in digest(ckpt).items() if k.startswith("step_")}
+
+
+# ---- row 4 ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cause", ["injected", "tmpfs"])
+def test_disk_full_during_persist_harms_nothing(tmp_path, cause):
+    """Steps 5 and 10 are committed; then the disk fills up (a real 2 MiB tmpfs filled to the brim, or
+    ENOSPC injected into the shard writer). Training goes on to step 20; the failed persists are
+    reported, their staging goes, nothing is pruned, and steps 5 and 10 stay byte-identical."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
+    ckpt.mkdir()
+    mounted = False
+    if cause == "tmpfs":
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(ckpt)], capture_output=True,
+                          timeout=30).returncode != 0:
+            pytest.skip("cannot mount a small tmpfs here (needs root); the injected variant covers row 4")
+        mounted = True
+    try:
+        common = ["--storage-interval", "5", "--max-ckpt", "2", "--log-file", str(log), "--hidden", "512",
+                  "--loss-file", str(tmp_path / "loss"), "--idle-timeout", "1"]
+        run(train_cmd(ckpt, 1, "--iters", "10", *common))
+        wait_no_agent(ckpt)
+        assert committed_steps(ckpt) == [5, 10]
+        before = committed_digest(ckpt)
+        env = {}
+        if mounted:
+            st = os.statvfs(ckpt)
+            (ckpt / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 64 * 1024))
+        else:
+            env = {"EASYCKPT_FAULTS": "agent.persist_file=enospc"}
+        out = run(train_cmd(ckpt, 1, "--iters", "20", *common), extra_env=env, check=False)
+        wait_no_agent(ckpt)
+        assert last_iteration(tmp_path / "loss") == 20, "a failed persist must not stop training"
+        assert out.returncode != 0 and "No space left on device" in out.stderr, out.stderr[-2000:]
+        errors = [e for e in events(log) if e["event"] == "error"]
+        assert errors and all("No space left on device" in e["message"] for e in errors if e.get("step") == 15)
+        assert committed_steps(ckpt) == [5, 10]
+        assert committed_digest(ckpt) == before, "an older checkpoint changed"
+        assert not list(ckpt.glob(".easyckpt-staging-*")), "staging of the failed steps left behind"
+        assert not [e for e in events(log) if e["event"] == "delete" and e.get("reason") == "retention"]
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(ckpt)], timeout=30)   # lazy: a straggler may hold a file
+
+
+# ---- row 8 ----------------------------------------------------------------------------------
+
+def test_a_second_job_on_the_same_directory_fails_fast(tmp_path):
+    """Job A trains; job B (another job name) and job B' (A's own name, a duplicate launch) start on A's
+    directory: both fail at initialisation with a message naming the holder; A's files are untouched and
+    A finishes normally."""
+    ckpt, loss = tmp_path / "ckpt", tmp_path / "loss"
+    a = start(train_cmd(ckpt, 1, "--iters", "3000", "--storage-interval", "5", "--step-sleep", "0.03",
+                        "--max-ckpt", "1000", "--loss-file", str(loss), "--job-name", "A", "--idle-timeout", "1"),
+              log=tmp_path / "a.out")
+    try:
+        _second_jobs_fail(ckpt, tmp_path, a, loss)
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait(timeout=30)
+    wait_no_agent(ckpt, job_name="A")
+    wait_no_agent(ckpt, job_name="B")
+
+
+def _second_jobs_fail(ckpt: Path, tmp_path: Path, a, loss: Path) -> None:
+    wait_for_iteration(loss, 6, a)
+    snapshot = committed_digest(ckpt)
+    for name, needle in (("B", "is in use by job A"), ("A", "is already running")):
+        t0 = time.monotonic()
+        b = run(train_cmd(ckpt, 1, "--iters", "5", "--job-name", name, "--loss-file", str(tmp_path / f"loss{name}"),
+                          "--idle-timeout", "1"), check=False)
+        assert b.returncode != 0 and needle in b.stderr, b.stderr[-2000:]
+        assert time.monotonic() - t0 < 60
+        assert not Path(f"{tmp_path}/loss{name}.rank0").exists(), "the second job must not train"
+    after = committed_digest(ckpt)
+    assert {k: v for k, v in after.items() if k in snapshot} == snapshot
+    assert a.poll() is None, "job A must keep training"
+    a.terminate()                    # SIGTERM: A saves the agreed step and exits
+    assert a.wait(timeout=60) == 0
+
+
+# ---- row 11 ---------------------------------------------------------------------------------
+
+def test_ranks_that_disagree_on_the_step_get_no_manifest(tmp_path):
+    """At iteration 10 rank 1 says step 110: neither step 10 nor 110 has every rank's shard; both time out
+    (3 s), no manifest is written, and the next save (15) commits normally."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
+    run(train_cmd(ckpt, 2, "--iters", "20", "--storage-interval", "5", "--max-ckpt", "5", "--log-file", str(log),
+                  "--misreport", "10@1:110", "--commit-timeout", "3", "--step-sleep", "0.1", "--idle-timeout", "1"))
+    wait_no_agent(ckpt, timeout=30)
+    assert committed_steps(ckpt) == [5, 15, 20]
+    assert not (ckpt / "step_00000010").exists() and not (ckpt / "step_00000110").exists()
+    assert not list(ckpt.glob(".easyckpt-staging-*"))
+    timeouts = {e["step"]: e["message"] for e in events(log) if e["event"] == "error"}
+    assert "ranks [1]" in timeouts[10] and "ranks [0]" in timeouts[110], timeouts
+
+
+# ---- row 12 ---------------------------------------------------------------------------------
+
+def test_a_rank_dying_while_the_other_waits_to_commit_is_named(tmp_path):
+    """Rank 1 is killed inside its copy of the last step (12) while rank 0 waits in finalize for the
+    commit: rank 0 fails after commit_timeout (4 s) naming rank 1, and step 12 gets no manifest."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
+    out = run(train_cmd(ckpt, 2, "--iters", "12", "--storage-interval", "5", "--log-file", str(log),
+                        "--commit-timeout", "4", "--idle-timeout", "1"), check=False,
+              extra_env={"EASYCKPT_FAULTS": "trainer.mid_snapshot@1=kill",
+                         "EASYCKPT_FAULT_AFTER": "trainer.mid_snapshot:11"})
+    assert out.returncode != 0
+    assert "step 12 was not committed within 4s: no shard from rank(s) [1]" in out.stderr, out.stderr[-3000:]
+    wait_no_agent(ckpt, timeout=30)
+    assert 12 not in committed_steps(ckpt)
+    assert not list(ckpt.glob(".easyckpt-staging-*"))
+
+
+# ---- row 14 ---------------------------------------------------------------------------------
+
+def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, monkeypatch):
+    """Property test over the engine's own commit, failure clean-up, restart clean-up and pruning code:
+    seeded random sequences of save / failed save / kill at a point of the commit / restart / prune /
+    foreign files. After every operation: the newest committed step is never deleted, at most
+    max_ckpt_num remain after a prune, no half-written step is visible, foreign files are untouched."""
+    from easyckpt.engine import commit, manifest as mf, retention
+    from easyckpt.events import AuditLog
+    from easyckpt.pytorch import NAMING
+    rnd = random.Random(SEED)
+    log = AuditLog(None, "test")
+    points = ["agent.after_manifest", "agent.before_rename", "agent.after_rename", "agent.before_tracker"]
+    for trial in range(25):
+        d = tmp_path / f"t{trial}"
+        d.mkdir()
+        job, n_keep, step = f"{trial:012x}", rnd.randint(1, 4), 0
+        foreign = {}
+
+        def stage(s: int, complete: bool = True) -> None:
+            staging = Path(commit.staging_dir(str(d), job, NAMING.dir_name(s)))
+            staging.mkdir()
+            data = rnd.randbytes(rnd.randint(1, 300))
+            (staging / "model.bin").write_bytes(data if complete else data[:1])
+            if complete:
+                commit.write_shard_marker(str(staging), 0, s, {"model.bin": {
+                    "size": len(data), "checksum": mf.checksum(data)}})
+
+        def save(s: int) -> None:
+            stage(s)
+            try:
+                final, _ = commit.commit(str(d), job, s, 1, NAMING, log)
+            except FileExistsError:     # another job's directory of that name: refused, as the agent does
+                commit.remove_staging(str(d), job, log, only=commit.staging_dir(str(d), job, NAMING.dir_name(s)))
+                return
+            retention.prune(str(d), NAMING, job, retention.KeepLast(n_keep, retention.protected(final)), log)
+
+        for _ in range(30):
+            newest_before = retention.committed(str(d), NAMING, job)[:1]
+            op = rnd.choice(["save", "save", "save", "fail", "kill", "crash", "restart", "prune", "foreign"])
+            if op == "save":
+                step += rnd.randint(1, 3)
+                save(step)
+            elif op == "fail":            # e.g. disk full while writing: the agent removes the staging dir
+                step += 1
+                stage(step, complete=False)
+                commit.remove_staging(str(d), job, log, only=commit.staging_dir(str(d), job, NAMING.dir_name(step)))
+            elif op == "kill":            # the agent died while writing: staging stays until the next start
+                step += 1
+                stage(step, complete=False)
+            elif op == "crash":           # the agent died at one point of the commit
+                step += 1
+                monkeypatch.setenv("EASYCKPT_FAULTS", f"{rnd.choice(points)}=raise")
+                try:
+                    save(step)
+                except RuntimeError as exc:
+                    assert "injected fault" in str(exc)
+                monkeypatch.delenv("EASYCKPT_FAULTS")
+            elif op == "restart":         # the next agent's start
+                commit.remove_staging(str(d), job, log)
+            elif op == "prune":
+                committed = retention.committed(str(d), NAMING, job)
+                if committed:
+                    retention.prune(str(d), NAMING, job, retention.KeepLast(
+                        n_keep, retention.protected(committed[0][1])), log)
+            else:                         # another job's checkpoint and staging, an unrelated file
+                other = d / NAMING.dir_name(rnd.randint(1, 200))
+                made = [d / f"notes-{rnd.randint(0, 9)}.txt",
+                        d / f".easyckpt-staging-ffffffffffff-step_{rnd.randint(1, 99):08d}" / "x",
+                        d / f".easyckpt-trash-ffffffffffff-step_{rnd.randint(1, 99):08d}-1" / "y"]
+                if not other.exists():
+                    other.mkdir()
+                    (other / mf.MANIFEST_NAME).write_text(json.dumps({"step": 0, "job_id": "ffffffffffff",
+                                                                     "files": {}}))
+                    made.append(other / mf.MANIFEST_NAME)
+                for p in made[:3]:
+                    p.parent.mkdir(exist_ok=True)
+                    p.write_bytes(rnd.randbytes(8))
+                foreign.update({p: p.read_bytes() for p in made})
+            committed = retention.committed(str(d), NAMING, job)
+            steps = [s for s, _ in committed]
+            what = f"trial {trial}, op {op}, keep {n_keep}, committed {steps}"
+            if newest_before:   # only a newer commit may retire the newest one
+                assert steps and steps[0] >= newest_before[0][0], f"{what}: the newest committed step was deleted"
+                if op not in ("save",):
+                    assert newest_before[0][0] in steps, f"{what}: the newest committed step was deleted"
+            if op in ("save", "prune"):
+                assert len(steps) <= n_keep, what
+            for path, data in foreign.items():
+                assert path.exists() and path.read_bytes() == data, f"{what}: foreign {path} touched"
+            for s, path in retention.step_dirs(str(d), NAMING):
+                man = mf.read(path)
+                assert man is not None, f"{what}: {path} is visible without a manifest"
+                if man.get("job_id") == job:
+                    assert mf.check_sizes(path, man) == [], f"{what}: {path} incomplete"
