@@ -79,7 +79,7 @@ def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_pat
 
 
 @pytest.mark.parametrize("saved_dp,resumed_dp,opt", [
-    (2, 1, "--use-distributed-optimizer"), (1, 2, "--use-distributed-optimizer"),
+    (2, 1, "--use-distributed-optimizer"), pytest.param(1, 2, "--use-distributed-optimizer", marks=pytest.mark.slow),
     pytest.param(2, 1, "", marks=pytest.mark.slow)], ids=["distopt-2to1", "distopt-1to2", "plain-2to1"])
 def test_concat_resumes_on_another_data_parallel_size(tmp_path, saved_dp, resumed_dp, opt):
     """Saved at one DP size, resumed at the other with concat=True. DP=1 and DP=2 runs of this model
