@@ -210,7 +210,6 @@ class Engine:
                                  f"{self._missing_shards(step)}")
             time.sleep(0.02)
 
-
     def _missing_shards(self, step: int) -> str:
         staging = commit.staging_dir(self.cfg.save_dir, self.cfg.job_id, self.cfg.naming.dir_name(step))
         if not os.path.isdir(staging):
