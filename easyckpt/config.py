@@ -50,6 +50,8 @@ class Config:
     autocheckpoint_on_sigterm: bool = True
     exit_after_ondemand_checkpoint: bool = False
     grace_deadline: float = 300.0
+    # copy the tensors the optimizer owns while the next forward/backward runs (engine/overlap.py)
+    snapshot_overlap: bool = True
     naming: Naming = field(default_factory=Naming)
 
     @property
@@ -73,7 +75,8 @@ class Config:
 
 # the keyword arguments every adapter's initialize_easyckpt accepts besides its own
 ADVANCED = ("job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout",
-            "autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "grace_deadline")
+            "autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "grace_deadline",
+            "snapshot_overlap")
 
 
 def check_advanced(verb: str, advanced: Dict[str, Any]) -> None:
@@ -104,7 +107,7 @@ def validate(cfg: Config) -> Config:
         if isinstance(cfg.max_ckpt_num, bool) or not isinstance(cfg.max_ckpt_num, int) or cfg.max_ckpt_num < 1:
             raise ConfigError(f"max_ckpt_num={cfg.max_ckpt_num!r} must be a positive integer "
                               f"(how many committed checkpoints to keep), or None to keep all")
-    for name in ("autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint"):
+    for name in ("autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "snapshot_overlap"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{name}={getattr(cfg, name)!r} must be True or False")
     for name in ("commit_timeout", "agent_idle_timeout", "agent_start_timeout", "grace_deadline"):

@@ -278,7 +278,7 @@ def save_checkpoint_if_needed(ds_engine: Any, client_state: Optional[Dict[str, A
     stored as DeepSpeed stores it (in the model-states file) and returned by load_checkpoint."""
     engine = _slot.require()
     step, collect = _collector(engine, ds_engine, client_state)
-    engine.maybe_save(step, collect, info={"dp_world_size": dp_size(ds_engine)})
+    engine.maybe_save(step, collect, info={"dp_world_size": dp_size(ds_engine)}, optimizer=ds_engine.optimizer)
 
 
 def save_checkpoint_now(ds_engine: Any, client_state: Optional[Dict[str, Any]] = None) -> None:

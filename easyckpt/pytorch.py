@@ -69,7 +69,8 @@ def save_checkpoint_if_needed(iteration: int, model: torch.nn.Module, optimizer=
                               extra: Optional[Dict[str, Any]] = None) -> None:
     """Call once per iteration, after the optimizer step; ``iteration`` counts completed iterations."""
     engine = _slot.require()
-    engine.maybe_save(iteration, lambda: _shards(engine, iteration, model, optimizer, lr_scheduler, extra))
+    engine.maybe_save(iteration, lambda: _shards(engine, iteration, model, optimizer, lr_scheduler, extra),
+                      optimizer=optimizer)
 
 
 def load_checkpoint(model: torch.nn.Module, optimizer=None, lr_scheduler=None) -> Tuple[int, Optional[Dict[str, Any]]]:

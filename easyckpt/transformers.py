@@ -253,7 +253,8 @@ class _Session:
             original(*args, **kwargs)
             step = self.trainer.state.global_step
             if step > 0 and not self.saved_now:
-                self.engine.maybe_save(step, self.collect, info=self.info(), persist=False)
+                self.engine.maybe_save(step, self.collect, info=self.info(), persist=False,
+                                       optimizer=self.trainer.optimizer)
             elif step > 0:     # saved by the Trainer just now; still a safe point for a SIGTERM agreement
                 self.engine.safe_point(step, self.collect, info=self.info())
         return wrapped

@@ -29,7 +29,8 @@ from . import runlog
 from .client import AgentClient, one_shot
 from .load import Loaded, Needed, load_newest
 from .preempt import Preemption
-from .snapshot import ShardSpec, SnapshotResult, Snapshotter
+from .overlap import OptimizerWatch
+from .snapshot import PendingSnapshot, ShardSpec, SnapshotResult, Snapshotter
 
 Collect = Callable[[], Sequence[ShardSpec]]
 # what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})
@@ -51,6 +52,10 @@ class Engine:
         self._collect: Optional[Collect] = None
         self._info: Info = None
         self.progress = runlog.Progress(self.rank)
+        # overlap (overlap.py): a snapshot whose optimizer-owned tensors are still being copied
+        self.pending: Optional[PendingSnapshot] = None
+        self._pending_persist = False
+        self.watch = OptimizerWatch(self.before_optimizer_step)
         self.preempt: Optional[Preemption] = None
         if cfg.autocheckpoint_on_sigterm:
             job = cfg.job_id
@@ -63,20 +68,30 @@ class Engine:
     # ---- save ----------------------------------------------------------------------------
 
     def maybe_save(self, step: int, collect: Collect, info: Info = None,
-                   persist: Optional[bool] = None) -> Optional[SnapshotResult]:
+                   persist: Optional[bool] = None, optimizer: Any = None) -> Optional[SnapshotResult]:
         """``persist``: None = on save_storage_interval; False for adapters whose framework decides
-        when to persist (they call persist_now at its save points)."""
+        when to persist (they call persist_now at its save points). ``optimizer``: the one whose step
+        changes the parameters next; with ``snapshot_overlap`` the tensors it owns are copied while the
+        next forward/backward runs, and its step waits for that copy. Returns the snapshot when it was
+        taken synchronously (None when skipped, or still being copied: see ``settle``)."""
         if self.safe_point(step, collect, info):
             return self.last
         if step % self.cfg.save_mem_interval:
             return None
         if persist is None:
             persist = step % self.cfg.save_storage_interval == 0
-        return self._snapshot(step, collect, persist=persist, info=info)
+        if self.cfg.snapshot_overlap and optimizer is not None:
+            self.watch.add(optimizer)
+        return self._snapshot(step, collect, persist=persist, info=info, overlap=bool(self.watch))
 
     def _snapshot(self, step: int, collect: Collect, persist: bool, quiet: bool = False,
-                  info: Info = None) -> Optional[SnapshotResult]:
-        result = self.snapshotter.snapshot(step, collect(), persist, info)
+                  info: Info = None, overlap: bool = False) -> Optional[SnapshotResult]:
+        self.settle()
+        defer = self.watch.deferrable() if overlap and self.cfg.snapshot_overlap else None
+        result = self.snapshotter.snapshot(step, collect(), persist, info, defer)
+        if isinstance(result, PendingSnapshot):
+            self.pending, self._pending_persist = result, persist
+            return None
         if result is None and quiet:
             return None
         if result is None:
@@ -84,12 +99,39 @@ class Engine:
                           message="both snapshot slots are reserved for persisting: storage is slower than "
                                   "save_storage_interval; this snapshot is skipped, training goes on")
             return None
+        self._snapshot_done(result, persist)
+        return result
+
+    def _snapshot_done(self, result: SnapshotResult, persist: bool, copy_seconds: Optional[float] = None) -> None:
         self.last = result
-        self.log.emit("snapshot", step=step, rank=self.rank, slot=result.slot, bytes=result.nbytes,
-                      seconds=round(result.seconds, 6))
+        self.log.emit("snapshot", step=result.step, rank=self.rank, slot=result.slot, bytes=result.nbytes,
+                      seconds=round(result.seconds, 6),
+                      **({} if copy_seconds is None else {"background_seconds": round(copy_seconds, 6)}))
         if persist:
             self._request_persist(result)
-        return result
+
+    def settle(self) -> None:
+        """Finish the background snapshot copy, if one runs: called by the watched optimizers' step
+        pre-hook (the copy must end before the parameters change), and before anything else that
+        snapshots, loads or finalizes. A failed copy is logged; training goes on (promise 2)."""
+        pending = self.pending
+        if pending is None:
+            return
+        self.pending = None
+        try:
+            result = pending.wait()
+        except Exception as exc:   # noqa: BLE001 - the copy ran in another thread; report, keep training
+            self.log.emit("error", step=pending.result.step, rank=self.rank,
+                          message=f"background snapshot copy failed: {exc!r}")
+            return
+        self._snapshot_done(result, self._pending_persist, pending.copy_seconds)
+
+    def before_optimizer_step(self) -> None:
+        pending = self.pending
+        if pending is None:
+            return
+        if not pending.order_on_device() or pending.done():
+            self.settle()
 
     def safe_point(self, step: int, collect: Collect, info: Info = None) -> bool:
         """Every iteration, on every rank (maybe_save calls it; adapters whose framework already saved this
@@ -146,6 +188,7 @@ class Engine:
         slot (when both are reserved), never for storage. ``fresh``: snapshot again even if ``step``
         already is (the state changed without the step changing, e.g. evaluation results)."""
         self.last_step, self._collect, self._info = step, collect, info
+        self.settle()
         if not fresh and self.last is not None and self.last.step == step:
             if self.last_persisted_step != step:
                 self._request_persist(self.last)
@@ -162,6 +205,7 @@ class Engine:
     # ---- load ----------------------------------------------------------------------------
 
     def load(self, needed: Needed) -> Optional[Loaded]:
+        self.settle()
         loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log)
         if loaded is not None:
             self.log.emit("load", step=loaded.step, rank=self.rank, source=loaded.source, path=loaded.path,
@@ -181,6 +225,8 @@ class Engine:
         if self.closed:          # e.g. after the SIGTERM exit, an atexit finalize of the adapter
             return self.last.step if self.last is not None else None
         self.closed = True
+        self.settle()
+        self.watch.close()
         timeout = self.cfg.commit_timeout if timeout is None else timeout
         step = None
         if persist and self.last_step is not None and self._collect is not None:

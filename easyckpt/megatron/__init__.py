@@ -57,7 +57,7 @@ def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_pa
                               num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Call every iteration after the optimizer step; snapshots and persists on the configured intervals."""
     _slot.require().maybe_save(iteration, _collector(iteration, model, optimizer, opt_param_scheduler,
-                                                num_floating_point_operations_so_far))
+                                                num_floating_point_operations_so_far), optimizer=optimizer)
 
 
 def save_checkpoint_now(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,

@@ -40,7 +40,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--crash-rank", type=int, default=0)
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--job-name", default=None)
-    p.add_argument("--dump-dir", default=None, help="save the model's state_dict per iteration here (tests)")
+    p.add_argument("--dump-dir", default=None, help="save the model's and optimizer's state_dict per iteration here (tests)")
     p.add_argument("--dump-loaded", default=None, help="save the loaded model's state_dict here (tests)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-exit-on-sigterm", action="store_true",
@@ -136,6 +136,7 @@ def main() -> int:
             inject(args.inject, args.once_dir, it, rank)
         if args.dump_dir and rank == 0:
             torch.save(model.state_dict(), os.path.join(args.dump_dir, f"model_{it}.pt"))
+            torch.save(optimizer.state_dict(), os.path.join(args.dump_dir, f"optim_{it}.pt"))
         told = it
         if args.misreport and args.misreport.split(":")[0] == f"{it}@{rank}":
             told = int(args.misreport.split(":")[1])

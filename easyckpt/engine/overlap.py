@@ -1,0 +1,85 @@
+"""Which tensors of a snapshot may be copied while the next forward/backward runs, and the hook that
+makes the optimizer wait for that copy.
+
+Rule. A tensor may be copied in the background only if nothing but an optimizer's ``step`` changes it
+between two snapshots: the parameters an optimizer updates and its state (moments, step counters).
+Those are found by walking the optimizer the adapter hands over (through wrappers: ``.optimizer`` of
+Megatron's, DeepSpeed's and accelerate's optimizers, ``.chained_optimizers`` of Megatron's chained
+one) down to the ``torch.optim.Optimizer`` objects whose ``step`` really writes them; a step pre-hook
+on each of those waits for the copy. Everything else (buffers such as BatchNorm statistics, which the
+next forward changes; RNG and scheduler state; tensors an adapter built for the snapshot) is copied
+before ``maybe_save`` returns. A tensor is matched by its storage, so ``state_dict()`` views of a
+parameter count as the parameter.
+
+Assumption, stated in the README: user code does not change parameters in place between the
+snapshot and the next optimizer step (e.g. weight noise before forward). ``snapshot_overlap=False``
+turns the overlap off for such loops.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Set
+
+import torch
+
+
+def torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers inside ``optimizer`` (itself included) whose ``step`` updates tensors."""
+    seen: Set[int] = set()
+    todo: List[Any] = [optimizer]
+    while todo:
+        opt = todo.pop()
+        if opt is None or id(opt) in seen:
+            continue
+        seen.add(id(opt))
+        inner = getattr(opt, "optimizer", None)
+        chained = getattr(opt, "chained_optimizers", None)
+        if inner is not None or chained:
+            todo.append(inner)
+            todo.extend(chained or ())
+        elif isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
+            yield opt
+
+
+def owned_storages(optimizers: List[torch.optim.Optimizer]) -> Set[int]:
+    """Storage addresses of every parameter and state tensor of ``optimizers``."""
+    owned: Set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                owned.add(p.untyped_storage().data_ptr())
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    owned.add(value.untyped_storage().data_ptr())
+    return owned
+
+
+class OptimizerWatch:
+    """The optimizers whose step must wait for a background snapshot copy."""
+
+    def __init__(self, wait: Callable[[], None]):
+        self._wait = wait
+        self._watched: dict = {}      # id(torch optimizer) -> (optimizer, hook handle)
+        self._seen_outer: Set[int] = set()
+
+    def add(self, optimizer: Any) -> None:
+        if optimizer is None or id(optimizer) in self._seen_outer:
+            return
+        self._seen_outer.add(id(optimizer))
+        for opt in torch_optimizers(optimizer):
+            if id(opt) not in self._watched:
+                handle = opt.register_step_pre_hook(lambda *_: self._wait())
+                self._watched[id(opt)] = (opt, handle)
+
+    def deferrable(self) -> Callable[[torch.Tensor], bool]:
+        owned = owned_storages([opt for opt, _ in self._watched.values()])
+        return lambda t: t.untyped_storage().data_ptr() in owned
+
+    def __bool__(self) -> bool:
+        return bool(self._watched)
+
+    def close(self) -> None:
+        for _, handle in self._watched.values():
+            handle.remove()
+        self._watched.clear()
+        self._seen_outer.clear()
