@@ -59,23 +59,35 @@ Times are wall-clock seconds from ``time.perf_counter``.  Each repeat starts
 from an empty target and ends with the checkpoint deleted, so no repeat
 benefits from, or is slowed down by, the files of the previous one.
 
-Start-up costs a caller should expect: importing ``transformers`` or
-``deepspeed`` takes several seconds, and the first DCP save spawns a Python
-process that imports torch.  Because that process is started with the
-``spawn`` method, a script calling ``dcp_async_save`` must guard its entry
-point with ``if __name__ == "__main__":``.
+Caveats for a caller:
+
+* Start-up: importing ``transformers`` or ``deepspeed`` takes several
+  seconds on first use, and the first DCP save spawns a Python process that
+  imports torch (a few seconds, counted in the warm-up's ``total`` only).
+* DCP's checkpoint process is started with the ``spawn`` method, so a
+  script calling ``dcp_async_save`` must guard its entry point with
+  ``if __name__ == "__main__":``.  That process logs each request at INFO
+  level to the inherited stderr (lines starting with ``[0]``); torch offers
+  no way to silence it from the parent.
+* The ``Trainer`` reseeds the global ``random``/NumPy/torch generators
+  (``TrainingArguments.seed``) when it is built.
+* Peak memory is a multiple of the state: DCP keeps a staging copy in
+  shared memory, the Trainer and DeepSpeed also hold gradients, and ZeRO
+  keeps an fp32 master copy of the parameters.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import getpass
 import importlib
-import logging
 import math
 import os
+import re
 import shutil
 import socket
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -210,6 +222,44 @@ def _tree_bytes(path: str) -> int:
     return total
 
 
+@contextlib.contextmanager
+def _no_stray_inductor_cache_dir() -> Iterator[None]:
+    """Undo torch's compile-cache side effect of importing the libraries.
+
+    The first import of ``torch._inductor`` (which ``transformers.Trainer``
+    and DeepSpeed pull in) creates ``$TMPDIR/torchinductor_<user>`` and
+    exports ``TORCHINDUCTOR_CACHE_DIR`` even though nothing gets compiled.
+    On exit the directory is removed if the block created it and it is
+    still empty, and the variable is restored.  A directory that existed
+    before or holds files is kept: it is a cache other processes may share.
+    The path is worked out here rather than asked of torch, because asking
+    (importing ``torch._inductor``) is what creates it.
+    """
+    variable = "TORCHINDUCTOR_CACHE_DIR"
+    previous = os.environ.get(variable)
+    path = previous or os.path.join(tempfile.gettempdir(), f"torchinductor_{_user_name()}")
+    existed = os.path.exists(path)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = previous
+        if not existed:
+            with contextlib.suppress(OSError):  # not empty, or already gone
+                os.rmdir(path)
+
+
+def _user_name() -> str:
+    # Same naming torch uses for its default cache directory.
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):
+        name = f"uid_{os.getuid()}"
+    return re.sub(r'[\\/:*?"<>|]', "_", name)
+
+
 # --------------------------------------------------------------------------
 # 1. Blocking torch.save
 # --------------------------------------------------------------------------
@@ -339,11 +389,11 @@ def dcp_async_save(state: dict, directory: str, repeats: int) -> list[dict]:
         finally:
             if stager is not None:
                 stager.close()
+                stager = None  # also empties the cell timed_save closes over
             if starts_process:
                 _stop_dcp_checkpoint_process()
             if group_created:
                 dist.destroy_process_group()
-            del stager
             gc.collect()
     return results
 
@@ -456,9 +506,10 @@ def hf_trainer_save(nbytes: int, directory: str, repeats: int) -> dict:
     Returns ``{"state_bytes": 12 * parameters, "checkpoint_bytes": size of
     one checkpoint on disk, "runs": [{"save": s, "save_fsync": s}, ...]}``.
     """
-    with _patched_env({"HF_HUB_OFFLINE": "1"}):
+    with _patched_env({"HF_HUB_OFFLINE": "1"}), _no_stray_inductor_cache_dir():
         from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        from transformers.utils import logging as hf_logging
 
         os.makedirs(directory, exist_ok=True)
         n_layer, vocab_size, n_positions, seq_len = 4, 1024, 64, 8
@@ -469,6 +520,9 @@ def hf_trainer_save(nbytes: int, directory: str, repeats: int) -> dict:
             n_embd=width,
             n_layer=n_layer,
             n_head=width // 32,
+            # GPT-2's default special-token ids lie outside a small vocabulary.
+            bos_token_id=vocab_size - 1,
+            eos_token_id=vocab_size - 1,
         )
         model: Any = GPT2LMHeadModel(config)
         state_bytes = BYTES_PER_PARAM_WITH_ADAM * sum(p.numel() for p in model.parameters())
@@ -490,11 +544,17 @@ def hf_trainer_save(nbytes: int, directory: str, repeats: int) -> dict:
             disable_tqdm=True,
             remove_unused_columns=False,
             dataloader_num_workers=0,
+            # ``optim`` keeps its default (fused AdamW on recent torch): that
+            # is what Trainer users get, and its state is AdamW's.
         )
         trainer: Any = Trainer(model=model, args=args, train_dataset=dataset)
         runs: list[dict] = []
         checkpoint_bytes = 0
         checkpoint_dir = ""
+        progress_bars_were_on = hf_logging.is_progress_bar_enabled()
+        # save_pretrained draws a progress bar per save; keep the benchmark's
+        # output readable (drawing it costs microseconds, not the timing).
+        hf_logging.disable_progress_bar()
         try:
             trainer.train()
             checkpoint_dir = os.path.join(
@@ -510,6 +570,8 @@ def hf_trainer_save(nbytes: int, directory: str, repeats: int) -> dict:
                 checkpoint_bytes = _tree_bytes(checkpoint_dir)
                 _remove(checkpoint_dir)
         finally:
+            if progress_bars_were_on:
+                hf_logging.enable_progress_bar()
             if checkpoint_dir:
                 _remove(checkpoint_dir)
             # The Trainer holds the model, optimizer and scheduler; drop all
@@ -558,8 +620,9 @@ def deepspeed_save(nbytes: int, directory: str, repeats: int, stage: int = 1) ->
     import torch.distributed as dist
 
     os.makedirs(directory, exist_ok=True)
-    shm_before = _list_shm()
-    create_group = not dist.is_initialized()
+    n_layers = 8
+    width = _linear_width(nbytes, n_layers)
+    save_root = os.path.join(directory, "deepspeed_ckpt")
     env = {
         "RANK": "0",
         "WORLD_SIZE": "1",
@@ -567,33 +630,25 @@ def deepspeed_save(nbytes: int, directory: str, repeats: int, stage: int = 1) ->
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
     }
-
-    import deepspeed
-    import deepspeed.comm as ds_comm
-
-    # ``import deepspeed.comm.torch as m`` would bind the ``torch`` name that
-    # deepspeed.comm re-exports, not the submodule, hence import_module.
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    original_build_shm_op = ds_comm_torch.build_shm_op
-    ds_logger = logging.getLogger("DeepSpeed")
-    original_log_level = ds_logger.level
-
-    n_layers = 8
-    width = _linear_width(nbytes, n_layers)
-    save_root = os.path.join(directory, "deepspeed_ckpt")
+    shm_before = _list_shm()
+    create_group = not dist.is_initialized()
     runs: list[dict] = []
     checkpoint_bytes = 0
-    engine: Any = None
-    model: Any = None
-    optimizer: Any = None
     state_bytes = 0
-    group_created = False
 
-    with _patched_env(env):
-        ds_comm_torch.build_shm_op = lambda: None
-        # DeepSpeed logs its whole configuration at INFO level; keep the
-        # benchmark's output readable.
-        ds_logger.setLevel(logging.WARNING)
+    with _patched_env(env), _no_stray_inductor_cache_dir():
+        import deepspeed
+        import deepspeed.comm as ds_comm
+
+        # ``import deepspeed.comm.torch as m`` would bind the ``torch`` name
+        # that deepspeed.comm re-exports, not the submodule.
+        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+        original_build_shm_op = ds_comm_torch.build_shm_op
+        ds_comm_torch.build_shm_op = _no_shm_op
+        engine: Any = None
+        model: Any = None
+        optimizer: Any = None
+        group_created = False
         try:
             model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(n_layers)))
             state_bytes = BYTES_PER_PARAM_WITH_ADAM * sum(p.numel() for p in model.parameters())
@@ -623,11 +678,19 @@ def deepspeed_save(nbytes: int, directory: str, repeats: int, stage: int = 1) ->
             del engine, optimizer, model
             gc.collect()
             if group_created:
+                # Through DeepSpeed rather than torch, so that DeepSpeed also
+                # drops its references to the destroyed groups and a later
+                # call can initialize afresh.
                 ds_comm.destroy_process_group()
             ds_comm_torch.build_shm_op = original_build_shm_op
-            ds_logger.setLevel(original_log_level)
             _clean_new_shm(shm_before)
     return {"state_bytes": state_bytes, "checkpoint_bytes": checkpoint_bytes, "runs": runs}
+
+
+def _no_shm_op() -> None:
+    """Stand-in for ``deepspeed.comm.torch.build_shm_op``: no shared-memory
+    all-reduce, so DeepSpeed falls back to plain gloo collectives."""
+    return None
 
 
 def _list_shm() -> set[str]:

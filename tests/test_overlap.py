@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import signal
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -66,6 +67,7 @@ def test_overlapped_snapshots_persist_the_values_of_their_step(tmp_path):
     assert all(e["seconds"] >= 0.2 for e in snaps), [e["seconds"] for e in snaps]
 
 
+@pytest.mark.slow   # test_resume's kill -9 runs use the overlap too (it is the default); this one adds a slow step
 def test_resume_after_kill_with_overlap_equals_uninterrupted(tmp_path):
     common = ["--iters", "12", "--storage-interval", "4", "--step-sleep", "0.05"]
     run(train_cmd(tmp_path / "ref", 2, *common, "--loss-file", str(tmp_path / "ref_loss")))

@@ -589,8 +589,17 @@ def _agent_alive(job_id: str) -> bool:
         probe.close()
 
 
+AGENT_NICE = 10
+
+
 def main(argv: List[str]) -> int:
     cfg = Config.from_json(json.loads(argv[0]))
+    # training comes first: the persist (kernel copies, checksums) yields the CPU to the trainers when
+    # both want it, and still gets all of it while they wait (a SIGTERM save, a final flush)
+    try:
+        os.nice(AGENT_NICE)
+    except OSError:
+        pass
     try:
         agent = Agent(cfg)
     except OSError as exc:

@@ -292,7 +292,10 @@ class PendingSnapshot:
             self._event = _copy_async(*zip(*cuda))
             pairs = [(d, s) for d, s in pairs if not s.is_cuda]
         self._host_pairs = bool(pairs)
-        self._thread = threading.Thread(target=self._run, args=(pairs,), name="easyckpt-snapshot", daemon=True)
+        # not a daemon: the interpreter joins it at exit, so a trainer that ends (or dies of an exception)
+        # right after maybe_save still completes the snapshot, and no copy is cut off inside torch
+        # (a daemon thread stopped inside a C++ frame at shutdown aborts the process)
+        self._thread = threading.Thread(target=self._run, args=(pairs,), name="easyckpt-snapshot", daemon=False)
         self._thread.start()
 
     def _run(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
