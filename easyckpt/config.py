@@ -50,8 +50,9 @@ class Config:
     autocheckpoint_on_sigterm: bool = True
     exit_after_ondemand_checkpoint: bool = False
     grace_deadline: float = 300.0
-    # copy the tensors the optimizer owns while the next forward/backward runs (engine/overlap.py)
-    snapshot_overlap: bool = True
+    # copy the tensors the optimizer owns while the next forward/backward runs (engine/overlap.py);
+    # None = auto: when they are on a GPU, or when the CPU has a core the training does not compute on
+    snapshot_overlap: Optional[bool] = None
     naming: Naming = field(default_factory=Naming)
 
     @property
@@ -107,9 +108,11 @@ def validate(cfg: Config) -> Config:
         if isinstance(cfg.max_ckpt_num, bool) or not isinstance(cfg.max_ckpt_num, int) or cfg.max_ckpt_num < 1:
             raise ConfigError(f"max_ckpt_num={cfg.max_ckpt_num!r} must be a positive integer "
                               f"(how many committed checkpoints to keep), or None to keep all")
-    for name in ("autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "snapshot_overlap"):
+    for name in ("autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{name}={getattr(cfg, name)!r} must be True or False")
+    if cfg.snapshot_overlap is not None and not isinstance(cfg.snapshot_overlap, bool):
+        raise ConfigError(f"snapshot_overlap={cfg.snapshot_overlap!r} must be True, False or None (auto)")
     for name in ("commit_timeout", "agent_idle_timeout", "agent_start_timeout", "grace_deadline"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

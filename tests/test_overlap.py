@@ -7,6 +7,7 @@ the parameters and Adam moments in the middle of the copy, and these comparisons
 """
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 
@@ -51,7 +52,7 @@ def test_overlapped_snapshots_persist_the_values_of_their_step(tmp_path):
     ckpt, dumps, log = tmp_path / "ckpt", tmp_path / "dumps", tmp_path / "audit.log"
     dumps.mkdir()
     run(train_cmd(ckpt, 2, "--iters", "8", "--storage-interval", "2", "--max-ckpt", "10",
-                  "--dump-dir", str(dumps), "--log-file", str(log)), extra_env=SLOW_COPY)
+                  "--dump-dir", str(dumps), "--log-file", str(log), "--overlap", "on"), extra_env=SLOW_COPY)
     wait_no_agent(ckpt)
     steps = committed_steps(ckpt)
     assert steps == [2, 4, 6, 8]
@@ -67,9 +68,9 @@ def test_overlapped_snapshots_persist_the_values_of_their_step(tmp_path):
     assert all(e["seconds"] >= 0.2 for e in snaps), [e["seconds"] for e in snaps]
 
 
-@pytest.mark.slow   # test_resume's kill -9 runs use the overlap too (it is the default); this one adds a slow step
+@pytest.mark.slow   # another layout of test_resume's kill -9 runs
 def test_resume_after_kill_with_overlap_equals_uninterrupted(tmp_path):
-    common = ["--iters", "12", "--storage-interval", "4", "--step-sleep", "0.05"]
+    common = ["--iters", "12", "--storage-interval", "4", "--step-sleep", "0.05", "--overlap", "on"]
     run(train_cmd(tmp_path / "ref", 2, *common, "--loss-file", str(tmp_path / "ref_loss")))
     wait_no_agent(tmp_path / "ref")
     cmd = train_cmd(tmp_path / "ckpt", 2, *common, "--loss-file", str(tmp_path / "loss"))
@@ -111,3 +112,16 @@ def test_only_optimizer_owned_tensors_are_deferred():
         watch.close()
         snap.close(unlink=True)
         assert not list(shm.list_segments(job))
+
+
+def test_auto_overlap_only_when_a_core_is_free(tmp_path):
+    """snapshot_overlap=None: on a CPU box whose cores all compute, the copy stays synchronous (a copy
+    thread would slow every step more); the decision and its reason are in the audit log."""
+    log = tmp_path / "audit.log"
+    run(train_cmd(tmp_path / "ckpt", 2, "--iters", "2", "--log-file", str(log)))
+    wait_no_agent(tmp_path / "ckpt")
+    expected = len(os.sched_getaffinity(0)) > 2      # 2 ranks x OMP_NUM_THREADS=1 compute
+    decided = [e for e in events(log) if e["event"] == "overlap"]
+    assert len(decided) == 2 and all(e["on"] == expected and "cores" in e["message"] for e in decided), decided
+    snaps = [e for e in events(log) if e["event"] == "snapshot"]
+    assert snaps and all(("background_seconds" in e) == expected for e in snaps)

@@ -17,7 +17,8 @@ turns the overlap off for such loops.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Set
+import os
+from typing import Any, Callable, Iterator, List, Set, Tuple
 
 import torch
 
@@ -52,6 +53,24 @@ def owned_storages(optimizers: List[torch.optim.Optimizer]) -> Set[int]:
                 if isinstance(value, torch.Tensor):
                     owned.add(value.untyped_storage().data_ptr())
     return owned
+
+
+def auto_overlap(optimizer: Any, ranks_on_node: int) -> Tuple[bool, str]:
+    """What ``snapshot_overlap=None`` means: overlap when it is free, with the reason (for the log).
+
+    Device tensors: the copy is DMA on a side stream and the host has nothing else to do. Host tensors:
+    the copy thread needs a core of its own; when the training's threads already use every core
+    (torch threads x ranks on the node), it would slow each step by more than the synchronous copy
+    costs (measured on 2 cores: +15 % per step against +5 %), so the copy stays synchronous."""
+    for opt in torch_optimizers(optimizer):
+        if any(p.is_cuda for group in opt.param_groups for p in group["params"]):
+            return True, "the optimizer's tensors are on the GPU"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = torch.get_num_threads() * ranks_on_node
+    if cores > busy:
+        return True, f"{cores} cores, the training computes on {busy}"
+    return False, (f"{cores} cores, all computing ({torch.get_num_threads()} torch threads x {ranks_on_node} "
+                   f"ranks): a background copy would slow every step more than a synchronous one")
 
 
 class OptimizerWatch:

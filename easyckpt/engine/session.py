@@ -29,7 +29,7 @@ from . import runlog
 from .client import AgentClient, one_shot
 from .load import Loaded, Needed, load_newest
 from .preempt import Preemption
-from .overlap import OptimizerWatch
+from .overlap import OptimizerWatch, auto_overlap
 from .snapshot import PendingSnapshot, ShardSpec, SnapshotResult, Snapshotter
 
 Collect = Callable[[], Sequence[ShardSpec]]
@@ -56,6 +56,7 @@ class Engine:
         self.pending: Optional[PendingSnapshot] = None
         self._pending_persist = False
         self.watch = OptimizerWatch(self.before_optimizer_step)
+        self._overlap_on: Optional[bool] = None
         self.preempt: Optional[Preemption] = None
         if cfg.autocheckpoint_on_sigterm:
             job = cfg.job_id
@@ -71,7 +72,7 @@ class Engine:
                    persist: Optional[bool] = None, optimizer: Any = None) -> Optional[SnapshotResult]:
         """``persist``: None = on save_storage_interval; False for adapters whose framework decides
         when to persist (they call persist_now at its save points). ``optimizer``: the one whose step
-        changes the parameters next; with ``snapshot_overlap`` the tensors it owns are copied while the
+        changes the parameters next; with the overlap on (``snapshot_overlap``) the tensors it owns are copied while the
         next forward/backward runs, and its step waits for that copy. Returns the snapshot when it was
         taken synchronously (None when skipped, or still being copied: see ``settle``)."""
         if self.safe_point(step, collect, info):
@@ -80,14 +81,24 @@ class Engine:
             return None
         if persist is None:
             persist = step % self.cfg.save_storage_interval == 0
-        if self.cfg.snapshot_overlap and optimizer is not None:
+        if optimizer is not None and self._overlap(optimizer):
             self.watch.add(optimizer)
         return self._snapshot(step, collect, persist=persist, info=info, overlap=bool(self.watch))
+
+    def _overlap(self, optimizer: Any) -> bool:
+        if self._overlap_on is None:
+            if self.cfg.snapshot_overlap is None:
+                ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                self._overlap_on, why = auto_overlap(optimizer, ranks)
+            else:
+                self._overlap_on, why = self.cfg.snapshot_overlap, "snapshot_overlap set"
+            self.log.emit("overlap", rank=self.rank, on=self._overlap_on, message=why)
+        return self._overlap_on
 
     def _snapshot(self, step: int, collect: Collect, persist: bool, quiet: bool = False,
                   info: Info = None, overlap: bool = False) -> Optional[SnapshotResult]:
         self.settle()
-        defer = self.watch.deferrable() if overlap and self.cfg.snapshot_overlap else None
+        defer = self.watch.deferrable() if overlap else None
         result = self.snapshotter.snapshot(step, collect(), persist, info, defer)
         if isinstance(result, PendingSnapshot):
             self.pending, self._pending_persist = result, persist

@@ -12,6 +12,7 @@ rather than making training wait for storage.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import threading
@@ -260,6 +261,18 @@ def _copy_async(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]):
     return event
 
 
+def _copy_single_threaded(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A copy on this thread alone, with the GIL released. torch's copy_ would start an OpenMP team
+    for this thread, whose workers spin after each copy and take the cores the training's own
+    team computes on (measured: steps up to 3x slower while the background copy ran)."""
+    if src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and src.device.type == "cpu":
+        n = src.numel() * src.element_size()
+        if n:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+    else:
+        dst.copy_(src)
+
+
 _SIDE_STREAMS: Dict[Any, Any] = {}
 
 
@@ -303,7 +316,7 @@ class PendingSnapshot:
         try:
             faults.inject("trainer.background_copy", self.rank)
             for d, s in pairs:
-                d.copy_(s)
+                _copy_single_threaded(d, s)
             if self._event is not None:
                 self._event.synchronize()
             self.copy_seconds = time.perf_counter() - t

@@ -55,6 +55,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--misreport", default=None, metavar="IT@RANK:STEP",
                    help="tests: at iteration IT, RANK passes STEP to save_checkpoint_if_needed (ranks disagree)")
     p.add_argument("--commit-timeout", type=float, default=600.0)
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="snapshot_overlap: copy the optimizer's tensors during the next forward/backward")
     return p.parse_args()
 
 
@@ -103,7 +105,8 @@ def main() -> int:
                                  log_file_path=args.log_file, agent_idle_timeout=args.idle_timeout,
                                  job_name=args.job_name, grace_deadline=args.grace,
                                  exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm,
-                                 commit_timeout=args.commit_timeout)
+                                 commit_timeout=args.commit_timeout,
+                                 snapshot_overlap={"auto": None, "on": True, "off": False}[args.overlap])
     t0 = time.perf_counter()
     start, extra = easyckpt.load_checkpoint(ddp, optimizer, scheduler)
     load_s = time.perf_counter() - t0
