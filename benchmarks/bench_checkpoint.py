@@ -91,7 +91,8 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {"state_bytes": nbytes, "tensors": len(srcs)}
     s: Dict[str, List[float]] = {k: [] for k in ("snapshot", "raw_copy", "persist", "raw_write",
                                                  "restore_memory", "restore_storage", "torch_load")}
-    engine = _engine(os.path.join(work, "ezck"), os.path.join(work, "ezck.log"))
+    save_dir = os.path.join(work, f"ezck-{gb:g}")     # a job of its own per size
+    engine = _engine(save_dir, save_dir + ".log")
     step = 0
     try:
         step += 1
@@ -106,6 +107,9 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
                 s["snapshot"].append(sec)
                 if not pair % 2:
                     s["raw_copy"].append(timed(lambda: raw_copy(dsts, srcs))[0])
+        del dsts      # the copy floor's buffer: 4 GB states need the room for the disk phase
+        gc.collect()
+        for rep in range(repeats):
             # snapshot -> committed: the agent writes the shards, fsyncs, commits (manifest, rename, fsync)
             step += 1
             settle_disk()
@@ -116,10 +120,8 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
             raw_path = os.path.join(work, "raw.bin")
             s["raw_write"].append(timed_disk_op(lambda: raw_write(raw_path, srcs), pool)[0])
             remove(raw_path)
-        del dsts
-        gc.collect()
         needed = lambda man: [(MODEL, False), (OPTIM, False)]
-        step_dir = os.path.join(work, "ezck", engine.cfg.naming.dir_name(step))
+        step_dir = os.path.join(save_dir, engine.cfg.naming.dir_name(step))
         torch_file = os.path.join(work, "state.pt")
         with open(torch_file, "wb") as f:
             torch.save({"model": model, "optimizer": optimizer}, f)
@@ -157,8 +159,8 @@ def training_loop(gb: float, mode: str, work: str) -> Dict[str, Any]:
                                                       torch.nn.ReLU()) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     x = torch.randn(LOOP_BATCH, LOOP_WIDTH)
-    log = os.path.join(work, f"loop-{mode}.log")
-    save_dir = os.path.join(work, f"loop-{mode}")
+    log = os.path.join(work, f"loop-{mode}-{gb:g}.log")
+    save_dir = os.path.join(work, f"loop-{mode}-{gb:g}")
     if mode != "none":
         easyckpt.initialize_easyckpt(save_dir, save_mem_interval=1, save_storage_interval=10, max_ckpt_num=2,
                                      log_file_path=log, autocheckpoint_on_sigterm=False,
