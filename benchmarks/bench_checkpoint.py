@@ -127,26 +127,38 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
             torch.save({"model": model, "optimizer": optimizer}, f)
             os.fsync(f.fileno())
         for rep in range(repeats):
-            sec, loaded = timed(lambda: engine.load(needed))
-            assert loaded is not None and loaded.source == "memory" and loaded.step == step
-            s["restore_memory"].append(sec)
-            del loaded
+            s["restore_memory"].append(_timed_dropped(lambda: _check_memory(engine.load(needed), step)))
             evict(step_dir)
-            sec, (trees, problem, _, _) = timed(lambda: ez_load._read_step(step_dir, needed))
-            assert problem is None, problem
-            s["restore_storage"].append(sec)
-            del trees
+            s["restore_storage"].append(_timed_dropped(lambda: _check_storage(ez_load._read_step(step_dir, needed))))
             evict(torch_file)
-            sec, state = timed(lambda: torch.load(torch_file, weights_only=True))
-            s["torch_load"].append(sec)
-            del state
-            gc.collect()
+            s["torch_load"].append(_timed_dropped(lambda: torch.load(torch_file, weights_only=True)))
         remove(torch_file)
     finally:
         engine.finalize(persist=False)
     out["samples"] = s
     out["median"] = {k: median(v) for k, v in s.items() if v}
     return out
+
+
+def _timed_dropped(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn`` took; what it returned is freed before the next measurement allocates (a 4 GB
+    state restored three ways at once would not fit in memory)."""
+    t0 = time.perf_counter()
+    out = fn()
+    sec = time.perf_counter() - t0
+    del out
+    gc.collect()
+    return sec
+
+
+def _check_memory(loaded: Any, step: int) -> Any:
+    assert loaded is not None and loaded.source == "memory" and loaded.step == step, loaded
+    return loaded
+
+
+def _check_storage(read: Any) -> Any:
+    assert read[1] is None, read[1]
+    return read
 
 
 # ---- the training loop ---------------------------------------------------------------------------
