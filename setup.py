@@ -13,6 +13,7 @@ setup(
         "deepspeed": ["deepspeed>=0.19"],
         "transformers": ["transformers>=5", "accelerate>=1"],
         "test": ["pytest>=8", "pytest-timeout"],
+        "bench": ["matplotlib"],
         "all": ["megatron-core>=0.16,<0.17", "six", "einops", "pyyaml", "regex", "pydantic", "psutil",
                 "deepspeed>=0.19", "transformers>=5", "accelerate>=1"],
     },

@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[all,test]"
+# EXTRAS=all,test,bench adds what benchmarks/bench_checkpoint.py needs for its chart
+.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[${EXTRAS:-all,test}]"
