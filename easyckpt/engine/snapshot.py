@@ -211,7 +211,8 @@ class Snapshotter:
             return result
         now = [(d, s) for d, s in zip(dsts, srcs) if not defer(s)]
         later = [(d, s) for d, s in zip(dsts, srcs) if defer(s)]
-        _copy_all(*zip(*now)) if now else None
+        if now:
+            _copy_all(*zip(*now))
         return PendingSnapshot(result, later, lambda: slot.publish(hdr, meta), t0, self.rank)
 
     def _pin_slots(self) -> None:
