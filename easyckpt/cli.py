@@ -1,114 +1,209 @@
-"""easyckpt command line (more verbs come with the operator-tools issue).
+"""The easyckpt command line: see what checkpoints a directory holds, check them, look inside, prune,
+convert, and run a job that restarts itself.
 
-    easyckpt run [--max-restarts N] [--backoff S] -- CMD   run CMD until it succeeds (launcher.py)
-    easyckpt status DIR [--job-name NAME] [--json]          agent, snapshots in memory, newest checkpoint, /dev/shm
-    easyckpt ls DIR [--framework pytorch|megatron|deepspeed|transformers] [--json]
-    easyckpt verify DIR [STEP] [--framework ...] [--json]     exit status 1 on damage, naming the file
-    easyckpt convert megatron-distopt DIR [STEP]              Megatron's own distrib_optim.pt per (tp, pp)
+    easyckpt ls DIR                                 one row per checkpoint; which one the loader picks
+    easyckpt inspect DIR [STEP]                     tensors, bytes by group, saved arguments, metadata
+    easyckpt verify DIR [STEP]                      sizes and checksums; exit 1 on damage, naming the file
+    easyckpt prune DIR --keep N [--dry-run]         automatic pruning's rules, every delete logged
+    easyckpt convert megatron-distopt DIR [STEP]    Megatron's own distrib_optim.pt per (tp, pp)
+    easyckpt convert safetensors DIR [STEP]         consolidated weights of an HF / DeepSpeed ZeRO checkpoint
+    easyckpt status DIR                             agent, snapshots in memory, newest checkpoint, /dev/shm
+    easyckpt run [--max-restarts N] -- CMD          run CMD until it succeeds (launcher.py)
+
+DIR is the save directory (Megatron --save, the Trainer's output_dir, DeepSpeed's save_dir); the framework
+is detected from its step directories' names (--framework to say it). --json prints one JSON document on
+stdout for scripts; progress bars go to stderr (on a terminal, or with --progress). Exit status: 0 fine,
+1 damage found or a command failed, 2 a wrong path, a directory with no checkpoint, or bad arguments.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
-from typing import List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
-from .config import Naming
+from . import catalog
+from .catalog import CatalogError, FRAMEWORKS
 from .engine import manifest as mf
-from .engine import retention, shardfile
+from .engine import retention
 
 
-FRAMEWORKS = {"pytorch": "easyckpt.pytorch", "megatron": "easyckpt.megatron.state",
-              "deepspeed": "easyckpt.deepspeed", "transformers": "easyckpt.transformers"}
+def _progress(args: argparse.Namespace) -> Callable[[int, str], Any]:
+    from .progress import Progress
+    return lambda total, desc: Progress(total, desc, args.progress)
 
 
-def _naming(framework: str) -> Naming:
-    import importlib
-    return importlib.import_module(FRAMEWORKS[framework]).NAMING
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
 
 
-def _verify_dir(step_dir: str) -> List[str]:
-    man = mf.read(step_dir)
-    if man is None:
-        return [f"{mf.MANIFEST_NAME}: missing or unreadable (not a committed checkpoint)"]
-    problems = mf.check_sizes(step_dir, man)
-    for rel in man["files"]:
-        if any(p.startswith(rel + ":") for p in problems):
-            continue
-        problem = mf.check_bytes(rel, shardfile.read_file(os.path.join(step_dir, rel)), man)
-        if problem:
-            problems.append(problem)
-    return problems
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def _layout(layout: Dict[str, int]) -> str:
+    return f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}" if layout else "-"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    naming = _naming(args.framework)
-    rows = []
-    for step, path in retention.step_dirs(args.dir, naming):
-        man = mf.read(path)
-        size = sum(e["size"] for e in man["files"].values()) if man else None
-        rows.append({"step": step, "path": path, "committed": man is not None, "bytes": size,
-                     "world_size": man.get("world_size") if man else None})
-    if args.json:
-        print(json.dumps(rows, indent=1))
+    if args.verify:
+        total = catalog.stored_bytes(catalog.require(args.dir, args.framework).entries)
+        with _progress(args)(total, "verify") as bar:
+            cat = catalog.require(args.dir, args.framework, checksums=True, on_bytes=bar.update)
     else:
-        for r in rows:
-            state = "committed" if r["committed"] else "incomplete (no manifest)"
-            print(f"{r['step']:>10}  {state:<25} {r['bytes'] or 0:>14,d} B  {r['path']}")
+        cat = catalog.require(args.dir, args.framework)
+    if args.json:
+        print(json.dumps({"save_dir": cat.save_dir, "framework": cat.framework,
+                          "picked": cat.picked.step if cat.picked else None,
+                          "checkpoints": [e.to_json() for e in cat.entries]}, indent=1))
+        return 0
+    print(f"{cat.save_dir}  ({cat.framework} layout)")
+    print(f"  {'step':>10}  {'time':<19}  {'size':>10}  {'layout':<13}  {'directory':<20}  state")
+    for e in cat.entries:
+        state = e.state if e.complete else f"{e.state.upper()}: {e.why}"
+        mark = "*" if e.picked else " "
+        print(f"{mark} {e.step:>10}  {_when(e.time):<19}  {_size(e.bytes):>10}  {_layout(e.layout):<13}  "
+              f"{os.path.basename(e.path):<20}  {state}")
+    pick = cat.picked
+    checked = "sizes and checksums checked" if args.verify else "sizes checked; --verify reads every byte"
+    print(f"* the loader would pick step {pick.step} ({checked}; a newer snapshot in this node's memory comes "
+          f"first: easyckpt status)" if pick else "no complete checkpoint: the loader would start from scratch")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.dir):
-        print(f"easyckpt verify: {args.dir} is not a directory", file=sys.stderr)
-        return 2
-    naming = _naming(args.framework)
-    dirs = retention.step_dirs(args.dir, naming)
-    if args.step is not None:
-        dirs = [(s, p) for s, p in dirs if s == args.step]
-    if not dirs:
-        print(f"easyckpt verify: no checkpoint{'' if args.step is None else f' of step {args.step}'} in {args.dir}",
-              file=sys.stderr)
-        return 2
-    report, bad = [], False
-    for step, path in dirs:
-        problems = _verify_dir(path)
-        bad = bad or bool(problems)
-        report.append({"step": step, "path": path, "ok": not problems, "problems": problems})
+    cat = catalog.require(args.dir, args.framework)
+    entries = [cat.step(args.step)] if args.step is not None else [e for e in cat.entries if not e.staging]
+    report = []
+    with _progress(args)(catalog.stored_bytes(entries), "verify") as bar:
+        for e in entries:
+            problems = catalog.verify(e, bar.update)
+            report.append({"step": e.step, "path": e.path, "ok": not problems, "problems": problems,
+                           "files": e.files})
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         for r in report:
-            print(f"step {r['step']}: {'OK' if r['ok'] else 'DAMAGED'}  {r['path']}")
+            print(f"step {r['step']}: {'OK' if r['ok'] else 'DAMAGED'}  ({r['files']} files)  {r['path']}")
             for p in r["problems"]:
                 print(f"    {p}")
-    return 1 if bad else 0
+    return 1 if any(not r["ok"] for r in report) else 0
 
 
-def _detect_naming(save_dir: str) -> Tuple[str, Naming]:
-    """The framework whose step-directory naming matches the most entries of ``save_dir``."""
-    best = ("pytorch", _naming("pytorch"), -1)
-    for name in sorted(FRAMEWORKS):
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .contents import describe
+    cat = catalog.require(args.dir, args.framework)
+    entry = cat.step(args.step)
+    info = describe(entry, _progress(args))
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    man = info["metadata"]["manifest"]
+    print(f"step {info['step']}  {info['path']}")
+    print(f"  {info['framework']}, {_layout(info['layout'])} (world {info['layout'].get('world', '-')}), "
+          + ("complete" if info["complete"] else f"NOT COMPLETE: {info['why']}"))
+    if man:
+        print(f"  committed {_when(man.get('created', 0))} by job {man.get('job_id')}, checksums {man.get('checksum')}")
+    total = sum(g["bytes"] for g in info["groups"].values()) or 1
+    print("bytes by group")
+    for name, g in info["groups"].items():
+        print(f"  {name:<10} {_size(g['bytes']):>10}  {100 * g['bytes'] / total:5.1f} %  {g['tensors']} tensors")
+    print(f"files ({len(info['files'])})")
+    for f in info["files"]:
+        extra = f"  NOT LOADED: {f['not_loaded']}" if "not_loaded" in f else f"  {f['tensors']} tensors"
+        print(f"  {f['file']:<60} {f['format']:<12} {_size(f['bytes']):>10}{extra}")
+    shown = info["tensors"] if args.limit == 0 else info["tensors"][:args.limit]
+    print(f"tensors ({len(info['tensors'])})")
+    for t in shown:
+        print(f"  {t['group']:<9} {t['dtype']:<9} {str(t['shape']):<18} {_size(t['bytes']):>10}  {t['file']}: {t['key']}")
+    if len(shown) < len(info["tensors"]):
+        print(f"  ... {len(info['tensors']) - len(shown)} more (--limit 0 lists them all)")
+    for name, value in info["args"].items():
+        print(f"saved arguments: {name}")
+        items = value.items() if isinstance(value, dict) else [("", value)]
+        for k, v in sorted(items, key=lambda kv: str(kv[0])):
+            print(f"  {k} = {json.dumps(v, default=str)}")
+    meta = {k: v for k, v in info["metadata"].items() if k != "manifest"}
+    if man or meta:
+        print("metadata")
+        for k, v in sorted(man.items()):
+            print(f"  manifest.{k} = {json.dumps(v, default=str)}")
+        for rel, fields in sorted(meta.items()):
+            print(f"  {rel}: {json.dumps(fields, default=str)}")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """The agent's rules (retention.py): only step directories committed by one job, never the newest,
+    the Trainer's best checkpoint kept; the job's lock is taken so that a running job is never pruned
+    under its feet."""
+    from .engine.joblock import JobLock
+    from .events import AuditLog
+    if args.keep < 1:
+        print("easyckpt prune: --keep must be at least 1 (the newest checkpoint is never deleted)", file=sys.stderr)
+        return 2
+    cat = catalog.require(args.dir, args.framework)
+    naming = catalog.naming(cat.framework)
+    jobs = sorted({e.job_id for e in cat.entries if e.complete and not e.staging and e.job_id})
+    job = args.job_id or (next((e.job_id for e in cat.entries if e.complete and e.job_id), None))
+    if job is None:
+        print(f"easyckpt prune: {args.dir} holds no complete checkpoint committed by easyckpt: nothing it may prune",
+              file=sys.stderr)
+        return 2
+    if args.job_id and args.job_id not in jobs:
+        print(f"easyckpt prune: no checkpoint of job {args.job_id} in {args.dir} (jobs: {', '.join(jobs) or 'none'})",
+              file=sys.stderr)
+        return 2
+    committed = retention.committed(args.dir, naming, job)
+    policy = retention.KeepLast(args.keep, retention.protected(committed[0][1]))
+    doomed = policy.to_delete(committed)
+    others = [j for j in jobs if j != job]
+    report: Dict[str, Any] = {"job_id": job, "keep": args.keep, "dry_run": args.dry_run,
+                              "kept": [s for s, _ in committed if s not in {d for d, _ in doomed}],
+                              "deleted": [], "would_delete": [s for s, _ in doomed] if args.dry_run else [],
+                              "other_jobs_untouched": others}
+    if not args.dry_run and doomed:
+        lock = JobLock(args.dir, job, None)
+        holder = lock.acquire()
+        if holder is not None:
+            print(f"easyckpt prune: {holder} is running on {args.dir} and prunes after each commit itself; "
+                  f"stop it first, or set max_ckpt_num", file=sys.stderr)
+            return 1
+        log = AuditLog(args.log_file or os.path.join(args.dir, "easyckpt-prune.log"), "cli")
         try:
-            naming = _naming(name)
-        except ImportError:
-            continue
-        n = len(retention.step_dirs(save_dir, naming))
-        if n > best[2]:
-            best = (name, naming, n)
-    return best[0], best[1]
+            report["deleted"] = retention.prune(args.dir, naming, job, policy, log)
+        finally:
+            log.close()
+            lock.release()
+        report["log_file"] = log.path
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    steps = report["would_delete"] if args.dry_run else report["deleted"]
+    for s in steps:
+        print(f"{verb} step {s}")
+    print(f"kept steps {', '.join(map(str, report['kept'])) or 'none'} of job {job}"
+          + (f"; every delete logged to {report['log_file']}" if report.get("log_file") else "")
+          + (f"; other jobs' checkpoints untouched ({', '.join(others)})" if others else ""))
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from .config import Config
     from .engine import shm
     from .engine.client import one_shot
-    if not os.path.isdir(args.dir):
-        print(f"easyckpt status: {args.dir} is not a directory", file=sys.stderr)
-        return 2
+    cat = catalog.scan(args.dir, args.framework)
     job_id = Config(save_dir=args.dir, job_name=args.job_name).job_id
-    framework, naming = (args.framework, _naming(args.framework)) if args.framework else _detect_naming(args.dir)
+    framework, naming = cat.framework, catalog.naming(cat.framework)
     agent = one_shot(job_id, {"op": "status"})
     snapshots = []
     for path, _job, rank, index in shm.list_segments(job_id):
@@ -169,49 +264,77 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .megatron.convert import to_megatron_distrib_optim
-    committed = retention.committed(args.dir, _naming("megatron"))
-    if args.step is not None:
-        committed = [(s, p) for s, p in committed if s == args.step]
-    if not committed:
-        print(f"easyckpt convert: no committed Megatron checkpoint{'' if args.step is None else f' of step {args.step}'} "
-              f"in {args.dir}", file=sys.stderr)
-        return 2
+    framework = "megatron" if args.what == "megatron-distopt" else args.framework
+    entry = catalog.require(args.dir, framework).step(args.step)
+    if not entry.complete:
+        print(f"easyckpt convert: step {entry.step} is not a complete checkpoint ({entry.why}); "
+              f"`easyckpt ls {args.dir}` lists the complete ones", file=sys.stderr)
+        return 1
     try:
-        for path in to_megatron_distrib_optim(committed[0][1]):
-            print(f"wrote {path}")
+        if args.what == "megatron-distopt":
+            from .megatron.convert import to_megatron_distrib_optim
+            summary: Dict[str, Any] = {"written": to_megatron_distrib_optim(entry.path)}
+        else:
+            from .consolidate import to_safetensors
+            output = args.output or os.path.join(entry.path, "consolidated.safetensors")
+            summary = to_safetensors(entry.path, output, progress=_progress(args))
     except ValueError as exc:
         print(f"easyckpt convert: {exc}", file=sys.stderr)
         return 1
+    summary = {"step": entry.step, "source": entry.path, **summary}
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        for path in summary.get("written") or [summary["output"]]:
+            print(f"wrote {path}")
     return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="easyckpt", description="run and inspect easyckpt jobs and checkpoints")
+    parser = argparse.ArgumentParser(prog="easyckpt", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name, fn in (("ls", cmd_ls), ("verify", cmd_verify)):
-        p = sub.add_parser(name)
-        p.add_argument("dir")
-        if name == "verify":
-            p.add_argument("step", nargs="?", type=int)
-        p.add_argument("--framework", default="pytorch", choices=sorted(FRAMEWORKS))
-        p.add_argument("--json", action="store_true")
+
+    def verb(name: str, fn: Callable[[argparse.Namespace], int], help: str, step: bool = False,
+             what: Optional[List[str]] = None):
+        p = sub.add_parser(name, help=help, description=help)
+        if what:
+            p.add_argument("what", choices=what)
+        p.add_argument("dir", help="the save directory")
+        if step:
+            p.add_argument("step", nargs="?", type=int, help="default: the one the loader would pick")
+        p.add_argument("--framework", default=None, choices=sorted(FRAMEWORKS), help="default: detected")
+        p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+        p.add_argument("--progress", action="store_true", default=None, help="progress bar even off a terminal")
         p.set_defaults(fn=fn)
-    st = sub.add_parser("status", help="the node agent, snapshots in memory, the newest checkpoint, /dev/shm")
-    st.add_argument("dir")
+        return p
+
+    ls = verb("ls", cmd_ls, "one row per checkpoint: step, time, size, layout, complete or why not; the loader's pick")
+    ls.add_argument("--verify", action="store_true", help="check checksums too (reads every byte)")
+    ins = verb("inspect", cmd_inspect, "tensors with shapes and dtypes, bytes by group, saved arguments, metadata",
+               step=True)
+    ins.add_argument("--limit", type=int, default=40, help="tensors listed (0: all; --json lists all)")
+    verb("verify", cmd_verify, "sizes and checksums of every file; exit 1 on damage, naming the file", step=True)
+    pr = verb("prune", cmd_prune, "keep the newest N committed checkpoints of a job, with the agent's rules")
+    pr.add_argument("--keep", type=int, required=True, help="committed checkpoints to keep (at least 1)")
+    pr.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    pr.add_argument("--job-id", default=None, help="the job whose checkpoints to prune (default: the newest's)")
+    pr.add_argument("--log-file", default=None, help="audit log of the deletes (default: DIR/easyckpt-prune.log)")
+    st = verb("status", cmd_status, "the node agent, snapshots in memory, the newest checkpoint, /dev/shm")
     st.add_argument("--job-name", default=None, help="the job_name given to initialize_easyckpt, if any")
-    st.add_argument("--framework", default=None, choices=sorted(FRAMEWORKS), help="default: detected")
-    st.add_argument("--json", action="store_true")
-    st.set_defaults(fn=cmd_status)
+    conv = verb("convert", cmd_convert, "megatron-distopt: per-DP optimizer shards -> Megatron's distrib_optim.pt; "
+                                       "safetensors: an HF or DeepSpeed ZeRO checkpoint -> consolidated weights",
+                step=True, what=["megatron-distopt", "safetensors"])
+    conv.add_argument("--output", default=None, help="safetensors: the file to write "
+                                                     "(default: consolidated.safetensors in the step directory)")
     from .launcher import add_parser as add_run
     add_run(sub)
-    conv = sub.add_parser("convert", help="megatron-distopt: per-DP optimizer shards -> Megatron's distrib_optim.pt")
-    conv.add_argument("what", choices=["megatron-distopt"])
-    conv.add_argument("dir")
-    conv.add_argument("step", nargs="?", type=int)
-    conv.set_defaults(fn=cmd_convert)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except CatalogError as exc:
+        print(f"easyckpt {args.cmd}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import json
 import os
 import time
 import zlib
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 try:
     import xxhash
@@ -95,6 +95,35 @@ def read_verified(step_dir: str, rel: str, manifest: Dict[str, Any]) -> bytes:
     if problem:
         raise ValueError(problem)
     return data
+
+
+def verify_file(step_dir: str, rel: str, manifest: Dict[str, Any],
+                on_bytes: Optional[Callable[[int], None]] = None, chunk: int = 16 << 20) -> Optional[str]:
+    """Size and checksum of one listed file, read in chunks (memory stays flat for large shards);
+    the problem found, or None. ``on_bytes`` hears of every chunk (a progress bar)."""
+    entry = manifest["files"][rel]
+    path = os.path.join(step_dir, rel)
+    h = Hasher(manifest.get("checksum", ALGO))
+    size = 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                data = f.read(chunk)
+                if not data:
+                    break
+                h.update(data)
+                size += len(data)
+                if on_bytes is not None:
+                    on_bytes(len(data))
+    except FileNotFoundError:
+        return f"{rel}: missing"
+    except OSError as exc:
+        return f"{rel}: unreadable ({exc.strerror})"
+    if size != entry["size"]:
+        return f"{rel}: size {size} != {entry['size']} in the manifest (truncated?)"
+    if h.hexdigest() != entry["checksum"]:
+        return f"{rel}: checksum {h.hexdigest()} != {entry['checksum']} in the manifest (corrupted)"
+    return None
 
 
 def check_bytes(rel: str, data, manifest: Dict[str, Any]) -> Optional[str]:

@@ -16,7 +16,7 @@ SKELETON_KEY = "easyckpt.skeleton"
 
 # safetensors dtype names by torch dtype name; torch is imported lazily so that the agent, which only
 # copies bytes, starts fast and small
-_NAMES = {
+DTYPE_NAMES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
     "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
@@ -26,7 +26,7 @@ _NAMES = {
 
 def dtype_name(dtype) -> str:
     try:
-        return _NAMES[str(dtype).replace("torch.", "")]
+        return DTYPE_NAMES[str(dtype).replace("torch.", "")]
     except KeyError:
         raise TypeError(f"easyckpt cannot store tensors of dtype {dtype}") from None
 
@@ -34,7 +34,7 @@ def dtype_name(dtype) -> str:
 @functools.lru_cache(maxsize=None)
 def torch_dtype(name: str):
     import torch
-    for tname, sname in _NAMES.items():
+    for tname, sname in DTYPE_NAMES.items():
         if sname == name:
             return getattr(torch, tname)
     raise ValueError(f"unknown tensor dtype {name!r} in shard")

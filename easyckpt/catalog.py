@@ -1,0 +1,252 @@
+"""What a save directory holds: the checkpoints in it, complete or not and why, their world layout, and
+the one easyckpt's loader would pick. The operator tools (``easyckpt ls | inspect | verify | prune``)
+read it; nothing here writes.
+
+Decisions:
+- The framework is detected from the step directories' names (``iter_0000100``, ``global_step100``,
+  ``checkpoint-100``, ``step_00000100``) unless given; the most matches wins.
+- "Complete" is what the loader's first, cheap test says: a manifest of the same step, every listed file
+  present with its recorded size. Checksums are ``verify``'s job (they read every byte).
+- The loader's pick is the newest complete one. A snapshot that survived in this node's shared memory
+  can be newer: ``easyckpt status`` shows those (they belong to a job, not to a directory).
+- The world layout comes from the native file names, so that checkpoints written before the manifest
+  recorded it are described too: Megatron ``mp_rank_TT[_PPP]`` directories and ``distrib_optim_dpRRR``
+  shards; DeepSpeed ``zero_pp_rank_D_mp_rank_MM`` files; otherwise every rank is data-parallel.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .config import Naming
+from .engine import manifest as mf
+from .engine import retention
+from .engine.commit import STAGING_PREFIX
+
+FRAMEWORKS = {"pytorch": "easyckpt.pytorch", "megatron": "easyckpt.megatron.state",
+              "deepspeed": "easyckpt.deepspeed", "transformers": "easyckpt.transformers"}
+
+
+class CatalogError(ValueError):
+    """A path that is not a directory, or a directory that holds no checkpoint: exit status 2."""
+
+
+def naming(framework: str) -> Naming:
+    return importlib.import_module(FRAMEWORKS[framework]).NAMING
+
+
+def detect(save_dir: str) -> Tuple[str, Naming]:
+    """The framework whose step-directory naming matches the most entries of ``save_dir``."""
+    best: Tuple[str, Optional[Naming], int] = ("pytorch", None, -1)
+    for name in sorted(FRAMEWORKS):
+        try:
+            nm = naming(name)
+        except ImportError:
+            continue
+        n = len(retention.step_dirs(save_dir, nm))
+        if n > best[2]:
+            best = (name, nm, n)
+    return best[0], best[1] or naming("pytorch")
+
+
+@dataclass
+class Entry:
+    step: int
+    path: str
+    complete: bool
+    why: Optional[str]                 # what makes it incomplete (None when complete)
+    framework: str
+    time: float                        # when it was committed (manifest), else the directory's mtime
+    bytes: int                         # the manifest's files, else what is on disk
+    files: int
+    layout: Dict[str, int] = field(default_factory=dict)    # tp, pp, dp, world
+    job_id: Optional[str] = None
+    picked: bool = False               # the one easyckpt's loader would pick
+    staging: bool = False              # a step being written (or left by a crash), not yet visible
+    state: str = ""                    # complete | incomplete (never committed) | damaged | staging
+
+    def __post_init__(self) -> None:
+        if not self.state:
+            self.state = "complete" if self.complete else "staging" if self.staging else "damaged"
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Catalog:
+    save_dir: str
+    framework: str
+    entries: List[Entry]               # newest first
+
+    @property
+    def picked(self) -> Optional[Entry]:
+        return next((e for e in self.entries if e.picked), None)
+
+    def step(self, step: Optional[int]) -> Entry:
+        """The entry of ``step``, or the loader's pick when None; CatalogError when there is none."""
+        visible = [e for e in self.entries if not e.staging]
+        if step is None:
+            chosen = self.picked or (visible[0] if visible else None)
+            if chosen is None:
+                raise CatalogError(f"{self.save_dir} holds no {self.framework} checkpoint")
+            return chosen
+        for e in visible:
+            if e.step == step:
+                return e
+        have = ", ".join(str(e.step) for e in visible) or "none"
+        raise CatalogError(f"{self.save_dir} holds no checkpoint of step {step} (steps: {have})")
+
+
+def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False,
+         on_bytes: Optional[Callable[[int], None]] = None) -> Catalog:
+    """The step directories of ``save_dir``, newest first. With ``checksums``, every file of every
+    complete step is read and checked too, so that the pick is exactly the loader's."""
+    if not os.path.isdir(save_dir):
+        raise CatalogError(f"{save_dir}: no such directory" if not os.path.exists(save_dir)
+                           else f"{save_dir} is not a directory")
+    if framework is None:
+        framework, nm = detect(save_dir)
+    else:
+        nm = naming(framework)
+    entries = [_entry(step, path, framework) for step, path in retention.step_dirs(save_dir, nm)]
+    entries += _staging(save_dir, nm, framework)
+    entries.sort(key=lambda e: (e.step, not e.staging), reverse=True)
+    if checksums:
+        for e in entries:
+            if e.complete:
+                problems = verify(e, on_bytes)
+                if problems:
+                    e.complete, e.state, e.why = False, "damaged", problems[0] + (f" (and {len(problems) - 1} more)"
+                                                              if len(problems) > 1 else "")
+    pick = next((e for e in entries if e.complete), None)
+    if pick is not None:
+        pick.picked = True
+    return Catalog(save_dir, framework, entries)
+
+
+def verify(entry: Entry, on_bytes: Optional[Callable[[int], None]] = None) -> List[str]:
+    """Every problem of one step: no manifest, a manifest of another step, a file missing, truncated or
+    corrupted (sizes and checksums, every byte read). Empty when the step is intact."""
+    man = mf.read(entry.path)
+    if man is None:
+        return [f"{mf.MANIFEST_NAME}: {entry.why}"]
+    problems = [f"{mf.MANIFEST_NAME}: of step {man['step']}, not {entry.step}"] if man["step"] != entry.step else []
+    for rel in man["files"]:
+        problem = mf.verify_file(entry.path, rel, man, on_bytes)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def stored_bytes(entries: List[Entry]) -> int:
+    """What ``verify`` of these entries reads (a progress bar's total)."""
+    return sum(e.bytes for e in entries if not e.staging and os.path.exists(os.path.join(e.path, mf.MANIFEST_NAME)))
+
+
+def require(save_dir: str, framework: Optional[str] = None, **scan_args: Any) -> Catalog:
+    """``scan``, refusing a directory with no step directory at all (a wrong path, most likely)."""
+    cat = scan(save_dir, framework, **scan_args)
+    if not [e for e in cat.entries if not e.staging]:
+        names = ", ".join(f"{n.dir_format.format(100)}" for n in map(naming, sorted(FRAMEWORKS)))
+        raise CatalogError(f"{save_dir} holds no checkpoint (no step directory named like {names}); "
+                           f"give the directory passed as the save dir / output_dir")
+    return cat
+
+
+def _entry(step: int, path: str, framework: str) -> Entry:
+    man = mf.read(path)
+    if man is None:
+        why = ("no manifest: not committed by easyckpt (interrupted, or written by the framework's own saver)"
+               if not os.path.exists(os.path.join(path, mf.MANIFEST_NAME)) else "manifest unreadable (damaged)")
+        nbytes, nfiles = _disk_usage(path)
+        return Entry(step, path, False, why, framework, os.path.getmtime(path), nbytes, nfiles,
+                     layout_of(path, framework, None), state="incomplete" if why.startswith("no manifest") else "")
+    why = None
+    if man["step"] != step:
+        why = f"manifest is of step {man['step']}, not {step}"
+    else:
+        problems = mf.check_sizes(path, man)
+        if problems:
+            why = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+    return Entry(step, path, why is None, why, man.get("framework", framework), float(man.get("created") or 0),
+                 sum(int(e["size"]) for e in man["files"].values()), len(man["files"]),
+                 layout_of(path, framework, man), man.get("job_id"))
+
+
+def _staging(save_dir: str, nm: Naming, framework: str) -> List[Entry]:
+    out = []
+    pattern = re.compile(nm.dir_regex)
+    for name in sorted(os.listdir(save_dir)):
+        if not name.startswith(STAGING_PREFIX):
+            continue
+        # .easyckpt-staging-<job id>-<final name>
+        job, _, final = name[len(STAGING_PREFIX):].partition("-")
+        m = pattern.match(final)
+        path = os.path.join(save_dir, name)
+        if m and os.path.isdir(path):
+            nbytes, nfiles = _disk_usage(path)
+            out.append(Entry(int(m.group(1)), path, False, "being written (staging), or left by a crash",
+                             framework, os.path.getmtime(path), nbytes, nfiles, {}, job, staging=True))
+    return out
+
+
+def _disk_usage(path: str) -> Tuple[int, int]:
+    total = count = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+                count += 1
+            except OSError:
+                pass
+    return total, count
+
+
+_MEGATRON_MP = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?/")
+_MEGATRON_DP = re.compile(r"distrib_optim_dp(\d+)\.pt$")
+_DS_ZERO = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_")
+
+
+def layout_of(path: str, framework: str, man: Optional[Dict[str, Any]]) -> Dict[str, int]:
+    """TP/PP/DP sizes (and the world size) of a step, from its native file names."""
+    files = list(man["files"]) if man else _relpaths(path)
+    world = int(man["world_size"]) if man and man.get("world_size") else 0
+    tp = pp = 1
+    dp = 0
+    if framework == "megatron":
+        tps, pps, dps = set(), set(), set()
+        for rel in files:
+            m = _MEGATRON_MP.match(rel)
+            if m:
+                tps.add(int(m.group(1)))
+                pps.add(int(m.group(2) or 0))
+            d = _MEGATRON_DP.search(rel)
+            if d:
+                dps.add(int(d.group(1)))
+        tp, pp = max(len(tps), 1), max(len(pps), 1)
+        dp = len(dps) or (world // (tp * pp) if world else 0)
+    elif framework in ("deepspeed", "transformers"):
+        dps, mps = set(), set()
+        for rel in files:
+            m = _DS_ZERO.search(rel)
+            if m:
+                dps.add(int(m.group(1)))
+                mps.add(int(m.group(2)))
+        tp = max(len(mps), 1)
+        dp = len(dps)
+        info = (man or {}).get("info") or {}
+        dp = dp or int(info.get("dp_world_size", 0))
+    if not dp:
+        dp = world // (tp * pp) if world else 1
+    return {"tp": tp, "pp": pp, "dp": dp, "world": world or tp * pp * dp}
+
+
+def _relpaths(path: str) -> List[str]:
+    out = []
+    for root, _dirs, files in os.walk(path):
+        out += [os.path.relpath(os.path.join(root, f), path) for f in files]
+    return out

@@ -1,0 +1,185 @@
+"""What is inside one checkpoint step: every tensor (file, key, dtype, shape, bytes), the bytes by group
+(model, optimizer, other), the arguments the job saved and the metadata. ``easyckpt inspect`` prints it.
+
+Decisions:
+- safetensors files (easyckpt's shards, the Trainer's ``model.safetensors``) are described from their
+  header alone: no tensor byte is read. torch.save files (Megatron's ``model_optim_rng.pt``, DeepSpeed's
+  ``*_states.pt``) have to be unpickled, with easyckpt's safe loader (weights_only and an allow-list);
+  a file it refuses (the Trainer's ``training_args.bin`` is a pickled TrainingArguments) is listed as not
+  loaded, with the reason, never unpickled.
+- Groups: the first key of a tensor's path when it names one (``model``/``module`` → model,
+  ``optimizer``… → optimizer), else the file name (``*optim*`` → optimizer, ``*model*`` → model), else other.
+- Saved arguments: Megatron's ``args`` namespace, DeepSpeed's ``ds_config``, the Trainer's
+  ``trainer_state.json``; metadata: the manifest (less its file list) and the scalar fields at the top
+  of each torch file (iteration, checkpoint_version, ds_version, …).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from .catalog import Entry
+from .engine import manifest as mf
+from .engine.shardfile import DTYPE_NAMES
+
+GROUPS = ("model", "optimizer", "other")
+_MODEL_KEYS = ("model", "module")
+_OPTIM_KEYS = ("optimizer", "optimizer_state_dict", "optim")
+_ARG_KEYS = ("args", "ds_config")
+_DTYPES = {short: name for name, short in DTYPE_NAMES.items()}   # safetensors name -> torch name
+
+ProgressFactory = Callable[[int, str], Any]
+
+
+def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[str, Any]:
+    """Everything ``easyckpt inspect`` shows about one step, as plain JSON-able data."""
+    man = mf.read(entry.path)
+    files = _files(entry.path, man)
+    tensors: List[Dict[str, Any]] = []
+    args: Dict[str, Any] = {}
+    metadata: Dict[str, Any] = {}
+    listed: List[Dict[str, Any]] = []
+    torch_bytes = sum(size for rel, size, fmt in files if fmt == "torch")
+    bar = progress(torch_bytes, "inspect") if progress and torch_bytes else None
+    try:
+        for rel, size, fmt in files:
+            item: Dict[str, Any] = {"file": rel, "bytes": size, "format": fmt}
+            path = os.path.join(entry.path, rel)
+            try:
+                if fmt == "safetensors":
+                    found = list(_safetensors_tensors(path))
+                elif fmt == "torch":
+                    found = _torch_tensors(path, args, metadata, rel)
+                    if bar is not None:
+                        bar.update(size)
+                else:
+                    found = []
+                    if rel.endswith(".json"):
+                        _json_metadata(path, rel, args, metadata)
+            except (OSError, ValueError, RuntimeError) as exc:
+                item["not_loaded"] = str(exc)
+                found = []
+            for key, dtype, shape, nbytes in found:
+                tensors.append({"file": rel, "key": key, "dtype": dtype, "shape": shape, "bytes": nbytes,
+                                "group": group_of(rel, key)})
+            item["tensors"] = len(found)
+            listed.append(item)
+    finally:
+        if bar is not None:
+            bar.close()
+    groups = {g: {"bytes": 0, "tensors": 0} for g in GROUPS}
+    for t in tensors:
+        groups[t["group"]]["bytes"] += t["bytes"]
+        groups[t["group"]]["tensors"] += 1
+    manifest = {k: v for k, v in (man or {}).items() if k != "files"}
+    return {"step": entry.step, "path": entry.path, "framework": entry.framework, "complete": entry.complete,
+            "why": entry.why, "layout": entry.layout, "files": listed, "groups": groups, "tensors": tensors,
+            "args": args, "metadata": {"manifest": manifest, **metadata}}
+
+
+def group_of(rel: str, key: str) -> str:
+    first = key.split(".", 1)[0]
+    if first.startswith(_MODEL_KEYS):
+        return "model"
+    if first.startswith(_OPTIM_KEYS):
+        return "optimizer"
+    name = os.path.basename(rel)
+    if "optim" in name:
+        return "optimizer"
+    if "model" in name and not first.startswith(("rng", "lr_scheduler", "opt_param_scheduler")):
+        return "model"
+    return "other"
+
+
+def _files(step_dir: str, man: Optional[Dict[str, Any]]) -> List[Tuple[str, int, str]]:
+    """(relpath, size, format) of the step's files: the manifest's list, else what is on disk."""
+    if man is not None:
+        return [(rel, int(e["size"]), e.get("format") or _format_of(rel)) for rel, e in man["files"].items()]
+    out = []
+    for root, _dirs, names in os.walk(step_dir):
+        for n in sorted(names):
+            p = os.path.join(root, n)
+            rel = os.path.relpath(p, step_dir)
+            if rel != mf.MANIFEST_NAME:
+                out.append((rel, os.path.getsize(p), _format_of(rel)))
+    return sorted(out)
+
+
+def _format_of(rel: str) -> str:
+    if rel.endswith(".safetensors"):
+        return "safetensors"
+    if rel.endswith((".pt", ".bin", ".pth")):
+        return "torch"
+    return "raw"
+
+
+def _safetensors_tensors(path: str) -> Iterator[Tuple[str, str, List[int], int]]:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > os.fstat(f.fileno()).st_size - 8:
+            raise ValueError(f"safetensors header length {n} exceeds the file")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    for key, info in header.items():
+        begin, end = info["data_offsets"]
+        yield key, _DTYPES.get(info["dtype"], info["dtype"]), list(info["shape"]), end - begin
+
+
+def _torch_tensors(path: str, args: Dict[str, Any], metadata: Dict[str, Any], rel: str):
+    import torch
+
+    from .engine.tree import safe_torch_load
+    with open(path, "rb") as f:
+        tree = safe_torch_load(f.read())
+    found = [(key, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size())
+             for key, t in _walk(tree, "") if isinstance(t, torch.Tensor)]
+    if isinstance(tree, dict):
+        scalars = {str(k): v for k, v in tree.items() if isinstance(v, (int, float, str, bool)) or v is None}
+        if scalars:
+            metadata[rel] = scalars
+        for k in _ARG_KEYS:
+            if k in tree and tree[k] is not None and k not in args:
+                args[k] = _plain(tree[k])
+    return found
+
+
+def _json_metadata(path: str, rel: str, args: Dict[str, Any], metadata: Dict[str, Any]) -> None:
+    with open(path, "rb") as f:
+        data = json.loads(f.read())
+    if os.path.basename(rel) == "trainer_state.json" and isinstance(data, dict):
+        args["trainer_state"] = {k: v for k, v in data.items() if k != "log_history"}
+        args["trainer_state"]["log_history_entries"] = len(data.get("log_history") or [])
+    else:
+        metadata[rel] = data
+
+
+def _walk(tree: Any, prefix: str) -> Iterator[Tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _walk(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _walk(v, f"{prefix}.{i}" if prefix else str(i))
+    elif isinstance(tree, argparse.Namespace):
+        yield from _walk(vars(tree), prefix)
+    else:
+        yield prefix, tree
+
+
+def _plain(value: Any) -> Any:
+    """JSON-able form of saved arguments (a Namespace becomes a dict; odd values their repr)."""
+    if isinstance(value, argparse.Namespace):
+        value = vars(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return repr(value)
