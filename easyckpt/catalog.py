@@ -15,19 +15,17 @@ Decisions:
 """
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .config import Naming
+from .config import NAMINGS, Naming
 from .engine import manifest as mf
 from .engine import retention
 from .engine.commit import STAGING_PREFIX
 
-FRAMEWORKS = {"pytorch": "easyckpt.pytorch", "megatron": "easyckpt.megatron.state",
-              "deepspeed": "easyckpt.deepspeed", "transformers": "easyckpt.transformers"}
+FRAMEWORKS = sorted(NAMINGS)
 
 
 class CatalogError(ValueError):
@@ -35,17 +33,13 @@ class CatalogError(ValueError):
 
 
 def naming(framework: str) -> Naming:
-    return importlib.import_module(FRAMEWORKS[framework]).NAMING
+    return NAMINGS[framework]
 
 
 def detect(save_dir: str) -> Tuple[str, Naming]:
     """The framework whose step-directory naming matches the most entries of ``save_dir``."""
     best: Tuple[str, Optional[Naming], int] = ("pytorch", None, -1)
-    for name in sorted(FRAMEWORKS):
-        try:
-            nm = naming(name)
-        except ImportError:
-            continue
+    for name, nm in sorted(NAMINGS.items()):
         n = len(retention.step_dirs(save_dir, nm))
         if n > best[2]:
             best = (name, nm, n)
@@ -151,7 +145,7 @@ def require(save_dir: str, framework: Optional[str] = None, **scan_args: Any) ->
     """``scan``, refusing a directory with no step directory at all (a wrong path, most likely)."""
     cat = scan(save_dir, framework, **scan_args)
     if not [e for e in cat.entries if not e.staging]:
-        names = ", ".join(f"{n.dir_format.format(100)}" for n in map(naming, sorted(FRAMEWORKS)))
+        names = ", ".join(f"{n.dir_format.format(100)}" for n in map(naming, FRAMEWORKS))
         raise CatalogError(f"{save_dir} holds no checkpoint (no step directory named like {names}); "
                            f"give the directory passed as the save dir / output_dir")
     return cat

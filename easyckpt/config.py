@@ -32,6 +32,23 @@ class Naming:
         return self.dir_format.format(step)
 
 
+# Each framework's native step-directory names, here (torch-free) so that the operator tools list and
+# verify checkpoints without importing torch or the frameworks; the adapters take theirs from this table.
+_DEEPSPEED_IMPORTS = ("deepspeed.runtime.fp16.loss_scaler", "deepspeed.utils.tensor_fragment")
+NAMINGS: Dict[str, Naming] = {
+    "pytorch": Naming(dir_format="step_{:08d}", dir_regex=r"^step_(\d{8})$", tracker="latest",
+                      tracker_format="step_{:08d}", framework="pytorch"),
+    "megatron": Naming(dir_format="iter_{:07d}", dir_regex=r"^iter_(\d{7})$",
+                       tracker="latest_checkpointed_iteration.txt", tracker_format="{}", framework="megatron"),
+    "deepspeed": Naming(dir_format="global_step{}", dir_regex=r"^global_step(\d+)$", tracker="latest",
+                        tracker_format="global_step{}", framework="deepspeed",
+                        agent_imports=_DEEPSPEED_IMPORTS),
+    "transformers": Naming(dir_format="checkpoint-{}", dir_regex=r"^checkpoint-(\d+)$", tracker=None,
+                           tracker_format="checkpoint-{}", framework="transformers",
+                           agent_imports=_DEEPSPEED_IMPORTS),
+}
+
+
 @dataclass(frozen=True)
 class Config:
     save_dir: str

@@ -31,15 +31,13 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import rng
-from .config import Config, Naming, check_advanced
+from .config import Config, NAMINGS, check_advanced
 from .dist import all_gather
 from .engine.session import Engine, EngineSlot
 from .engine.snapshot import ShardSpec
 from .errors import EasyCkptError
 
-NAMING = Naming(dir_format="global_step{}", dir_regex=r"^global_step(\d+)$", tracker="latest",
-                tracker_format="global_step{}", framework="deepspeed",
-                agent_imports=("deepspeed.runtime.fp16.loss_scaler", "deepspeed.utils.tensor_fragment"))
+NAMING = NAMINGS["deepspeed"]
 _ROOT = "/easyckpt-in-memory"      # DeepSpeed composes file names under it; nothing is created there
 _UNIVERSAL_INFO = "universal_checkpoint_info"
 

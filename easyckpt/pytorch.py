@@ -19,12 +19,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import rng
-from .config import Config, Naming, check_advanced
+from .config import Config, NAMINGS, check_advanced
 from .engine.session import Engine, EngineSlot
 from .engine.snapshot import ShardSpec
 
-NAMING = Naming(dir_format="step_{:08d}", dir_regex=r"^step_(\d{8})$", tracker="latest",
-                tracker_format="step_{:08d}", framework="pytorch")
+NAMING = NAMINGS["pytorch"]
 MODEL, OPTIM = "model.safetensors", "optimizer.safetensors"
 
 _slot = EngineSlot("easyckpt")

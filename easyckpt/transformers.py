@@ -41,15 +41,14 @@ import numpy as np
 import torch
 
 from . import deepspeed as ds
-from .config import Config, Naming, check_advanced
+from .config import Config, NAMINGS, check_advanced
 from .engine import manifest as mf
 from .engine import retention
 from .engine.session import Engine
 from .engine.snapshot import ShardSpec
 
 # the Trainer keeps no tracker file: it finds checkpoints by their names
-NAMING = Naming(dir_format="checkpoint-{}", dir_regex=r"^checkpoint-(\d+)$", tracker=None,
-                tracker_format="checkpoint-{}", framework="transformers", agent_imports=ds.NAMING.agent_imports)
+NAMING = NAMINGS["transformers"]
 STATE, ARGS, MODEL, OPTIM, SCHED, SCALER = ("trainer_state.json", "training_args.bin", "model.safetensors",
                                             "optimizer.pt", "scheduler.pt", "scaler.pt")
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "pytorch" / "train.py"
@@ -249,3 +249,17 @@ def committed_steps(save_dir: Path, pattern: str = "step_*") -> List[int]:
         if man.exists():
             out.append(json.loads(man.read_text())["step"])
     return sorted(out)
+
+
+def cli(*args: str, expect: Optional[int] = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``easyckpt ARGS`` as a user runs it (a subprocess); its exit status must be ``expect`` (None: any)."""
+    proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", *map(str, args)], env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+    if expect is not None and proc.returncode != expect:
+        raise AssertionError(f"easyckpt {' '.join(map(str, args))} exited {proc.returncode}, expected {expect}\n"
+                             f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def cli_json(*args: str, expect: Optional[int] = 0) -> Any:
+    return json.loads(cli(*args, "--json", expect=expect).stdout)

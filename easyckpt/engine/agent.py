@@ -84,6 +84,7 @@ class Agent:
         self.results: "queue.Queue[Tuple[_Job, Optional[str]]]" = queue.Queue()
         self.outstanding = 0
         self.pending_commits: Dict[int, float] = {}     # step -> deadline
+        self.newest_committed = -1                      # by this agent: an older step is never committed after it
         self.done: Dict[Tuple[int, int], Optional[str]] = {}   # (rank, step) -> error or None
         self.flush_waiters: List[Tuple[socket.socket, int, int]] = []
         self.queued: Set[Tuple[int, int]] = set()
@@ -429,6 +430,7 @@ class Agent:
         them (a restarted job redoes it, and its shards must not be mixed with these). Drop its staging
         and pending commit, and the persists still queued for it, so that nothing waits for it."""
         self.epoch, self.death_step = self.epoch + 1, keep
+        self.newest_committed = -1   # restarted trainers may resume from an older step and redo newer ones
         for step in sorted(set(self.pending_commits) - {keep}):
             self.pending_commits.pop(step)
         # the staging dirs go in the persist thread, after whatever it is writing now (queue order)
@@ -468,6 +470,9 @@ class Agent:
                     err = self._persist(job) if job.kind == "persist" else self._commit(job.step)
                 elif job.kind == "abandon":
                     err = self._remove_abandoned_staging(job.step)
+                elif job.kind == "drop":
+                    commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=commit.staging_dir(
+                        self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(job.step)))
                 else:
                     raise ValueError(f"unknown job kind {job.kind!r}")
             except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
@@ -503,6 +508,9 @@ class Agent:
 
     def _commit(self, step: int, quiet: bool = False, epoch: int = 0) -> Optional[str]:
         staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
+        if step < self.newest_committed:     # see _supersede: its last shard came after a newer commit
+            self.results.put((_Job("wait_commit", step, epoch=epoch), None))
+            return None
         markers = commit.read_markers(staging)
         if self.world_size is None or len(markers) < self.world_size:
             if quiet:
@@ -512,6 +520,7 @@ class Agent:
         t0 = time.perf_counter()
         final, nbytes = commit.commit(self.cfg.save_dir, self.job_id, step, self.world_size, self.cfg.naming,
                                       self.log)
+        self.newest_committed = max(self.newest_committed, step)
         self.log.emit("commit", step=step, path=final, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
         self.results.put((_Job("committed", step), None))
         retention.prune(self.cfg.save_dir, self.cfg.naming, self.job_id,
@@ -529,10 +538,15 @@ class Agent:
             if job.kind == "wait_commit":
                 if job.epoch < self.epoch and job.step != self.death_step:
                     continue          # its trainers died meanwhile: abandoned, nobody will complete it
+                if job.step < self.newest_committed:
+                    self._supersede(job.step)
+                    continue
                 self.pending_commits.setdefault(job.step, time.monotonic() + self.cfg.commit_timeout)
                 continue
             if job.kind == "committed":
                 self.pending_commits.pop(job.step, None)
+                for older in sorted(s for s in self.pending_commits if s < job.step):
+                    self._supersede(older)
                 self._term_served(job.step)
                 continue
             self.outstanding -= 1
@@ -546,6 +560,16 @@ class Agent:
             if err is not None and err != ABANDONED:
                 self._fail(job.step, err, job.rank)
         self._answer_flushes()
+
+    def _supersede(self, step: int) -> None:
+        """A newer step is committed while ``step`` still waits for some rank's shard. That rank skipped
+        the snapshot (both its slots were busy persisting), so the shard will never come; committing
+        it later would also move the tracker backwards. Drop it instead of waiting for commit_timeout
+        (which kept the agent, and the shared memory, alive for that long)."""
+        self.pending_commits.pop(step, None)
+        self.log.emit("abandon", step=step, message=f"superseded by the commit of step {self.newest_committed} "
+                                                    f"before every rank's shard of it was written")
+        self._enqueue(_Job("drop", step))
 
     def _check_commits(self) -> None:
         now = time.monotonic()

@@ -20,11 +20,10 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..config import Naming
+from ..config import NAMINGS
 from ..engine.snapshot import ShardSpec
 
-NAMING = Naming(dir_format="iter_{:07d}", dir_regex=r"^iter_(\d{7})$",
-                tracker="latest_checkpointed_iteration.txt", tracker_format="{}", framework="megatron")
+NAMING = NAMINGS["megatron"]
 CHECKPOINT_VERSION = 3.0
 
 
