@@ -7,7 +7,8 @@ Decisions:
   ``checkpoint-100``, ``step_00000100``) unless given; the most matches wins.
 - "Complete" is what the loader's first, cheap test says: a manifest of the same step, every listed file
   present with its recorded size. Checksums are ``verify``'s job (they read every byte).
-- The loader's pick is the newest complete one. A snapshot that survived in this node's shared memory
+- The loader's pick is the newest complete one. For the HF Trainer that includes a ``checkpoint-N`` the
+  Trainer wrote itself (no manifest, a trainer_state.json of step N): TrainerWrapper resumes from it. A snapshot that survived in this node's shared memory
   can be newer: ``easyckpt status`` shows those (they belong to a job, not to a directory).
 - The world layout comes from the native file names, so that checkpoints written before the manifest
   recorded it are described too: Megatron ``mp_rank_TT[_PPP]`` directories and ``distrib_optim_dpRRR``
@@ -15,6 +16,7 @@ Decisions:
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -60,7 +62,8 @@ class Entry:
     job_id: Optional[str] = None
     picked: bool = False               # the one easyckpt's loader would pick
     staging: bool = False              # a step being written (or left by a crash), not yet visible
-    state: str = ""                    # complete | incomplete (never committed) | damaged | staging
+    # complete | plain (the HF Trainer's own, no manifest) | incomplete (never committed) | damaged | staging
+    state: str = ""
 
     def __post_init__(self) -> None:
         if not self.state:
@@ -125,6 +128,8 @@ def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False
 def verify(entry: Entry, on_bytes: Optional[Callable[[int], None]] = None) -> List[str]:
     """Every problem of one step: no manifest, a manifest of another step, a file missing, truncated or
     corrupted (sizes and checksums, every byte read). Empty when the step is intact."""
+    if entry.state == "plain":
+        return []           # no manifest: nothing recorded to check against (cmd_verify says so)
     man = mf.read(entry.path)
     if man is None:
         return [f"{mf.MANIFEST_NAME}: {entry.why}"]
@@ -153,6 +158,11 @@ def require(save_dir: str, framework: Optional[str] = None, **scan_args: Any) ->
 
 def _entry(step: int, path: str, framework: str) -> Entry:
     man = mf.read(path)
+    if man is None and framework == "transformers" and _trainer_step(path) == step:
+        # the Trainer's own save: TrainerWrapper resumes from it when it is the newest (nothing to verify)
+        nbytes, nfiles = _disk_usage(path)
+        return Entry(step, path, True, None, framework, os.path.getmtime(path), nbytes, nfiles,
+                     layout_of(path, framework, None), state="plain")
     if man is None:
         why = ("no manifest: not committed by easyckpt (interrupted, or written by the framework's own saver)"
                if not os.path.exists(os.path.join(path, mf.MANIFEST_NAME)) else "manifest unreadable (damaged)")
@@ -169,6 +179,14 @@ def _entry(step: int, path: str, framework: str) -> Entry:
     return Entry(step, path, why is None, why, man.get("framework", framework), float(man.get("created") or 0),
                  sum(int(e["size"]) for e in man["files"].values()), len(man["files"]),
                  layout_of(path, framework, man), man.get("job_id"))
+
+
+def _trainer_step(path: str) -> Optional[int]:
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            return int(json.load(f)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _staging(save_dir: str, nm: Naming, framework: str) -> List[Entry]:

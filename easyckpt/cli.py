@@ -18,6 +18,7 @@ stdout for scripts; progress bars go to stderr (on a terminal, or with --progres
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -28,6 +29,15 @@ from . import catalog
 from .catalog import CatalogError, FRAMEWORKS
 from .engine import manifest as mf
 from .engine import retention
+
+
+_stdout = sys.stdout
+
+
+def say(*parts: Any) -> None:
+    """A line of the command's output. Everything else that prints while a command runs (DeepSpeed's
+    import banner, a framework's warnings) goes to stderr, so that --json output stays parseable."""
+    print(*parts, file=_stdout, flush=True)
 
 
 def _progress(args: argparse.Namespace) -> Callable[[int, str], Any]:
@@ -61,20 +71,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
     else:
         cat = catalog.require(args.dir, args.framework)
     if args.json:
-        print(json.dumps({"save_dir": cat.save_dir, "framework": cat.framework,
+        say(json.dumps({"save_dir": cat.save_dir, "framework": cat.framework,
                           "picked": cat.picked.step if cat.picked else None,
                           "checkpoints": [e.to_json() for e in cat.entries]}, indent=1))
         return 0
-    print(f"{cat.save_dir}  ({cat.framework} layout)")
-    print(f"  {'step':>10}  {'time':<19}  {'size':>10}  {'layout':<13}  {'directory':<20}  state")
+    say(f"{cat.save_dir}  ({cat.framework} layout)")
+    say(f"  {'step':>10}  {'time':<19}  {'size':>10}  {'layout':<13}  {'directory':<20}  state")
     for e in cat.entries:
         state = e.state if e.complete else f"{e.state.upper()}: {e.why}"
         mark = "*" if e.picked else " "
-        print(f"{mark} {e.step:>10}  {_when(e.time):<19}  {_size(e.bytes):>10}  {_layout(e.layout):<13}  "
+        say(f"{mark} {e.step:>10}  {_when(e.time):<19}  {_size(e.bytes):>10}  {_layout(e.layout):<13}  "
               f"{os.path.basename(e.path):<20}  {state}")
     pick = cat.picked
     checked = "sizes and checksums checked" if args.verify else "sizes checked; --verify reads every byte"
-    print(f"* the loader would pick step {pick.step} ({checked}; a newer snapshot in this node's memory comes "
+    say(f"* the loader would pick step {pick.step} ({checked}; a newer snapshot in this node's memory comes "
           f"first: easyckpt status)" if pick else "no complete checkpoint: the loader would start from scratch")
     return 0
 
@@ -87,14 +97,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for e in entries:
             problems = catalog.verify(e, bar.update)
             report.append({"step": e.step, "path": e.path, "ok": not problems, "problems": problems,
-                           "files": e.files})
+                           "files": e.files, "checked": e.state != "plain"})
     if args.json:
-        print(json.dumps(report, indent=1))
+        say(json.dumps(report, indent=1))
     else:
         for r in report:
-            print(f"step {r['step']}: {'OK' if r['ok'] else 'DAMAGED'}  ({r['files']} files)  {r['path']}")
+            verdict = ("OK" if r["checked"] else "NOT CHECKED (the Trainer's own save: no manifest)") if r["ok"] \
+                else "DAMAGED"
+            say(f"step {r['step']}: {verdict}  ({r['files']} files)  {r['path']}")
             for p in r["problems"]:
-                print(f"    {p}")
+                say(f"    {p}")
     return 1 if any(not r["ok"] for r in report) else 0
 
 
@@ -104,40 +116,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     entry = cat.step(args.step)
     info = describe(entry, _progress(args))
     if args.json:
-        print(json.dumps(info, indent=1, default=str))
+        say(json.dumps(info, indent=1, default=str))
         return 0
     man = info["metadata"]["manifest"]
-    print(f"step {info['step']}  {info['path']}")
-    print(f"  {info['framework']}, {_layout(info['layout'])} (world {info['layout'].get('world', '-')}), "
+    say(f"step {info['step']}  {info['path']}")
+    say(f"  {info['framework']}, {_layout(info['layout'])} (world {info['layout'].get('world', '-')}), "
           + ("complete" if info["complete"] else f"NOT COMPLETE: {info['why']}"))
     if man:
-        print(f"  committed {_when(man.get('created', 0))} by job {man.get('job_id')}, checksums {man.get('checksum')}")
+        say(f"  committed {_when(man.get('created', 0))} by job {man.get('job_id')}, checksums {man.get('checksum')}")
     total = sum(g["bytes"] for g in info["groups"].values()) or 1
-    print("bytes by group")
+    say("bytes by group")
     for name, g in info["groups"].items():
-        print(f"  {name:<10} {_size(g['bytes']):>10}  {100 * g['bytes'] / total:5.1f} %  {g['tensors']} tensors")
-    print(f"files ({len(info['files'])})")
+        say(f"  {name:<10} {_size(g['bytes']):>10}  {100 * g['bytes'] / total:5.1f} %  {g['tensors']} tensors")
+    say(f"files ({len(info['files'])})")
     for f in info["files"]:
         extra = f"  NOT LOADED: {f['not_loaded']}" if "not_loaded" in f else f"  {f['tensors']} tensors"
-        print(f"  {f['file']:<60} {f['format']:<12} {_size(f['bytes']):>10}{extra}")
+        say(f"  {f['file']:<60} {f['format']:<12} {_size(f['bytes']):>10}{extra}")
     shown = info["tensors"] if args.limit == 0 else info["tensors"][:args.limit]
-    print(f"tensors ({len(info['tensors'])})")
+    say(f"tensors ({len(info['tensors'])})")
     for t in shown:
-        print(f"  {t['group']:<9} {t['dtype']:<9} {str(t['shape']):<18} {_size(t['bytes']):>10}  {t['file']}: {t['key']}")
+        say(f"  {t['group']:<9} {t['dtype']:<9} {str(t['shape']):<18} {_size(t['bytes']):>10}  {t['file']}: {t['key']}")
     if len(shown) < len(info["tensors"]):
-        print(f"  ... {len(info['tensors']) - len(shown)} more (--limit 0 lists them all)")
+        say(f"  ... {len(info['tensors']) - len(shown)} more (--limit 0 lists them all)")
     for name, value in info["args"].items():
-        print(f"saved arguments: {name}")
+        say(f"saved arguments: {name}")
         items = value.items() if isinstance(value, dict) else [("", value)]
         for k, v in sorted(items, key=lambda kv: str(kv[0])):
-            print(f"  {k} = {json.dumps(v, default=str)}")
+            say(f"  {k} = {json.dumps(v, default=str)}")
     meta = {k: v for k, v in info["metadata"].items() if k != "manifest"}
     if man or meta:
-        print("metadata")
+        say("metadata")
         for k, v in sorted(man.items()):
-            print(f"  manifest.{k} = {json.dumps(v, default=str)}")
+            say(f"  manifest.{k} = {json.dumps(v, default=str)}")
         for rel, fields in sorted(meta.items()):
-            print(f"  {rel}: {json.dumps(fields, default=str)}")
+            say(f"  {rel}: {json.dumps(fields, default=str)}")
     return 0
 
 
@@ -185,13 +197,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
             lock.release()
         report["log_file"] = log.path
     if args.json:
-        print(json.dumps(report, indent=1))
+        say(json.dumps(report, indent=1))
         return 0
     verb = "would delete" if args.dry_run else "deleted"
     steps = report["would_delete"] if args.dry_run else report["deleted"]
     for s in steps:
-        print(f"{verb} step {s}")
-    print(f"kept steps {', '.join(map(str, report['kept'])) or 'none'} of job {job}"
+        say(f"{verb} step {s}")
+    say(f"kept steps {', '.join(map(str, report['kept'])) or 'none'} of job {job}"
           + (f"; every delete logged to {report['log_file']}" if report.get("log_file") else "")
           + (f"; other jobs' checkpoints untouched ({', '.join(others)})" if others else ""))
     return 0
@@ -235,30 +247,30 @@ def cmd_status(args: argparse.Namespace) -> int:
               "snapshots": snapshots, "newest_committed": newest, "committed_count": len(committed),
               "dev_shm": dev_shm}
     if args.json:
-        print(json.dumps(report, indent=1))
+        say(json.dumps(report, indent=1))
         return 0
-    print(f"save dir   {args.dir}  (job {job_id}, {framework} layout)")
+    say(f"save dir   {args.dir}  (job {job_id}, {framework} layout)")
     if agent is None:
-        print("agent      not running on this node")
+        say("agent      not running on this node")
     else:
-        print(f"agent      pid {agent['agent_pid']}, ranks attached {agent['connected']}, dead {agent['dead_ranks']}, "
+        say(f"agent      pid {agent['agent_pid']}, ranks attached {agent['connected']}, dead {agent['dead_ranks']}, "
               f"pending commits {agent['pending_commits']}, jobs queued {agent['outstanding']}")
         if agent.get("sigterm"):
-            print(f"           SIGTERM {agent['sigterm']}")
+            say(f"           SIGTERM {agent['sigterm']}")
         if agent.get("last_error"):
-            print(f"           last error: {agent['last_error']}")
+            say(f"           last error: {agent['last_error']}")
     if not snapshots:
-        print("memory     no snapshot of this job on this node")
+        say("memory     no snapshot of this job on this node")
     for s in sorted(snapshots, key=lambda s: (s["rank"], s["slot"])):
         what = f"step {s['step']:>8}  {s['bytes']:>14,d} B" if s["complete"] else "(being written or torn)"
-        print(f"memory     rank {s['rank']:>4} slot {s['slot']}  {what}")
+        say(f"memory     rank {s['rank']:>4} slot {s['slot']}  {what}")
     if newest is None:
-        print("storage    no committed checkpoint")
+        say("storage    no committed checkpoint")
     else:
-        print(f"storage    newest committed step {newest['step']} ({newest['bytes']:,d} B, {len(committed)} kept)  "
+        say(f"storage    newest committed step {newest['step']} ({newest['bytes']:,d} B, {len(committed)} kept)  "
               f"{newest['path']}")
     gib = 1 << 30
-    print(f"/dev/shm   {dev_shm['used'] / gib:.2f} of {dev_shm['total'] / gib:.2f} GiB used, this job "
+    say(f"/dev/shm   {dev_shm['used'] / gib:.2f} of {dev_shm['total'] / gib:.2f} GiB used, this job "
           f"{dev_shm['this_job'] / gib:.3f} GiB, {dev_shm['free'] / gib:.2f} GiB free")
     return 0
 
@@ -283,10 +295,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 1
     summary = {"step": entry.step, "source": entry.path, **summary}
     if args.json:
-        print(json.dumps(summary, indent=1))
+        say(json.dumps(summary, indent=1))
     else:
         for path in summary.get("written") or [summary["output"]]:
-            print(f"wrote {path}")
+            say(f"wrote {path}")
     return 0
 
 
@@ -330,8 +342,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .launcher import add_parser as add_run
     add_run(sub)
     args = parser.parse_args(argv)
+    global _stdout
+    _stdout = sys.stdout
     try:
-        return args.fn(args)
+        # `run` passes its command's output through as it is
+        with contextlib.redirect_stdout(sys.stderr) if args.cmd != "run" else contextlib.nullcontext():
+            return args.fn(args)
     except CatalogError as exc:
         print(f"easyckpt {args.cmd}: {exc}", file=sys.stderr)
         return 2

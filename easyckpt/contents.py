@@ -59,6 +59,9 @@ def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[s
                     found = []
                     if rel.endswith(".json"):
                         _json_metadata(path, rel, args, metadata)
+                    elif rel.endswith(".bin"):
+                        item["not_loaded"] = ("a pickled Python object (the Trainer's TrainingArguments): easyckpt "
+                                              "never unpickles it, loading a checkpoint must not run its code")
             except (OSError, ValueError, RuntimeError) as exc:
                 item["not_loaded"] = str(exc)
                 found = []
@@ -70,6 +73,7 @@ def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[s
     finally:
         if bar is not None:
             bar.close()
+    tensors.sort(key=lambda t: GROUPS.index(t["group"]))    # model first, in file order within a group
     groups = {g: {"bytes": 0, "tensors": 0} for g in GROUPS}
     for t in tensors:
         groups[t["group"]]["bytes"] += t["bytes"]

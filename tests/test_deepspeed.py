@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from harness import (ROOT, assert_losses_close, assert_losses_equal, events, interrupted_runs,
+from harness import (ROOT, assert_losses_close, assert_losses_equal, cli, cli_json, events, interrupted_runs,
                      killed_then_resumed, losses, run, script_cmd, starts, wait_no_agent)
 
 TRAIN = ROOT / "examples" / "deepspeed" / "train.py"
@@ -66,6 +66,16 @@ def test_kill9_and_sigterm_resume_with_equal_losses_and_deepspeed_reads_the_chec
     assert (ckpt / "latest").read_text() == f"global_step{ITERS}"
     out = run(script_cmd(CHECK, 2, str(ckpt), zero), timeout=300)
     assert "optimizer tensors equal" in out.stdout
+    # what an operator sees of it: DeepSpeed's layout and config, the ZeRO partitions by group
+    listing = cli_json("ls", ckpt)
+    assert listing["framework"] == "deepspeed" and listing["picked"] == ITERS
+    assert listing["checkpoints"][0]["layout"] == {"tp": 1, "pp": 1, "dp": 2, "world": 2}
+    info = cli_json("inspect", ckpt)
+    assert info["args"]["ds_config"]["zero_optimization"]["stage"] == int(zero)
+    optim_files = {t["file"] for t in info["tensors"] if t["group"] == "optimizer"}
+    assert optim_files >= {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}, optim_files
+    assert info["groups"]["optimizer"]["bytes"] > 0
+    cli("verify", ckpt)
     wait_no_agent(ckpt)
 
 

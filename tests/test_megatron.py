@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import ROOT, assert_losses_close, events, interrupted_runs, run, wait_no_agent
+from harness import ROOT, assert_losses_close, cli, cli_json, events, interrupted_runs, run, wait_no_agent
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 
@@ -127,6 +127,17 @@ def test_native_keys_and_converter_output_load_through_megatrons_own_paths(tmp_p
     assert "distrib_optim.pt" in conv.stdout
     verify = run([sys.executable, "-m", "easyckpt.cli", "verify", "--framework", "megatron", str(ckpt), "6"])
     assert "OK" in verify.stdout, "the converter's output is listed in the manifest and verifies"
+    # what an operator sees of it: Megatron's layout, the saved arguments, bytes by group
+    info = cli_json("inspect", ckpt)
+    assert info["step"] == 6 and info["framework"] == "megatron"
+    assert info["layout"] == {"tp": 1, "pp": 1, "dp": 2, "world": 2}
+    assert info["args"]["args"]["use_distributed_optimizer"] is True and info["args"]["args"]["iters"] == 6
+    assert info["metadata"]["mp_rank_00/model_optim_rng.pt"]["iteration"] == 6
+    keys = {(t["file"], t["group"]) for t in info["tensors"]}
+    assert {("mp_rank_00/model_optim_rng.pt", "model"), ("mp_rank_00/distrib_optim_dp001.pt", "optimizer"),
+            ("mp_rank_00/distrib_optim.pt", "optimizer")} <= keys, keys
+    groups = info["groups"]
+    assert groups["model"]["bytes"] > 0 and groups["optimizer"]["bytes"] > 2 * groups["model"]["bytes"]
     check = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                  str(ROOT / "tests" / "megatron_native_check.py"), str(ckpt)], timeout=300)
     assert check.stdout.count("NATIVE OK at iteration 6") == 2, check.stdout[-3000:]
@@ -162,6 +173,14 @@ def test_pruning_foreign_files_and_a_damaged_shard_in_megatrons_layout(tmp_path)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
+    # the operator tools see what the loader will do: Megatron's own directory is not ours, 8 is damaged
+    listing = cli_json("ls", ckpt, "--verify")
+    rows = {r["step"]: r for r in listing["checkpoints"]}
+    assert rows[1]["state"] == "incomplete" and "no manifest" in rows[1]["why"]
+    assert rows[8]["state"] == "damaged" and "mp_rank_00/distrib_optim_dp001.pt: checksum" in rows[8]["why"]
+    assert listing["picked"] == previous and rows[previous]["layout"] == {"tp": 1, "pp": 1, "dp": 2, "world": 2}
+    bad = cli("verify", ckpt, "8", expect=1)
+    assert "step 8: DAMAGED" in bad.stdout and "mp_rank_00/distrib_optim_dp001.pt: checksum" in bad.stdout
     run(cmd(ckpt, loss, *base, "--iters", "10"), timeout=300)
     loads = [e for e in events(log) if e["event"] == "load" and e.get("step")]
     assert loads[-1]["step"] == previous and loads[-1]["source"] == "storage"

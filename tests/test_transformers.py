@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from harness import (ROOT, assert_losses_close, assert_losses_equal, events, interrupted_runs, kill_tree,
+from harness import (ROOT, assert_losses_close, assert_losses_equal, cli, cli_json, events, interrupted_runs, kill_tree,
                      killed_then_resumed, losses, run, script_cmd, start, starts, wait_for_iteration,
                      wait_no_agent)
 
@@ -142,8 +142,27 @@ def test_save_total_limit_keeps_what_the_trainer_keeps_including_the_best(tmp_pa
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    run(hf(tmp_path / "wrapped", tmp_path / "wrapped-loss", *extra, log=log), timeout=300)
     other = min(int(n.split("-")[1]) for n in wrapped)
+    # the operator tools: ls --verify picks what the loader will; prune keeps the Trainer's best
+    listing = cli_json("ls", tmp_path / "wrapped", "--verify")
+    rows = {r["step"]: r for r in listing["checkpoints"]}
+    assert listing["framework"] == "transformers" and listing["picked"] == other
+    assert rows[STEPS]["state"] == "damaged" and "optimizer.pt: checksum" in rows[STEPS]["why"]
+    assert rows[other]["layout"] == {"tp": 1, "pp": 1, "dp": 1, "world": 1}
+    assert "optimizer.pt: checksum" in cli("verify", tmp_path / "wrapped", expect=1).stdout
+    info = cli_json("inspect", tmp_path / "wrapped", other)
+    assert info["args"]["trainer_state"]["global_step"] == other
+    own = json.loads((tmp_path / "wrapped" / f"checkpoint-{other}" / "trainer_state.json").read_text())
+    assert info["args"]["trainer_state"]["best_model_checkpoint"] == own["best_model_checkpoint"]
+    assert any(f["file"] == "training_args.bin" and "never unpickles" in f.get("not_loaded", "") for f in info["files"])
+    assert info["groups"]["model"]["bytes"] > 0 and info["groups"]["optimizer"]["bytes"] > info["groups"]["model"]["bytes"]
+    dry = cli_json("prune", tmp_path / "wrapped", "--keep", "1", "--dry-run")
+    # the newest and the best stay (when the newest is the best, the other one goes)
+    assert dry["would_delete"] == ([other] if best == f"checkpoint-{STEPS}" else [])
+    plain = cli_json("ls", tmp_path / "plain")
+    assert {r["state"] for r in plain["checkpoints"]} == {"plain"} and plain["picked"] == STEPS
+    assert "NOT CHECKED" in cli("verify", tmp_path / "plain").stdout
+    run(hf(tmp_path / "wrapped", tmp_path / "wrapped-loss", *extra, log=log), timeout=300)
     assert any(e["event"] == "error" and e.get("step") == STEPS and "optimizer.pt" in e["message"]
                for e in events(log))
     loads = [e for e in events(log) if e["event"] == "load"]

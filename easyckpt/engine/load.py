@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..config import Config
 from ..dist import all_gather
 from ..events import AuditLog
+from ..progress import Progress
 from . import manifest as mf
 from . import retention, shardfile, snapshot
 from .tree import safe_torch_load, unflatten
@@ -66,7 +67,7 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     paths = dict(stored)
     for step in common_sto:
         t0 = time.perf_counter()
-        trees, problem, nbytes, man = _read_step(paths[step], needed)
+        trees, problem, nbytes, man = _read_step(paths[step], needed, progress=rank == 0)
         verdicts = all_gather(problem, world_size)
         bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
         if not bad:
@@ -77,16 +78,26 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     return None
 
 
-def _read_step(step_dir: str, needed: Needed) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Optional[Dict[str, Any]]]:
+def _read_step(step_dir: str, needed: Needed, progress: bool = False
+               ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Optional[Dict[str, Any]]]:
     man = mf.read(step_dir)
     if man is None:
         return None, "manifest missing or unreadable", 0, man
-    trees: Dict[str, Any] = {}
-    nbytes = 0
     try:
         wanted = needed(man)
     except ValueError as exc:
         return None, str(exc), 0, man
+    # a bar on rank 0 when asked for (EASYCKPT_PROGRESS=1) or on a terminal: a large load takes minutes
+    total = sum(int(man["files"][rel]["size"]) for rel, _ in wanted if rel in man["files"])
+    with Progress(total if progress else 0, f"load {os.path.basename(step_dir)}") as bar:
+        return _read_files(step_dir, man, wanted, bar.update if bar.on else None)
+
+
+def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[str, bool]],
+                on_bytes: Optional[Callable[[int], None]]
+                ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Optional[Dict[str, Any]]]:
+    trees: Dict[str, Any] = {}
+    nbytes = 0
     for rel, optional in wanted:
         if rel not in man["files"]:
             if optional:
@@ -97,7 +108,7 @@ def _read_step(step_dir: str, needed: Needed) -> Tuple[Optional[Dict[str, Any]],
         if problems:
             return None, problems[0], 0, man
         try:
-            buf = shardfile.read_file(path)
+            buf = shardfile.read_file(path, on_bytes)
         except OSError as exc:
             return None, f"{rel}: {exc}", 0, man
         problem = mf.check_bytes(rel, buf, man)

@@ -10,7 +10,7 @@ import functools
 import json
 import os
 import struct
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 SKELETON_KEY = "easyckpt.skeleton"
 
@@ -78,16 +78,19 @@ def decode(buf: bytearray) -> Tuple[Any, Dict[str, Any]]:
     return skeleton, tensors
 
 
-def read_file(path: str) -> bytearray:
+def read_file(path: str, on_bytes: Optional[Callable[[int], None]] = None, chunk: int = 64 << 20) -> bytearray:
+    """The whole file; ``on_bytes`` hears of each chunk read (a progress bar)."""
     size = os.path.getsize(path)
     buf = bytearray(size)
     with open(path, "rb", buffering=0) as f:
         view, got = memoryview(buf), 0
         while got < size:
-            n = f.readinto(view[got:])
+            n = f.readinto(view[got:got + chunk] if on_bytes else view[got:])
             if not n:
                 raise ValueError(f"{path} shrank while being read")
             got += n
+            if on_bytes is not None:
+                on_bytes(n)
     return buf
 
 

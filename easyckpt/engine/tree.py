@@ -136,7 +136,8 @@ def flatten_pickled(tree: Any) -> Tuple[Any, Tensors]:
                 else {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
         if isinstance(obj, list):
             return [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        # a torch.Size stays one: DeepSpeed's zero_to_fp32 calls .numel() on the saved param_shapes
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields") and not isinstance(obj, torch.Size):
             return tuple(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
         return obj
 
@@ -161,7 +162,7 @@ def unflatten_pickled(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
             return obj
         if isinstance(obj, list):
             return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
+        if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
             return tuple(walk(v) for v in obj)
         return obj
 

@@ -42,6 +42,8 @@ def parse() -> argparse.Namespace:
                    help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--dump-weights", default=None,
+                   help="after training, torch.save the model's full state dict (process 0)")
     return p.parse_args()
 
 
@@ -59,6 +61,20 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def dump_weights(trainer, path: str, gather: bool) -> None:
+    """The model's full state dict after training (gathered under ZeRO-3; a collective, so every process
+    calls it), saved by process 0: an independent ground truth for checkpoint converters."""
+    import contextlib
+    model = trainer.model
+    context = contextlib.nullcontext()
+    if gather:
+        import deepspeed
+        context = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with context:
+        if trainer.args.process_index == 0:
+            torch.save({name: t.detach().clone() for name, t in model.state_dict().items()}, path)
 
 
 def main() -> int:
@@ -124,6 +140,8 @@ def main() -> int:
                                  agent_idle_timeout=args.idle_timeout,
                                  exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
         wrapped.train(resume_from_checkpoint=resume)
+    if args.dump_weights:
+        dump_weights(trainer, args.dump_weights, gather=args.zero == 3)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

@@ -44,6 +44,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dump-weights", default=None,
+                   help="after the last iteration, torch.save the full weights as the engine sees them (rank 0)")
     return p.parse_args(argv)
 
 
@@ -70,6 +72,17 @@ def build(args: argparse.Namespace):
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
+
+
+def dump_weights(engine, path: str) -> None:
+    """The model's full weights (gathered under ZeRO-3; a collective, so every rank calls it), saved by rank 0:
+    an independent ground truth for checkpoint converters."""
+    import deepspeed
+    module = engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=engine.zero_optimization_stage() == 3):
+        if torch.distributed.get_rank() == 0:
+            named = [*module.named_parameters(), *module.named_buffers()]
+            torch.save({name: t.detach().clone() for name, t in named}, path)
 
 
 def main() -> int:
@@ -111,6 +124,8 @@ def main() -> int:
         eds.save_checkpoint_if_needed(engine, client_state={"data_pos": it})
         if args.step_sleep:
             time.sleep(args.step_sleep)
+    if args.dump_weights:
+        dump_weights(engine, args.dump_weights)
     eds.finalize_easyckpt()
     torch.distributed.destroy_process_group()
     return 0

@@ -1,0 +1,200 @@
+"""`easyckpt convert safetensors`: one committed step → one safetensors file of the full model weights.
+
+Real trainings write the checkpoints (the DeepSpeed engine on 2 ranks under torchrun, gloo; the Trainer under
+ZeRO-2 on 2 processes, and alone). Each also dumps the model's full weights as the framework itself sees them
+at the checkpointed (last) step, gathered under ZeRO-3: the ground truth the consolidated file must equal
+exactly, key by key. Each training runs once per module and serves several tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness import ROOT, run, script_cmd, wait_no_agent
+
+TRAIN = ROOT / "examples" / "deepspeed" / "train.py"
+HF = ROOT / "examples" / "deepspeed" / "hf_train.py"
+STEPS = 4          # a multiple of the storage interval: the last step is a committed checkpoint
+MANIFEST = "easyckpt_manifest.json"
+
+
+def convert(save_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "easyckpt.cli", "convert", "safetensors", str(save_dir), *args],
+               timeout=120, check=False)
+
+
+def assert_weights_equal(path: Path, truth: Dict[str, torch.Tensor]) -> None:
+    got = load_file(str(path))
+    assert sorted(got) == sorted(truth)
+    for key, want in truth.items():
+        assert got[key].dtype == want.dtype and torch.equal(got[key], want), f"{key} differs from the ground truth"
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    """The plain DeepSpeed engine, per ZeRO stage, made when first needed: (save dir, full weights)."""
+    cache = {}
+
+    def get(zero: str):
+        if zero not in cache:
+            d = tmp_path_factory.mktemp(f"ds-zero{zero}")
+            run(script_cmd(TRAIN, 2, "--save-dir", str(d / "ckpt"), "--zero", zero, "--iters", str(STEPS),
+                           "--storage-interval", "2", "--idle-timeout", "1", "--dump-weights", str(d / "truth.pt"),
+                           torchrun=True), timeout=300)
+            wait_no_agent(d / "ckpt")
+            cache[zero] = d / "ckpt", torch.load(d / "truth.pt", weights_only=True)
+        return cache[zero]
+    return get
+
+
+def hf_run(tmp_path_factory, name: str, *extra: str, nproc: int):
+    d = tmp_path_factory.mktemp(name)
+    run(script_cmd(HF, nproc, "--output-dir", str(d / "out"), "--max-steps", str(STEPS), "--save-steps", "2",
+                   "--idle-timeout", "1", "--dump-weights", str(d / "truth.pt"), *extra, torchrun=nproc > 1),
+        timeout=300)
+    wait_no_agent(d / "out")
+    return d / "out", torch.load(d / "truth.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def hf_zero2(tmp_path_factory):
+    return hf_run(tmp_path_factory, "hf-zero2", "--zero", "2", nproc=2)
+
+
+@pytest.fixture(scope="module")
+def hf_plain(tmp_path_factory):
+    return hf_run(tmp_path_factory, "hf-plain", nproc=1)
+
+
+@pytest.mark.parametrize("zero", ["3", pytest.param("2", marks=pytest.mark.slow),
+                                  pytest.param("0", marks=pytest.mark.slow)])
+def test_deepspeed_checkpoint_consolidates_to_the_engines_full_fp32_weights(tmp_path, deepspeed_runs, zero):
+    ckpt, truth = deepspeed_runs(zero)
+    step_dir = ckpt / f"global_step{STEPS}"
+    manifest_before = (step_dir / MANIFEST).read_bytes()
+    out = tmp_path / "model.safetensors"
+    done = convert(ckpt, "--output", str(out), "--json", "--progress")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["kind"] == f"deepspeed-zero{zero}" and summary["step"] == STEPS
+    assert summary["tensors"] == len(truth) and summary["bytes"] == sum(t.nbytes for t in truth.values())
+    assert "read: 100%" in done.stderr and "write: 100%" in done.stderr, "no progress bars with --progress"
+    assert_weights_equal(out, truth)
+    assert (step_dir / MANIFEST).read_bytes() == manifest_before, "an output outside the step changed the checkpoint"
+    # the layout is DeepSpeed's own: its zero_to_fp32 reads it too (our test's own files, so its
+    # unrestricted torch.load is acceptable here) and agrees
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=f"global_step{STEPS}")
+    assert sorted(theirs) == sorted(truth) and all(torch.equal(theirs[k], truth[k]) for k in truth)
+
+
+def test_hf_trainer_under_zero2_consolidates_the_fp32_weights_tied_ones_included(tmp_path, hf_zero2):
+    out_dir, truth = hf_zero2
+    out = tmp_path / "model.safetensors"
+    done = convert(out_dir, "--output", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["kind"] == "hf-deepspeed-zero2"
+    assert "lm_head.weight" in truth           # tied to the input embedding; every key is kept
+    assert_weights_equal(out, truth)
+    trainer_copy = load_file(str(out_dir / f"checkpoint-{STEPS}" / "model.safetensors"))
+    assert all(torch.equal(truth[k], v) for k, v in trainer_copy.items())
+
+
+def test_hf_trainer_checkpoint_consolidates_its_model_weights(tmp_path, hf_plain):
+    out_dir, truth = hf_plain
+    out = tmp_path / "model.safetensors"
+    done = convert(out_dir, "--output", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["kind"] == "hf"
+    # the Trainer stores a tied weight once (save_pretrained's rule); the file keeps what it stored
+    assert_weights_equal(out, {k: v for k, v in truth.items() if k != "lm_head.weight"})
+
+
+def test_default_output_is_added_to_the_step_so_verify_covers_it_and_sources_are_never_replaced(hf_plain):
+    from easyckpt.consolidate import to_safetensors
+    out_dir, truth = hf_plain
+    step_dir = out_dir / f"checkpoint-{STEPS}"
+    done = convert(out_dir, str(STEPS))
+    assert done.returncode == 0, done.stderr
+    output = step_dir / "consolidated.safetensors"
+    to_safetensors(str(step_dir), str(output))       # a second conversion replaces its own earlier output
+    entry = json.loads((step_dir / MANIFEST).read_text())["files"]["consolidated.safetensors"]
+    assert entry["size"] == output.stat().st_size
+    assert_weights_equal(output, {k: v for k, v in truth.items() if k != "lm_head.weight"})
+    verify = run([sys.executable, "-m", "easyckpt.cli", "verify", str(out_dir), str(STEPS), "--framework",
+                  "transformers"], timeout=60, check=False)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    model = step_dir / "model.safetensors"
+    before = model.read_bytes()
+    with pytest.raises(ValueError, match="refusing to replace"):
+        to_safetensors(str(step_dir), str(model))
+    assert model.read_bytes() == before
+
+
+@pytest.mark.parametrize("layout", ["sharded-safetensors", "pytorch_model.bin"])
+def test_other_trainer_weight_layouts_consolidate_to_the_same_file(tmp_path, hf_plain, layout):
+    """The Trainer's other layouts of the same weights (sharded with an index, or a torch pickle), written
+    into a copy of a committed checkpoint-N and listed in its manifest."""
+    from easyckpt.consolidate import to_safetensors
+    from easyckpt.engine import manifest as mf
+    out_dir, _ = hf_plain
+    step_dir = tmp_path / f"checkpoint-{STEPS}"
+    shutil.copytree(out_dir / f"checkpoint-{STEPS}", step_dir)
+    weights = load_file(str(step_dir / "model.safetensors"))
+    os.unlink(step_dir / "model.safetensors")
+    keys = sorted(weights)
+    if layout == "sharded-safetensors":
+        shards = {"model-00001-of-00002.safetensors": keys[:len(keys) // 2],
+                  "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+        for name, part in shards.items():
+            save_file({k: weights[k] for k in part}, str(step_dir / name), metadata={"format": "pt"})
+        index = {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}
+        (step_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+        written = [*shards, "model.safetensors.index.json"]
+    else:
+        torch.save(weights, step_dir / "pytorch_model.bin")
+        written = ["pytorch_model.bin"]
+    man = json.loads((step_dir / MANIFEST).read_text())
+    del man["files"]["model.safetensors"]
+    for name in written:
+        data = (step_dir / name).read_bytes()
+        man["files"][name] = {"size": len(data), "checksum": mf.checksum(data)}
+    (step_dir / MANIFEST).write_text(json.dumps(man))
+    summary = to_safetensors(str(step_dir), str(tmp_path / "out.safetensors"))
+    assert summary["kind"] == "hf" and summary["tensors"] == len(weights)
+    assert_weights_equal(tmp_path / "out.safetensors", weights)
+
+
+def test_damaged_shard_fails_naming_the_file_and_writes_nothing(tmp_path, deepspeed_runs):
+    ckpt, _ = deepspeed_runs("3")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    victim = copy / f"global_step{STEPS}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    done = convert(copy, "--output", str(out_dir / "model.safetensors"))
+    assert done.returncode == 1
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in done.stderr and "corrupted" in done.stderr, done.stderr
+    assert list(out_dir.iterdir()) == [], "a damaged source left an output (or a temporary file) behind"
+
+
+def test_a_directory_without_a_committed_checkpoint_is_refused(tmp_path):
+    from easyckpt.consolidate import to_safetensors
+    done = convert(tmp_path, "--output", str(tmp_path / "x.safetensors"))
+    assert done.returncode == 2 and "checkpoint" in done.stderr, done.stderr
+    (tmp_path / "global_step3").mkdir()       # named like a step, but nothing was committed
+    with pytest.raises(ValueError, match="not a committed easyckpt checkpoint"):
+        to_safetensors(str(tmp_path / "global_step3"), str(tmp_path / "x.safetensors"))
+    assert not (tmp_path / "x.safetensors").exists()
