@@ -37,3 +37,11 @@ def all_gather(obj: Any, world_size: int) -> List[Any]:
     out: List[Any] = [None] * world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def any_rank(flag: bool, world_size: int) -> bool:
+    """True when ``flag`` is true on some rank. Without a process group (single process, or after it was
+    destroyed) only this rank's answer is known, and no collective could run anyway."""
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return flag
+    return any(all_gather(bool(flag), world_size))

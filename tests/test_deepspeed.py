@@ -92,3 +92,22 @@ def test_zero3_saved_on_two_ranks_resumes_on_one_through_the_universal_checkpoin
     assert_losses_close(losses(loss), reference, range(resumed + 1, ITERS + 1), rel=1e-4)
     assert not list(ckpt.glob(".easyckpt-universal-*")), "the converted copy was not removed"
     wait_no_agent(ckpt)
+
+
+
+def test_finalize_when_one_rank_skipped_the_last_snapshot_does_not_hang_in_zero3s_gather(tmp_path):
+    """Rank 1's first persist is slowed, so both its slots stay reserved and it skips the next snapshots,
+    the last step's included, which rank 0 has. At finalize rank 1 must snapshot that step, and ZeRO-3's
+    checkpoint collection gathers parameters (a collective): rank 0 has to take part although it has
+    nothing new to save, or both wait for ever."""
+    ckpt, log, once = tmp_path / "ckpt", tmp_path / "audit.jsonl", tmp_path / "once"
+    once.mkdir()
+    iters = 6    # given last: argparse keeps the last --iters
+    run(ds(ckpt, tmp_path / "loss", "--zero", "3", "--storage-interval", "2", "--step-sleep", "0.1",
+           "--idle-timeout", "2", "--iters", str(iters), log=log), timeout=150,
+        extra_env={"EASYCKPT_FAULTS": "agent.persist_file@1=sleep:4", "EASYCKPT_FAULT_ONCE_DIR": str(once)})
+    skipped = {e["step"] for e in events(log) if e["event"] == "skip" and e.get("rank") == 1}
+    assert iters in skipped, f"the scenario did not happen: rank 1 skipped {sorted(skipped)}"
+    assert (ckpt / "latest").read_text() == f"global_step{iters}"
+    cli("verify", ckpt, str(iters))
+    wait_no_agent(ckpt)

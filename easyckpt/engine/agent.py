@@ -567,8 +567,10 @@ class Agent:
         it later would also move the tracker backwards. Drop it instead of waiting for commit_timeout
         (which kept the agent, and the shared memory, alive for that long)."""
         self.pending_commits.pop(step, None)
+        staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
+        missing = sorted(set(range(self.world_size or 0)) - set(commit.read_markers(staging)))
         self.log.emit("abandon", step=step, message=f"superseded by the commit of step {self.newest_committed} "
-                                                    f"before every rank's shard of it was written")
+                                                    f"before ranks {missing} handed over their shards of it")
         self._enqueue(_Job("drop", step))
 
     def _check_commits(self) -> None:

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from ..config import Config, validate
-from ..dist import placement
+from ..dist import any_rank, placement
 from ..errors import AgentError, EasyCkptError
 from ..events import AuditLog
 from . import commit
@@ -200,13 +200,26 @@ class Engine:
         already is (the state changed without the step changing, e.g. evaluation results)."""
         self.last_step, self._collect, self._info = step, collect, info
         self.settle()
-        if not fresh and self.last is not None and self.last.step == step:
+        mine = fresh or self.last is None or self.last.step != step
+        # an adapter's collect may run collectives (ZeRO-3 gathers parameters for the checkpoint): every
+        # rank collects when any rank must snapshot, and only once, or the others hang in the collective
+        try:
+            anyone = any_rank(mine, self.world_size)
+        except Exception as exc:  # noqa: BLE001 - a rank is gone: no collective can run; the commit wait names it
+            self.log.emit("warning", step=step, rank=self.rank,
+                          message=f"ranks could not agree whether step {step} needs a new snapshot ({exc}); "
+                                  f"going on with this rank's own answer")
+            anyone = mine
+        if not mine:
+            if anyone:
+                collect()
             if self.last_persisted_step != step:
                 self._request_persist(self.last)
             return self.last
+        shards = collect()
         deadline = time.monotonic() + (self.cfg.commit_timeout if timeout is None else timeout)
         while True:
-            result = self._snapshot(step, collect, persist=True, quiet=True, info=info)
+            result = self._snapshot(step, lambda: shards, persist=True, quiet=True, info=info)
             if result is not None:
                 return result
             if time.monotonic() > deadline:
@@ -261,17 +274,24 @@ class Engine:
         timeout = self.cfg.commit_timeout if timeout is None else timeout
         final = os.path.join(self.cfg.save_dir, self.cfg.naming.dir_name(step))
         deadline = time.monotonic() + timeout
+        staging = commit.staging_dir(self.cfg.save_dir, self.cfg.job_id, self.cfg.naming.dir_name(step))
+        # the ranks whose shard was there, as last seen while waiting: the coordinator's agent gives up at
+        # about the same moment and removes the staging directory, which would hide who was missing
+        seen: Optional[set] = None
         while mf.read(final) is None or mf.read(final)["step"] != step:
+            if os.path.isdir(staging):
+                now = set(commit.read_markers(staging))
+                if seen is None or len(now) >= len(seen):    # markers only go while the dir is removed
+                    seen = now
             if time.monotonic() > deadline:
                 raise AgentError(f"rank {self.rank}: step {step} was not committed within {timeout:g}s: "
-                                 f"{self._missing_shards(step)}")
+                                 f"{self._missing_shards(step, seen)}")
             time.sleep(0.02)
 
-    def _missing_shards(self, step: int) -> str:
-        staging = commit.staging_dir(self.cfg.save_dir, self.cfg.job_id, self.cfg.naming.dir_name(step))
-        if not os.path.isdir(staging):
-            return "its staging directory is gone (the persist failed; see the audit log)"
-        missing = sorted(set(range(self.world_size)) - set(commit.read_markers(staging)))
+    def _missing_shards(self, step: int, seen: Optional[set]) -> str:
+        if seen is None:
+            return "its staging directory never appeared or is gone (the persist failed; see the audit log)"
+        missing = sorted(set(range(self.world_size)) - seen)
         return (f"no shard from rank(s) {missing} (dead, or stuck before saving step {step})" if missing
                 else "every shard is there; the coordinator's agent did not commit (see its log)")
 
