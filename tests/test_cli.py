@@ -183,3 +183,13 @@ def test_wrong_paths_and_directories_without_checkpoints_exit_2_with_a_clear_mes
     assert "is not a directory" in cli("ls", trained / "latest", expect=2).stderr
     step = cli("inspect", trained, "999", expect=2)
     assert "no checkpoint of step 999" in step.stderr and "steps:" in step.stderr
+
+
+def test_a_load_from_storage_draws_a_progress_bar_when_asked(ckpt, tmp_path):
+    """Long operations show progress: a training process resuming from storage with EASYCKPT_PROGRESS=1
+    draws one on stderr for the files it reads (rank 0)."""
+    steps = committed_steps(ckpt)
+    out = run(train_cmd(ckpt, 1, "--iters", str(steps[-1]), "--idle-timeout", "1", "--hidden", str(HIDDEN),
+                        "--job-name", "progress-probe"), extra_env={"EASYCKPT_PROGRESS": "1"}, timeout=120)
+    assert f"load step_{steps[-1]:08d}" in out.stderr and "100%" in out.stderr, out.stderr[-2000:]
+    wait_no_agent(ckpt, job_name="progress-probe")

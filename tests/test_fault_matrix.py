@@ -60,7 +60,8 @@ def committed_digest(ckpt: Path):
 
 # ---- row 4 ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cause", ["injected", "tmpfs"])
+# the injected ENOSPC repeats the real full tmpfs's path: -m slow
+@pytest.mark.parametrize("cause", [pytest.param("injected", marks=pytest.mark.slow), "tmpfs"])
 def test_disk_full_during_persist_harms_nothing(tmp_path, cause):
     """Steps 5 and 10 are committed; then the disk fills up (a real 2 MiB tmpfs filled to the brim, or
     ENOSPC injected into the shard writer). Training goes on to step 20; the failed persists are

@@ -23,6 +23,7 @@ signalled step or the one after it.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import select
 import signal
@@ -68,6 +69,7 @@ class Preemption:
         self._previous: Any = None
         self._installed = False
         self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._old_wakeup_fd = -1
@@ -88,13 +90,23 @@ class Preemption:
         except ValueError:
             self._old_wakeup_fd = -1
         self._installed = True
-        threading.Thread(target=self._watch, daemon=True, name="easyckpt-sigterm").start()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="easyckpt-sigterm")
+        self._thread.start()
+        # a process that ends without finalize: the watcher must not be inside a c10d store call when the
+        # interpreter tears down (C++ aborts: "terminate called without an active exception")
+        atexit.register(self._stop_watcher)
         return True
+
+    def _stop_watcher(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
 
     def uninstall(self) -> None:
         if not self._installed:
             return
-        self._stop.set()
+        self._stop_watcher()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
             try:
