@@ -148,6 +148,7 @@ def test_native_keys_and_converter_output_load_through_megatrons_own_paths(tmp_p
     wait_no_agent(ckpt, job_name="native-check")
 
 
+@pytest.mark.slow   # the same promises in the plain layout run in CI (test_faults, test_cli)
 def test_pruning_foreign_files_and_a_damaged_shard_in_megatrons_layout(tmp_path):
     """The core promises under Megatron naming: only this job's iter_* dirs are pruned (to max_ckpt_num,
     each delete logged), foreign files stay byte-identical, and a damaged newest shard makes the loader

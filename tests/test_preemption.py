@@ -154,7 +154,8 @@ def test_the_agent_finishes_a_write_that_fits_and_leaves_at_once(tmp_path):
                     "--loss-file", str(tmp_path / "loss"), "--step-sleep", "0.02", "--grace", "20",
                     "--idle-timeout", "60")
     proc = start(cmd, {"EASYCKPT_FAULTS": "agent.persist_file=sleep:1"}, log=tmp_path / "out")
-    wait_for_iteration(tmp_path / "loss", 5, proc)
+    # iteration 6's loss is written after step 5's snapshot completed (a loss is written before its save)
+    wait_for_iteration(tmp_path / "loss", 6, proc)
     agent = next(e["pid"] for e in events(log) if e["event"] == "agent_start")
     proc.kill()
     proc.wait(timeout=30)
