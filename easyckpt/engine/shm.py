@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 from ..errors import ShmCapacityError
-from . import pages
 
 SHM_DIR = os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm")
 PREFIX = "easyckpt-"
@@ -150,8 +149,6 @@ class Slot:
     def touch(self, start: int) -> None:
         """Fault every page in once: the first copy into fresh shm runs ~5x slower than a warm one."""
         assert self.mm is not None
-        if pages.populate(self.mm, start):   # one system call; the loop below is the fallback
-            return
         page = mmap.PAGESIZE
         zero = bytes(1 << 20)
         pos = start - start % page

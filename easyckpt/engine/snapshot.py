@@ -25,7 +25,7 @@ import torch
 
 from .. import faults
 from ..errors import ShmCapacityError
-from . import pages, shm
+from . import shm
 from .shardfile import dtype_name
 from .tree import FLATTEN, rebuild
 
@@ -403,7 +403,7 @@ def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[st
             base = torch.frombuffer(slot.mm, dtype=torch.uint8)
         trees = {}
         for f in meta["files"]:
-            tensors = {key: pages.empty(shape, _dtype(dtype)).copy_(base[b:e].view(_dtype(dtype)).view(shape))
+            tensors = {key: base[b:e].view(_dtype(dtype)).view(shape).clone()
                        for key, dtype, shape, b, e in f["tensors"]}
             trees[f["relpath"]] = rebuild(meta["skeletons"][f["relpath"]], tensors)
         del base
