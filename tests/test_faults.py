@@ -117,22 +117,21 @@ def test_agent_killed_mid_persist_leaves_no_step_dir_and_is_restarted(tmp_path):
 
 # ---- pruning --------------------------------------------------------------------------------
 
-def test_a_step_one_rank_skipped_is_dropped_when_a_newer_one_commits(tmp_path):
-    """Rank 1's first persist is slowed down, so both its slots stay reserved and it skips the next
-    storage steps, which rank 0 persists. Such a step can never complete: once a newer step commits it is
-    dropped (staging removed, tracker never moved back), and the agent does not wait commit_timeout."""
-    ckpt, log, once = tmp_path / "ckpt", tmp_path / "audit.jsonl", tmp_path / "once"
-    once.mkdir()
-    run(train_cmd(ckpt, 2, "--iters", "8", "--storage-interval", "2", "--step-sleep", "0.1", "--log-file", str(log),
-                  "--commit-timeout", "300", *FAST),
-        extra_env={"EASYCKPT_FAULTS": "agent.persist_file@1=sleep:3", "EASYCKPT_FAULT_ONCE_DIR": str(once)})
+def test_a_step_one_rank_never_hands_over_is_dropped_when_a_newer_one_commits(tmp_path):
+    """Rank 1 does not hand over its shard of step 4 (in real runs: it skipped that snapshot because both
+    its slots were busy persisting; here it reports step 3, which is not a storage step, so the test is
+    deterministic). Step 4 can never complete: once step 6 commits it is dropped (staging removed, the
+    missing rank named, the tracker never moved back), and the agent does not wait commit_timeout (300 s)."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
+    run(train_cmd(ckpt, 2, "--iters", "8", "--storage-interval", "2", "--log-file", str(log), "--misreport", "4@1:3",
+                  "--commit-timeout", "300", *FAST))
     wait_no_agent(ckpt, timeout=40)
     evs = events(log)
-    skipped = {e["step"] for e in evs if e["event"] == "skip" and e.get("rank") == 1 and e["step"] % 2 == 0}
-    dropped = {e["step"] for e in evs if e["event"] == "abandon" and "superseded" in e.get("message", "")}
-    assert skipped and dropped, [e for e in evs if e["event"] in ("skip", "abandon", "persist", "commit")]
-    assert dropped <= skipped and not dropped & set(committed_steps(ckpt)), (dropped, skipped)
-    assert committed_steps(ckpt)[-1] == 8 and (ckpt / "latest").read_text() == "step_00000008"
+    dropped = {e["step"]: e["message"] for e in evs if e["event"] == "abandon" and "superseded" in e.get("message", "")}
+    # (a real skip under load may drop another step the same way)
+    assert 4 in dropped and "ranks [1]" in dropped[4], [e for e in evs if e["event"] != "snapshot"]
+    assert not set(dropped) & set(committed_steps(ckpt)) and committed_steps(ckpt)[-1] == 8
+    assert (ckpt / "latest").read_text() == "step_00000008"
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".easyckpt-staging-")]
     commits = [e["step"] for e in evs if e["event"] == "commit"]
     assert commits == sorted(commits), f"a step was committed after a newer one: {commits}"

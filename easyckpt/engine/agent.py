@@ -568,6 +568,8 @@ class Agent:
         (which kept the agent, and the shared memory, alive for that long)."""
         self.pending_commits.pop(step, None)
         staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
+        if not os.path.isdir(staging):
+            return       # committed meanwhile (a commit job queued twice): nothing to drop
         missing = sorted(set(range(self.world_size or 0)) - set(commit.read_markers(staging)))
         self.log.emit("abandon", step=step, message=f"superseded by the commit of step {self.newest_committed} "
                                                     f"before ranks {missing} handed over their shards of it")

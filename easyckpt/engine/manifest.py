@@ -119,18 +119,19 @@ def verify_file(step_dir: str, rel: str, manifest: Dict[str, Any],
         return f"{rel}: missing"
     except OSError as exc:
         return f"{rel}: unreadable ({exc.strerror})"
-    if size != entry["size"]:
-        return f"{rel}: size {size} != {entry['size']} in the manifest (truncated?)"
-    if h.hexdigest() != entry["checksum"]:
-        return f"{rel}: checksum {h.hexdigest()} != {entry['checksum']} in the manifest (corrupted)"
-    return None
+    return _compare(rel, size, h.hexdigest, entry)
 
 
 def check_bytes(rel: str, data, manifest: Dict[str, Any]) -> Optional[str]:
-    entry = manifest["files"][rel]
-    if len(data) != entry["size"]:
-        return f"{rel}: size {len(data)} != {entry['size']} in the manifest (truncated?)"
-    got = checksum(data, manifest.get("checksum", ALGO))
+    return _compare(rel, len(data), lambda: checksum(data, manifest.get("checksum", ALGO)), manifest["files"][rel])
+
+
+def _compare(rel: str, size: int, digest: Callable[[], str], entry: Dict[str, Any]) -> Optional[str]:
+    """The problem of a file of ``size`` bytes against its manifest entry (the digest only when the size
+    is right), or None."""
+    if size != entry["size"]:
+        return f"{rel}: size {size} != {entry['size']} in the manifest (truncated?)"
+    got = digest()
     if got != entry["checksum"]:
         return f"{rel}: checksum {got} != {entry['checksum']} in the manifest (corrupted)"
     return None
