@@ -257,9 +257,9 @@ class _SafeTorch:
 
 
 def _native_shapes(tree: Any) -> Any:
-    """DeepSpeed stores parameter shapes as torch.Size and its ZeRO-3 merge calls ``.numel()`` on them;
-    easyckpt's writer has stored plain tuples (a torch.Size became a tuple on its way through shared
-    memory), which DeepSpeed's own zero_to_fp32 rejects: give them back their type."""
+    """DeepSpeed stores parameter shapes as torch.Size and its ZeRO-3 merge calls ``.numel()`` on them.
+    Checkpoints written before engine/tree.py kept torch.Size through shared memory hold plain tuples
+    there; give them back their type so that those convert too (newer ones already have it)."""
     if not isinstance(tree, dict):
         return tree
     if isinstance(tree.get("param_shapes"), list):
