@@ -70,6 +70,9 @@ class Config:
     # copy the tensors the optimizer owns while the next forward/backward runs (engine/overlap.py);
     # None = auto: when they are on a GPU, or when the CPU has a core the training does not compute on
     snapshot_overlap: Optional[bool] = None
+    # the agent writes checkpoint files with O_DIRECT (around the page cache) where the file system
+    # allows it, plain writes elsewhere; False: always plain writes (storage/direct.py says why)
+    direct_io: bool = True
     naming: Naming = field(default_factory=Naming)
 
     @property
@@ -94,7 +97,7 @@ class Config:
 # the keyword arguments every adapter's initialize_easyckpt accepts besides its own
 ADVANCED = ("job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout",
             "autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "grace_deadline",
-            "snapshot_overlap")
+            "snapshot_overlap", "direct_io")
 
 
 def check_advanced(verb: str, advanced: Dict[str, Any]) -> None:
@@ -125,7 +128,7 @@ def validate(cfg: Config) -> Config:
         if isinstance(cfg.max_ckpt_num, bool) or not isinstance(cfg.max_ckpt_num, int) or cfg.max_ckpt_num < 1:
             raise ConfigError(f"max_ckpt_num={cfg.max_ckpt_num!r} must be a positive integer "
                               f"(how many committed checkpoints to keep), or None to keep all")
-    for name in ("autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint"):
+    for name in ("autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "direct_io"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{name}={getattr(cfg, name)!r} must be True or False")
     if cfg.snapshot_overlap is not None and not isinstance(cfg.snapshot_overlap, bool):

@@ -492,7 +492,8 @@ class Agent:
         view.set(busy=job.generation)
         try:
             faults.inject("agent.before_persist", job.rank)
-            step, files, nbytes, seconds, info = persist_slot(path, job.generation, staging, job.rank)
+            step, files, nbytes, seconds, info = persist_slot(path, job.generation, staging, job.rank,
+                                                                 direct_io=self.cfg.direct_io)
             if step != job.step:
                 raise RuntimeError(f"slot holds step {step}, expected {job.step}")
             commit.write_shard_marker(staging, job.rank, job.step, files, info)

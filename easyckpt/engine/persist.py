@@ -1,8 +1,9 @@
 """Write one rank's snapshot from its shared-memory slot into a step's staging directory.
 
 Runs in the node agent, never in a trainer. Each shard file is a small JSON header followed by the
-tensor bytes, which the kernel copies from the slot to the file (sendfile); a thread checksums the
-same bytes from the mapping meanwhile. After the last byte the slot's generation is checked again:
+tensor bytes, which go from the slot to the disk with O_DIRECT and no copy (storage/direct.py); a
+thread checksums the same bytes from the mapping meanwhile. Framework-native torch.save files go
+through the same writer's bounce buffer. After the last byte the slot's generation is checked again:
 if the trainer had started to overwrite the slot, the shard is discarded (promise 3: the values
 persisted for step S are the values of step S).
 """
@@ -15,7 +16,8 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from .. import faults
-from ..storage.posix import copy_range, fsync_dir, write_all
+from ..storage.direct import SequentialWriter
+from ..storage.posix import fsync_dir
 from . import manifest as mf
 from . import shm
 from .shardfile import encode_header, file_entries
@@ -26,10 +28,11 @@ class SnapshotChanged(RuntimeError):
     pass
 
 
-def persist_slot(slot_path: str, generation: int, staging: str,
-                 rank: int) -> Tuple[int, Dict[str, Any], int, float, Dict[str, Any]]:
+def persist_slot(slot_path: str, generation: int, staging: str, rank: int,
+                 direct_io: bool = True) -> Tuple[int, Dict[str, Any], int, float, Dict[str, Any]]:
     """Persist the snapshot ``generation`` held in ``slot_path``;
-    return (step, files, bytes, seconds, the adapter's info for the manifest)."""
+    return (step, files, bytes, seconds, the adapter's info for the manifest).
+    ``direct_io``: write around the page cache where the file system allows it."""
     t0 = time.perf_counter()
     slot = shm.Slot(slot_path, writable=False)
     try:
@@ -44,7 +47,7 @@ def persist_slot(slot_path: str, generation: int, staging: str,
         total = 0
         made_dirs = {staging}
         os.makedirs(staging, exist_ok=True)
-        written: List[int] = []
+        written: List[SequentialWriter] = []
         try:
             with memoryview(slot.mm) as view:
                 for f in meta["files"]:
@@ -56,29 +59,31 @@ def persist_slot(slot_path: str, generation: int, staging: str,
                     if parent not in made_dirs:
                         os.makedirs(parent, exist_ok=True)
                         made_dirs.add(parent)
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                    written.append(fd)
+                    out = SequentialWriter(path, direct=direct_io)
+                    written.append(out)
                     fmt = f.get("fmt", "safetensors")
                     if fmt == "torch":
-                        size, digest = _write_torch(fd, view, f, meta["skeletons"][rel])
+                        digest = _write_torch(out, view, f, meta["skeletons"][rel])
                     elif fmt == "raw":
                         data = raw_bytes(meta["skeletons"][rel])
-                        write_all(fd, data)
-                        size, digest = len(data), mf.checksum(data)
+                        out.write(data)
+                        digest = mf.checksum(data)
                     else:
-                        header = encode_header(file_entries(f["tensors"], f["start"]), meta["skeletons"][rel])
-                        digest = _write_shard(fd, header, slot.fd, view, f["start"], f["end"])
-                        size = len(header) + f["end"] - f["start"]
+                        header = encode_header(file_entries(f["tensors"], f["start"]), meta["skeletons"][rel],
+                                               data_phase=f["start"])
+                        digest = _write_shard(out, header, view, f["start"], f["end"])
+                    out.finish()
+                    size = out.size
                     files[rel] = {"size": size, "checksum": digest, "format": fmt}
                     total += size
                     faults.inject("agent.persist_file", rank)
-            # fsync only once every file is written: the kernel writes the first files back while the
-            # later ones are copied, instead of the copy waiting for each flush in turn
-            for fd in written:
-                os.fsync(fd)
+            # fsync once every file is written: where O_DIRECT was refused, the kernel writes the first
+            # files back while the later ones are copied, instead of the copy waiting for each flush
+            for out in written:
+                os.fsync(out.fd)
         finally:
-            for fd in written:
-                os.close(fd)
+            for out in written:
+                out.close()
         for d in sorted(made_dirs, key=len, reverse=True):
             fsync_dir(d)
         if slot.state() != (shm.COMPLETE, generation):
@@ -88,37 +93,34 @@ def persist_slot(slot_path: str, generation: int, staging: str,
         slot.close()
 
 
-def _write_shard(fd: int, header: bytes, src_fd: int, view: memoryview, start: int, end: int) -> str:
+def _write_shard(out: SequentialWriter, header: bytes, view: memoryview, start: int, end: int) -> str:
     hasher = mf.Hasher()
     hasher.update(header)
     worker = threading.Thread(target=hasher.update, args=(view[start:end],), daemon=True)
     worker.start()
     try:
-        write_all(fd, header)
-        copy_range(src_fd, fd, start, end - start)
+        out.write(header)
+        out.write_mapped(view, start, end)
     finally:
         worker.join()
     return hasher.hexdigest()
 
 
 class _HashingWriter:
-    """A file object for torch.save that writes straight to ``fd`` and checksums on the way."""
+    """A file object for torch.save that writes through ``out`` and checksums on the way."""
 
-    def __init__(self, fd: int):
-        self.fd, self.size, self.hasher = fd, 0, mf.Hasher()
+    def __init__(self, out: SequentialWriter):
+        self.out, self.hasher = out, mf.Hasher()
 
     def write(self, data) -> int:
-        write_all(self.fd, data)
         self.hasher.update(data)
-        n = memoryview(data).nbytes
-        self.size += n
-        return n
+        return self.out.write(data)
 
     def flush(self) -> None:
         pass
 
 
-def _write_torch(fd: int, view: memoryview, f: Dict[str, Any], skeleton: Any) -> Tuple[int, str]:
+def _write_torch(out: SequentialWriter, view: memoryview, f: Dict[str, Any], skeleton: Any) -> str:
     """A framework-native torch.save file. torch is imported here only: jobs whose layouts are all
     safetensors keep an agent that never loads it."""
     import warnings
@@ -139,9 +141,9 @@ def _write_torch(fd: int, view: memoryview, f: Dict[str, Any], skeleton: Any) ->
             tensors[key] = (torch.frombuffer(view[b:e], dtype=dt).view(shape) if e > b
                             else torch.empty(shape, dtype=dt))
     tree = unflatten_pickled(skeleton, tensors)
-    out = _HashingWriter(fd)
+    writer = _HashingWriter(out)
     # the manifest's xxh3 already guards integrity; torch's per-record CRC32 would halve the speed
     serialization.config.save.compute_crc32 = False
-    torch.save(tree, out)
+    torch.save(tree, writer)
     del tree, tensors
-    return out.size, out.hasher.hexdigest()
+    return writer.hasher.hexdigest()

@@ -12,6 +12,8 @@ import os
 import struct
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..storage.direct import BLOCK
+
 SKELETON_KEY = "easyckpt.skeleton"
 
 # safetensors dtype names by torch dtype name; torch is imported lazily so that the agent, which only
@@ -40,14 +42,23 @@ def torch_dtype(name: str):
     raise ValueError(f"unknown tensor dtype {name!r} in shard")
 
 
-def encode_header(entries: Sequence[Tuple[str, str, Sequence[int], int, int]], skeleton: Any) -> bytes:
+def encode_header(entries: Sequence[Tuple[str, str, Sequence[int], int, int]], skeleton: Any,
+                  data_phase: Optional[int] = None) -> bytes:
     """``entries``: (key, dtype name, shape, begin, end) with offsets relative to the data start,
-    back to back in file order (safetensors rejects gaps)."""
+    back to back in file order (safetensors rejects gaps).
+
+    ``data_phase``: where the data section starts modulo the block size (4096), a multiple of 8. The persist path
+    passes the data's offset in the snapshot slot, so that file and slot agree modulo the block size
+    and the tensor bytes go from the slot to the disk without a copy (storage/direct.py). The header
+    JSON is padded with spaces to get there, which safetensors allows."""
     header: Dict[str, Any] = {"__metadata__": {"format": "pt", SKELETON_KEY: json.dumps(skeleton)}}
     for key, dtype, shape, begin, end in entries:
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)   # keeps the data section 8-byte aligned for zero-copy readers
+    # the data section stays 8-byte aligned for zero-copy readers
+    phase, modulus = (0, 8) if data_phase is None else (data_phase % BLOCK, BLOCK)
+    assert phase % 8 == 0, data_phase
+    raw += b" " * ((phase - 8 - len(raw)) % modulus)
     return struct.pack("<Q", len(raw)) + raw
 
 

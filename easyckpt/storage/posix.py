@@ -77,20 +77,6 @@ def write_all(fd: int, data) -> None:
         view = view[n:]
 
 
-def copy_range(in_fd: int, out_fd: int, offset: int, count: int) -> None:
-    """Copy ``count`` bytes at ``offset`` of ``in_fd`` to the current position of ``out_fd``.
-
-    sendfile keeps the bytes in the kernel (shm page cache → file page cache): no user-space copy,
-    no GIL held, so the persist runs at the speed of the disk.
-    """
-    while count > 0:
-        n = os.sendfile(out_fd, in_fd, offset, min(count, 1 << 30))
-        if n == 0:
-            raise OSError(errno.EIO, "sendfile wrote nothing (source shorter than its layout?)")
-        offset += n
-        count -= n
-
-
 def probe_writable(directory: PathLike) -> None:
     """Create, fsync and remove a probe file: the only reliable test (os.access lies for root and
     for read-only mounts)."""
