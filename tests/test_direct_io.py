@@ -98,3 +98,36 @@ def test_an_existing_file_is_never_overwritten(tmp_path):
     with pytest.raises(FileExistsError):
         SequentialWriter(str(tmp_path / "f.bin"))
     assert (tmp_path / "f.bin").read_bytes() == b"keep"
+
+
+_WRITE_PAST_LIMIT = r"""
+import errno, mmap, resource, signal, sys
+from easyckpt.storage.direct import SequentialWriter
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # past the limit, write() fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+src = mmap.mmap(-1, 4 << 20)
+for i, how in enumerate(("bounce", "mapped")):
+    try:
+        with SequentialWriter(f"{sys.argv[1]}/{how}.bin") as out:
+            with memoryview(src) as view:
+                if how == "bounce":
+                    out.write(view[:len(view) - 100])
+                else:
+                    out.write(b"header")
+                    out.write_mapped(view, 6, len(view))
+            out.finish()
+    except OSError as exc:
+        assert exc.errno == errno.EFBIG, exc
+        print(how, "EFBIG")
+"""
+
+
+def test_a_failed_write_reports_its_own_error(tmp_path):
+    """ENOSPC or EIO mid-file must reach the caller as itself: a failed write leaves views of the bounce
+    buffer alive in its traceback, and closing the writer must not turn that into a BufferError."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _WRITE_PAST_LIMIT, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["bounce", "EFBIG", "mapped", "EFBIG"]

@@ -150,7 +150,12 @@ class SequentialWriter:
 
     def _release(self) -> None:
         if self._buf is not None:
-            self._buf.close()
+            try:
+                self._buf.close()
+            except BufferError:
+                # a failed write leaves views of the buffer in its traceback's frames; closing now
+                # would replace the real error (ENOSPC, EIO) with this one. The mapping goes with them.
+                pass
             self._buf = None
 
     def __enter__(self) -> "SequentialWriter":
