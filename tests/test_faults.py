@@ -299,7 +299,7 @@ def test_tensors_changed_after_save_returns_do_not_leak_into_the_persisted_step(
 # the commit's inner points also run in-process in the row-14 property test; in CI the boundary ones here
 POINTS = [("agent.persist_file", 3), ("agent.after_marker", 1),
           pytest.param("agent.after_manifest", 1, marks=pytest.mark.slow),
-          ("agent.before_rename", 1), ("agent.after_rename", 1),
+          pytest.param("agent.before_rename", 1, marks=pytest.mark.slow), ("agent.after_rename", 1),
           pytest.param("agent.before_tracker", 1, marks=pytest.mark.slow),
           pytest.param("agent.after_tracker", 1, marks=pytest.mark.slow)]
 

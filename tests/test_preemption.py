@@ -186,6 +186,7 @@ def test_easyckpt_run_survives_three_crashes_and_a_sigterm(tmp_path, reference):
     wait_no_agent(ckpt)
 
 
+@pytest.mark.slow    # the supervisor's restart path runs in the test above; this is its limit (CI time)
 def test_easyckpt_run_gives_up_after_max_restarts(tmp_path):
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "easyckpt.cli", "run", "--max-restarts", "1", "--backoff", "0", "--",
