@@ -17,6 +17,7 @@ import torch
 
 GB = 10**9
 WRITE_CHUNK = 8 << 20  # bytes per os.write of the raw write
+DIRECT_CHUNK = 64 << 20  # bytes per O_DIRECT write of the raw direct write
 
 
 # Relative sizes of the model's parameters: a few big matrices of different shapes and one small
@@ -107,6 +108,45 @@ def raw_write(path: str, tensors: List[torch.Tensor]) -> int:
     finally:
         os.close(fd)
     return total
+
+
+def direct_buffer() -> mmap.mmap:
+    """The page-aligned source of ``raw_write_direct``, filled once outside the timed region with random
+    bytes (so a compressing or deduplicating device gains nothing)."""
+    buf = mmap.mmap(-1, DIRECT_CHUNK)      # anonymous mappings are page-aligned, as O_DIRECT needs
+    buf[:] = np.random.default_rng(0).integers(0, 256, DIRECT_CHUNK, dtype=np.uint8).tobytes()
+    return buf
+
+
+def raw_write_direct(path: str, nbytes: int, buf: mmap.mmap) -> int:
+    """``nbytes`` written with O_DIRECT from ``buf`` (``direct_buffer``) over and over, then fsync: the
+    device's own limit, with no page cache in the way (the buffered raw write above also measures how
+    fast the kernel finds free pages for the cache, which on these VMs swings 3x from run to run).
+    Returns 0 where the file system refuses O_DIRECT (tmpfs on old kernels, some network mounts)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    except (OSError, AttributeError):
+        return 0
+    total = 0
+    try:
+        with memoryview(buf) as view:
+            while total < nbytes:
+                n = min(len(view), nbytes - total) // 4096 * 4096   # O_DIRECT: whole blocks
+                if n == 0:
+                    break
+                total += os.write(fd, view[:n])
+        os.fsync(fd)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    return total
+
+
+def alloc_copy(srcs: List[torch.Tensor]) -> List[torch.Tensor]:
+    """A copy of ``srcs`` into newly allocated memory: what any restore from memory pays at least
+    (the kernel hands out and zeroes every page first), however the bytes are laid out."""
+    return [s.clone() for s in srcs]
 
 
 def settle_disk() -> None:
