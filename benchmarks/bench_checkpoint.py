@@ -1,6 +1,6 @@
 """easyckpt against the frameworks' own savers and the machine's limits: one run, one table, one chart.
 
-    .venv/bin/python benchmarks/bench_checkpoint.py [--sizes 0.25,1,4] [--repeats 3] [--loop-max-gb 1]
+    .venv/bin/python benchmarks/bench_checkpoint.py [--sizes 0.25,1,4] [--repeats 3] [--loop-max-gb 0.25]
 
 For each training-state size (GB = 1e9 bytes; float32 model + Adam moments, so the parameters are a
 third of the bytes) it measures, in the same process and interleaved where it matters:
@@ -16,7 +16,9 @@ persist     from a snapshot to a committed, fsynced checkpoint through the real 
             the faster raw write and DCP async_save's total (until its files are durable)
 step time   a compute-bound training loop (an MLP whose state is the size) with save_mem_interval=1,
             save_storage_interval=10, against the same loop without checkpoints (sizes up to
-            --loop-max-gb: the step of a compute-bound 4 GB model takes minutes on 2 cores)
+            --loop-max-gb: the step of a compute-bound 4 GB model takes minutes on 2 cores), in
+            --loop-rounds rounds of rotated order, each mode compared with the no-checkpoint loop of
+            its own round (the machine's speed drifts more between minutes than the overhead)
 restore     from memory (a surviving snapshot) and from storage (page cache dropped, verified), against
             torch.load of the same state (page cache dropped too)
 
@@ -246,15 +248,35 @@ def measure_size(gb: float, args: argparse.Namespace, work: str) -> Dict[str, An
         r["deepspeed"] = baselines.deepspeed_save(nbytes, work, args.repeats)
         gc.collect()
     if gb <= args.loop_max_gb:
-        r["loop"] = {}
-        for mode in ("none", "overlap", "sync"):
-            say(f"training loop, {mode}")
-            r["loop"][mode] = training_loop(gb, mode, work)
-            gc.collect()
+        # a shared 2-core machine drifts by 10-15% within a minute, more than the overhead measured: each
+        # round runs the three loops back to back, in a rotated order, and the overhead is the median
+        # over rounds of each round's own ratio
+        modes = ("none", "overlap", "sync")
+        runs: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes}
+        for rnd in range(args.loop_rounds):
+            for mode in modes[rnd % 3:] + modes[:rnd % 3]:
+                say(f"training loop, round {rnd + 1}/{args.loop_rounds}, {mode}")
+                runs[mode].append(training_loop(gb, mode, work))
+                gc.collect()
+        r["loop"] = {mode: _merge_rounds(runs[mode], runs["none"]) for mode in modes}
         # what snapshot_overlap=None (the default) picks for this loop on this machine
         r["loop"]["auto_overlap"], r["loop"]["auto_reason"] = auto_overlap(torch.optim.SGD([torch.zeros(1)]), 1)
     r["ratios"] = ratios(r)
     return r
+
+
+def _merge_rounds(rounds: List[Dict[str, Any]], baseline: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One mode's loop figures over all rounds: medians, and its step time relative to the loop without
+    checkpoints of the same round."""
+    out = dict(rounds[0], rounds=rounds)
+    out["mean_step"] = median([x["mean_step"] for x in rounds])
+    out["relative_step"] = median([x["mean_step"] / b["mean_step"] for x, b in zip(rounds, baseline)])
+    if "stalls" in rounds[0]:
+        out["stalls"] = [v for x in rounds for v in x["stalls"]]
+        out["stall"] = median(out["stalls"])
+    if "raw_copy" in rounds[0]:
+        out["raw_copy"] = median([x["raw_copy"] for x in rounds])
+    return out
 
 
 def ratios(r: Dict[str, Any]) -> Dict[str, float]:
@@ -276,8 +298,8 @@ def ratios(r: Dict[str, Any]) -> Dict[str, float]:
         # the loop's state is the size rounded to whole layers: compare per byte
         scale = r["easyckpt"]["state_bytes"] / loop["none"]["state_bytes"]
         out["overlap_over_dcp_block"] = loop["overlap"]["stall"] * scale / dcp_block
-        out["step_overhead_overlap"] = loop["overlap"]["mean_step"] / loop["none"]["mean_step"] - 1
-        out["step_overhead_sync"] = loop["sync"]["mean_step"] / loop["none"]["mean_step"] - 1
+        out["step_overhead_overlap"] = loop["overlap"]["relative_step"] - 1
+        out["step_overhead_sync"] = loop["sync"]["relative_step"] - 1
         out["step_overhead"] = out["step_overhead_overlap" if loop["auto_overlap"] else "step_overhead_sync"]
     return out
 
@@ -388,6 +410,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--loop-max-gb", type=float, default=0.25,
                    help="run the training loop for sizes up to this (its step grows with the size)")
+    p.add_argument("--loop-rounds", type=int, default=3,
+                   help="rounds of the three training loops (none, overlapped, synchronous), in rotated order")
     p.add_argument("--skip", default="", help="comma-separated: hf, deepspeed")
     p.add_argument("--dir", default=None, help="where temporary files go (default: the system's temp dir)")
     p.add_argument("--out", default="benchmarks/results", help="directory for checkpoint.png and checkpoint.json")
@@ -396,8 +420,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.sizes = [float(x) for x in args.sizes.split(",") if x]
     except ValueError:
         p.error(f"--sizes {args.sizes!r}: expected numbers separated by commas, e.g. 0.25,1,4")
-    if not args.sizes or min(args.sizes) <= 0 or args.repeats < 1:
-        p.error("--sizes must be positive and --repeats at least 1")
+    if not args.sizes or min(args.sizes) <= 0 or args.repeats < 1 or args.loop_rounds < 1:
+        p.error("--sizes must be positive, --repeats and --loop-rounds at least 1")
     args.skip = set(filter(None, args.skip.split(",")))
     return args
 
