@@ -106,7 +106,7 @@ from easyckpt.storage.direct import SequentialWriter
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # past the limit, write() fails with EFBIG instead
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 src = mmap.mmap(-1, 4 << 20)
-for i, how in enumerate(("bounce", "mapped")):
+for how in ("bounce", "mapped"):
     try:
         with SequentialWriter(f"{sys.argv[1]}/{how}.bin") as out:
             with memoryview(src) as view:

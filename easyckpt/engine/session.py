@@ -278,7 +278,10 @@ class Engine:
         # the ranks whose shard was there, as last seen while waiting: the coordinator's agent gives up at
         # about the same moment and removes the staging directory, which would hide who was missing
         seen: Optional[set] = None
-        while mf.read(final) is None or mf.read(final)["step"] != step:
+        while True:
+            done = mf.read(final)
+            if done is not None and done["step"] == step:
+                return
             if os.path.isdir(staging):
                 now = set(commit.read_markers(staging))
                 if seen is None or len(now) >= len(seen):    # markers only go while the dir is removed
