@@ -9,7 +9,7 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Union
 
 from .errors import ConfigError
 from .storage.posix import probe_writable
@@ -24,9 +24,6 @@ class Naming:
     tracker: Optional[str] = "latest"        # file name in save_dir, updated after each commit (None: none)
     tracker_format: str = "step_{:08d}"      # its content, str.format(step)
     framework: str = "pytorch"
-    # modules the agent imports before serving (the classes inside the framework's torch.save files),
-    # so that the first persist does not pay for the import while the trainer waits for a free slot
-    agent_imports: Tuple[str, ...] = ()
 
     def dir_name(self, step: int) -> str:
         return self.dir_format.format(step)
@@ -34,19 +31,24 @@ class Naming:
 
 # Each framework's native step-directory names, here (torch-free) so that the operator tools list and
 # verify checkpoints without importing torch or the frameworks; the adapters take theirs from this table.
-_DEEPSPEED_IMPORTS = ("deepspeed.runtime.fp16.loss_scaler", "deepspeed.utils.tensor_fragment")
 NAMINGS: Dict[str, Naming] = {
     "pytorch": Naming(dir_format="step_{:08d}", dir_regex=r"^step_(\d{8})$", tracker="latest",
                       tracker_format="step_{:08d}", framework="pytorch"),
     "megatron": Naming(dir_format="iter_{:07d}", dir_regex=r"^iter_(\d{7})$",
                        tracker="latest_checkpointed_iteration.txt", tracker_format="{}", framework="megatron"),
     "deepspeed": Naming(dir_format="global_step{}", dir_regex=r"^global_step(\d+)$", tracker="latest",
-                        tracker_format="global_step{}", framework="deepspeed",
-                        agent_imports=_DEEPSPEED_IMPORTS),
+                        tracker_format="global_step{}", framework="deepspeed"),
     "transformers": Naming(dir_format="checkpoint-{}", dir_regex=r"^checkpoint-(\d+)$", tracker=None,
-                           tracker_format="checkpoint-{}", framework="transformers",
-                           agent_imports=_DEEPSPEED_IMPORTS),
+                           tracker_format="checkpoint-{}", framework="transformers"),
 }
+
+
+DEFAULT_LOG_NAME = "easyckpt.log"
+
+
+def log_setting(value: Any) -> Union[str, bool, None]:
+    """An adapter's ``log_file_path`` argument as Config holds it (paths become str)."""
+    return value if value is None or isinstance(value, bool) else str(value)
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,9 @@ class Config:
     save_mem_interval: int = 1
     save_storage_interval: int = 5
     max_ckpt_num: Optional[int] = 5
-    log_file_path: Optional[str] = None
+    # the audit log (every snapshot, persist, commit, load and delete): None = SAVE_DIR/easyckpt.log,
+    # a path = there, False = off (the data-safety record is on unless asked otherwise)
+    log_file_path: Union[str, bool, None] = None
     job_name: Optional[str] = None
     commit_timeout: float = 600.0       # seconds the coordinator waits for every rank's shard
     agent_idle_timeout: float = 60.0    # seconds the agent keeps snapshots after its trainers died
@@ -82,6 +86,15 @@ class Config:
         key = f"{os.path.realpath(self.save_dir)}\0{self.job_name or ''}"
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
+    @property
+    def audit_log(self) -> Optional[str]:
+        """Where the audit log goes, or None when it is off."""
+        if self.log_file_path is False:
+            return None
+        if self.log_file_path is None or self.log_file_path is True:
+            return os.path.join(self.save_dir, DEFAULT_LOG_NAME)
+        return str(self.log_file_path)
+
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)
 
@@ -89,7 +102,6 @@ class Config:
     def from_json(cls, data: Dict[str, Any]) -> "Config":
         data = dict(data)
         naming = dict(data["naming"])
-        naming["agent_imports"] = tuple(naming.get("agent_imports", ()))
         data["naming"] = Naming(**naming)
         return cls(**data)
 
@@ -152,13 +164,15 @@ def validate(cfg: Config) -> Config:
     except OSError as exc:
         raise ConfigError(f"save_dir={str(save_dir)!r} is not writable ({exc.strerror}); "
                           f"fix its permissions or mount, or choose another save_dir") from exc
-    if cfg.log_file_path is not None:
-        log = Path(cfg.log_file_path)
+    if cfg.log_file_path is not None and not isinstance(cfg.log_file_path, (bool, str)):
+        raise ConfigError(f"log_file_path={cfg.log_file_path!r} must be a path, None (SAVE_DIR/{DEFAULT_LOG_NAME}) "
+                          f"or False (no audit log)")
+    if cfg.audit_log is not None:
+        log = Path(cfg.audit_log)
         try:
             log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "a"):
-                pass
+            os.close(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644))
         except OSError as exc:
-            raise ConfigError(f"log_file_path={str(log)!r} cannot be appended to ({exc.strerror}); "
-                              f"choose a writable path or None") from exc
+            raise ConfigError(f"log_file_path={str(log)!r} cannot be appended to ({exc.strerror}; a symlink is "
+                              f"never followed); choose a writable path, or False for no audit log") from exc
     return cfg

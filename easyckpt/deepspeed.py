@@ -28,10 +28,10 @@ import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from . import rng
-from .config import Config, NAMINGS, check_advanced
+from .config import Config, NAMINGS, check_advanced, log_setting
 from .dist import all_gather
 from .engine.session import Engine, EngineSlot
 from .engine.snapshot import ShardSpec
@@ -249,14 +249,14 @@ def _rng_file(rank: int) -> str:
 
 
 def initialize_easyckpt(save_dir: str, save_mem_interval: int = 1, save_storage_interval: int = 5,
-                        max_ckpt_num: Optional[int] = 5, log_file_path: Optional[str] = None,
+                        max_ckpt_num: Optional[int] = 5, log_file_path: Union[str, bool, None] = None,
                         **advanced: Any) -> None:
     """Validate the settings and attach to this node's agent; call after ``deepspeed.initialize``.
     ``advanced``: see easyckpt.config.ADVANCED (e.g. ``exit_after_ondemand_checkpoint=True``)."""
     check_advanced("initialize_easyckpt", advanced)
     _slot.start(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
                        save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
-                       log_file_path=None if log_file_path is None else str(log_file_path),
+                       log_file_path=log_setting(log_file_path),
                        naming=NAMING, **advanced))
 
 

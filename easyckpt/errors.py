@@ -20,3 +20,8 @@ class AgentError(EasyCkptError):
 
 class CheckpointError(EasyCkptError):
     """A checkpoint is damaged or cannot be loaded into the current job."""
+
+
+class UntrustedFileError(EasyCkptError, PermissionError):
+    """A file easyckpt would read or reuse (a snapshot slot, the job key, a lock) belongs to another user,
+    is open to others, or is a symlink: it may have been planted; nothing is read from it or written to it."""

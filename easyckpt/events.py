@@ -21,7 +21,8 @@ class AuditLog:
         self.source = source
         self._fd: Optional[int] = None
         if path:
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # never through a symlink planted in the save dir (promise 9)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"time": round(time.time(), 6), "event": event, "source": self.source,

@@ -14,12 +14,12 @@ but only rank 0's copy is persisted.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from . import rng
-from .config import Config, NAMINGS, check_advanced
+from .config import Config, NAMINGS, check_advanced, log_setting
 from .engine.session import Engine, EngineSlot
 from .engine.snapshot import ShardSpec
 
@@ -38,7 +38,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def initialize_easyckpt(save_dir: str, save_mem_interval: int = 1, save_storage_interval: int = 5,
-                        max_ckpt_num: Optional[int] = 5, log_file_path: Optional[str] = None,
+                        max_ckpt_num: Optional[int] = 5, log_file_path: Union[str, bool, None] = None,
                         **advanced: Any) -> None:
     """Validate the settings and attach to this node's agent (starting it on the first local rank).
 
@@ -47,7 +47,7 @@ def initialize_easyckpt(save_dir: str, save_mem_interval: int = 1, save_storage_
     check_advanced("initialize_easyckpt", advanced)
     _slot.start(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
                             save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
-                            log_file_path=None if log_file_path is None else str(log_file_path),
+                            log_file_path=log_setting(log_file_path),
                             naming=NAMING, **advanced))
 
 

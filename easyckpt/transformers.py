@@ -35,13 +35,13 @@ import os
 import random
 import re
 import shutil
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from . import deepspeed as ds
-from .config import Config, NAMINGS, check_advanced
+from .config import Config, NAMINGS, check_advanced, log_setting
 from .engine import manifest as mf
 from .engine import retention
 from .engine.session import Engine
@@ -61,11 +61,11 @@ class TrainerWrapper:
     exit_after_ondemand_checkpoint, grace_deadline, ...).
     """
 
-    def __init__(self, trainer: Any, save_mem_interval: int = 1, log_file_path: Optional[str] = None,
+    def __init__(self, trainer: Any, save_mem_interval: int = 1, log_file_path: Union[str, bool, None] = None,
                  **advanced: Any):
         check_advanced("TrainerWrapper", advanced)
         object.__setattr__(self, "_trainer", trainer)
-        object.__setattr__(self, "_opts", dict(save_mem_interval=save_mem_interval, log_file_path=log_file_path,
+        object.__setattr__(self, "_opts", dict(save_mem_interval=save_mem_interval, log_file_path=log_setting(log_file_path),
                                                **advanced))
         object.__setattr__(self, "engine", None)
 

@@ -22,7 +22,7 @@ the deadline it abandons a commit in flight (its staging dir goes; nothing half-
 """
 from __future__ import annotations
 
-import importlib
+import hmac
 import json
 import os
 import queue
@@ -37,11 +37,15 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .. import faults
 from ..config import Config
+from ..errors import EasyCkptError
 from ..events import AuditLog
-from . import commit, protocol, retention, shm
+from . import commit, jobkey, protocol, retention, shm
 from .joblock import JobLock
+from .reap import reap_dead_jobs
 from .persist import persist_slot
 
+
+HELLO_WAIT = 10.0   # seconds a new agent waits for its first trainer before it leaves
 
 ABANDONED = "abandoned: its trainers died before every rank's shard of the step was written"
 
@@ -52,6 +56,7 @@ class _Client:
     rank: Optional[int] = None
     said_bye: bool = False
     pid: int = 0
+    authed: bool = False          # its first message carried the job's key
 
 
 @dataclass
@@ -69,7 +74,8 @@ class Agent:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.job_id = cfg.job_id
-        self.log = AuditLog(cfg.log_file_path, "agent")
+        self.log = AuditLog(cfg.audit_log, "agent")
+        self.key = jobkey.read(self.job_id)    # the spawning trainer created it; refused if planted
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(protocol.address(self.job_id))   # raises if an agent of this job is alive
@@ -97,6 +103,7 @@ class Agent:
         self.death_step: Optional[int] = None
         self.lock = JobLock(cfg.save_dir, self.job_id, cfg.job_name)
         self.last_error: Optional[str] = None
+        self.failed: Dict[int, str] = {}        # step -> why it failed (trainers waiting for it ask status)
         self.slowest_write = 0.0                # seconds of the slowest persist + commit seen
         self.got_sigterm = False
         self.leaving = False                    # the agent itself got SIGTERM
@@ -139,8 +146,8 @@ class Agent:
         now = time.monotonic()
         if self.idle_since is None:
             self.idle_since = now
-        if not self.ever_connected:
-            return now - self.idle_since > self.cfg.agent_start_timeout
+        if not self.ever_connected:   # the trainer that started us says hello within a second or so
+            return now - self.idle_since > min(HELLO_WAIT, self.cfg.agent_start_timeout)
         if not self.dead_ranks:
             return True          # every trainer said bye: the job is done
         return now - self.idle_since > self.cfg.agent_idle_timeout
@@ -154,22 +161,24 @@ class Agent:
             removed = [p for p in shm.segments_of(self.job_id) if shm.unlink_quiet(p)]
             if removed:
                 self.log.emit("shm_release", segments=len(removed))
+            jobkey.remove(self.job_id)
         self.lock.release()
         self.log.emit("agent_exit", job_id=self.job_id)
         self.log.close()
 
     def _clean_leftovers(self) -> None:
         commit.remove_staging(self.cfg.save_dir, self.job_id, self.log)
-        for path, job, _rank, _slot in shm.list_segments():
-            if job == self.job_id or not shm.is_leftover(path, _agent_alive(job)):
-                continue
-            self.log.emit("shm_release", path=path, reason="leftover of a dead job")
-            shm.unlink_quiet(path)
+        reap_dead_jobs(self.log, keep=self.job_id)
 
     # ---- messages -------------------------------------------------------------------------
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
+        uid = protocol.peer_uid(conn)
+        if uid != os.geteuid():     # promise 9: another user's process never gets a word in
+            self.log.emit("refused", message=f"connection from uid {uid} (not this job's user) closed")
+            conn.close()
+            return
         conn.setblocking(False)
         self.sel.register(conn, selectors.EVENT_READ)
         self.clients[conn] = _Client()
@@ -183,8 +192,33 @@ class Agent:
         if not data:
             self._disconnect(conn)
             return
-        for msg in client.reader.feed(data):
-            self._handle(conn, client, msg)
+        try:
+            for line in client.reader.feed(data):
+                try:
+                    msg = protocol.parse(line)
+                    if not client.authed:
+                        if not hmac.compare_digest(str(msg.get("key", "")), self.key):
+                            raise protocol.BadMessage("the first message must carry the job's key")
+                        client.authed = True
+                    if msg["op"] in ("persist", "flush", "bye") and msg["rank"] != client.rank:
+                        raise protocol.BadMessage(f"{msg['op']} for rank {msg['rank']} on a connection that "
+                                                  f"said hello as rank {client.rank}")
+                except protocol.BadMessage as exc:
+                    self._refuse_message(conn, client, str(exc))
+                    if not client.authed:
+                        self._disconnect(conn)
+                        return
+                    continue
+                self._handle(conn, client, msg)
+                if conn not in self.clients:
+                    return
+        except protocol.BadMessage as exc:     # a line too long: nothing sane comes after it
+            self._refuse_message(conn, client, str(exc))
+            self._disconnect(conn)
+
+    def _refuse_message(self, conn: socket.socket, client: _Client, why: str) -> None:
+        self.log.emit("refused", rank=client.rank, message=f"bad message: {why}")
+        self._send(conn, {"op": "error", "ok": False, "error": why})
 
     def _disconnect(self, conn: socket.socket) -> None:
         client = self.clients.pop(conn)
@@ -205,11 +239,11 @@ class Agent:
     def _handle(self, conn: socket.socket, client: _Client, msg: Dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "hello":
-            rank = int(msg["rank"])
-            refused = self._refuse(rank, int(msg.get("pid", 0)), client)
+            rank = msg["rank"]
+            refused = self._refuse(rank, msg["pid"], msg["world_size"], client)
             if refused:
                 self.ever_connected = True     # an agent started only for this trainer leaves at once
-                self.log.emit("error", rank=rank, message=refused)
+                self._fail_loudly("hello", refused, rank)
                 self._send(conn, {"op": "hello", "ok": False, "error": refused})
                 return
             for other_conn, other in list(self.clients.items()):
@@ -219,22 +253,24 @@ class Agent:
                     self.log.emit("trainer_replaced", rank=rank)
                     other.rank = None
                     self._disconnect(other_conn)
-            client.rank, client.pid = rank, int(msg.get("pid", 0))
-            self.world_size = int(msg["world_size"])
+            if not self._trainers():
+                self._new_trainers(msg["world_size"])
+            client.rank, client.pid = rank, msg["pid"]
+            self.world_size = msg["world_size"]
             self.coordinator = self.coordinator or client.rank == 0
             self.ever_connected = True
             self.local_ranks.add(client.rank)
             self.dead_ranks.discard(client.rank)
             self._release_stale(client.rank)
             self._send(conn, {"op": "hello", "ok": True, "agent_pid": os.getpid()})
+        elif op in ("persist", "flush", "bye") and client.rank is None:
+            self._refuse_message(conn, client, f"{op} before hello")
         elif op == "persist":
-            self._enqueue(_Job("persist", int(msg["step"]), int(msg["rank"]), int(msg["slot"]),
-                               int(msg["generation"])))
+            self._enqueue(_Job("persist", msg["step"], msg["rank"], msg["slot"], msg["generation"]))
         elif op == "flush":
-            rank, step = int(msg["rank"]), int(msg["step"])
+            rank, step = msg["rank"], msg["step"]
             if (rank, step) not in self.done:   # e.g. this agent replaced one that died: persist it now
-                self._enqueue(_Job("persist", step, rank, int(msg["slot"]), int(msg["generation"]),
-                                   reason="finalize"))
+                self._enqueue(_Job("persist", step, rank, msg["slot"], msg["generation"], reason="finalize"))
             self.flush_waiters.append((conn, rank, step))
             self._answer_flushes()
         elif op == "bye":
@@ -244,16 +280,35 @@ class Agent:
                 if view is not None:
                     view.close()
         elif op == "term":
-            self._on_term(float(msg["at"]), f"rank {msg.get('rank')}")
+            self._on_term(msg["at"], f"rank {msg['rank']}")
         elif op == "term_step":
-            self.term_step = int(msg["step"])
+            self.term_step = msg["step"]
+        elif op == "damaged":
+            self._enqueue(_Job("damaged", msg["step"], reason=msg["reason"]))
         elif op == "status":
             self._send(conn, self._status())
-        else:
-            self.log.emit("error", message=f"unknown message {msg!r}")
 
-    def _refuse(self, rank: int, pid: int, client: _Client) -> Optional[str]:
+    def _trainers(self) -> List[_Client]:
+        return [c for c in self.clients.values() if c.rank is not None]
+
+    def _new_trainers(self, world_size: int) -> None:
+        """The first hello after every earlier trainer is gone (a restart, or a new run in the same
+        directory): what this agent learnt from the earlier trainers must not decide for the new ones.
+        Work already queued for the earlier ones (the persist after their death) still completes."""
+        if not self.ever_connected:
+            return
+        self.epoch += 1
+        self.newest_committed = -1
+        self.log.emit("new_trainers", epoch=self.epoch, world_size=world_size,
+                      message="earlier trainers are gone; their pending steps no longer decide what commits")
+
+    def _refuse(self, rank: int, pid: int, world_size: int, client: _Client) -> Optional[str]:
         """Why a hello cannot be accepted (promise 8: one job per directory), or None."""
+        live = [c for c in self._trainers() if c is not client and shm.pid_alive(c.pid)]
+        if live and self.world_size is not None and world_size != self.world_size:
+            return (f"rank {rank} (pid {pid}) says world_size={world_size}, but this job's running trainers "
+                    f"(ranks {sorted(c.rank for c in live)}) have world_size={self.world_size}: one job per "
+                    f"save_dir and job_name; give the other job another save_dir or job_name")
         for other in self.clients.values():
             if other is not client and other.rank == rank and other.pid != pid and shm.pid_alive(other.pid):
                 return (f"rank {rank} of this job is already running (pid {other.pid}) with save_dir "
@@ -273,6 +328,7 @@ class Agent:
                 "connected": sorted(c.rank for c in self.clients.values() if c.rank is not None),
                 "dead_ranks": sorted(self.dead_ranks), "pending_commits": sorted(self.pending_commits),
                 "outstanding": self.outstanding, "last_error": self.last_error, "leaving": self.leaving,
+                "failed_steps": {str(k): v for k, v in sorted(self.failed.items())[-16:]},
                 "sigterm": None if self.term_at is None else {
                     "seconds_ago": round(now - self.term_at, 3), "agreed_step": self.term_step,
                     "deadline_in": round(self.term_at + self.cfg.grace_deadline - now, 3),
@@ -313,7 +369,8 @@ class Agent:
                 continue
             try:
                 slot = shm.Slot(path, writable=False)
-            except OSError:
+            except OSError as exc:     # UntrustedFileError included: never touch another user's file
+                self.log.emit("error", rank=rank, message=str(exc))
                 continue
             gen = slot.state()[1] if slot.mm is not None and slot.size >= shm.HEADER_BYTES else 0
             slot.close()
@@ -348,6 +405,9 @@ class Agent:
                     slot = shm.Slot(shm.slot_path(self.job_id, rank, i), writable=False)
                 except FileNotFoundError:
                     continue
+                except OSError as exc:
+                    self.log.emit("error", rank=rank, message=str(exc))
+                    continue
                 hdr = slot.read_header()
                 if hdr is not None:
                     per_rank[rank][hdr.step] = (i, hdr.generation)
@@ -363,7 +423,8 @@ class Agent:
         self.log.emit(event, step=step, ranks=sorted(per_rank))
         for rank, steps in per_rank.items():
             slot, gen = steps[step]
-            if self.done.get((rank, step), "not done") is None:
+            if self.done.get((rank, step), "not done") is None and os.path.isdir(commit.staging_dir(
+                    self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))):
                 continue
             self._enqueue(_Job("persist", step, rank, slot, gen, reason=reason))
         return True
@@ -447,29 +508,19 @@ class Agent:
 
     # ---- worker: the disk work ------------------------------------------------------------
 
-    def _warm_up(self) -> None:
-        """Native torch.save layouts need torch (and the classes inside the framework's files) in this
-        process. The persist thread imports them as soon as the agent starts, while the trainers are still
-        building their models: neither the trainers' start-up nor the first persist (during which a slot
-        stays reserved) waits for seconds of imports."""
-        modules = (["torch"] if self.cfg.naming.framework != "pytorch" else []) + list(self.cfg.naming.agent_imports)
-        for module in modules:
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                pass
-
     def _worker(self) -> None:
-        self._warm_up()
         while True:
             job = self.jobs.get()
             try:
                 if job.kind == "persist" and job.epoch < self.epoch and job.step != self.death_step:
                     err = ABANDONED
                 elif job.kind in ("persist", "commit"):
-                    err = self._persist(job) if job.kind == "persist" else self._commit(job.step)
+                    err = self._persist(job) if job.kind == "persist" else self._commit(job.step, epoch=job.epoch)
                 elif job.kind == "abandon":
                     err = self._remove_abandoned_staging(job.step)
+                elif job.kind == "damaged":
+                    err = None
+                    commit.mark_damaged(self.cfg.save_dir, self.cfg.naming.dir_name(job.step), job.reason, self.log)
                 elif job.kind == "drop":
                     commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=commit.staging_dir(
                         self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(job.step)))
@@ -509,7 +560,8 @@ class Agent:
 
     def _commit(self, step: int, quiet: bool = False, epoch: int = 0) -> Optional[str]:
         staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
-        if step < self.newest_committed:     # see _supersede: its last shard came after a newer commit
+        current = epoch == self.epoch     # a commit for trainers that are gone decides nothing for new ones
+        if current and step < self.newest_committed:   # see _supersede: its last shard came after a newer commit
             self.results.put((_Job("wait_commit", step, epoch=epoch), None))
             return None
         markers = commit.read_markers(staging)
@@ -521,9 +573,10 @@ class Agent:
         t0 = time.perf_counter()
         final, nbytes = commit.commit(self.cfg.save_dir, self.job_id, step, self.world_size, self.cfg.naming,
                                       self.log)
-        self.newest_committed = max(self.newest_committed, step)
+        if current:
+            self.newest_committed = max(self.newest_committed, step)
         self.log.emit("commit", step=step, path=final, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
-        self.results.put((_Job("committed", step), None))
+        self.results.put((_Job("committed", step, epoch=epoch), None))
         retention.prune(self.cfg.save_dir, self.cfg.naming, self.job_id,
                         retention.KeepLast(self.cfg.max_ckpt_num, retention.protected(final)), self.log)
         return None
@@ -539,15 +592,17 @@ class Agent:
             if job.kind == "wait_commit":
                 if job.epoch < self.epoch and job.step != self.death_step:
                     continue          # its trainers died meanwhile: abandoned, nobody will complete it
-                if job.step < self.newest_committed:
+                if job.epoch == self.epoch and job.step < self.newest_committed:
                     self._supersede(job.step)
                     continue
                 self.pending_commits.setdefault(job.step, time.monotonic() + self.cfg.commit_timeout)
                 continue
             if job.kind == "committed":
                 self.pending_commits.pop(job.step, None)
-                for older in sorted(s for s in self.pending_commits if s < job.step):
-                    self._supersede(older)
+                self.failed.pop(job.step, None)
+                if job.epoch == self.epoch:
+                    for older in sorted(s for s in self.pending_commits if s < job.step):
+                        self._supersede(older)
                 self._term_served(job.step)
                 continue
             self.outstanding -= 1
@@ -603,19 +658,15 @@ class Agent:
         except OSError:
             pass     # the agent's log may sit on the very disk that is full
         self.pending_commits.pop(step, None)
+        self.failed[step] = f"rank {rank}: {err}" if rank is not None else err
+        # the staging dir goes with every rank's shard in it: no rank's shard of this step counts as done
+        # any more, so a later persist of the step (after the trainers' death, a finalize) writes them all
+        for key, done in list(self.done.items()):
+            if key[1] == step and done is None:
+                self.done[key] = f"step {step} failed: {self.failed[step]}"
+        self._answer_flushes()
         staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
         commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=staging)
-
-
-def _agent_alive(job_id: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(protocol.address(job_id))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
 
 
 AGENT_NICE = 10
@@ -635,6 +686,9 @@ def main(argv: List[str]) -> int:
         print(f"easyckpt agent for job {cfg.job_id} not started: {exc} (another agent is running?)",
               file=sys.stderr)
         return 3
+    except EasyCkptError as exc:
+        print(f"easyckpt agent for job {cfg.job_id} not started: {exc}", file=sys.stderr)
+        return 4
     agent.run()
     return 0
 

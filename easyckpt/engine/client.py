@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 from ..config import Config
 from ..errors import AgentError, ConfigError
 from ..events import AuditLog
-from . import protocol
+from . import jobkey, protocol, shm
 
 
 class AgentClient:
@@ -27,6 +27,7 @@ class AgentClient:
         self.reader = protocol.LineReader()
         self.agent_pid: Optional[int] = None
         self._spawned: Optional[subprocess.Popen] = None
+        self._attached_once = False     # after the first attach, any local rank restarts a dead agent
         # A process forked from the trainer (data-loader workers, a multiprocessing manager) would keep
         # the connection open after the trainer died, and the agent would never learn of the death.
         os.register_at_fork(after_in_child=self._drop_in_child)
@@ -42,24 +43,35 @@ class AgentClient:
 
     def _connect(self) -> None:
         deadline = time.monotonic() + self.cfg.agent_start_timeout
+        key = jobkey.ensure(self.cfg.job_id)
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.cfg.agent_start_timeout)
             try:
                 sock.connect(protocol.address(self.cfg.job_id))
-                sock.sendall(protocol.encode({"op": "hello", "rank": self.rank, "world_size": self.world_size,
-                                              "local_rank": self.local_rank, "pid": os.getpid()}))
+                uid = protocol.peer_uid(sock)
+                if uid != os.geteuid():
+                    sock.close()
+                    raise AgentError(f"rank {self.rank}: the agent address of job {self.cfg.job_id} is held by a "
+                                     f"process of uid {uid}, not of this job's user: easyckpt will not talk to it. "
+                                     f"Stop that process (see `ss -xlp | grep easyckpt-agent-{self.cfg.job_id}`), or "
+                                     f"give this job another save_dir or job_name")
+                sock.sendall(protocol.encode({"op": "hello", "key": key, "rank": self.rank,
+                                              "world_size": self.world_size, "local_rank": self.local_rank,
+                                              "pid": os.getpid()}))
                 self.reader = protocol.LineReader()
                 reply = protocol.recv_one(sock, self.reader)
                 if reply and reply.get("ok"):
                     self.sock, self.agent_pid = sock, reply["agent_pid"]
+                    self._attached_once = True
                     return
                 sock.close()   # an agent on its way out: try again (and start a new one)
                 if reply and reply.get("error"):
                     raise ConfigError(reply["error"])
-            except OSError:
+            except (OSError, ValueError):
                 sock.close()
-            if self.local_rank == 0 and (self._spawned is None or self._spawned.poll() is not None):
+            if (self.local_rank == 0 or self._attached_once) and (self._spawned is None or
+                                                                 self._spawned.poll() is not None):
                 self._spawn()
             if time.monotonic() > deadline:
                 raise AgentError(f"rank {self.rank}: no easyckpt agent answered for job {self.cfg.job_id} within "
@@ -67,14 +79,31 @@ class AgentClient:
                                  f"{self._agent_log()} for its errors")
             time.sleep(0.05)
 
+    def alive(self) -> bool:
+        """Whether the agent this trainer attached to still runs (a cheap check, no message)."""
+        return self.agent_pid is not None and shm.pid_alive(self.agent_pid) and \
+            protocol.agent_listening(self.cfg.job_id)
+
+    def reattach(self, why: str) -> None:
+        """The agent died: start a new one (any local rank may) and attach to it. Its hello releases the
+        slot reservations the dead agent held, so snapshots and persists go on."""
+        self.log.emit("warning", rank=self.rank, message=f"the easyckpt agent (pid {self.agent_pid}) is gone "
+                                                          f"({why}); starting a new one")
+        self.close()
+        self._connect()
+
     def _agent_log(self) -> str:
         return os.path.join(self.cfg.save_dir, f".easyckpt-agent-{socket.gethostname()}.log")
 
     def _spawn(self) -> None:
-        with open(self._agent_log(), "ab") as err:
+        # never through a symlink planted in the save dir (promise 9)
+        fd = os.open(self._agent_log(), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
             self._spawned = subprocess.Popen(
                 [sys.executable, "-m", "easyckpt.engine.agent", json.dumps(self.cfg.to_json())],
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err, close_fds=True, start_new_session=True)
+                stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, close_fds=True, start_new_session=True)
+        finally:
+            os.close(fd)
 
     def send(self, msg: Dict[str, Any]) -> None:
         """Send one message; if the agent died in the meantime, re-attach (restarting it) once."""
@@ -91,16 +120,33 @@ class AgentClient:
                     raise AgentError(f"rank {self.rank}: cannot reach the easyckpt agent: {exc}") from exc
 
     def request(self, msg: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-        self.send(msg)
-        assert self.sock is not None
-        self.sock.settimeout(timeout)
-        try:
-            reply = protocol.recv_one(self.sock, self.reader)
-        except socket.timeout:
-            raise AgentError(f"rank {self.rank}: the agent did not answer {msg['op']} within {timeout}s") from None
-        if reply is None:
-            raise AgentError(f"rank {self.rank}: the agent exited while answering {msg['op']}")
-        return reply
+        """Send ``msg`` and wait for its reply. If the agent dies meanwhile, a new one is started and asked
+        once more (a flush then persists the step from the slot: nothing waits for a dead agent)."""
+        deadline = time.monotonic() + timeout
+        for attempt in (0, 1):
+            self.send(msg)
+            assert self.sock is not None
+            try:
+                while True:
+                    self.sock.settimeout(min(1.0, max(0.01, deadline - time.monotonic())))
+                    try:
+                        reply = protocol.recv_one(self.sock, self.reader)
+                        break
+                    except socket.timeout:
+                        if time.monotonic() > deadline:
+                            raise AgentError(f"rank {self.rank}: the agent did not answer {msg['op']} within "
+                                             f"{timeout}s") from None
+                        if not self.alive():
+                            reply = None
+                            break
+            except OSError:
+                reply = None
+            if reply is not None:
+                return reply
+            if attempt:
+                break
+            self.reattach(f"it exited while answering {msg['op']}")
+        raise AgentError(f"rank {self.rank}: the agent exited twice while answering {msg['op']}")
 
     def close(self) -> None:
         if self.sock is not None:
@@ -110,17 +156,23 @@ class AgentClient:
 
 def one_shot(job_id: str, msg: Dict[str, Any], timeout: float = 2.0) -> Optional[Dict[str, Any]]:
     """Send one message to a job's agent on a connection of its own (no hello: the agent does not count it
-    as a trainer); return the reply for ops that have one (status), None otherwise or when no agent runs.
-    Threads other than the trainer's main one use this, so they never share its socket."""
+    as a trainer); return the reply for ops that have one (status), None otherwise or when no agent of
+    this user runs. Threads other than the trainer's main one use this, so they never share its socket."""
+    try:
+        key = jobkey.read(job_id)
+    except (OSError, AgentError):
+        return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(protocol.address(job_id))
-        sock.sendall(protocol.encode(msg))
+        if not protocol.same_user(sock):
+            return None
+        sock.sendall(protocol.encode({**msg, "key": key}))
         if msg.get("op") != "status":
             return None
         return protocol.recv_one(sock, protocol.LineReader())
-    except OSError:
+    except (OSError, ValueError):
         return None
     finally:
         sock.close()

@@ -91,6 +91,7 @@ def commit(save_dir: str, job_id: str, step: int, world_size: int, naming: Namin
     rename_noreplace(staging, final)
     faults.inject("agent.after_rename")
     fsync_dir(save_dir)
+    _clear_damaged(save_dir, final_name)
     faults.inject("agent.before_tracker")
     if naming.tracker:
         atomic_write(os.path.join(save_dir, naming.tracker), naming.tracker_format.format(step).encode())
@@ -113,6 +114,43 @@ def add_to_manifest(step_dir: str, entries: Dict[str, Dict[str, Any]]) -> None:
     man["files"].update(entries)
     man["files"] = dict(sorted(man["files"].items()))
     atomic_write(os.path.join(step_dir, mf.MANIFEST_NAME), json.dumps(man, indent=1).encode())
+
+
+DAMAGED_NAME = ".easyckpt-damaged.json"
+
+
+def mark_damaged(save_dir: str, dir_name: str, reason: str, log: AuditLog) -> None:
+    """Record that the loader rejected committed step directory ``dir_name`` (retention.py then never
+    keeps it in place of a verified one). The record survives restarts; it is a hint, never trusted
+    for more than ordering deletions."""
+    record = read_damaged(save_dir)
+    record[dir_name] = reason[:500]
+    log.emit("damaged", path=os.path.join(save_dir, dir_name), reason=reason[:500])
+    atomic_write(os.path.join(save_dir, DAMAGED_NAME), json.dumps(record, indent=1, sort_keys=True).encode())
+
+
+def read_damaged(save_dir: str) -> Dict[str, str]:
+    """{step directory name: why the loader rejected it}; empty when there is no valid record."""
+    try:
+        fd = os.open(os.path.join(save_dir, DAMAGED_NAME), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return {}
+    try:
+        data = json.loads(os.read(fd, 1 << 20) or b"{}")
+    except ValueError:
+        return {}
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _clear_damaged(save_dir: str, dir_name: str) -> None:
+    """A new commit under a name the loader once rejected is a new, verified checkpoint."""
+    record = read_damaged(save_dir)
+    if record.pop(dir_name, None) is not None:
+        atomic_write(os.path.join(save_dir, DAMAGED_NAME), json.dumps(record, indent=1, sort_keys=True).encode())
 
 
 def trash_path(save_dir: str, job_id: str, victim: str) -> str:

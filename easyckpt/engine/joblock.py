@@ -8,6 +8,7 @@ agent drops it when it goes idle, so a job whose trainers are gone does not bloc
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -32,7 +33,13 @@ class JobLock:
         """None when this job holds the lock now; else a message naming the job that holds it."""
         if self.fd is not None:
             return None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:   # never through a symlink planted in the save dir: it would truncate its target (promise 9)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            return (f"nobody: {self.path} is a symlink, which easyckpt never follows; remove it (another user "
+                    f"may have planted it)")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

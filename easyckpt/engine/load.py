@@ -40,7 +40,9 @@ class Loaded:
     manifest: Optional[Dict[str, Any]] = None   # the committed step's manifest (storage only)
 
 
-def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog) -> Optional[Loaded]:
+def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog,
+                on_rejected: Optional[Callable[[int, str], None]] = None) -> Optional[Loaded]:
+    """``on_rejected(step, why)``: called on rank 0 for each committed step rejected as damaged."""
     # a snapshot taken with another world size holds another layout's shards: storage has to serve that
     mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.world_size == world_size]
     stored = retention.committed(cfg.save_dir, cfg.naming)
@@ -74,6 +76,8 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
             return Loaded(step, "storage", paths[step], trees, nbytes, time.perf_counter() - t0, man)
         message = "; ".join(f"rank {r}: {v}" for r, v in bad)
         log.emit("error", step=step, path=paths[step], message=f"checkpoint rejected: {message}")
+        if on_rejected is not None and rank == 0:
+            on_rejected(step, message)
         log.emit("warning", step=step, message="falling back to the previous committed checkpoint")
     return None
 

@@ -3,13 +3,15 @@
 Runs in the node agent, never in a trainer. Each shard file is a small JSON header followed by the
 tensor bytes, which go from the slot to the disk with O_DIRECT and no copy (storage/direct.py); a
 thread checksums the same bytes from the mapping meanwhile. Framework-native torch.save files go
-through the same writer's bounce buffer. After the last byte the slot's generation is checked again:
+are assembled from the trainer's pickle and the slot's bytes (torchzip.py): the agent never unpickles.
+Every file name comes from the slot's checked metadata (slotmeta.py) and stays inside the staging
+directory (paths.py); files are created exclusively, never through a symlink. After the last byte the slot's generation is checked again:
 if the trainer had started to overwrite the slot, the shard is discarded (promise 3: the values
 persisted for step S are the values of step S).
 """
 from __future__ import annotations
 
-import json
+import base64
 import os
 import threading
 import time
@@ -19,9 +21,9 @@ from .. import faults
 from ..storage.direct import SequentialWriter
 from ..storage.posix import fsync_dir
 from . import manifest as mf
-from . import shm
+from . import shm, slotmeta, torchzip
+from .paths import inside
 from .shardfile import encode_header, file_entries
-from .tree import raw_bytes
 
 
 class SnapshotChanged(RuntimeError):
@@ -42,7 +44,7 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int,
         meta_raw = slot.read_meta(hdr)
         if meta_raw is None:
             raise SnapshotChanged(f"slot {slot_path} has damaged metadata")
-        meta = json.loads(meta_raw)
+        meta = slotmeta.parse(meta_raw, hdr.step, shm.HEADER_BYTES, hdr.meta_offset)
         files: Dict[str, Any] = {}
         total = 0
         made_dirs = {staging}
@@ -54,18 +56,18 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int,
                     if not f["persist"]:
                         continue
                     rel = f["relpath"]
-                    path = os.path.join(staging, rel)
-                    parent = os.path.dirname(path)
+                    parent = os.path.dirname(os.path.join(staging, rel))
                     if parent not in made_dirs:
                         os.makedirs(parent, exist_ok=True)
                         made_dirs.add(parent)
+                    path = inside(staging, rel)     # after makedirs: no directory on the way is a symlink out
                     out = SequentialWriter(path, direct=direct_io)
                     written.append(out)
                     fmt = f.get("fmt", "safetensors")
                     if fmt == "torch":
                         digest = _write_torch(out, view, f, meta["skeletons"][rel])
                     elif fmt == "raw":
-                        data = raw_bytes(meta["skeletons"][rel])
+                        data = base64.b64decode(meta["skeletons"][rel]["__raw"])
                         out.write(data)
                         digest = mf.checksum(data)
                     else:
@@ -106,44 +108,20 @@ def _write_shard(out: SequentialWriter, header: bytes, view: memoryview, start: 
     return hasher.hexdigest()
 
 
-class _HashingWriter:
-    """A file object for torch.save that writes through ``out`` and checksums on the way."""
+def _write_torch(out: SequentialWriter, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]) -> str:
+    """A framework-native torch.save file from the trainer's pickle and the tensor bytes in the slot."""
+    ranges = slotmeta.tensor_ranges(f)
+    storages = [tuple(ranges[key]) for key in skeleton["storages"]]
+    hasher = mf.Hasher()
 
-    def __init__(self, out: SequentialWriter):
-        self.out, self.hasher = out, mf.Hasher()
+    def write(data: bytes) -> None:
+        hasher.update(data)
+        out.write(data)
 
-    def write(self, data) -> int:
-        self.hasher.update(data)
-        return self.out.write(data)
+    def write_slot(begin: int, end: int) -> None:
+        hasher.update(view[begin:end])
+        out.write_mapped(view, begin, end)
 
-    def flush(self) -> None:
-        pass
-
-
-def _write_torch(out: SequentialWriter, view: memoryview, f: Dict[str, Any], skeleton: Any) -> str:
-    """A framework-native torch.save file. torch is imported here only: jobs whose layouts are all
-    safetensors keep an agent that never loads it."""
-    import warnings
-
-    import torch
-    import torch.utils.serialization as serialization
-
-    from .shardfile import torch_dtype
-    from .tree import unflatten_pickled
-
-    # one storage per tensor, as a plain torch.save of the live state would have: consumers such as
-    # torch.set_rng_state read a tensor's storage from its start, ignoring a view's offset
-    tensors: Dict[str, Any] = {}
-    with warnings.catch_warnings():   # the slot is mapped read-only; we only read through it
-        warnings.simplefilter("ignore")
-        for key, dtype, shape, b, e in f["tensors"]:
-            dt = torch_dtype(dtype)
-            tensors[key] = (torch.frombuffer(view[b:e], dtype=dt).view(shape) if e > b
-                            else torch.empty(shape, dtype=dt))
-    tree = unflatten_pickled(skeleton, tensors)
-    writer = _HashingWriter(out)
-    # the manifest's xxh3 already guards integrity; torch's per-record CRC32 would halve the speed
-    serialization.config.save.compute_crc32 = False
-    torch.save(tree, writer)
-    del tree, tensors
-    return writer.hasher.hexdigest()
+    torchzip.write_torch_file(write, write_slot, lambda: out.size, base64.b64decode(skeleton["__torchzip"]),
+                              storages)
+    return hasher.hexdigest()

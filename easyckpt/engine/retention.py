@@ -1,7 +1,9 @@
 """Which committed checkpoints stay: pruning after a successful commit.
 
 Rules (promise 4): only directories that match the framework's naming AND carry a manifest of this
-job; never the newest committed one; every delete is logged before it happens; a directory is first
+job; never the newest committed one; every delete is logged before it happens; a checkpoint the
+loader rejected (commit.mark_damaged) never counts towards the ones kept, and goes once a newer
+verified one exists, so a verified checkpoint is never deleted while a damaged one stays (promise 10); a directory is first
 renamed out of sight (atomic) and then removed, so a crash mid-delete never leaves a half-deleted
 directory under a checkpoint's name.
 """
@@ -16,7 +18,7 @@ from ..config import Naming
 from ..events import AuditLog
 from ..storage.posix import fsync_dir
 from . import manifest as mf
-from .commit import trash_path
+from .commit import read_damaged, trash_path
 
 
 def step_dirs(save_dir: str, naming: Naming) -> List[Tuple[int, str]]:
@@ -81,8 +83,14 @@ class KeepLast:
 
 def prune(save_dir: str, naming: Naming, job_id: str, policy: RetentionPolicy, log: AuditLog) -> List[int]:
     deleted = []
-    for step, path in policy.to_delete(committed(save_dir, naming, job_id)):
-        log.emit("delete", step=step, path=path, reason="retention")
+    ours = committed(save_dir, naming, job_id)
+    damaged = read_damaged(save_dir)
+    verified = [(s, p) for s, p in ours if os.path.basename(p) not in damaged]
+    victims = [(s, p, "retention") for s, p in policy.to_delete(verified)]
+    victims += [(s, p, f"damaged ({damaged[os.path.basename(p)]})") for s, p in ours[1:]
+                if os.path.basename(p) in damaged and any(v > s for v, _ in verified)]
+    for step, path, why in sorted(victims, reverse=True):
+        log.emit("delete", step=step, path=path, reason=why)
         trash = trash_path(save_dir, job_id, path)
         os.rename(path, trash)
         fsync_dir(save_dir)

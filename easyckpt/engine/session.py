@@ -29,6 +29,7 @@ from . import runlog
 from .client import AgentClient, one_shot
 from .load import Loaded, Needed, load_newest
 from .preempt import Preemption
+from .reap import reap_dead_jobs
 from .overlap import OptimizerWatch, auto_overlap
 from .snapshot import PendingSnapshot, ShardSpec, SnapshotResult, Snapshotter
 
@@ -42,12 +43,15 @@ class Engine:
         self.cfg = validate(cfg)
         where = placement()
         self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
-        self.log = AuditLog(cfg.log_file_path, f"rank{self.rank}")
+        self.log = AuditLog(cfg.audit_log, f"rank{self.rank}")
+        reap_dead_jobs(self.log, keep=cfg.job_id)
         self.snapshotter = Snapshotter(cfg.job_id, self.rank, self.world_size)
         self.client = AgentClient(cfg, self.rank, self.local_rank, self.world_size, self.log)
         self.last: Optional[SnapshotResult] = None
         self.last_persisted_step: Optional[int] = None
         self.last_step: Optional[int] = None
+        self.last_complete_step: Optional[int] = None   # newest snapshot a crash would resume from
+        self.reported_failures: set = set()
         self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
@@ -99,22 +103,31 @@ class Engine:
                   info: Info = None, overlap: bool = False) -> Optional[SnapshotResult]:
         self.settle()
         defer = self.watch.deferrable() if overlap else None
-        result = self.snapshotter.snapshot(step, collect(), persist, info, defer)
+        shards = collect()
+        result = self.snapshotter.snapshot(step, shards, persist, info, defer)
+        if result is None and not self.client.alive():
+            # both slots reserved by an agent that died: a new agent releases them (promise 10)
+            self.client.reattach("both snapshot slots stay reserved by it")
+            result = self.snapshotter.snapshot(step, shards, persist, info, defer)
         if isinstance(result, PendingSnapshot):
             self.pending, self._pending_persist = result, persist
             return None
         if result is None and quiet:
             return None
         if result is None:
-            self.log.emit("skip", step=step, rank=self.rank,
-                          message="both snapshot slots are reserved for persisting: storage is slower than "
-                                  "save_storage_interval; this snapshot is skipped, training goes on")
+            behind = step - (self.last_complete_step if self.last_complete_step is not None else 0)
+            self.log.emit("skip", step=step, rank=self.rank, behind=behind,
+                          message=f"rank {self.rank}: snapshot of step {step} skipped: both snapshot slots are still "
+                                  f"being persisted (storage is slower than save_storage_interval="
+                                  f"{self.cfg.save_storage_interval}); a crash now would lose {behind} iterations on "
+                                  f"this rank, more than save_mem_interval={self.cfg.save_mem_interval}")
             return None
         self._snapshot_done(result, persist)
         return result
 
     def _snapshot_done(self, result: SnapshotResult, persist: bool, copy_seconds: Optional[float] = None) -> None:
         self.last = result
+        self.last_complete_step = result.step
         self.log.emit("snapshot", step=result.step, rank=self.rank, slot=result.slot, bytes=result.nbytes,
                       seconds=round(result.seconds, 6),
                       **({} if copy_seconds is None else {"background_seconds": round(copy_seconds, 6)}))
@@ -192,6 +205,23 @@ class Engine:
             self.last_persisted_step = result.step
         except AgentError as exc:   # never take training down for a failed persist (promise 2)
             self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
+        self._report_failures(self.failed_steps())
+
+    def failed_steps(self) -> Dict[int, str]:
+        """Steps the agent could not persist or commit, with why (from its status)."""
+        status = one_shot(self.cfg.job_id, {"op": "status"}) or {}
+        failed = status.get("failed_steps")
+        return {int(k): str(v) for k, v in failed.items() if str(k).isdigit()} if isinstance(failed, dict) else {}
+
+    def _report_failures(self, failed: Dict[int, str]) -> None:
+        """A step that cannot be committed is said on the console once (rank 0), while training goes on
+        and later steps still commit (promise 2)."""
+        for step in sorted(set(failed) - self.reported_failures):
+            self.reported_failures.add(step)
+            if self.rank == 0:
+                self.log.emit("error", step=step, rank=self.rank,
+                              message=f"easyckpt: step {step} was not committed: {failed[step]}; training goes on "
+                                      f"and later steps are still saved")
 
     def persist_now(self, step: int, collect: Collect, timeout: Optional[float] = None, info: Info = None,
                     fresh: bool = False) -> SnapshotResult:
@@ -222,6 +252,8 @@ class Engine:
             result = self._snapshot(step, lambda: shards, persist=True, quiet=True, info=info)
             if result is not None:
                 return result
+            if not self.client.alive():
+                self.client.reattach(f"no slot was released to save step {step}")
             if time.monotonic() > deadline:
                 raise AgentError(f"rank {self.rank}: no snapshot slot was released in time to save step {step}")
             time.sleep(0.01)
@@ -230,7 +262,9 @@ class Engine:
 
     def load(self, needed: Needed) -> Optional[Loaded]:
         self.settle()
-        loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log)
+        loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log,
+                             on_rejected=lambda step, why: one_shot(self.cfg.job_id, {
+                                 "op": "damaged", "step": step, "reason": why}))
         if loaded is not None:
             self.log.emit("load", step=loaded.step, rank=self.rank, source=loaded.source, path=loaded.path,
                           bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
@@ -278,10 +312,20 @@ class Engine:
         # the ranks whose shard was there, as last seen while waiting: the coordinator's agent gives up at
         # about the same moment and removes the staging directory, which would hide who was missing
         seen: Optional[set] = None
+        next_check = time.monotonic() + 0.25
         while True:
             done = mf.read(final)
             if done is not None and done["step"] == step:
                 return
+            if time.monotonic() > next_check:     # fail at once, not at the deadline (promise 10)
+                next_check = time.monotonic() + 0.25
+                failed = self.failed_steps()
+                if step in failed:
+                    raise AgentError(f"rank {self.rank}: step {step} was not committed: {failed[step]}")
+                if not self.client.alive():
+                    self.client.reattach(f"it died before step {step} was committed")
+                    if self.last is not None and self.last.step == step:
+                        self._request_persist(self.last)
             if os.path.isdir(staging):
                 now = set(commit.read_markers(staging))
                 if seen is None or len(now) >= len(seen):    # markers only go while the dir is removed

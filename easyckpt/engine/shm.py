@@ -15,16 +15,18 @@ readers re-check the generation after reading.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
+import stat
 import struct
 import time
 import zlib
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
-from ..errors import ShmCapacityError
+from ..errors import ShmCapacityError, UntrustedFileError
 
 SHM_DIR = os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm")
 PREFIX = "easyckpt-"
@@ -95,13 +97,40 @@ def shm_advice() -> str:
             "`mount -o remount,size=<size> /dev/shm`. Or lower the number of ranks per node")
 
 
+def check_owner(path: str, st: os.stat_result) -> None:
+    """Promise 9: a file in /dev/shm is trusted only if it is a regular file of this user that no one
+    else can read or write (a symlink never gets here: every open uses O_NOFOLLOW)."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise UntrustedFileError(
+            f"refusing {path}: it is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}, but easyckpt "
+            f"only uses regular files of its own user (uid {os.geteuid()}) with mode 0600 there; another user may "
+            f"have planted it. Remove it (as its owner or root) and start again")
+
+
+def open_checked(path: str, flags: int) -> int:
+    """An fd of ``path`` opened without following a symlink, after the owner and mode check."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedFileError(f"refusing {path}: it is a symlink (another user may have planted it); "
+                                     f"remove it and start again") from None
+        raise
+    try:
+        check_owner(path, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class Slot:
     """One mapped slot file. Trainers open it read-write; the agent and loaders open it read-only."""
 
     def __init__(self, path: str, writable: bool):
         self.path = path
         self.writable = writable
-        self.fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        self.fd = open_checked(path, os.O_RDWR if writable else os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
         self.mm: Optional[mmap.mmap] = None
         self.pinned = 0          # address registered with CUDA (page-locked), 0 if not
@@ -122,7 +151,10 @@ class Slot:
         ENOSPC here, before any copy, instead of a SIGBUS in the middle of a snapshot (promise 6).
         Slots only grow: a reader may hold a mapping of the old size, and shrinking would SIGBUS it.
         """
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:   # exclusively, never through a symlink: a pre-created slot is someone else's (promise 9)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            fd = open_checked(path, os.O_RDWR)   # ours from an earlier run of this job, or refused
         try:
             current = os.fstat(fd).st_size
             if current < size:
@@ -249,7 +281,7 @@ class AgentView:
     """The agent's read-write handle on the two agent-owned words of a slot (nothing else)."""
 
     def __init__(self, path: str):
-        fd = os.open(path, os.O_RDWR)
+        fd = open_checked(path, os.O_RDWR)
         try:
             self.mm = mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -288,11 +320,21 @@ def is_leftover(path: str, job_alive: bool, quiet_seconds: float = LEFTOVER_SECO
 
 def segment_owner_pid(path: str) -> int:
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_HDR.size)
-        return _HDR.unpack_from(raw)[10] if len(raw) == _HDR.size and raw[:8] == MAGIC else 0
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return 0
+    try:
+        raw = os.pread(fd, _HDR.size, 0)
+    finally:
+        os.close(fd)
+    return _HDR.unpack_from(raw)[10] if len(raw) == _HDR.size and raw[:8] == MAGIC else 0
+
+
+def owned_by_me(path: str) -> bool:
+    try:
+        return os.lstat(path).st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def pid_alive(pid: int) -> bool:
@@ -305,6 +347,17 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+_KEY_NAME = re.compile(r"^easyckpt-([0-9a-f]{12})-key$")
+
+
+def keyed_jobs() -> List[str]:
+    """Jobs with a key file (jobkey.py) on this node."""
+    try:
+        return [m.group(1) for m in map(_KEY_NAME.match, sorted(os.listdir(SHM_DIR))) if m]
+    except FileNotFoundError:
+        return []
 
 
 def segments_of(job_id: str) -> List[str]:

@@ -25,7 +25,7 @@ import torch
 
 from .. import faults
 from ..errors import ShmCapacityError
-from . import shm
+from . import shm, slotmeta
 from .shardfile import dtype_name
 from .tree import FLATTEN, rebuild
 
@@ -381,8 +381,12 @@ def complete_snapshots(job_id: str, rank: int) -> List[SlotInfo]:
             continue
         try:
             hdr = slot.read_header()
-            if hdr is not None and slot.read_meta(hdr) is not None:
+            raw = None if hdr is None else slot.read_meta(hdr)
+            if raw is not None:
+                slotmeta.parse(raw, hdr.step, shm.HEADER_BYTES, hdr.meta_offset)
                 found.append(SlotInfo(i, hdr.step, hdr.generation, hdr.world_size))
+        except slotmeta.BadSlotMeta:
+            pass     # not a snapshot we can use: storage serves instead
         finally:
             slot.close()
     return sorted(found, key=lambda s: -s.step)
@@ -397,7 +401,7 @@ def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[st
         meta = None if hdr is None or hdr.step != step else slot.read_meta(hdr)
         if meta is None:
             raise ValueError(f"snapshot of step {step} in slot {slot_index} of rank {rank} is gone or damaged")
-        meta = json.loads(meta)
+        meta = slotmeta.parse(meta, step, shm.HEADER_BYTES, hdr.meta_offset)
         with warnings.catch_warnings():   # the mapping is read-only and we only read through it
             warnings.simplefilter("ignore")
             base = torch.frombuffer(slot.mm, dtype=torch.uint8)

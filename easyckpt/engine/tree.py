@@ -8,7 +8,7 @@ with the path that holds it, instead of silently pickling code into a checkpoint
 from __future__ import annotations
 
 import base64
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 
@@ -106,31 +106,55 @@ def _hashable(key: Any) -> Any:
 # ---- skeletons for framework-native torch.save files ---------------------------------------------
 #
 # Megatron and DeepSpeed write torch.save pickles that hold objects JSON cannot (argparse.Namespace,
-# enums). For such shards the trainer pickles the tree with every tensor replaced by a TensorRef; the
-# agent unpickles it from the trainer's own shared memory (never from a checkpoint file), puts views of
-# the slot in place of the refs and torch.saves the result. Checkpoint files themselves are only ever
-# read back through safe_torch_load (weights_only, with an explicit allow-list).
+# enums). For such shards the TRAINER produces the pickle part of the torch.save file itself (``data.pkl``,
+# with every tensor a persistent reference to storage record i, exactly as torch.save writes it); the
+# agent only assembles the zip archive from those bytes and the tensor bytes in the slot
+# (torchzip.py), so it never unpickles anything (promise 9). Checkpoint files and snapshots are only
+# ever read back through the weights-only unpickler with an explicit allow-list (safe_torch_load,
+# rebuild).
 
-class TensorRef:
-    __slots__ = ("key",)
+TORCHZIP = "__torchzip"
 
-    def __init__(self, key: str):
-        self.key = key
 
-    def __reduce__(self):
-        return (TensorRef, (self.key,))
+class _StorageRef:
+    __slots__ = ("index", "dtype", "numel")
+
+    def __init__(self, index: int, dtype: torch.dtype, numel: int):
+        self.index, self.dtype, self.numel = index, dtype, numel
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
 
 
 def flatten_pickled(tree: Any) -> Tuple[Any, Tensors]:
+    """Skeleton {TORCHZIP: data.pkl (base64), "storages": [tensor key of storage record i, ...]}.
+    Tensors the walk cannot reach (inside other objects) are refused with their type, so that nothing
+    is pickled by value."""
+    import collections
+    import io
     import pickle
 
     tensors: Tensors = []
+    refs: Dict[int, _StorageRef] = {}
 
     def walk(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
-            key = f"{path}#{len(tensors)}"
-            tensors.append((key, obj.detach()))
-            return TensorRef(key)
+            if obj.layout != torch.strided:
+                raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {path or '<root>'}")
+            t = obj.detach()
+            ref = _StorageRef(len(tensors), t.dtype, t.numel())
+            tensors.append((f"{path}#{len(tensors)}", t))
+            refs[id(ref)] = ref
+            return _TensorStandIn(ref, tuple(t.shape))
         if isinstance(obj, dict):
             return type(obj)((k, walk(v, f"{path}/{k}")) for k, v in obj.items()) if type(obj) is not dict \
                 else {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
@@ -141,32 +165,66 @@ def flatten_pickled(tree: Any) -> Tuple[Any, Tensors]:
             return tuple(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
         return obj
 
-    refs = walk(tree, "")
-    return {"__pickle": base64.b64encode(pickle.dumps(refs, protocol=4)).decode()}, tensors
+    stand_in = walk(tree, "")
+
+    class _Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, _TensorStandIn):
+                return (torch._utils._rebuild_tensor_v2,
+                        (obj.ref, 0, obj.shape, _contiguous_stride(obj.shape), False, collections.OrderedDict()))
+            if isinstance(obj, torch.Tensor):
+                raise TypeError(f"easyckpt cannot save a tensor held inside a {type(obj).__name__} object "
+                                f"of a torch.save shard; keep tensors in dicts, lists and tuples")
+            return NotImplemented
+
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, _StorageRef):
+                return ("storage", _storage_type(obj.dtype), str(obj.index), "cpu", obj.numel)
+            return None
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(stand_in)   # protocol 2: what torch.save writes
+    skeleton = {TORCHZIP: base64.b64encode(buf.getvalue()).decode(), "storages": [k for k, _ in tensors]}
+    return skeleton, tensors
+
+
+class _TensorStandIn:
+    __slots__ = ("ref", "shape")
+
+    def __init__(self, ref: _StorageRef, shape: Tuple[int, ...]):
+        self.ref, self.shape = ref, shape
 
 
 def is_pickled(skeleton: Any) -> bool:
-    return isinstance(skeleton, dict) and set(skeleton) == {"__pickle"}
+    return isinstance(skeleton, dict) and TORCHZIP in skeleton
 
 
 def unflatten_pickled(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
-    """Only for skeletons this job's own trainers put into shared memory."""
-    import pickle
+    """The tree of a torch.save shard held in a snapshot, through the weights-only unpickler (the same
+    allow-list as safe_torch_load): a slot is never trusted to run code, even our own."""
+    import io
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, TensorRef):
-            return tensors[obj.key]
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                obj[k] = walk(v)
-            return obj
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-            return tuple(walk(v) for v in obj)
-        return obj
+    pkl = base64.b64decode(skeleton[TORCHZIP])
+    keys = skeleton["storages"]
 
-    return walk(pickle.loads(base64.b64decode(skeleton["__pickle"])))
+    def storage(pid: Any) -> Any:
+        _tag, _type, index, _location, _numel = pid
+        t = tensors[keys[int(index)]]
+        return torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+
+    return _weights_only_load(io.BytesIO(pkl), storage)
+
+
+def _weights_only_load(pkl_file: Any, persistent_load: Any) -> Any:
+    from torch import _weights_only_unpickler as wo
+
+    names = wo.get_globals_in_pkl(pkl_file)
+    pkl_file.seek(0)
+    known = set(wo._get_allowed_globals())
+    with torch.serialization.safe_globals(_allow(n for n in names if n not in known)):
+        unpickler = wo.Unpickler(pkl_file, encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        return unpickler.load()
 
 
 # Small non-tensor files of a native layout (JSON state, a pickled arguments object, a helper script)
@@ -225,19 +283,26 @@ def _allowed(name: str) -> Any:
     return obj if isinstance(obj, type) and issubclass(obj, enum.Enum) else None
 
 
-def safe_torch_load(data: bytes) -> Any:
-    """torch.load with weights_only=True, allowing argparse.Namespace, Enum classes of the known
-    frameworks and the few data classes in SAFE_CLASSES (their modules are imported from the installed
-    packages, never from the file)."""
-    import io
-
-    allowed = []
-    for name in torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)):
+def _allow(names: Iterable[str]) -> List[Any]:
+    """The classes behind ``names`` if every one is on the allow-list; ValueError naming the first that
+    is not."""
+    allowed: List[Any] = []
+    for name in names:
         obj = _allowed(name)
         if obj is None:
             raise ValueError(f"refusing to load: the file references {name}, which is not on easyckpt's "
                              f"allow-list (tensors, containers, argparse.Namespace, framework enums, "
                              f"DeepSpeed's loss scaler and fragment addresses, numpy arrays)")
         allowed.extend(obj if isinstance(obj, list) else [obj])
+    return allowed
+
+
+def safe_torch_load(data: bytes) -> Any:
+    """torch.load with weights_only=True, allowing argparse.Namespace, Enum classes of the known
+    frameworks and the few data classes in SAFE_CLASSES (their modules are imported from the installed
+    packages, never from the file)."""
+    import io
+
+    allowed = _allow(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
     with torch.serialization.safe_globals(allowed):
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")

@@ -13,9 +13,9 @@ current layout is refused with a message that names concat=True.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
-from ..config import Config, check_advanced
+from ..config import Config, check_advanced, log_setting
 from ..engine.session import EngineSlot
 from ..errors import ConfigError
 from . import state as _state
@@ -33,7 +33,7 @@ def _megatron_args() -> Any:
 
 
 def initialize_easyckpt(save_mem_interval: int = 1, save_storage_interval: int = 5, max_ckpt_num: Optional[int] = 5,
-                        log_file_path: Optional[str] = None, *, save_dir: Optional[str] = None, args: Any = None,
+                        log_file_path: Union[str, bool, None] = None, *, save_dir: Optional[str] = None, args: Any = None,
                         **advanced: Any) -> None:
     """Attach this rank to easyckpt. ``save_dir`` defaults to Megatron's ``args.save``."""
     global _args
@@ -44,7 +44,7 @@ def initialize_easyckpt(save_mem_interval: int = 1, save_storage_interval: int =
         raise ConfigError("no save directory: pass save_dir=... or run under Megatron-LM with --save")
     _slot.start(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
                             save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
-                            log_file_path=log_file_path, naming=_state.NAMING, **advanced))
+                            log_file_path=log_setting(log_file_path), naming=_state.NAMING, **advanced))
 
 
 def _collector(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any, flops: Optional[float]):

@@ -32,7 +32,7 @@ class SequentialWriter:
     """Writes one new file front to back. ``finish()`` must be called; fsync stays the caller's."""
 
     def __init__(self, path: str, direct: bool = True, mode: int = 0o644):
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         self.direct = bool(direct and _O_DIRECT)
         self.fd = -1
         if self.direct:

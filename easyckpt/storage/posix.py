@@ -56,7 +56,12 @@ def atomic_write(path: PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW   # a planted symlink is never written through
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileExistsError:      # a leftover of a process with our pid (or a planted name): the name only goes
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, 0o644)
     try:
         write_all(fd, data)
         os.fsync(fd)

@@ -1,0 +1,116 @@
+"""The metadata region of a snapshot slot: what a reader (the agent, a loader) accepts from it.
+
+A slot lives in /dev/shm, so its metadata is input: it is parsed as JSON (never unpickled) and every
+field is checked before it is used, in the manner of safetensors' validate(): file names are safe
+relative paths (paths.py), each file's tensors lie back to back inside the slot's data region, each
+tensor's byte count equals its shape times its dtype's size, and each file's skeleton has the form
+its format needs. A violation raises BadSlotMeta naming the field.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any, Dict, List
+
+from .paths import UnsafePath, check_relpath
+
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+            "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
+FORMATS = ("safetensors", "torch", "raw")
+MAX_DIMS = 64
+
+
+class BadSlotMeta(ValueError):
+    pass
+
+
+def _int(value: Any, what: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise BadSlotMeta(f"{what} = {value!r} is not an integer >= {low}")
+    return value
+
+
+def parse(raw: bytes, step: int, data_begin: int, data_end: int) -> Dict[str, Any]:
+    """The checked metadata of a slot whose header says ``step`` and whose data region is
+    [data_begin, data_end)."""
+    try:
+        meta = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadSlotMeta(f"metadata is not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise BadSlotMeta("metadata is not a JSON object")
+    if meta.get("step") != step:
+        raise BadSlotMeta(f"metadata step {meta.get('step')!r} != header step {step}")
+    files, skeletons = meta.get("files"), meta.get("skeletons")
+    if not isinstance(files, list) or not isinstance(skeletons, dict):
+        raise BadSlotMeta("metadata lacks a 'files' list or a 'skeletons' object")
+    if not isinstance(meta.get("info", {}), dict):
+        raise BadSlotMeta("metadata 'info' is not an object")
+    seen = set()
+    for n, f in enumerate(files):
+        _check_file(f, n, skeletons, data_begin, data_end)
+        if f["relpath"] in seen:
+            raise BadSlotMeta(f"file {f['relpath']!r} appears twice")
+        seen.add(f["relpath"])
+    return meta
+
+
+def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data_end: int) -> None:
+    if not isinstance(f, dict):
+        raise BadSlotMeta(f"files[{n}] is not an object")
+    try:
+        rel = check_relpath(f.get("relpath"))
+    except UnsafePath as exc:
+        raise BadSlotMeta(f"files[{n}]: {exc}") from None
+    if not isinstance(f.get("persist"), bool) or f.get("fmt", "safetensors") not in FORMATS:
+        raise BadSlotMeta(f"{rel}: 'persist' is not a boolean or 'fmt' is not one of {FORMATS}")
+    start, end = _int(f.get("start"), f"{rel}: start"), _int(f.get("end"), f"{rel}: end")
+    if not data_begin <= start <= end <= data_end:
+        raise BadSlotMeta(f"{rel}: bytes [{start}, {end}) lie outside the data region [{data_begin}, {data_end})")
+    tensors = f.get("tensors")
+    if not isinstance(tensors, list):
+        raise BadSlotMeta(f"{rel}: 'tensors' is not a list")
+    pos, keys = start, set()
+    for t in tensors:
+        if not (isinstance(t, list) and len(t) == 5 and isinstance(t[0], str) and t[1] in ITEMSIZE
+                and isinstance(t[2], list) and len(t[2]) <= MAX_DIMS):
+            raise BadSlotMeta(f"{rel}: tensor entry {str(t)[:120]} is not [key, dtype, shape, begin, end]")
+        key, dtype, shape, b, e = t
+        numel = 1
+        for d in shape:
+            numel *= _int(d, f"{rel}: {key} dimension")
+        if b != pos or _int(e, f"{rel}: {key} end") - _int(b, f"{rel}: {key} begin") != numel * ITEMSIZE[dtype]:
+            raise BadSlotMeta(f"{rel}: tensor {key} at [{b}, {e}) is not {numel} x {ITEMSIZE[dtype]} bytes "
+                              f"right after the previous one (at {pos})")
+        pos = e
+        keys.add(key)
+    if pos != end:
+        raise BadSlotMeta(f"{rel}: tensors end at {pos}, the file's region at {end}")
+    skeleton = skeletons.get(rel)
+    fmt = f.get("fmt", "safetensors")
+    if fmt == "torch":
+        if not (isinstance(skeleton, dict) and isinstance(skeleton.get("__torchzip"), str)
+                and isinstance(skeleton.get("storages"), list)):
+            raise BadSlotMeta(f"{rel}: a torch shard's skeleton lacks its pickle or storage list")
+        _b64(skeleton["__torchzip"], rel)
+        if any(k not in keys for k in skeleton["storages"]):
+            raise BadSlotMeta(f"{rel}: the skeleton names a storage that is not among the file's tensors")
+    elif fmt == "raw":
+        if not (isinstance(skeleton, dict) and isinstance(skeleton.get("__raw"), str)) or tensors:
+            raise BadSlotMeta(f"{rel}: a raw shard's skeleton is not {{'__raw': base64}}")
+        _b64(skeleton["__raw"], rel)
+    elif rel not in skeletons:
+        raise BadSlotMeta(f"{rel}: no skeleton")
+
+
+def _b64(text: str, rel: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadSlotMeta(f"{rel}: skeleton data is not base64") from None
+
+
+def tensor_ranges(f: Dict[str, Any]) -> Dict[str, List[int]]:
+    """key -> [begin, end] of a checked file entry."""
+    return {t[0]: [t[3], t[4]] for t in f["tensors"]}
