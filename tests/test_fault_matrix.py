@@ -35,13 +35,22 @@ ROWS = {
     14: "test_fault_matrix.py::test_random_save_fail_kill_prune_sequences_keep_the_invariants",
     15: "test_faults.py::test_crash_at_each_point_of_the_durable_sequence_loads_old_or_new",
     16: "test_formats.py::test_a_malicious_pickle_in_a_checkpoint_is_not_executed",
+    17: "test_trust.py::test_another_local_user_cannot_command_the_agent",
+    18: "test_trust.py::test_slots_planted_by_another_user_are_refused_and_never_read",
+    19: "test_trust.py::test_a_symlinked_lock_file_or_audit_log_in_the_save_dir_is_never_followed",
+    20: "test_trust.py::test_a_slot_whose_file_names_leave_the_step_is_refused_by_the_agent",
+    21: "test_trust.py::test_a_killed_agent_holding_both_slots_is_replaced_and_nothing_waits_for_it",
+    22: "test_trust.py::test_a_shard_that_failed_on_one_rank_is_rewritten_on_every_rank_after_the_trainers_die",
+    23: "test_trust.py::test_a_new_run_in_the_dir_of_a_crashed_run_whose_agent_lives_commits_its_own_steps",
+    24: "test_trust.py::test_retention_never_keeps_a_damaged_checkpoint_in_place_of_a_verified_one",
+    28: "test_trust.py::test_skipped_snapshots_under_back_pressure_are_said_on_the_console_with_the_iterations_at_risk",
 }
 
 
 def test_every_row_of_the_matrix_has_its_test():
-    """docs/reliability.md lists the 16 rows of the matrix, each with the test that proves it."""
+    """docs/reliability.md lists the rows of the matrix, each with the test that proves it."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
-    assert sorted(ROWS) == list(range(1, 17))
+    assert sorted(ROWS) == list(range(1, 25)) + [28]
     for row, ref in ROWS.items():
         module, name = ref.split("::")
         assert hasattr(importlib.import_module(module[:-3]), name), f"row {row}: {ref} does not exist"

@@ -157,7 +157,7 @@ class Agent:
         self.listener.close()    # first, so no trainer attaches to an agent that is leaving
         for view in self.views.values():
             view.close()
-        if not any(c.rank is not None for c in self.clients.values()):
+        if not any(c.rank is not None and not c.said_bye for c in self.clients.values()):
             removed = [p for p in shm.segments_of(self.job_id) if shm.unlink_quiet(p)]
             if removed:
                 self.log.emit("shm_release", segments=len(removed))
@@ -200,7 +200,7 @@ class Agent:
                         if not hmac.compare_digest(str(msg.get("key", "")), self.key):
                             raise protocol.BadMessage("the first message must carry the job's key")
                         client.authed = True
-                    if msg["op"] in ("persist", "flush", "bye") and msg["rank"] != client.rank:
+                    if msg["op"] in ("persist", "flush", "bye") and client.rank not in (None, msg["rank"]):
                         raise protocol.BadMessage(f"{msg['op']} for rank {msg['rank']} on a connection that "
                                                   f"said hello as rank {client.rank}")
                 except protocol.BadMessage as exc:
@@ -287,6 +287,15 @@ class Agent:
             self._enqueue(_Job("damaged", msg["step"], reason=msg["reason"]))
         elif op == "status":
             self._send(conn, self._status())
+
+    def _fail_loudly(self, what: str, err: str, rank: Optional[int]) -> None:
+        """An error no step carries: the audit log, the agent's own log, and the next status."""
+        self.last_error = f"{what}: {err}"
+        self.log.emit("error", rank=rank, message=err)
+        try:
+            print(f"easyckpt agent: {what}: {err}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
 
     def _trainers(self) -> List[_Client]:
         return [c for c in self.clients.values() if c.rank is not None]

@@ -43,6 +43,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dump-dir", default=None, help="save the model's and optimizer's state_dict per iteration here (tests)")
     p.add_argument("--dump-loaded", default=None, help="save the loaded model's state_dict here (tests)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-resume", action="store_true", help="start from scratch (a new run in the same save dir)")
     p.add_argument("--no-exit-on-sigterm", action="store_true",
                    help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--grace", type=float, default=300.0, help="grace deadline after SIGTERM, seconds")
@@ -108,7 +109,7 @@ def main() -> int:
                                  commit_timeout=args.commit_timeout,
                                  snapshot_overlap={"auto": None, "on": True, "off": False}[args.overlap])
     t0 = time.perf_counter()
-    start, extra = easyckpt.load_checkpoint(ddp, optimizer, scheduler)
+    start, extra = (0, None) if args.no_resume else easyckpt.load_checkpoint(ddp, optimizer, scheduler)
     load_s = time.perf_counter() - t0
     if args.dump_loaded and rank == 0:
         torch.save(model.state_dict(), args.dump_loaded)

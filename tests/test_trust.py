@@ -1,0 +1,435 @@
+"""The threat model (RELIABILITY.md rows 17-20) and the Trust issue's failure paths (rows 21-24, 28).
+
+The multi-user tests run as root with a second local user (`nobody`), as CI does, and skip elsewhere.
+Each test drives the real trainer (examples/pytorch/train.py or a small easyckpt script) and the real
+agent in separate processes; nothing is mocked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import (TIMEOUT, events, job_id, kill_tree, run, shm_segments, start, train_cmd, wait_for_iteration,
+                     wait_no_agent)
+
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
+                             reason="needs root and runuser to act as a second local user (nobody); CI runs as root")
+
+HOLDER = textwrap.dedent("""
+    import os, sys, time, torch, easyckpt
+    save_dir, go = sys.argv[1], sys.argv[2]
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    easyckpt.initialize_easyckpt(save_dir, save_mem_interval=1, save_storage_interval=1, max_ckpt_num=5)
+    easyckpt.load_checkpoint(model, opt)
+    for it in (1, 2, 3):
+        model(torch.ones(8)).sum().backward(); opt.step()
+        easyckpt.save_checkpoint_if_needed(it, model, opt)
+    print("READY", flush=True)
+    deadline = time.monotonic() + 90
+    while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            sys.exit("nobody created the go file")
+        time.sleep(0.05)
+    model(torch.ones(8)).sum().backward(); opt.step()
+    easyckpt.save_checkpoint_if_needed(4, model, opt)
+    print("DONE", easyckpt.finalize_easyckpt(), flush=True)
+""")
+
+
+def _holder(tmp_path: Path):
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    save = tmp_path / "ckpt"
+    go = tmp_path / "go"
+    out = tmp_path / "holder.out"
+    proc = start([sys.executable, str(script), str(save), str(go)], log=out)
+    deadline = time.monotonic() + TIMEOUT
+    while "READY" not in (out.read_text() if out.exists() else ""):
+        assert proc.poll() is None, out.read_text()
+        assert time.monotonic() < deadline, "the holder did not get ready"
+        time.sleep(0.05)
+    return proc, save, go, out
+
+
+def _finish_holder(proc, save: Path, go: Path, out: Path) -> None:
+    go.touch()
+    assert proc.wait(timeout=TIMEOUT) == 0, out.read_text()[-3000:]
+    assert "DONE 4" in out.read_text(), out.read_text()[-3000:]
+    wait_no_agent(save)
+    assert (save / "step_00000004" / "easyckpt_manifest.json").exists(), "the job could not commit after the probes"
+
+
+def _agent_pid(save: Path) -> int:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"easyckpt.engine.agent" in cmd and str(save).encode() in cmd:
+                return int(entry)
+    raise AssertionError(f"no agent of {save} runs")
+
+
+ATTACK = textwrap.dedent("""
+    import json, socket, sys
+    address, forged = "\0" + sys.argv[1], sys.argv[2]
+    got = []
+    for payload in (b'{"op": "status"}\\n', b'not json at all\\n', b'{"op": "bye", "rank": 0}\\n',
+                    b'{"op": "hello", "rank": 0, "world_size": 64, "local_rank": 0, "pid": 1}\\n',
+                    json.dumps({"op": "persist", "rank": 7, "slot": 0, "generation": 1, "step": 999999}).encode() + b"\\n",
+                    json.dumps({"op": "status", "key": forged}).encode() + b"\\n"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(3)
+        try:
+            s.connect(address)
+            s.sendall(payload)
+            got.append(s.recv(65536).decode(errors="replace"))
+        except OSError as exc:
+            got.append(f"error {type(exc).__name__}")
+        finally:
+            s.close()
+    print(json.dumps(got))
+""")
+
+
+@AS_ROOT
+def test_another_local_user_cannot_command_the_agent(tmp_path):
+    """Row 17: `nobody` connects to the agent's (public) abstract address and sends status, garbage, bye, a
+    forged hello and persist: it gets nothing, the agent lives on, nothing is written, and the job commits."""
+    proc, save, go, out = _holder(tmp_path)
+    try:
+        agent = _agent_pid(save)
+        res = subprocess.run(["runuser", "-u", "nobody", "--", "python3", "-c", ATTACK,
+                              f"easyckpt-agent-{job_id(save)}", "0" * 64],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        replies = json.loads(res.stdout)
+        assert not any("agent_pid" in r or "job_id" in r for r in replies), replies
+        assert all(r in ("", "error ConnectionResetError", "error BrokenPipeError") for r in replies), replies
+        assert os.kill(agent, 0) is None, "the agent died"
+        assert not (save / "step_00999999").exists()
+    finally:
+        _finish_holder(proc, save, go, out)
+    refused = [e for e in events(save / "easyckpt.log") if e["event"] == "refused"]
+    assert refused and all("uid 65534" in e["message"] for e in refused), refused
+
+
+def test_the_jobs_own_user_without_the_key_gets_an_error_and_the_agent_lives_on(tmp_path):
+    """Row 17 for the job's own user: without the job's key nothing is obeyed; with it, a malformed message,
+    a bye before hello and a hello with another world size are refused with a reason, and the job still
+    commits."""
+    proc, save, go, out = _holder(tmp_path)
+    key = (Path("/dev/shm") / f"easyckpt-{job_id(save)}-key").read_text()
+    address = f"\0easyckpt-agent-{job_id(save)}"
+
+    def exchange(*lines: bytes):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(address)
+        replies = []
+        try:
+            for line in lines:
+                s.sendall(line + b"\n")
+                data = b""
+                while not data.endswith(b"\n"):
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                replies.append(json.loads(data) if data else None)
+        finally:
+            s.close()
+        return replies
+
+    try:
+        no_key, = exchange(b'{"op": "status"}')
+        assert no_key["ok"] is False and "key" in no_key["error"]
+        bad = exchange(json.dumps({"op": "status", "key": key}).encode(), b"]]] not json", b'{"op": "bye", "rank": 0}',
+                       b'{"op": "persist", "rank": "0", "slot": 5}',
+                       json.dumps({"op": "hello", "rank": 3, "world_size": 64, "local_rank": 0, "pid": 1}).encode())
+        status, garbage, bye, persist, hello = bad
+        assert status["ok"] and status["connected"] == [0] and status["world_size"] == 1
+        assert not garbage["ok"] and "not JSON" in garbage["error"]
+        assert not bye["ok"] and "before hello" in bye["error"]
+        assert not persist["ok"] and "rank" in persist["error"]
+        assert not hello["ok"] and "world_size=64" in hello["error"] and "world_size=1" in hello["error"]
+    finally:
+        _finish_holder(proc, save, go, out)
+
+
+def _planted_run(tmp_path: Path, plant) -> subprocess.CompletedProcess:
+    save = tmp_path / "ckpt"
+    jid = job_id(save)
+    planted = [Path(f"/dev/shm/easyckpt-{jid}-r00000-s{i}") for i in (0, 1)]
+    try:
+        plant(planted)
+        return run(train_cmd(save, 1, "--iters", "3", "--storage-interval", "1"), check=False, timeout=TIMEOUT)
+    finally:
+        for p in planted:
+            if os.path.lexists(p):
+                p.unlink()
+        wait_no_agent(save)
+        for p in Path("/dev/shm").glob(f"easyckpt-{jid}-*"):
+            p.unlink()
+
+
+@AS_ROOT
+def test_slots_planted_by_another_user_are_refused_and_never_read(tmp_path):
+    """Row 18: `nobody` plants a 0666 slot claiming step 999999 with a pickled skeleton that would create a
+    marker file, and a symlink slot pointing at a root-only file: the trainer refuses both with a message
+    naming the owner, reads nothing, runs nothing and overwrites nothing."""
+    marker = tmp_path / "pwned"
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"root only")
+    precious.chmod(0o600)
+    evil = ("cos\nsystem\n(S'touch " + str(marker) + "'\ntR.").encode()
+    meta = json.dumps({"files": [{"relpath": "x.pt", "persist": True, "fmt": "torch", "start": 4096, "end": 4096,
+                                  "tensors": []}], "step": 999999,
+                       "skeletons": {"x.pt": {"__pickle": evil.decode("latin1")}}}).encode()
+
+    def plant(paths):
+        code = textwrap.dedent(f"""
+            import os, struct, zlib
+            meta = {meta!r}
+            hdr = struct.pack("<8sIIqQQQQIIqII", b"EZCKSLOT", 1, 2, 999999, 1, len(meta), 4096, 0, 1, zlib.crc32(meta),
+                              1, 0, 1)
+            raw = hdr[:12] + hdr[16:]
+            hdr += struct.pack("<I", zlib.crc32(raw))
+            with open({str(paths[0])!r}, "wb") as f:
+                f.write(hdr.ljust(4096, b"\\0") + meta.ljust(4096, b"\\0"))
+            os.chmod({str(paths[0])!r}, 0o666)
+            os.symlink({str(precious)!r}, {str(paths[1])!r})
+        """)
+        subprocess.run(["runuser", "-u", "nobody", "--", "python3", "-c", code], check=True, timeout=60)
+
+    res = _planted_run(tmp_path, plant)
+    assert res.returncode != 0, "the trainer used a slot another user planted"
+    assert "owned by uid 65534" in res.stderr or "is a symlink" in res.stderr, res.stderr[-3000:]
+    assert not marker.exists(), "code from a planted slot ran"
+    assert precious.read_bytes() == b"root only"
+    assert not (tmp_path / "ckpt" / "step_00999999").exists()
+
+
+@AS_ROOT
+def test_a_symlinked_lock_file_or_audit_log_in_the_save_dir_is_never_followed(tmp_path):
+    """Row 19: the save dir's lock file and audit log are symlinks to root-only files
+    (planted by another user who could write the dir): the targets stay untouched and the error says why."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    targets = {name: tmp_path / f"target-{i}" for i, name in enumerate((".easyckpt.lock", "easyckpt.log"))}
+    for name, target in targets.items():
+        target.write_bytes(b"precious " + name.encode())
+        target.chmod(0o600)
+        os.symlink(target, save / name)
+    res = run(train_cmd(save, 1, "--iters", "2", "--storage-interval", "1"), check=False)
+    assert res.returncode != 0 and "symlink" in res.stderr, res.stderr[-3000:]
+    (save / "easyckpt.log").unlink()
+    res = run(train_cmd(save, 1, "--iters", "2", "--storage-interval", "1"), check=False)
+    assert res.returncode != 0 and "symlink" in res.stderr, res.stderr[-3000:]
+    wait_no_agent(save)
+    for name, target in targets.items():
+        assert target.read_bytes() == b"precious " + name.encode(), f"{name}'s target was written"
+
+
+def test_a_slot_whose_file_names_leave_the_step_is_refused_by_the_agent(tmp_path):
+    """Row 20 at the agent: a snapshot whose file names are absolute or climb out with '..' is refused;
+    nothing is written outside the staging directory."""
+    import torch
+
+    from easyckpt.engine import shm
+    from easyckpt.engine.persist import persist_slot
+    from easyckpt.engine.slotmeta import BadSlotMeta
+    from easyckpt.engine.snapshot import ShardSpec, Snapshotter
+
+    for bad in ("../../escape.safetensors", str(tmp_path / "abs.safetensors")):
+        snap = Snapshotter("feedfaceca11", 0, 1)
+        try:
+            res = snap.snapshot(1, [ShardSpec(bad, {"w": torch.ones(4)})], persist=True)
+            staging = tmp_path / "stage" / "a" / "b"
+            with pytest.raises(BadSlotMeta):
+                persist_slot(shm.slot_path("feedfaceca11", 0, res.slot), res.generation, str(staging), 0)
+        finally:
+            snap.close(unlink=True)
+    assert not (tmp_path / "escape.safetensors").exists() and not (tmp_path / "abs.safetensors").exists()
+    assert not list((tmp_path / "stage").rglob("*.safetensors")) if (tmp_path / "stage").exists() else True
+
+
+class _Evil:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_malicious_object_in_a_torch_shard_runs_neither_in_the_agent_nor_on_load(tmp_path):
+    """Promises 7 and 9: a torch.save shard holding an object whose unpickling would run code is written by
+    the agent's code without unpickling it, and refused both when restored from memory and from storage."""
+    import torch
+
+    from easyckpt.engine import shm
+    from easyckpt.engine.persist import persist_slot
+    from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
+    from easyckpt.engine.tree import safe_torch_load
+
+    marker = tmp_path / "pwned"
+    snap = Snapshotter("feedfaceca12", 0, 1)
+    try:
+        res = snap.snapshot(3, [ShardSpec("model.pt", {"w": torch.ones(4), "evil": _Evil(str(marker))}, fmt="torch")],
+                            persist=True)
+        staging = tmp_path / "staging"
+        persist_slot(shm.slot_path("feedfaceca12", 0, res.slot), res.generation, str(staging), 0)
+        assert not marker.exists(), "the agent's persist ran code from the slot"
+        with pytest.raises(Exception, match="posix.system|os.system|allow-list"):
+            read_snapshot("feedfaceca12", 0, res.slot, 3)
+        with pytest.raises(ValueError, match="allow-list"):
+            safe_torch_load((staging / "model.pt").read_bytes())
+        assert not marker.exists(), "loading ran code from the checkpoint"
+        assert torch.load(staging / "model.pt", weights_only=False)["w"].tolist() == [1.0] * 4  # a valid torch file
+        assert marker.exists()   # proof that the object was really in the file, with weights_only=False only
+    finally:
+        snap.close(unlink=True)
+
+
+def test_a_killed_agent_holding_both_slots_is_replaced_and_nothing_waits_for_it(tmp_path):
+    """Row 21: the agent is killed while both slots are reserved (its persist is slow): the trainer notices
+    within seconds, starts a new agent, snapshots and persists go on, and finalize does not wait
+    commit_timeout (600 s here, beyond this test's timeout)."""
+    save = tmp_path / "ckpt"
+    loss = tmp_path / "loss"
+    env = {"EASYCKPT_FAULTS": "agent.before_persist=sleep:4", "EASYCKPT_FAULT_ONCE_DIR": str(tmp_path)}
+    proc = start(train_cmd(save, 1, "--iters", "40", "--storage-interval", "1", "--step-sleep", "0.05",
+                           "--loss-file", str(loss)), extra_env=env, log=tmp_path / "out")
+    try:
+        wait_for_iteration(loss, 4, proc)
+        time.sleep(0.3)           # the first persist sleeps 4 s: both slots are reserved by now
+        os.kill(_agent_pid(save), signal.SIGKILL)
+        assert proc.wait(timeout=TIMEOUT) == 0, (tmp_path / "out").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    wait_no_agent(save)
+    log = events(save / "easyckpt.log")
+    assert sum(e["event"] == "agent_start" for e in log) >= 2
+    skips = [e["step"] for e in log if e["event"] == "skip"]
+    assert len(skips) <= 10, f"snapshots kept being skipped after the agent died: {skips}"
+    assert json.loads((save / "step_00000040" / "easyckpt_manifest.json").read_text())["step"] == 40
+
+
+def test_a_shard_that_failed_on_one_rank_is_rewritten_on_every_rank_after_the_trainers_die(tmp_path):
+    """Row 22: rank 1's shard of step 5 fails (ENOSPC) while rank 0's is written; then every trainer is
+    killed: the step fails at once, and the agent's after-death persist rewrites both ranks' shards of
+    the newest complete snapshot (step 5) instead of waiting for a shard that was deleted."""
+    save = tmp_path / "ckpt"
+    loss = tmp_path / "loss"
+    env = {"EASYCKPT_FAULTS": "agent.persist_file@1=enospc", "EASYCKPT_FAULT_ONCE_DIR": str(tmp_path)}
+    proc = start(train_cmd(save, 2, "--iters", "40", "--mem-interval", "5", "--storage-interval", "5",
+                           "--step-sleep", "0.1", "--loss-file", str(loss), "--commit-timeout", "600"),
+                 extra_env=env, log=tmp_path / "out")
+    try:
+        wait_for_iteration(loss, 7, proc)
+    finally:
+        kill_tree(proc)
+    deadline = time.monotonic() + 60
+    manifest = save / "step_00000005" / "easyckpt_manifest.json"
+    while not manifest.exists():
+        assert time.monotonic() < deadline, f"step 5 was not persisted after the trainers died: " \
+                                            f"{[e for e in events(save / 'easyckpt.log') if e['event'] in ('error', 'persist', 'abandon')]}"
+        time.sleep(0.1)
+    assert sorted(json.loads(manifest.read_text())["files"]) == ["rank00000.safetensors", "rank00001.safetensors"] \
+        or len(json.loads(manifest.read_text())["files"]) >= 2
+    wait_no_agent(save, timeout=90)
+    for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):
+        p.unlink()
+
+
+def test_a_new_run_in_the_dir_of_a_crashed_run_whose_agent_lives_commits_its_own_steps(tmp_path):
+    """Row 23: run 1 is killed at iteration 12 (its agent persists 12 after the death and lives on); run 2
+    starts from scratch in the same directory: its steps 5 and 10 are committed with its own state, never
+    dropped as superseded by the old run's 12."""
+    save = tmp_path / "ckpt"
+    loss = tmp_path / "loss"
+    proc = start(train_cmd(save, 1, "--iters", "40", "--storage-interval", "5", "--step-sleep", "0.05",
+                           "--loss-file", str(loss)), log=tmp_path / "out1")
+    try:
+        wait_for_iteration(loss, 12, proc)
+        time.sleep(0.2)
+    finally:
+        kill_tree(proc)
+    deadline = time.monotonic() + 60
+    while not list(save.glob("step_0000001[23]/easyckpt_manifest.json")):
+        assert time.monotonic() < deadline, "the old run's newest snapshot was not persisted"
+        time.sleep(0.05)
+    started = time.time()
+    (tmp_path / "dump").mkdir()
+    run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--no-resume", "--seed", "99",
+                  "--dump-dir", str(tmp_path / "dump")))
+    wait_no_agent(save)
+    log = events(save / "easyckpt.log")
+    assert not [e for e in log if e["event"] == "abandon" and "superseded" in e.get("message", "")]
+    import torch
+    from safetensors.torch import load_file
+    for step in (5, 10):
+        man = json.loads((save / f"step_{step:08d}" / "easyckpt_manifest.json").read_text())
+        assert man["created"] >= started, f"step {step} still holds the old run's commit"
+        saved = load_file(str(save / f"step_{step:08d}" / "rank00000.safetensors"))
+        dumped = torch.load(tmp_path / "dump" / f"model_{step}.pt", weights_only=True)
+        key = next(k for k in saved if k.endswith("weight"))
+        assert any(torch.equal(saved[key], v) for v in dumped.values()), f"step {step} is not the new run's state"
+
+
+def test_retention_never_keeps_a_damaged_checkpoint_in_place_of_a_verified_one(tmp_path):
+    """Row 24: step 12 (the newest) is damaged; the resumed run falls back to 10 and commits 15: with
+    max_ckpt_num=2, the verified 10 stays and the damaged 12 goes."""
+    save = tmp_path / "ckpt"
+    run(train_cmd(save, 1, "--iters", "12", "--storage-interval", "5", "--max-ckpt", "2"))
+    wait_no_agent(save)
+    assert sorted(p.name for p in save.glob("step_*")) == ["step_00000010", "step_00000012"]
+    shard = save / "step_00000012" / "rank00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    run(train_cmd(save, 1, "--iters", "15", "--storage-interval", "5", "--max-ckpt", "2"))
+    wait_no_agent(save)
+    assert sorted(p.name for p in save.glob("step_*")) == ["step_00000010", "step_00000015"]
+    deletes = [e for e in events(save / "easyckpt.log") if e["event"] == "delete" and "step_00000012" in e["path"]]
+    assert deletes and "damaged" in deletes[-1]["reason"]
+
+
+def test_skipped_snapshots_under_back_pressure_are_said_on_the_console_with_the_iterations_at_risk(tmp_path):
+    """Row 28: persisting is slower than snapshots: each skipped snapshot says on the console how many
+    iterations a crash would now lose, against save_mem_interval."""
+    save = tmp_path / "ckpt"
+    env = {"EASYCKPT_FAULTS": "agent.before_persist=sleep:1.5", "EASYCKPT_FAULT_AFTER": "agent.before_persist:1"}
+    res = run(train_cmd(save, 1, "--iters", "12", "--storage-interval", "1", "--step-sleep", "0.05"), extra_env=env)
+    wait_no_agent(save)
+    assert "a crash now would lose" in res.stderr and "save_mem_interval=1" in res.stderr, res.stderr[-3000:]
+
+
+def test_an_agent_nobody_says_hello_to_leaves_within_seconds(tmp_path):
+    """Smaller item 17: an agent whose trainer died before its hello does not linger for a minute."""
+    from easyckpt.config import Config
+    from easyckpt.engine import jobkey
+
+    cfg = Config(save_dir=str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt").mkdir()
+    jobkey.ensure(cfg.job_id)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "easyckpt.engine.agent", json.dumps(cfg.to_json())],
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        assert proc.wait(timeout=30) == 0
+    finally:
+        jobkey.remove(cfg.job_id)
+    assert not [s for s in shm_segments() if cfg.job_id in s]
