@@ -20,3 +20,8 @@ class AgentError(EasyCkptError):
 
 class CheckpointError(EasyCkptError):
     """A checkpoint is damaged or cannot be loaded into the current job."""
+
+
+class ManifestError(CheckpointError, ValueError):
+    """A step's manifest is missing a field, has one of the wrong type, is not JSON, or names a file
+    outside its step directory; the message names the field or the file."""
