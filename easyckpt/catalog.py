@@ -26,8 +26,10 @@ from .config import NAMINGS, Naming
 from .engine import manifest as mf
 from .engine import retention
 from .engine.commit import STAGING_PREFIX
+from .errors import ManifestError
 
 FRAMEWORKS = sorted(NAMINGS)
+DAMAGED_MANIFEST = "bad manifest"      # how an entry's ``why`` starts when its manifest cannot be trusted
 
 
 class CatalogError(ValueError):
@@ -130,9 +132,9 @@ def verify(entry: Entry, on_bytes: Optional[Callable[[int], None]] = None) -> Li
     corrupted (sizes and checksums, every byte read). Empty when the step is intact."""
     if entry.state == "plain":
         return []           # no manifest: nothing recorded to check against (cmd_verify says so)
-    man = mf.read(entry.path)
+    man, why = _manifest(entry.path)
     if man is None:
-        return [f"{mf.MANIFEST_NAME}: {entry.why}"]
+        return [why or f"{mf.MANIFEST_NAME}: {entry.why}"]
     problems = [f"{mf.MANIFEST_NAME}: of step {man['step']}, not {entry.step}"] if man["step"] != entry.step else []
     for rel in man["files"]:
         problem = mf.verify_file(entry.path, rel, man, on_bytes)
@@ -157,18 +159,18 @@ def require(save_dir: str, framework: Optional[str] = None, **scan_args: Any) ->
 
 
 def _entry(step: int, path: str, framework: str) -> Entry:
-    man = mf.read(path)
-    if man is None and framework == "transformers" and _trainer_step(path) == step:
+    man, why = _manifest(path)
+    if man is None and why is None and framework == "transformers" and _trainer_step(path) == step:
         # the Trainer's own save: TrainerWrapper resumes from it when it is the newest (nothing to verify)
         nbytes, nfiles = _disk_usage(path)
         return Entry(step, path, True, None, framework, os.path.getmtime(path), nbytes, nfiles,
                      layout_of(path, framework, None), state="plain")
     if man is None:
-        why = ("no manifest: not committed by easyckpt (interrupted, or written by the framework's own saver)"
-               if not os.path.exists(os.path.join(path, mf.MANIFEST_NAME)) else "manifest unreadable (damaged)")
+        damaged = why is not None
+        why = why or "no manifest: not committed by easyckpt (interrupted, or written by the framework's own saver)"
         nbytes, nfiles = _disk_usage(path)
         return Entry(step, path, False, why, framework, os.path.getmtime(path), nbytes, nfiles,
-                     layout_of(path, framework, None), state="incomplete" if why.startswith("no manifest") else "")
+                     layout_of(path, framework, None), state="" if damaged else "incomplete")
     why = None
     if man["step"] != step:
         why = f"manifest is of step {man['step']}, not {step}"
@@ -179,6 +181,18 @@ def _entry(step: int, path: str, framework: str) -> Entry:
     return Entry(step, path, why is None, why, man.get("framework", framework), float(man.get("created") or 0),
                  sum(int(e["size"]) for e in man["files"].values()), len(man["files"]),
                  layout_of(path, framework, man), man.get("job_id"))
+
+
+def _manifest(path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """(manifest, None) when valid; (None, None) when there is none; (None, why) when it is damaged."""
+    try:
+        return mf.load(path), None
+    except FileNotFoundError:
+        return None, None
+    except ManifestError as exc:
+        return None, f"{DAMAGED_MANIFEST}: {exc}"
+    except OSError as exc:
+        return None, f"{DAMAGED_MANIFEST}: {mf.MANIFEST_NAME} unreadable ({exc.strerror or exc})"
 
 
 def _trainer_step(path: str) -> Optional[int]:
@@ -211,7 +225,7 @@ def _disk_usage(path: str) -> Tuple[int, int]:
     for root, _dirs, files in os.walk(path):
         for f in files:
             try:
-                total += os.path.getsize(os.path.join(root, f))
+                total += os.lstat(os.path.join(root, f)).st_size    # a symlink's own size: never followed
                 count += 1
             except OSError:
                 pass

@@ -29,6 +29,8 @@ from . import catalog
 from .catalog import CatalogError, FRAMEWORKS
 from .engine import manifest as mf
 from .engine import retention
+from .errors import EasyCkptError
+from .units import human
 
 
 _stdout = sys.stdout
@@ -46,13 +48,7 @@ def _progress(args: argparse.Namespace) -> Callable[[int, str], Any]:
 
 
 def _size(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
+    return "-" if n is None else human(n)
 
 
 def _when(t: float) -> str:
@@ -70,11 +66,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
             cat = catalog.require(args.dir, args.framework, checksums=True, on_bytes=bar.update)
     else:
         cat = catalog.require(args.dir, args.framework)
+    # --verify is a check: damage found is exit 1, as for `verify` (a script must not read "fine")
+    status = 1 if args.verify and any(e.state == "damaged" for e in cat.entries) else 0
     if args.json:
         say(json.dumps({"save_dir": cat.save_dir, "framework": cat.framework,
                           "picked": cat.picked.step if cat.picked else None,
                           "checkpoints": [e.to_json() for e in cat.entries]}, indent=1))
-        return 0
+        return status
     say(f"{cat.save_dir}  ({cat.framework} layout)")
     say(f"  {'step':>10}  {'time':<19}  {'size':>10}  {'layout':<13}  {'directory':<20}  state")
     for e in cat.entries:
@@ -86,7 +84,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     checked = "sizes and checksums checked" if args.verify else "sizes checked; --verify reads every byte"
     say(f"* the loader would pick step {pick.step} ({checked}; a newer snapshot in this node's memory comes "
           f"first: easyckpt status)" if pick else "no complete checkpoint: the loader would start from scratch")
-    return 0
+    return status
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -115,9 +113,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     cat = catalog.require(args.dir, args.framework)
     entry = cat.step(args.step)
     info = describe(entry, _progress(args))
+    # a damaged manifest lists nothing that can be trusted: the step is shown (why), and the exit says so
+    status = 1 if entry.state == "damaged" and (entry.why or "").startswith(catalog.DAMAGED_MANIFEST) else 0
     if args.json:
         say(json.dumps(info, indent=1, default=str))
-        return 0
+        return status
     man = info["metadata"]["manifest"]
     say(f"step {info['step']}  {info['path']}")
     say(f"  {info['framework']}, {_layout(info['layout'])} (world {info['layout'].get('world', '-')}), "
@@ -150,7 +150,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             say(f"  manifest.{k} = {json.dumps(v, default=str)}")
         for rel, fields in sorted(meta.items()):
             say(f"  {rel}: {json.dumps(fields, default=str)}")
-    return 0
+    return status
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -269,9 +269,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         say(f"storage    newest committed step {newest['step']} ({newest['bytes']:,d} B, {len(committed)} kept)  "
               f"{newest['path']}")
-    gib = 1 << 30
-    say(f"/dev/shm   {dev_shm['used'] / gib:.2f} of {dev_shm['total'] / gib:.2f} GiB used, this job "
-          f"{dev_shm['this_job'] / gib:.3f} GiB, {dev_shm['free'] / gib:.2f} GiB free")
+    say(f"/dev/shm   {human(dev_shm['used'])} of {human(dev_shm['total'])} used, this job "
+          f"{human(dev_shm['this_job'])}, {human(dev_shm['free'])} free")
     return 0
 
 
@@ -351,6 +350,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CatalogError as exc:
         print(f"easyckpt {args.cmd}: {exc}", file=sys.stderr)
         return 2
+    except EasyCkptError as exc:      # a damaged checkpoint met on a path not reported above: one line
+        print(f"easyckpt {args.cmd}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

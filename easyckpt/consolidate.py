@@ -16,7 +16,8 @@ Decisions:
   (``deepspeed/utils/zero_to_fp32.py``) is reused rather than re-derived — its padding and alignment rules
   change between releases — but it calls ``torch.load(weights_only=False)``. So for the duration of one
   call, and only inside that module, its global name ``torch`` is a stand-in whose ``load`` serves
-  verified, safely unpickled files (every other attribute is torch's); its ``tqdm`` and ``print`` are
+  verified, safely unpickled files (every other attribute is torch's); its ``glob`` finds only the files
+  the manifest lists (an unlisted file in the step is not part of the checkpoint: never read); its ``tqdm`` and ``print`` are
   silenced (our own progress bar covers the reading; stdout stays clean for ``--json``). The names are
   restored in a ``finally`` and the swap is serialised by a lock; ``torch.load`` itself is never touched.
 - Verification: every file read must be listed in the manifest; the sizes of all of them are checked
@@ -31,10 +32,19 @@ Decisions:
   is not touched.
 - safetensors refuses tensors that share storage (tied embeddings, views of one flat ZeRO buffer): every
   key is kept, each with storage of its own.
+
+DeepSpeed's universal-checkpoint converter (``ds_to_universal``, run when a job resumes on another
+data-parallel size) gets the same treatment, in ``to_universal``: it globs its input folder and
+``torch.load(weights_only=False)``s whatever it finds, so it never sees the step directory. The listed
+DeepSpeed files, each read through the manifest (inside the step, size and checksum verified), are staged
+into a folder of their own; the converter runs in a subprocess of ours whose DeepSpeed checkpoint modules
+see a ``torch`` whose ``load`` is ``safe_torch_load``. An unlisted file is never staged (so never read);
+a listed one that is not plain data is refused, and nothing is converted.
 """
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import re
@@ -75,11 +85,12 @@ def to_safetensors(step_dir: str, output: str, progress: Optional[ProgressFactor
     committed checkpoint, holds no layout this converts, a file of it is damaged, or ``output`` would
     replace a file of the checkpoint."""
     step_dir = os.path.abspath(step_dir)
-    man = mf.read(step_dir)
-    if man is None:
-        raise ValueError(f"{step_dir} is not a committed easyckpt checkpoint: {mf.MANIFEST_NAME} is missing or "
-                         f"unreadable (a save that did not finish leaves none); pick a committed step "
-                         f"(`easyckpt ls SAVE_DIR`)")
+    try:
+        man = mf.load(step_dir)
+    except (OSError, ValueError) as exc:
+        why = f"{mf.MANIFEST_NAME} is missing" if isinstance(exc, FileNotFoundError) else str(exc)
+        raise ValueError(f"{step_dir} is not a committed easyckpt checkpoint: {why} (a save that did not finish "
+                         f"leaves none); pick a committed step (`easyckpt ls SAVE_DIR`)") from None
     reader = _Reader(step_dir, man)
     plan = _plan(reader)
     inside = _relpath_inside(step_dir, output)
@@ -214,7 +225,8 @@ def _deepspeed_weights(plan: _Plan, reader: _Reader) -> Tuple[int, Weights]:
     zero_to_fp32 = _import_zero_to_fp32()
     shim = _SafeTorch(reader)
     ds_path = os.path.join(reader.step_dir, plan.ds_dir)
-    with _ZERO_TO_FP32_LOCK, _module_globals(zero_to_fp32, torch=shim, tqdm=_no_tqdm, print=_silent):
+    with _ZERO_TO_FP32_LOCK, _module_globals(zero_to_fp32, torch=shim, glob=_ListedGlob(reader), tqdm=_no_tqdm,
+                                             print=_silent):
         try:
             lazy = zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint(ds_path, False)
             weights = zero_to_fp32.to_torch_tensor(lazy)
@@ -254,6 +266,23 @@ class _SafeTorch:
         if stage is not None:
             self.zero_stage = int(stage)
         return tree
+
+
+class _ListedGlob:
+    """Stands in for the ``glob`` module inside zero_to_fp32: it finds the files it globs for among those the
+    manifest lists, so an unlisted file in the step directory is not part of the merge (never read)."""
+
+    def __init__(self, reader: _Reader):
+        self._reader = reader
+
+    def glob(self, pattern: str, *args: Any, **kwargs: Any) -> List[str]:
+        folder = os.path.normpath(os.path.dirname(pattern))
+        found = []
+        for rel in self._reader.manifest["files"]:
+            path = os.path.join(self._reader.step_dir, rel)
+            if os.path.dirname(path) == folder and fnmatch.fnmatchcase(path, pattern):
+                found.append(path)
+        return sorted(found)
 
 
 def _native_shapes(tree: Any) -> Any:
@@ -390,4 +419,95 @@ def _write_atomically(path: str, data: bytes, bar: Progress) -> None:
         raise
 
 
-__all__ = ["to_safetensors"]
+# ---- DeepSpeed's universal checkpoint, from listed and verified files only ------------------------------
+
+def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600) -> str:
+    """Convert the DeepSpeed files of committed step ``step_dir`` (those its manifest lists, at its top
+    level: the plain engine's ``global_stepN/``) into a universal checkpoint ``work_dir/tag``; returns that
+    folder. ValueError naming the file when one is damaged or not plain data; nothing of the step directory
+    is read but its listed files."""
+    try:
+        man = mf.load(step_dir)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{step_dir}: no valid manifest ({exc})") from None
+    staged = os.path.join(work_dir, "input", tag)
+    os.makedirs(staged)
+    for rel in sorted(man["files"]):
+        if "/" in rel or not (_MODEL_STATES.match(rel) or _OPTIM_STATES.match(rel)):
+            continue                        # easyckpt's own files (RNG, derived outputs) are no input of it
+        try:
+            data = mf.read_verified(step_dir, rel, man)
+        except OSError as exc:
+            raise ValueError(_damaged(step_dir, [f"{rel}: unreadable ({exc})"])) from exc
+        except ValueError as exc:
+            raise ValueError(_damaged(step_dir, [str(exc)])) from exc
+        fd = os.open(os.path.join(staged, rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            write_all(fd, data)
+        finally:
+            os.close(fd)
+    output = os.path.join(work_dir, tag)
+    cmd = [sys.executable, "-m", "easyckpt.consolidate", "ds-to-universal", "--input_folder", staged,
+           "--output_folder", output, "--num_extract_workers", "1", "--num_merge_workers", "1",
+           "--inject_missing_state"]
+    import subprocess
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise ValueError(f"DeepSpeed's universal-checkpoint converter failed on the listed files of {step_dir}: "
+                         f"{done.stderr[-2000:]}")
+    return output
+
+
+class _SafeTorchFiles:
+    """``torch`` as DeepSpeed's checkpoint modules see it inside the converter subprocess: ``load`` reads
+    the file and unpickles it with safe_torch_load (weights_only and the allow-list)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def load(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if hasattr(f, "read"):
+            data = f.read()
+        else:
+            with open(os.fspath(f), "rb") as fh:
+                data = fh.read()
+        try:
+            return safe_torch_load(data)
+        except ValueError as exc:
+            raise ValueError(f"{getattr(f, 'name', f)}: {exc}") from exc
+
+
+def _ds_to_universal_main(argv: List[str]) -> int:
+    """The converter's ``main`` with every ``torch`` global of DeepSpeed's checkpoint modules swapped for
+    _SafeTorchFiles; its worker processes are forked, so they inherit the swap."""
+    import multiprocessing
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.checkpoint import ds_to_universal
+        # imported lazily or indirectly by main(): imported now, so that their ``torch`` is swapped too
+        from deepspeed.checkpoint import (autoep_universal, deepspeed_checkpoint, reshape_3d_utils,  # noqa: F401
+                                          universal_checkpoint, zero_checkpoint)
+    multiprocessing.set_start_method("fork", force=True)
+    shim = _SafeTorchFiles()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("deepspeed.checkpoint") and getattr(module, "torch", None) is torch:
+            module.torch = shim
+    ds_to_universal.main(_parse(ds_to_universal, argv))
+    return 0
+
+
+def _parse(ds_to_universal: Any, argv: List[str]) -> Any:
+    saved = sys.argv
+    sys.argv = ["ds_to_universal", *argv]
+    try:
+        return ds_to_universal.parse_arguments()
+    finally:
+        sys.argv = saved
+
+
+__all__ = ["to_safetensors", "to_universal"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["ds-to-universal"]:
+        sys.exit("usage: python -m easyckpt.consolidate ds-to-universal --input_folder ... --output_folder ...")
+    sys.exit(_ds_to_universal_main(sys.argv[2:]))

@@ -12,12 +12,17 @@ Decisions:
 - Saved arguments: Megatron's ``args`` namespace, DeepSpeed's ``ds_config``, the Trainer's
   ``trainer_state.json``; metadata: the manifest (less its file list) and the scalar fields at the top
   of each torch file (iteration, checkpoint_version, ds_version, …).
+- Only the files the manifest lists are opened, each through manifest.open_entry (inside the step, never
+  through a symlink). A step whose manifest is damaged shows no file at all: there is no list to trust.
+  A step with no manifest (a framework's own save) is described from its regular files on disk, opened
+  the same way.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import stat
 import struct
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -36,8 +41,14 @@ ProgressFactory = Callable[[int, str], Any]
 
 def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[str, Any]:
     """Everything ``easyckpt inspect`` shows about one step, as plain JSON-able data."""
-    man = mf.read(entry.path)
-    files = _files(entry.path, man)
+    try:
+        man: Optional[Dict[str, Any]] = mf.load(entry.path)
+        files = _files(entry.path, man)
+    except FileNotFoundError:
+        man = None
+        files = _files(entry.path, None)
+    except (OSError, ValueError):
+        man, files = None, []        # damaged manifest: nothing listed can be trusted (entry.why says why)
     tensors: List[Dict[str, Any]] = []
     args: Dict[str, Any] = {}
     metadata: Dict[str, Any] = {}
@@ -47,18 +58,17 @@ def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[s
     try:
         for rel, size, fmt in files:
             item: Dict[str, Any] = {"file": rel, "bytes": size, "format": fmt}
-            path = os.path.join(entry.path, rel)
             try:
                 if fmt == "safetensors":
-                    found = list(_safetensors_tensors(path))
+                    found = list(_safetensors_tensors(entry.path, rel))
                 elif fmt == "torch":
-                    found = _torch_tensors(path, args, metadata, rel)
+                    found = _torch_tensors(entry.path, rel, args, metadata)
                     if bar is not None:
                         bar.update(size)
                 else:
                     found = []
                     if rel.endswith(".json"):
-                        _json_metadata(path, rel, args, metadata)
+                        _json_metadata(entry.path, rel, args, metadata)
                     elif rel.endswith(".bin"):
                         item["not_loaded"] = ("a pickled Python object (the Trainer's TrainingArguments): easyckpt "
                                               "never unpickles it, loading a checkpoint must not run its code")
@@ -107,8 +117,9 @@ def _files(step_dir: str, man: Optional[Dict[str, Any]]) -> List[Tuple[str, int,
         for n in sorted(names):
             p = os.path.join(root, n)
             rel = os.path.relpath(p, step_dir)
-            if rel != mf.MANIFEST_NAME:
-                out.append((rel, os.path.getsize(p), _format_of(rel)))
+            st = os.lstat(p)
+            if rel != mf.MANIFEST_NAME and stat.S_ISREG(st.st_mode):     # symlinks are not followed
+                out.append((rel, st.st_size, _format_of(rel)))
     return sorted(out)
 
 
@@ -120,8 +131,8 @@ def _format_of(rel: str) -> str:
     return "raw"
 
 
-def _safetensors_tensors(path: str) -> Iterator[Tuple[str, str, List[int], int]]:
-    with open(path, "rb") as f:
+def _safetensors_tensors(step_dir: str, rel: str) -> Iterator[Tuple[str, str, List[int], int]]:
+    with mf.open_entry(step_dir, rel) as f:
         head = f.read(8)
         if len(head) < 8:
             raise ValueError("shorter than a safetensors header")
@@ -135,12 +146,11 @@ def _safetensors_tensors(path: str) -> Iterator[Tuple[str, str, List[int], int]]
         yield key, _DTYPES.get(info["dtype"], info["dtype"]), list(info["shape"]), end - begin
 
 
-def _torch_tensors(path: str, args: Dict[str, Any], metadata: Dict[str, Any], rel: str):
+def _torch_tensors(step_dir: str, rel: str, args: Dict[str, Any], metadata: Dict[str, Any]):
     import torch
 
     from .engine.tree import safe_torch_load
-    with open(path, "rb") as f:
-        tree = safe_torch_load(f.read())
+    tree = safe_torch_load(bytes(mf.read_entry(step_dir, rel)))
     found = [(key, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size())
              for key, t in _walk(tree, "") if isinstance(t, torch.Tensor)]
     if isinstance(tree, dict):
@@ -153,9 +163,8 @@ def _torch_tensors(path: str, args: Dict[str, Any], metadata: Dict[str, Any], re
     return found
 
 
-def _json_metadata(path: str, rel: str, args: Dict[str, Any], metadata: Dict[str, Any]) -> None:
-    with open(path, "rb") as f:
-        data = json.loads(f.read())
+def _json_metadata(step_dir: str, rel: str, args: Dict[str, Any], metadata: Dict[str, Any]) -> None:
+    data = json.loads(bytes(mf.read_entry(step_dir, rel)))
     if os.path.basename(rel) == "trainer_state.json" and isinstance(data, dict):
         args["trainer_state"] = {k: v for k, v in data.items() if k != "log_history"}
         args["trainer_state"]["log_history_entries"] = len(data.get("log_history") or [])

@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -209,12 +208,13 @@ def restore_universal(engine: Any, tag_dir: str, tag: str, work_dir: str, rank: 
     if rank == 0:
         shutil.rmtree(work_dir, ignore_errors=True)
         os.makedirs(work_dir)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
-               "--output_folder", os.path.join(work_dir, tag), "--num_extract_workers", "1",
-               "--num_merge_workers", "1", "--inject_missing_state"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-        if done.returncode != 0:
-            error = f"DeepSpeed's universal-checkpoint converter failed on {tag_dir}: {done.stderr[-2000:]}"
+        # only the files the manifest lists, verified, unpickled safely (the converter itself would glob the
+        # directory and torch.load whatever it finds there with weights_only=False)
+        from .consolidate import to_universal
+        try:
+            to_universal(tag_dir, tag, work_dir)
+        except (ValueError, OSError, subprocess.SubprocessError) as exc:
+            error = str(exc)
     errors = [e for e in all_gather(error, world_size) if e]
     try:
         if errors:

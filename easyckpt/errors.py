@@ -25,3 +25,8 @@ class CheckpointError(EasyCkptError):
 class UntrustedFileError(EasyCkptError, PermissionError):
     """A file easyckpt would read or reuse (a snapshot slot, the job key, a lock) belongs to another user,
     is open to others, or is a symlink: it may have been planted; nothing is read from it or written to it."""
+
+
+class ManifestError(CheckpointError, ValueError):
+    """A step's manifest is missing a field, has one of the wrong type, is not JSON, or names a file
+    outside its step directory; the message names the field or the file."""

@@ -8,16 +8,20 @@ Order:
      and checksums against the manifest; all ranks exchange the verdict; any failure anywhere
      rejects the step for everyone (loudly) and the next older one is tried.
 The tracker file is ignored: manifests are the truth (a tracker can be stale, empty or garbage).
+A step whose manifest is invalid (not JSON, a field missing or of the wrong type, a file named outside the
+step) is no candidate: it is logged as rejected, with the reason, and older steps are tried. Only files
+the manifest lists are read, each through manifest.read_entry (inside the step, no symlink out).
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..config import Config
 from ..dist import all_gather
+from ..errors import ManifestError
 from ..events import AuditLog
 from ..progress import Progress
 from . import manifest as mf
@@ -46,6 +50,7 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     # a snapshot taken with another world size holds another layout's shards: storage has to serve that
     mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.world_size == world_size]
     stored = retention.committed(cfg.save_dir, cfg.naming)
+    _log_invalid_manifests(cfg, {s for s, _ in stored}, log)
     views = all_gather(([s.step for s in mem], [s for s, _ in stored]), world_size)
     common_mem = set.intersection(*(set(m) for m, _ in views))
     common_sto = sorted(set.intersection(*(set(s) for _, s in views)), reverse=True)
@@ -82,11 +87,33 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     return None
 
 
+def _log_invalid_manifests(cfg: Config, valid: Set[int], log: AuditLog) -> None:
+    """Step directories that hold a manifest the loader cannot trust: each one said in the audit log (they
+    are skipped, not fatal: an older intact step still serves)."""
+    for step, path in retention.step_dirs(cfg.save_dir, cfg.naming):
+        if step in valid or not os.path.lexists(os.path.join(path, mf.MANIFEST_NAME)):
+            continue          # no manifest at all: an interrupted save or a framework's own, not damage
+        try:
+            man = mf.load(path)
+        except ManifestError as exc:
+            reason = str(exc)
+        except OSError as exc:
+            reason = f"{mf.MANIFEST_NAME} unreadable ({exc})"
+        else:
+            if man["step"] == step:
+                continue      # valid, e.g. committed by another job: not ours to judge here
+            reason = f"{mf.MANIFEST_NAME} is of step {man['step']}, not {step}"
+        log.emit("error", step=step, path=path, message=f"checkpoint rejected: {reason}; it is skipped")
+
+
 def _read_step(step_dir: str, needed: Needed, progress: bool = False
                ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Optional[Dict[str, Any]]]:
-    man = mf.read(step_dir)
-    if man is None:
-        return None, "manifest missing or unreadable", 0, man
+    try:
+        man = mf.load(step_dir)
+    except ManifestError as exc:
+        return None, str(exc), 0, None
+    except OSError as exc:
+        return None, f"{mf.MANIFEST_NAME} missing or unreadable ({exc})", 0, None
     try:
         wanted = needed(man)
     except ValueError as exc:
@@ -107,14 +134,15 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[str, bool
             if optional:
                 continue
             return None, f"{rel}: not in the manifest", 0, man
-        path = os.path.join(step_dir, rel)
         problems = mf.check_sizes(step_dir, man, [rel])
         if problems:
             return None, problems[0], 0, man
         try:
-            buf = shardfile.read_file(path, on_bytes)
+            buf = mf.read_entry(step_dir, rel, on_bytes)
+        except ManifestError as exc:
+            return None, str(exc), 0, man
         except OSError as exc:
-            return None, f"{rel}: {exc}", 0, man
+            return None, f"{rel}: unreadable ({exc})", 0, man
         problem = mf.check_bytes(rel, buf, man)
         if problem:
             return None, problem, 0, man

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 from ..errors import ShmCapacityError, UntrustedFileError
+from ..units import human
 
 SHM_DIR = os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm")
 PREFIX = "easyckpt-"
@@ -166,7 +167,7 @@ class Slot:
                     else:
                         os.ftruncate(fd, current)
                     raise ShmCapacityError(
-                        f"cannot reserve {size / 2**30:.2f} GiB in {SHM_DIR} for snapshot slot {path} "
+                        f"cannot reserve {human(size)} in {SHM_DIR} for snapshot slot {path} "
                         f"({exc.strerror}); {shm_advice()}") from exc
         finally:
             os.close(fd)
@@ -200,7 +201,7 @@ class Slot:
         del view
         err = torch.cuda.cudart().cudaHostRegister(addr, self.size, 0)
         if int(err) != 0:
-            raise ShmCapacityError(f"cannot page-lock snapshot slot {self.path} ({self.size / 2**30:.2f} GiB) "
+            raise ShmCapacityError(f"cannot page-lock snapshot slot {self.path} ({human(self.size)}) "
                                    f"for CUDA copies (cudaHostRegister error {int(err)}); raise the locked-memory "
                                    f"limit (`ulimit -l unlimited`, docker `--ulimit memlock=-1`)")
         self.pinned = addr

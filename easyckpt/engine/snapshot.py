@@ -25,6 +25,7 @@ import torch
 
 from .. import faults
 from ..errors import ShmCapacityError
+from ..units import human
 from . import shm, slotmeta
 from .shardfile import dtype_name
 from .tree import FLATTEN, rebuild
@@ -127,8 +128,8 @@ class Snapshotter:
         free = shm.free_bytes()
         if need > free:
             raise ShmCapacityError(
-                f"rank {self.rank} needs {need / 2**30:.2f} GiB more in {shm.SHM_DIR} for its two snapshot "
-                f"slots ({size / 2**30:.2f} GiB each) but only {free / 2**30:.2f} GiB are free; every rank "
+                f"rank {self.rank} needs {human(need)} more in {shm.SHM_DIR} for its two snapshot "
+                f"slots ({human(size)} each) but only {human(free)} are free; every rank "
                 f"on this node needs as much. To fix: {shm.shm_advice()}")
         for i, path in enumerate(self.paths):
             if self.slots[i] is not None:

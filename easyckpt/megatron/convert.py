@@ -50,9 +50,10 @@ def dp_zero_state(shards: List[Dict[str, Any]]) -> Dict[Any, Any]:
 
 def to_megatron_distrib_optim(step_dir: str) -> List[str]:
     """Write ``mp_rank_*/distrib_optim.pt`` for every (tp, pp) of a committed step; returns their paths."""
-    man = mf.read(step_dir)
-    if man is None:
-        raise ValueError(f"{step_dir} is not a committed easyckpt checkpoint (no valid manifest)")
+    try:
+        man = mf.load(step_dir)      # its file names are checked: each shard is read inside the step only
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{step_dir} is not a committed easyckpt checkpoint (no valid manifest: {exc})") from None
     groups: Dict[str, List[str]] = {}
     for rel in man["files"]:
         m = _SHARD.match(rel)
