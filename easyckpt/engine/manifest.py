@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional
 
 from ..errors import ManifestError
 from ..units import size_and_bytes
+from . import paths
 
 try:
     import xxhash
@@ -83,20 +84,12 @@ def _is_int(v: Any) -> bool:
 
 
 def check_relpath(rel: Any) -> str:
-    """``rel`` as a manifest may name a file: relative, '/'-separated, no empty, '.', '..', NUL or
-    backslash component. ManifestError otherwise (the path could name a file outside the step)."""
-    if not isinstance(rel, str) or not rel:
-        raise ManifestError(f"file name {rel!r} is not a non-empty string")
-    if rel.startswith("/"):
-        raise ManifestError(f"file name {rel!r} is absolute; a manifest lists paths inside its step directory")
-    for bad, what in (("\x00", "a NUL byte"), ("\\", "a backslash")):
-        if bad in rel:
-            raise ManifestError(f"file name {rel!r} contains {what}")
-    for part in rel.split("/"):
-        if part in ("", ".", ".."):
-            raise ManifestError(f"file name {rel!r} has a {part or 'empty'!r} component; a manifest lists "
-                                f"plain paths inside its step directory")
-    return rel
+    """``rel`` as a manifest may name a file (paths.check_relpath); ManifestError otherwise (the path
+    could name a file outside the step)."""
+    try:
+        return paths.check_relpath(rel)
+    except paths.UnsafePath as exc:
+        raise ManifestError(f"{exc}; a manifest lists plain paths inside its step directory") from None
 
 
 def validate(data: Any) -> Dict[str, Any]:
@@ -189,13 +182,10 @@ def read(step_dir: str) -> Optional[Dict[str, Any]]:
 def entry_path(step_dir: str, rel: str) -> str:
     """The filesystem path of listed file ``rel`` inside ``step_dir``; ManifestError when ``rel`` is not a
     plain relative path or its real path (symlinks followed) is not inside the step directory."""
-    check_relpath(rel)
-    base = os.path.realpath(step_dir)
-    path = os.path.join(base, *rel.split("/"))
-    real = os.path.realpath(path)
-    if os.path.commonpath([base, real]) != base or real == base:
-        raise ManifestError(f"{rel}: resolves to {real}, outside the step directory {base}; refusing to read it")
-    return path
+    try:
+        return paths.inside(step_dir, rel)
+    except paths.UnsafePath as exc:
+        raise ManifestError(f"{exc}; refusing to read it") from None
 
 
 def open_entry(step_dir: str, rel: str) -> BinaryIO:

@@ -37,5 +37,5 @@ def inside(base: str, rel: object) -> str:
     real_base = os.path.realpath(base)
     real = os.path.realpath(path)
     if os.path.commonpath([real_base, real]) != real_base or real == real_base:
-        raise UnsafePath(f"file name {rel!r} leads outside {base}")
+        raise UnsafePath(f"file name {rel!r} resolves to {real}, outside the step directory {base}")
     return path
