@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -84,7 +85,7 @@ def _agent_pid(save: Path) -> int:
 
 ATTACK = textwrap.dedent("""
     import json, socket, sys
-    address, forged = "\0" + sys.argv[1], sys.argv[2]
+    address, forged = "\\0" + sys.argv[1], sys.argv[2]
     got = []
     for payload in (b'{"op": "status"}\\n', b'not json at all\\n', b'{"op": "bye", "rank": 0}\\n',
                     b'{"op": "hello", "rank": 0, "world_size": 64, "local_rank": 0, "pid": 1}\\n',
@@ -322,9 +323,12 @@ def test_a_killed_agent_holding_both_slots_is_replaced_and_nothing_waits_for_it(
             kill_tree(proc)
     wait_no_agent(save)
     log = events(save / "easyckpt.log")
-    assert sum(e["event"] == "agent_start" for e in log) >= 2
-    skips = [e["step"] for e in log if e["event"] == "skip"]
-    assert len(skips) <= 10, f"snapshots kept being skipped after the agent died: {skips}"
+    starts = [i for i, e in enumerate(log) if e["event"] == "agent_start"]
+    assert len(starts) >= 2, "no new agent was started"
+    assert any(e["event"] == "warning" and "is gone" in e.get("message", "") for e in log), \
+        "the trainer did not say that the agent was gone"
+    assert [e for e in log[starts[1]:] if e["event"] == "persist" and e["reason"] == "interval"], \
+        "nothing was persisted at the storage interval after the agent was replaced"
     assert json.loads((save / "step_00000040" / "easyckpt_manifest.json").read_text())["step"] == 40
 
 
@@ -348,8 +352,7 @@ def test_a_shard_that_failed_on_one_rank_is_rewritten_on_every_rank_after_the_tr
         assert time.monotonic() < deadline, f"step 5 was not persisted after the trainers died: " \
                                             f"{[e for e in events(save / 'easyckpt.log') if e['event'] in ('error', 'persist', 'abandon')]}"
         time.sleep(0.1)
-    assert sorted(json.loads(manifest.read_text())["files"]) == ["rank00000.safetensors", "rank00001.safetensors"] \
-        or len(json.loads(manifest.read_text())["files"]) >= 2
+    assert {"rank_00000.safetensors", "rank_00001.safetensors"} <= set(json.loads(manifest.read_text())["files"])
     wait_no_agent(save, timeout=90)
     for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):
         p.unlink()
@@ -369,9 +372,13 @@ def test_a_new_run_in_the_dir_of_a_crashed_run_whose_agent_lives_commits_its_own
     finally:
         kill_tree(proc)
     deadline = time.monotonic() + 60
-    while not list(save.glob("step_0000001[23]/easyckpt_manifest.json")):
+    while True:      # the agent persists the old run's newest snapshot after its death, and lives on
+        died = [e["step"] for e in events(save / "easyckpt.log") if e["event"] == "persist_after_death"]
+        if died and (save / f"step_{died[-1]:08d}" / "easyckpt_manifest.json").exists():
+            break
         assert time.monotonic() < deadline, "the old run's newest snapshot was not persisted"
         time.sleep(0.05)
+    assert died[-1] > 10
     started = time.time()
     (tmp_path / "dump").mkdir()
     run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--no-resume", "--seed", "99",
@@ -384,10 +391,10 @@ def test_a_new_run_in_the_dir_of_a_crashed_run_whose_agent_lives_commits_its_own
     for step in (5, 10):
         man = json.loads((save / f"step_{step:08d}" / "easyckpt_manifest.json").read_text())
         assert man["created"] >= started, f"step {step} still holds the old run's commit"
-        saved = load_file(str(save / f"step_{step:08d}" / "rank00000.safetensors"))
+        saved = load_file(str(save / f"step_{step:08d}" / "model.safetensors"))
         dumped = torch.load(tmp_path / "dump" / f"model_{step}.pt", weights_only=True)
-        key = next(k for k in saved if k.endswith("weight"))
-        assert any(torch.equal(saved[key], v) for v in dumped.values()), f"step {step} is not the new run's state"
+        assert dumped and all(torch.equal(saved[k], v) for k, v in dumped.items()), \
+            f"step {step} does not hold the new run's weights"
 
 
 def test_retention_never_keeps_a_damaged_checkpoint_in_place_of_a_verified_one(tmp_path):
@@ -397,7 +404,7 @@ def test_retention_never_keeps_a_damaged_checkpoint_in_place_of_a_verified_one(t
     run(train_cmd(save, 1, "--iters", "12", "--storage-interval", "5", "--max-ckpt", "2"))
     wait_no_agent(save)
     assert sorted(p.name for p in save.glob("step_*")) == ["step_00000010", "step_00000012"]
-    shard = save / "step_00000012" / "rank00000.safetensors"
+    shard = save / "step_00000012" / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -433,3 +440,70 @@ def test_an_agent_nobody_says_hello_to_leaves_within_seconds(tmp_path):
     finally:
         jobkey.remove(cfg.job_id)
     assert not [s for s in shm_segments() if cfg.job_id in s]
+
+
+def test_a_step_that_cannot_commit_fails_at_once_and_later_steps_still_commit(tmp_path):
+    """Item 10/14: a foreign directory already holds step 5's name: committing 5 fails at once (said on the
+    console), later steps commit, and finalize never waits commit_timeout (600 s, beyond this test's timeout)."""
+    save = tmp_path / "ckpt"
+    foreign = save / "step_00000005"
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("someone else's")
+    res = run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--step-sleep", "0.05"))
+    wait_no_agent(save, timeout=30)
+    assert (foreign / "notes.txt").read_text() == "someone else's" and sorted(os.listdir(foreign)) == ["notes.txt"]
+    assert json.loads((save / "step_00000010" / "easyckpt_manifest.json").read_text())["step"] == 10
+    assert "step 5 was not committed" in res.stderr and "not an easyckpt checkpoint" in res.stderr, res.stderr[-3000:]
+
+
+def test_the_audit_log_is_on_by_default_inside_the_save_dir_and_can_be_turned_off(tmp_path):
+    """Item 8: with no log_file_path every save, commit and delete is recorded in SAVE_DIR/easyckpt.log;
+    log_file_path=False turns it off."""
+    save = tmp_path / "ckpt"
+    run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--max-ckpt", "1"))
+    wait_no_agent(save)
+    kinds = {e["event"] for e in events(save / "easyckpt.log")}
+    assert {"snapshot", "persist", "commit", "delete"} <= kinds, kinds
+    off = tmp_path / "off"
+    script = tmp_path / "off.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, easyckpt
+        model = torch.nn.Linear(4, 4)
+        easyckpt.initialize_easyckpt(sys.argv[1], save_storage_interval=1, log_file_path=False)
+        easyckpt.load_checkpoint(model)
+        easyckpt.save_checkpoint_if_needed(1, model)
+        easyckpt.finalize_easyckpt()
+    """))
+    run([sys.executable, str(script), str(off)])
+    wait_no_agent(off)
+    assert (off / "step_00000001").is_dir() and not (off / "easyckpt.log").exists()
+
+
+def test_any_easyckpt_start_reaps_only_this_users_dead_jobs(tmp_path):
+    """Item 17: a dead job's segments go at the next easyckpt start of any job (not only of that job's own
+    agent), and only those of this user: another user's file is never touched."""
+    from easyckpt.engine.reap import reap_dead_jobs
+    from easyckpt.events import AuditLog
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    header = struct.pack("<8sIIqQQQQIIqII", b"EZCKSLOT", 1, 2, 7, 1, 0, 0, 0, 0, 0, dead.pid, 0, 1)
+    mine = Path("/dev/shm/easyckpt-0123456789ac-r00000-s0")
+    mine.write_bytes(header + bytes(4096))
+    key = Path("/dev/shm/easyckpt-0123456789ac-key")
+    key.write_text("0" * 64)
+    theirs = Path("/dev/shm/easyckpt-0123456789ad-r00000-s0")
+    theirs.write_bytes(header + bytes(4096))
+    try:
+        if os.geteuid() == 0:
+            os.chown(theirs, 65534, 65534)
+        for p in (mine, key, theirs):
+            os.utime(p, (1e9, 1e9))
+        reap_dead_jobs(AuditLog(None, "test"), keep="feedfeedfeed")
+        assert not mine.exists() and not key.exists(), "a dead job's segment or key survived"
+        if os.geteuid() == 0:
+            assert theirs.exists(), "another user's file was removed"
+    finally:
+        for p in (mine, key, theirs):
+            if p.exists():
+                p.unlink()
