@@ -93,7 +93,7 @@ def test_verify_names_the_damaged_file_and_ls_verify_picks_what_the_loader_would
 
     # sizes alone cannot see a flipped byte; with --verify the pick is the loader's: the newest intact step
     assert cli_json("ls", ckpt)["picked"] == steps[-1]
-    checked = cli_json("ls", ckpt, "--verify")
+    checked = cli_json("ls", ckpt, "--verify", expect=1)     # damage found: a check's exit status says so
     assert checked["picked"] == steps[1]
     rows = {r["step"]: r for r in checked["checkpoints"]}
     assert rows[steps[-1]]["state"] == "damaged" and "optimizer.safetensors" in rows[steps[-1]]["why"]
