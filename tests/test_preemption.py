@@ -142,6 +142,19 @@ def test_sigterm_to_every_process_with_dataloader_workers_saves_the_agreed_step(
     wait_no_agent(ckpt)
 
 
+def test_a_process_forked_from_the_trainer_dies_of_sigterm_and_takes_no_checkpoint(tmp_path):
+    """A helper the trainer forks (a multiprocessing.Pool worker) and ends with SIGTERM, as Pool.terminate()
+    does, must die of it as it would without easyckpt — not run the inherited handler (the helper would
+    live on and the Pool would wait forever), nor wake the trainer's watcher through the wakeup socket they
+    share (the trainer would take an on-demand checkpoint and exit)."""
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    run(train_cmd(ckpt, 1, "--iters", "12", "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05",
+                  "--inject", "4:fork-term", "--idle-timeout", "2"))
+    assert last_iteration(loss) == 12
+    assert not [e for e in events(log) if e["event"] in ("sigterm", "sigterm_save")], "the helper's SIGTERM was taken for the trainer's"
+    wait_no_agent(ckpt)
+
+
 def test_a_step_that_outlasts_the_deadline_gets_the_agents_fallback_checkpoint(tmp_path):
     """Iteration 9 takes 12 s; SIGTERM arrives during it with a 3 s grace deadline. The agent commits the
     newest snapshot (step 8, save_mem_interval 2) before the step ends; then the trainers reach their safe

@@ -10,6 +10,7 @@ losses match an uninterrupted run only if easyckpt restores the RNG states too.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import random
 import signal
@@ -50,7 +51,8 @@ def parse() -> argparse.Namespace:
                    help="iteration IT takes SECONDS longer (before its optimizer step), on every rank")
     p.add_argument("--inject", default="", metavar="IT[@RANK]:HOW,...",
                    help="faults for tests: at iteration IT (on RANK, default 0) HOW = raise | kill | exit | term "
-                        "(SIGTERM to itself); each fires once per --once-dir")
+                        "(SIGTERM to itself) | fork-term (fork a helper and end it with SIGTERM, as a "
+                        "multiprocessing.Pool's terminate() does); each fires once per --once-dir")
     p.add_argument("--once-dir", default=None)
     p.add_argument("--misreport", default=None, metavar="IT@RANK:STEP",
                    help="tests: at iteration IT, RANK passes STEP to save_checkpoint_if_needed (ranks disagree)")
@@ -100,6 +102,14 @@ def inject(spec: str, once_dir, it: int, rank: int) -> None:
             os._exit(17)
         if how == "term":
             os.kill(os.getpid(), signal.SIGTERM)
+        if how == "fork-term":
+            helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+            helper.start()
+            helper.terminate()
+            helper.join(timeout=10)
+            if helper.exitcode != -signal.SIGTERM:
+                helper.kill()
+                raise RuntimeError(f"a process forked from the trainer outlived SIGTERM (exit code {helper.exitcode})")
 
 
 def main() -> int:
