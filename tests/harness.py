@@ -103,6 +103,41 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 kill_group = kill_tree
 
 
+children, is_agent = _children, _is_agent
+
+
+def descendants(root: int, kids: Optional[Dict[int, List[int]]] = None) -> List[int]:
+    """``root`` and every process below it, whatever session or group it put itself in (torchrun's
+    trainers, their DataLoader workers, a forkserver, the node agent a trainer started)."""
+    kids, out, todo = kids if kids is not None else _children(), [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids.get(pid, []))
+    return out
+
+
+def signal_every_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> List[int]:
+    """What a scheduler does on cancel or preemption (Slurm's scancel, a node drain): ``sig`` to every
+    process of the job at once, from outside it. Returns the pids signalled."""
+    pids = descendants(proc.pid)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by its parent, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def losses(prefix: Path, rank: int = 0) -> Dict[int, str]:
     """iteration -> loss (hex); a later line for the same iteration (a redone one) wins."""
     out: Dict[int, str] = {}

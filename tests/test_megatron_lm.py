@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, env, events, kill_tree, wait_no_agent
+from harness import ROOT, env, events, kill_tree, signal_every_process, wait_no_agent
 
 TREE = os.environ.get("EASYCKPT_MEGATRON_LM")
 pytestmark = pytest.mark.skipif(
@@ -38,8 +38,8 @@ def hooked_script(tmp: Path) -> Path:
     return script
 
 
-def launch(ckpt: Path, out: Path, tree: str, script: Path = None, extra=(), log: Path = None):
-    e = env({"EASYCKPT_MEGATRON_LM": tree, "CKPT_DIR": str(ckpt), "PYTHONPATH": str(ROOT)})
+def launch(ckpt: Path, out: Path, tree: str, script: Path = None, extra=(), log: Path = None, more_env=None):
+    e = env({"EASYCKPT_MEGATRON_LM": tree, "CKPT_DIR": str(ckpt), "PYTHONPATH": str(ROOT), **(more_env or {})})
     if script is not None:
         e["MLM_SCRIPT"] = str(script)
     if log is not None:
@@ -57,7 +57,8 @@ def finish(proc, out, timeout=300):
     assert rc == 0, out.read_text()[-4000:]
 
 
-def interrupted_run_matches(tmp: Path, tree: str, script, extra, sig, kill_after: int = 6, log_name=None):
+def interrupted_run_matches(tmp: Path, tree: str, script, extra, sig, kill_after: int = 6, log_name=None,
+                            more_env=None):
     ref_out = tmp / "ref.out"
     finish(launch(tmp / "ref", ref_out, tree, script, extra), ref_out)
     reference = losses(ref_out)
@@ -65,7 +66,7 @@ def interrupted_run_matches(tmp: Path, tree: str, script, extra, sig, kill_after
 
     ckpt, first = tmp / "ckpt", tmp / "first.out"
     log = ckpt / log_name if log_name else tmp / "audit.jsonl"   # the patches log into --save
-    proc = launch(ckpt, first, tree, script, extra, log)
+    proc = launch(ckpt, first, tree, script, extra, log, more_env)
     deadline = time.monotonic() + 300
     while max(losses(first), default=0) < kill_after:
         assert proc.poll() is None, first.read_text()[-3000:]
@@ -73,6 +74,11 @@ def interrupted_run_matches(tmp: Path, tree: str, script, extra, sig, kill_after
         time.sleep(0.005)
     if sig == signal.SIGKILL:
         kill_tree(proc)
+    elif sig == "every process":          # a scheduler's cancel: torchrun, trainers, DataLoader workers, agent
+        signal_every_process(proc, signal.SIGTERM)
+        proc.wait(timeout=120)
+        saves = [e for e in events(log) if e["event"] == "sigterm_save"]
+        assert sorted(e["rank"] for e in saves) == [0, 1], f"{saves}\n{first.read_text()[-3000:]}"
     else:
         proc.send_signal(sig)
         proc.wait(timeout=120)
@@ -98,6 +104,14 @@ def interrupted_run_matches(tmp: Path, tree: str, script, extra, sig, kill_after
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill9", "sigterm"])
 def test_hooked_pretrain_gpt_resumes_with_equal_losses(tmp_path, extra, sig):
     interrupted_run_matches(tmp_path, TREE, hooked_script(tmp_path), extra, sig)
+
+
+def test_sigterm_to_every_process_with_two_dataloader_workers_saves_and_resumes_with_equal_losses(tmp_path):
+    """RELIABILITY row 27 in Megatron (its default --num-workers 2) with easyckpt's SIGTERM handling alone: the
+    workers leave SIGTERM to the trainers, which save the agreed step and exit. (With --exit-signal-handler,
+    Megatron's worker_init_fn gives its workers a handler of its own.)"""
+    interrupted_run_matches(tmp_path, TREE, hooked_script(tmp_path), ("--num-workers", "2"), "every process",
+                            more_env={"EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT": "1"})
 
 
 def test_patches_apply_and_the_patched_loop_resumes_with_equal_losses(tmp_path):

@@ -3,7 +3,8 @@
 SIGTERM goes to one rank, to every rank, or to torchrun's process group (torchrun forwards it to its
 workers) at seeded random moments. Every run must end with a committed checkpoint of the step the
 ranks agreed on, no iteration lost, and a resume whose losses equal an uninterrupted run's.
-``EASYCKPT_TEST_SEED`` changes the moments; the slow test runs 51 of them.
+``EASYCKPT_TEST_SEED`` changes the moments; the slow sweep runs ``EASYCKPT_SIGTERM_SWEEP`` of them
+(default 12, what CI runs; EASYCKPT_SIGTERM_SWEEP=51 for the full sweep).
 """
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from harness import (ROOT, committed_steps, env, events, last_iteration, losses, run, start, starts, train_cmd,
-                     wait_for_iteration, wait_no_agent, worker_pids)
+from harness import (ROOT, alive, children, committed_steps, descendants, env, events, is_agent, last_iteration,
+                     losses, run, signal_every_process, start, starts, train_cmd, wait_for_iteration, wait_no_agent,
+                     worker_pids)
 
 N = 30
 COMMON = ["--iters", str(N), "--mem-interval", "2", "--storage-interval", "10", "--max-ckpt", "2"]
 SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 MODES = ("one rank", "all ranks", "process group")
+SWEEP = int(os.environ.get("EASYCKPT_SIGTERM_SWEEP", "12"))
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +83,80 @@ def test_sigterm_saves_the_agreed_step_and_loses_nothing(tmp_path, reference, mo
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_sigterm_at_51_random_moments(tmp_path, reference):
+def test_sigterm_at_random_moments(tmp_path, reference):
+    """EASYCKPT_SIGTERM_SWEEP seeded moments, the modes in turn: 12 by default (CI), 51 for the full sweep."""
+    assert SWEEP >= 1, f"EASYCKPT_SIGTERM_SWEEP={SWEEP}: run at least one moment"
     agreed = []
-    for i in range(51):
+    for i in range(SWEEP):
         mode = MODES[i % 3]
         agreed.append(sigterm_run(tmp_path / f"run{i}", SEED * 100 + i, mode, reference))
     print(f"agreed steps: {agreed}")
+
+
+@pytest.fixture(scope="module")
+def reference_with_loader(tmp_path_factory):
+    # the same batches as the workers make, loaded in the trainer: fewer processes on a small box
+    d = tmp_path_factory.mktemp("reference_loader")
+    run(train_cmd(d / "ckpt", 2, *COMMON, "--workers", "0", "--loss-file", str(d / "loss")))
+    wait_no_agent(d / "ckpt")
+    return {r: losses(d / "loss", r) for r in (0, 1)}
+
+
+# fork is Linux's default start method (Megatron's, the Trainer's); spawn and forkserver are -m slow
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow),
+                                          pytest.param("forkserver", marks=pytest.mark.slow)])
+def test_sigterm_to_every_process_with_dataloader_workers_saves_the_agreed_step(tmp_path, reference_with_loader,
+                                                                                start_method):
+    """RELIABILITY row 27: a scheduler's cancel signals every process of the job at once — torchrun, both
+    trainers, their two DataLoader workers each, the node agent. The workers must leave SIGTERM to their
+    trainer (else the trainer dies of 'DataLoader worker (pid …) is killed by signal: Terminated' before
+    any save); the ranks agree on a step, commit it, exit, and the workers go with their trainers."""
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmd = train_cmd(ckpt, 2, *COMMON, "--workers", "2", "--worker-start", start_method, "--loss-file", str(loss),
+                    "--log-file", str(log), "--step-sleep", "0.04", "--idle-timeout", "5")
+    proc = start(cmd, log=tmp_path / "first.out")
+    wait_for_iteration(loss, 8, proc)
+    wait_for_iteration(loss, 8, proc, rank=1)
+    kids = children()
+    trainers = [p for p in kids.get(proc.pid, []) if not is_agent(p)]
+    loaders = {t: [p for p in descendants(t, kids) if p != t and not is_agent(p)] for t in trainers}
+    assert len(trainers) == 2 and all(len(v) >= 2 for v in loaders.values()), f"trainers and workers: {loaders}"
+    signalled = signal_every_process(proc, signal.SIGTERM)
+    proc.wait(timeout=120)
+    out = (tmp_path / "first.out").read_text()
+    what = f"{start_method} workers, SIGTERM to {len(signalled)} processes\n{out[-3000:]}"
+    assert "killed by signal" not in out and "exited unexpectedly" not in out, what
+    saves = [e for e in events(log) if e["event"] == "sigterm_save"]
+    assert sorted(e["rank"] for e in saves) == [0, 1] and all(e["exit"] for e in saves), f"{saves}\n{what}"
+    agreed = saves[0]["step"]
+    assert all(e["step"] == agreed for e in saves), f"ranks saved different steps {saves}"
+    assert committed_steps(ckpt)[-1] == agreed, f"step {agreed} not committed: {committed_steps(ckpt)}"
+    assert max(last_iteration(loss, r) for r in (0, 1)) == agreed, "iterations trained past the saved step"
+    deadline = time.monotonic() + 30
+    while [p for v in loaders.values() for p in v if alive(p)]:
+        assert time.monotonic() < deadline, f"DataLoader workers outlived their trainers: {loaders}"
+        time.sleep(0.05)
+    wait_no_agent(ckpt)
+    run(cmd)
+    assert starts(loss)[-1] == agreed, f"resumed from {starts(loss)[-1]}, not {agreed}"
+    for rank in (0, 1):
+        got = losses(loss, rank)
+        assert sorted(got) == list(range(1, N + 1)), f"rank {rank} iterations {sorted(got)}"
+        assert [i for i in got if got[i] != reference_with_loader[rank][i]] == [], f"rank {rank} losses differ"
+    wait_no_agent(ckpt)
+
+
+def test_a_process_forked_from_the_trainer_dies_of_sigterm_and_takes_no_checkpoint(tmp_path):
+    """A helper the trainer forks (a multiprocessing.Pool worker) and ends with SIGTERM, as Pool.terminate()
+    does, must die of it as it would without easyckpt — not run the inherited handler (the helper would
+    live on and the Pool would wait forever), nor wake the trainer's watcher through the wakeup socket they
+    share (the trainer would take an on-demand checkpoint and exit)."""
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    run(train_cmd(ckpt, 1, "--iters", "12", "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05",
+                  "--inject", "4:fork-term", "--idle-timeout", "2"))
+    assert last_iteration(loss) == 12
+    assert not [e for e in events(log) if e["event"] in ("sigterm", "sigterm_save")], "the helper's SIGTERM was taken for the trainer's"
+    wait_no_agent(ckpt)
 
 
 def test_a_step_that_outlasts_the_deadline_gets_the_agents_fallback_checkpoint(tmp_path):

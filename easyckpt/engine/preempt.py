@@ -20,6 +20,11 @@ Agreement (one round per signal; keys under ``easyckpt/<job>/<round>/`` of the d
 Why this cannot deadlock: ranks only *wait* at safe points, and only until T is published, which
 needs nothing from any main thread. Data-parallel ranks are at most one step apart, so T is the
 signalled step or the one after it.
+
+Processes forked from the trainer are no trainers: at the fork they drop the handler and the wakeup fd
+(a socket shared with the trainer, whose watcher would take their signals for its own) and get the
+SIGTERM handling the trainer had before easyckpt. DataLoader workers, which a scheduler's SIGTERM to the
+whole job would otherwise kill before the trainer can save, leave SIGTERM to the trainer (loader_workers.py).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from typing import Any, Callable, List, Optional
 
 from ..errors import EasyCkptError
 from ..events import AuditLog
+from . import loader_workers
 
 
 class PreemptionError(EasyCkptError):
@@ -73,6 +79,7 @@ class Preemption:
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._old_wakeup_fd = -1
+        self._fork_mask = threading.local()
 
     # ---- installation (main thread) -----------------------------------------------------
 
@@ -90,6 +97,11 @@ class Preemption:
         except ValueError:
             self._old_wakeup_fd = -1
         self._installed = True
+        os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_in_parent,
+                            after_in_child=self._forget_in_child)
+        if not loader_workers.guard():
+            self.log.emit("warning", rank=self.rank, message="this torch's DataLoader is not the one easyckpt knows: "
+                                                             "its workers die of a SIGTERM sent to the whole job")
         self._thread = threading.Thread(target=self._watch, daemon=True, name="easyckpt-sigterm")
         self._thread.start()
         # a process that ends without finalize: the watcher must not be inside a c10d store call when the
@@ -113,7 +125,45 @@ class Preemption:
                 signal.set_wakeup_fd(self._old_wakeup_fd)
             except ValueError:
                 pass
+        loader_workers.unguard()
         self._installed = False
+
+    # SIGTERM stays blocked in the forking thread across a fork, so that the child cannot run the inherited
+    # handler (nor write into the trainer's wakeup socket) before _forget_in_child; a SIGTERM sent to the
+    # child meanwhile waits for the mask to be restored, and then meets the handling the trainer had before.
+    def _before_fork(self) -> None:
+        if self._installed:
+            self._fork_mask.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def _after_fork_in_parent(self) -> None:
+        old, self._fork_mask.old = getattr(self._fork_mask, "old", None), None
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def _forget_in_child(self) -> None:
+        """In a process just forked from the trainer: nothing of this object may act there (it would flag a
+        checkpoint that process never takes, and write its signals into the trainer's wakeup socket)."""
+        old, self._fork_mask.old = getattr(self._fork_mask, "old", None), None
+        try:
+            self._forget()
+        finally:
+            if old is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def _forget(self) -> None:
+        if not self._installed:
+            return
+        self._installed = False
+        self._thread = None
+        try:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            signal.set_wakeup_fd(self._old_wakeup_fd)
+        except (ValueError, OSError):
+            pass
+        for sock in (self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()       # this process's copy; the trainer keeps its own
+        self._wake_r = self._wake_w = None
 
     def _handler(self, signum: int, frame: Any) -> None:
         # only flags: the safe point and the watcher do the work

@@ -10,6 +10,7 @@ losses match an uninterrupted run only if easyckpt restores the RNG states too.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import random
 import signal
@@ -51,14 +52,35 @@ def parse() -> argparse.Namespace:
                    help="iteration IT takes SECONDS longer (before its optimizer step), on every rank")
     p.add_argument("--inject", default="", metavar="IT[@RANK]:HOW,...",
                    help="faults for tests: at iteration IT (on RANK, default 0) HOW = raise | kill | exit | term "
-                        "(SIGTERM to itself); each fires once per --once-dir")
+                        "(SIGTERM to itself) | fork-term (fork a helper and end it with SIGTERM, as a "
+                        "multiprocessing.Pool's terminate() does); each fires once per --once-dir")
     p.add_argument("--once-dir", default=None)
     p.add_argument("--misreport", default=None, metavar="IT@RANK:STEP",
                    help="tests: at iteration IT, RANK passes STEP to save_checkpoint_if_needed (ranks disagree)")
     p.add_argument("--commit-timeout", type=float, default=600.0)
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="snapshot_overlap: copy the optimizer's tensors during the next forward/backward")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="draw the batches through a torch DataLoader with N worker processes (Megatron's default "
+                        "is 2; 0: in this process); default: from the global RNG, no DataLoader")
+    p.add_argument("--worker-start", choices=("fork", "spawn", "forkserver"), default=None,
+                   help="the DataLoader workers' multiprocessing start method (default: torch's)")
     return p.parse_args()
+
+
+class Batches(torch.utils.data.Dataset):
+    """Batch ``it`` of one rank, the same whichever process makes it and whether or not the run resumed:
+    the data position is the iteration, as Megatron's consumed samples are."""
+
+    def __init__(self, seed: int, rank: int, first: int, last: int):
+        self.seed, self.rank, self.first, self.last = seed, rank, first, last
+
+    def __len__(self) -> int:
+        return max(0, self.last - self.first + 1)
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        it = self.first + k
+        return torch.randn(32, 16, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.rank * 10_007 + it))
 
 
 def inject(spec: str, once_dir, it: int, rank: int) -> None:
@@ -81,6 +103,14 @@ def inject(spec: str, once_dir, it: int, rank: int) -> None:
             os._exit(17)
         if how == "term":
             os.kill(os.getpid(), signal.SIGTERM)
+        if how == "fork-term":
+            helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+            helper.start()
+            helper.terminate()
+            helper.join(timeout=10)
+            if helper.exitcode != -signal.SIGTERM:
+                helper.kill()
+                raise RuntimeError(f"a process forked from the trainer outlived SIGTERM (exit code {helper.exitcode})")
 
 
 def main() -> int:
@@ -122,8 +152,16 @@ def main() -> int:
     w = torch.randn(16, 1, generator=torch.Generator().manual_seed(args.seed))   # the task, fixed
     slow_it, slow_s = (int(args.slow_step.split(":")[0]), float(args.slow_step.split(":")[1])) \
         if args.slow_step else (None, 0.0)
+    batches = None
+    if args.workers is not None:
+        # its own generator: drawing the workers' base seed from the global RNG would shift the dropout masks
+        # of a resumed run against an uninterrupted one
+        loader = torch.utils.data.DataLoader(Batches(args.seed, rank, start + 1, args.iters), batch_size=None,
+                                             num_workers=args.workers, generator=torch.Generator().manual_seed(0),
+                                             multiprocessing_context=args.worker_start if args.workers else None)
+        batches = iter(loader)
     for it in range(start + 1, args.iters + 1):
-        x = torch.randn(32, 16)
+        x = next(batches) if batches is not None else torch.randn(32, 16)
         y = x @ w + 0.1 * float(np.random.randn()) + 0.01 * random.random()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         optimizer.zero_grad()
