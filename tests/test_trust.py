@@ -507,3 +507,12 @@ def test_any_easyckpt_start_reaps_only_this_users_dead_jobs(tmp_path):
         for p in (mine, key, theirs):
             if p.exists():
                 p.unlink()
+
+
+def test_the_agent_imports_neither_torch_nor_pickle(tmp_path):
+    """The agent assembles framework-native torch.save files from bytes the trainer prepared: a fresh
+    interpreter that imports the agent has loaded neither torch nor an unpickler."""
+    code = ("import sys, easyckpt.engine.agent; "
+            "bad = [m for m in ('torch', 'pickle', '_pickle') if m in sys.modules]; "
+            "assert not bad, bad")
+    run([sys.executable, "-c", code])
