@@ -8,6 +8,8 @@ Order:
      and checksums against the manifest; all ranks exchange the verdict; any failure anywhere
      rejects the step for everyone (loudly) and the next older one is tried.
 The tracker file is ignored: manifests are the truth (a tracker can be stale, empty or garbage).
+The framework's own checkpoints (no manifest) take part in 3 and 4 beside the committed steps, with
+the rules of adopt.py (the framework's tracker bounds them; no checksums exist to check).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ..dist import all_gather
 from ..events import AuditLog
 from ..progress import Progress
 from . import manifest as mf
-from . import retention, shardfile, snapshot
+from . import adopt, retention, shardfile, snapshot
 from .tree import safe_torch_load, unflatten
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
@@ -44,9 +46,11 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     # a snapshot taken with another world size holds another layout's shards: storage has to serve that
     mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.world_size == world_size]
     stored = retention.committed(cfg.save_dir, cfg.naming)
-    views = all_gather(([s.step for s in mem], [s for s, _ in stored]), world_size)
-    common_mem = set.intersection(*(set(m) for m, _ in views))
-    common_sto = sorted(set.intersection(*(set(s) for _, s in views)), reverse=True)
+    native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own
+    views = all_gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native]), world_size)
+    common_mem = set.intersection(*(set(m) for m, _, _ in views))
+    common_nat = set.intersection(*(set(n) for _, _, n in views))
+    common_sto = sorted(set.intersection(*(set(s) for _, s, _ in views)) | common_nat, reverse=True)
     best_mem = max(common_mem) if common_mem else None
 
     if best_mem is not None and (not common_sto or best_mem >= common_sto[0]):
@@ -65,7 +69,13 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
                                                   f"falling back to storage")
 
     paths = dict(stored)
+    foreign = {c.step: c for c in native if c.step in common_nat}
     for step in common_sto:
+        if step in foreign:
+            loaded = _adopt(foreign[step], cfg, rank, world_size, needed, log)
+            if loaded is not None:
+                return loaded
+            continue
         t0 = time.perf_counter()
         trees, problem, nbytes, man = _read_step(paths[step], needed, progress=rank == 0)
         verdicts = all_gather(problem, world_size)
@@ -76,6 +86,40 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
         log.emit("error", step=step, path=paths[step], message=f"checkpoint rejected: {message}")
         log.emit("warning", step=step, message="falling back to the previous committed checkpoint")
     return None
+
+
+def _adopt(cand: adopt.Candidate, cfg: Config, rank: int, world_size: int, needed: Needed,
+           log: AuditLog) -> Optional[Loaded]:
+    """Load a checkpoint the framework wrote itself, or None (all ranks agree) when it is incomplete."""
+    t0 = time.perf_counter()
+    what = adopt.describe(cfg.naming, cand.path)
+    trees, problem, nbytes, inv = adopt.read_candidate(cand, needed, progress=rank == 0)
+    verdicts = all_gather(problem, world_size)
+    bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if bad:
+        message = "; ".join(f"rank {r}: {v}" for r, v in bad)
+        log.emit("error", step=cand.step, path=cand.path, message=f"{what} not adopted: {message}")
+        if rank == 0:
+            print(f"easyckpt: {what} is incomplete or unreadable ({message}): trying the previous checkpoint",
+                  flush=True)
+        return None
+    log.emit("adopt", step=cand.step, rank=rank, path=cand.path, bytes=nbytes,
+             message=f"{what}: no easyckpt manifest, so no checksums to verify; every file this rank needs "
+                     f"exists with its size on disk and loads")
+    if rank == 0:
+        text = f"easyckpt: resuming from {what} (no easyckpt manifest)"
+        adopt.logger.info(text)
+        print(text, flush=True)
+    return Loaded(cand.step, "adopted", cand.path, trees, nbytes, time.perf_counter() - t0, inv)
+
+
+def _console(rank: int, log: AuditLog) -> Callable[[str], None]:
+    """Audit log on every rank, the console once (rank 0): what the loader passed over and why."""
+    def say(text: str) -> None:
+        log.emit("skip", message=text)
+        if rank == 0:
+            print(f"easyckpt: {text}", flush=True)
+    return say
 
 
 def _read_step(step_dir: str, needed: Needed, progress: bool = False

@@ -253,6 +253,11 @@ def restore(trees: Dict[str, Any], where: Parallel, model: Sequence[Any], optimi
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     own = trees.get(where.rng_file)
-    rng_restore(own["rng"] if own is not None else state["rng_state"][0])
+    if own is not None:
+        rng_restore(own["rng"])
+    elif state.get("rng_state"):
+        # Megatron's own list: one entry, or one per DP rank with --data-parallel-random-init
+        saved = state["rng_state"]
+        rng_restore(saved[where.dp] if len(saved) > where.dp else saved[0])
     return state
 

@@ -1,0 +1,144 @@
+"""Row 26: checkpoints the frameworks wrote themselves (no easyckpt manifest) in the save directory are
+adopted: easyckpt resumes from the newest complete one, says so on the console, leaves it untouched, and
+its own later saves commit beside it. Real frameworks in real processes, written by their own savers:
+Megatron (megatron-core objects saved as Megatron-LM's --ckpt-format torch does), a plain DeepSpeed engine
+(engine.save_checkpoint) and the plain HF Trainer (save_strategy="steps")."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, assert_losses_equal, committed_steps, events, losses, run, script_cmd, starts, wait_no_agent
+
+
+def tree_bytes(path: Path):
+    return {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def adopted_loads(log: Path):
+    return [e for e in events(log) if e["event"] == "load" and e.get("source") == "adopted"]
+
+
+# ---- Megatron -----------------------------------------------------------------------------------------
+
+MEGATRON = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
+
+
+def megatron_cmd(script: Path, *args: str):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args]
+
+
+def megatron_losses(prefix: Path):
+    return {int(line.split()[0]): line.split()[1] for line in Path(f"{prefix}.rank1").read_text().splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_megatrons_own_checkpoint_is_adopted_and_later_saves_commit(tmp_path):
+    """Megatron saved iteration 3 itself (iter_0000003, tracker "3", no manifest); a relaunch with easyckpt
+    resumes from it with Megatron's state (losses equal an uninterrupted run's), says so on the console,
+    and commits its own iterations 4 and 8 while iter_0000003 stays byte-identical."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
+    common = ["--cpu", "--quiet", "--tp", "2"]
+    ref = tmp_path / "ref-loss"
+    run(megatron_cmd(MEGATRON, *common, "--iters", "8", "--loss-file", str(ref)), timeout=300)
+
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    run(megatron_cmd(ROOT / "tests" / "megatron_native_save.py", str(ckpt), "--", *common, "--iters", "3",
+                     "--loss-file", str(loss)), timeout=300)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    native = tree_bytes(ckpt / "iter_0000003")
+    assert {p.relative_to(ckpt).as_posix() for p in native} == {
+        "iter_0000003/mp_rank_00/model_optim_rng.pt", "iter_0000003/mp_rank_01/model_optim_rng.pt"}
+
+    out = run(megatron_cmd(MEGATRON, *common, "--iters", "8", "--loss-file", str(loss), "--save", str(ckpt),
+                           "--save-storage-interval", "4", "--ckpt-log", str(log), "--agent-idle-timeout", "5"),
+              timeout=300)
+    assert "easyckpt: resuming from Megatron's own checkpoint iter_0000003 (no easyckpt manifest)" in out.stdout, \
+        out.stdout[-3000:] + out.stderr[-3000:]
+    assert [int(l.split()[2]) for l in Path(f"{loss}.rank1").read_text().splitlines() if l.startswith("# start")] \
+        == [3], "easyckpt did not resume from Megatron's iteration 3"
+    assert megatron_losses(loss) == megatron_losses(ref), "losses after adopting differ from an uninterrupted run"
+    assert {e["step"] for e in adopted_loads(log)} == {3}
+    wait_no_agent(ckpt)
+    assert committed_steps(ckpt, "iter_*") == [4, 8]
+    assert tree_bytes(ckpt / "iter_0000003") == native, "Megatron's own checkpoint was touched"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "8"
+
+
+# ---- DeepSpeed ----------------------------------------------------------------------------------------
+
+DS_TRAIN = ROOT / "examples" / "deepspeed" / "train.py"
+
+
+def test_plain_deepspeed_checkpoint_is_adopted_and_a_save_newer_than_latest_is_not(tmp_path):
+    """engine.save_checkpoint alone wrote global_step4 and global_step8 (``latest`` = global_step8); a
+    global_step12 that ``latest`` does not name is an interrupted save. easyckpt's DeepSpeed verbs resume
+    from global_step8 with DeepSpeed's state (equal losses; client_state checked by the example) and say
+    so; global_step12 is passed over loudly and left alone."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e .[deepspeed])")
+    base = ["--zero", "2", "--dropout", "0", "--iters", "16", "--idle-timeout", "5"]
+    ref = tmp_path / "ref-loss"
+    run(script_cmd(DS_TRAIN, 2, "--save-dir", str(tmp_path / "ref"), "--loss-file", str(ref), *base,
+                   "--storage-interval", "100"), timeout=300)
+    wait_no_agent(tmp_path / "ref")
+
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    run(script_cmd(ROOT / "tests" / "deepspeed_native_save.py", 2, "4", "--", "--save-dir", str(ckpt),
+                   "--loss-file", str(loss), "--zero", "2", "--dropout", "0", "--iters", "12"), timeout=300)
+    assert (ckpt / "latest").read_text() == "global_step12"
+    (ckpt / "latest").write_text("global_step8")      # global_step12's save never finished
+    native = tree_bytes(ckpt)
+
+    out = run(script_cmd(DS_TRAIN, 2, "--save-dir", str(ckpt), "--loss-file", str(loss), *base,
+                         "--storage-interval", "5", "--log-file", str(log), torchrun=True), timeout=300)
+    said = out.stdout + out.stderr
+    assert "easyckpt: resuming from DeepSpeed's own checkpoint global_step8 (no easyckpt manifest)" in said, said[-4000:]
+    assert "global_step12 is newer than the step latest names (8)" in said, said[-4000:]
+    assert starts(loss)[-1] == 8
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), losses(ref, rank), 16, f"rank {rank} after adopting")
+    assert {e["step"] for e in adopted_loads(log)} == {8}
+    wait_no_agent(ckpt)
+    assert committed_steps(ckpt, "global_step*") == [10, 15, 16]
+    assert {p: b for p, b in tree_bytes(ckpt).items() if p in native and p.name != "latest"} == \
+        {p: b for p, b in native.items() if p.name != "latest"}, "DeepSpeed's own files were touched"
+
+
+# ---- the HF Trainer -----------------------------------------------------------------------------------
+
+HF = ROOT / "examples" / "deepspeed" / "hf_train.py"
+
+
+def test_plain_trainers_newest_complete_checkpoint_is_adopted(tmp_path):
+    """The plain Trainer wrote checkpoint-5, -10 and -15 (save_strategy="steps"); checkpoint-15's
+    optimizer.pt is truncated. TrainerWrapper(trainer).train(resume_from_checkpoint=True) passes over
+    checkpoint-15 (it does not load), resumes from checkpoint-10 (equal losses), and says both."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[transformers])")
+    plain = ["--max-steps", "20", "--save-steps", "5", "--plain", "--resume", "none"]
+    ref = tmp_path / "ref-loss"
+    run(script_cmd(HF, 1, "--output-dir", str(tmp_path / "ref"), "--loss-file", str(ref), *plain), timeout=300)
+
+    out_dir, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    run(script_cmd(HF, 1, "--output-dir", str(out_dir), "--loss-file", str(loss), *plain), timeout=300)
+    shutil.rmtree(out_dir / "checkpoint-20")          # as if the plain run had been stopped after step 17
+    optim = out_dir / "checkpoint-15" / "optimizer.pt"
+    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+    native = tree_bytes(out_dir)
+
+    # saves every 4 steps: 12, 16, 20 (a step whose directory the Trainer already holds is not this row)
+    out = run(script_cmd(HF, 1, "--output-dir", str(out_dir), "--loss-file", str(loss), "--max-steps", "20",
+                         "--save-steps", "4", "--idle-timeout", "5", "--log-file", str(log)), timeout=300)
+    said = out.stdout + out.stderr
+    assert "easyckpt: the HF Trainer's own checkpoint checkpoint-15 is incomplete or unreadable" in said, said[-4000:]
+    assert "optimizer.pt: unreadable" in said
+    assert "easyckpt: resuming from the HF Trainer's own checkpoint checkpoint-10 (no easyckpt manifest)" in said, \
+        said[-4000:]
+    assert starts(loss)[-1] == 10
+    assert_losses_equal(losses(loss), losses(ref), 20, "wrapper after adopting the plain Trainer's checkpoint-10")
+    assert {e["step"] for e in adopted_loads(log)} == {10}
+    wait_no_agent(out_dir)
+    assert committed_steps(out_dir, "checkpoint-*") == [12, 16, 20]
+    assert {p: b for p, b in tree_bytes(out_dir).items() if p in native} == native
