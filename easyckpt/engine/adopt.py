@@ -40,7 +40,6 @@ candidate on every rank (load.py's all_gather verdict) and the next older candid
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 import stat
@@ -52,8 +51,6 @@ from ..progress import Progress
 from . import manifest as mf
 from . import shardfile
 from .tree import safe_torch_load, unflatten
-
-logger = logging.getLogger("easyckpt")
 
 FRAMEWORK_NAMES = {"megatron": "Megatron", "deepspeed": "DeepSpeed", "transformers": "the HF Trainer"}
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")

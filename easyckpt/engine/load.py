@@ -106,17 +106,15 @@ def _adopt(cand: adopt.Candidate, cfg: Config, rank: int, world_size: int, neede
     log.emit("adopt", step=cand.step, rank=rank, path=cand.path, bytes=nbytes,
              message=f"{what}: no easyckpt manifest, so no checksums to verify; every file this rank needs "
                      f"exists with its size on disk and loads")
-    if rank == 0:
-        text = f"easyckpt: resuming from {what} (no easyckpt manifest)"
-        adopt.logger.info(text)
-        print(text, flush=True)
+    if rank == 0:   # (the audit line above reaches the "easyckpt" logger at DEBUG: one console line, here)
+        print(f"easyckpt: resuming from {what} (no easyckpt manifest)", flush=True)
     return Loaded(cand.step, "adopted", cand.path, trees, nbytes, time.perf_counter() - t0, inv)
 
 
 def _console(rank: int, log: AuditLog) -> Callable[[str], None]:
     """Audit log on every rank, the console once (rank 0): what the loader passed over and why."""
     def say(text: str) -> None:
-        log.emit("skip", message=text)
+        log.emit("not_adopted", message=text)
         if rank == 0:
             print(f"easyckpt: {text}", flush=True)
     return say
