@@ -36,12 +36,21 @@ def megatron_losses(prefix: Path):
             if line and not line.startswith("#")}
 
 
-def test_megatrons_own_checkpoint_is_adopted_and_later_saves_commit(tmp_path):
+# TP=2: each rank its own mp_rank_TT file; DP=2 with the DistributedOptimizer: Megatron's gathered
+# distrib_optim.pt, read by DP rank 0 and scattered by megatron-core's own dp_zero loader
+MEGATRON_LAYOUTS = {"tp2": (["--tp", "2"], ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"]),
+                    "dp2_distopt": (["--use-distributed-optimizer"],
+                                    ["mp_rank_00/model_optim_rng.pt", "mp_rank_00/distrib_optim.pt"])}
+
+
+@pytest.mark.parametrize("layout", sorted(MEGATRON_LAYOUTS))
+def test_megatrons_own_checkpoint_is_adopted_and_later_saves_commit(tmp_path, layout):
     """Megatron saved iteration 3 itself (iter_0000003, tracker "3", no manifest); a relaunch with easyckpt
     resumes from it with Megatron's state (losses equal an uninterrupted run's), says so on the console,
-    and commits its own iterations 4 and 8 while iter_0000003 stays byte-identical."""
+    and commits its own later iterations while iter_0000003 stays byte-identical."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
-    common = ["--cpu", "--quiet", "--tp", "2"]
+    extra, files = MEGATRON_LAYOUTS[layout]
+    common = ["--cpu", "--quiet", *extra]
     ref = tmp_path / "ref-loss"
     run(megatron_cmd(MEGATRON, *common, "--iters", "8", "--loss-file", str(ref)), timeout=300)
 
@@ -50,8 +59,7 @@ def test_megatrons_own_checkpoint_is_adopted_and_later_saves_commit(tmp_path):
                      "--loss-file", str(loss)), timeout=300)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
     native = tree_bytes(ckpt / "iter_0000003")
-    assert {p.relative_to(ckpt).as_posix() for p in native} == {
-        "iter_0000003/mp_rank_00/model_optim_rng.pt", "iter_0000003/mp_rank_01/model_optim_rng.pt"}
+    assert {p.relative_to(ckpt / "iter_0000003").as_posix() for p in native} == set(files)
 
     out = run(megatron_cmd(MEGATRON, *common, "--iters", "8", "--loss-file", str(loss), "--save", str(ckpt),
                            "--save-storage-interval", "4", "--ckpt-log", str(log), "--agent-idle-timeout", "5"),
