@@ -154,3 +154,51 @@ def test_plain_trainers_newest_complete_checkpoint_is_adopted(tmp_path):
     assert 20 in committed_steps(out_dir, "checkpoint-*")
     kept = {p: b for p, b in native.items() if p.parent.name in ("checkpoint-5", "checkpoint-10")}
     assert {p: b for p, b in tree_bytes(out_dir).items() if p in kept} == kept, "the Trainer's own files were touched"
+
+
+# ---- what is read, and what is not (no framework needed: the loader's own rules) ----------------------
+
+def test_adoption_reads_only_regular_files_inside_the_step_and_never_a_damaged_easyckpt_step(tmp_path):
+    """A native step whose needed file is a symlink to a file outside is incomplete (the target is never
+    opened); a file that unpickles a non-allow-listed global is refused (nothing runs); a step directory
+    that is itself a symlink, or carries an easyckpt manifest (even a damaged one), is not a candidate;
+    a directory newer than the framework's tracker is passed over, and said."""
+    import torch
+
+    from easyckpt.config import NAMINGS
+    from easyckpt.engine import adopt
+
+    naming = NAMINGS["megatron"]
+    save = tmp_path / "save"
+    outside = tmp_path / "outside.pt"
+    torch.save({"iteration": 1}, outside)
+
+    def step(n, payload=None):
+        d = save / f"iter_{n:07d}" / "mp_rank_00"
+        d.mkdir(parents=True)
+        if payload is not None:
+            torch.save(payload, d / "model_optim_rng.pt")
+        return d
+
+    step(1).joinpath("model_optim_rng.pt").symlink_to(outside)                   # a link out of the step
+    step(2, {"iteration": 2, "hook": print})                                       # a pickled global, not data
+    step(3, {"iteration": 3}).parent.joinpath("easyckpt_manifest.json").write_text("{not json")   # ours, damaged
+    step(4, {"iteration": 4, "weights": torch.ones(2)})                            # complete
+    (save / "iter_0000005").symlink_to(save / "iter_0000004", target_is_directory=True)
+    step(6, {"iteration": 6})                                                      # newer than the tracker
+    (save / "latest_checkpointed_iteration.txt").write_text("5")
+
+    said = []
+    found = {c.step: c for c in adopt.candidates(str(save), naming, said.append)}
+    assert sorted(found) == [1, 2, 4]
+    assert said == ["Megatron's own checkpoint iter_0000006 is newer than the step "
+                    "latest_checkpointed_iteration.txt names (5): an interrupted save, not adopted"]
+    needed = lambda inv: [("mp_rank_00/model_optim_rng.pt", False), ("easyckpt_rng/rank_00000.safetensors", True)]
+    trees, problem, _, inv = adopt.read_candidate(found[1], needed)
+    assert trees is None and problem == "mp_rank_00/model_optim_rng.pt: missing" and not inv["files"]
+    trees, problem, _, _ = adopt.read_candidate(found[2], needed)
+    assert trees is None and "not on easyckpt's allow-list" in problem and "print" in problem
+    trees, problem, nbytes, inv = adopt.read_candidate(found[4], needed)
+    assert problem is None and trees["mp_rank_00/model_optim_rng.pt"]["iteration"] == 4
+    assert inv["adopted"] and inv["checksum"] is None and inv["info"] == {"tp": 1, "pp": 1}
+    assert nbytes == (save / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").stat().st_size
