@@ -139,3 +139,32 @@ def test_hooked_loop_adopts_megatrons_own_checkpoint_in_its_save_dir(tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)
     wait_no_agent(ckpt)
     wait_no_agent(tmp_path / "ref")
+
+
+def test_hooked_loop_hands_megatrons_torch_dist_checkpoint_to_megatrons_loader(tmp_path):
+    """Megatron-LM's default format (torch_dist) is not one easyckpt reads: when that is what the tracker
+    in --save = --load names, Megatron's own loader resumes from it (said on the console) instead of the
+    job restarting from iteration 1, and easyckpt's later saves commit."""
+    fmt = ("--ckpt-format", "torch_dist")
+    ref_out = tmp_path / "ref.out"
+    finish(launch(tmp_path / "ref", ref_out, TREE, hooked_script(tmp_path)), ref_out)
+    reference = losses(ref_out)
+
+    ckpt, first, second, log = tmp_path / "ckpt", tmp_path / "first.out", tmp_path / "second.out", tmp_path / "audit.jsonl"
+    finish(launch(ckpt, first, TREE, None, ("--train-iters", "3", "--save-interval", "3", *fmt)), first)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert any((ckpt / "iter_0000003").glob("*.distcp"))
+
+    finish(launch(ckpt, second, TREE, hooked_script(tmp_path), fmt, log=log), second)
+    text = second.read_text()
+    assert "easyckpt: iter_0000003 is Megatron's own checkpoint in a format easyckpt does not read (torch_dist)" \
+        in text, text[-4000:]
+    assert "torch_dist format (*.distcp), which easyckpt does not read" in text
+    got = losses(second)
+    assert sorted(got) == list(range(4, ITERS + 1)), f"resumed at {min(got)}, not after Megatron's iteration 3"
+    diff = [i for i in got if i != 5 and got[i] != reference[i]]    # 5: Megatron's log accumulator (docstring)
+    assert not diff, f"losses differ at iterations {diff}"
+    commits = [e["step"] for e in events(log) if e["event"] == "commit"]
+    assert commits and commits[-1] == ITERS
+    wait_no_agent(ckpt)
+    wait_no_agent(tmp_path / "ref")
