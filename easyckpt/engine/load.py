@@ -34,12 +34,12 @@ Needed = Callable[[Dict[str, Any]], List[Tuple[str, bool]]]
 @dataclass
 class Loaded:
     step: int
-    source: str               # "memory" or "storage"
+    source: str               # "memory", "storage" or "adopted" (the framework's own checkpoint, adopt.py)
     path: Optional[str]
     trees: Dict[str, Any]
     nbytes: int
     seconds: float
-    manifest: Optional[Dict[str, Any]] = None   # the committed step's manifest (storage only)
+    manifest: Optional[Dict[str, Any]] = None   # the committed step's manifest, or an adopted one's inventory
 
 
 def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog) -> Optional[Loaded]:
