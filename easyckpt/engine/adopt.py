@@ -62,7 +62,7 @@ _MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 class Candidate:
     step: int
     path: str
-    inventory: Dict[str, Any]     # what ``needed`` gets in place of a manifest (see the module docstring)
+    naming: Naming
 
 
 def adoptable(naming: Naming) -> bool:
@@ -95,7 +95,7 @@ def candidates(save_dir: str, naming: Naming, say: Callable[[str], None]) -> Lis
             say(f"{describe(naming, path)} is newer than the step {naming.tracker} names ({bound}): an "
                 f"interrupted save, not adopted")
             continue
-        out.append(Candidate(step, path, inventory(path, step, naming)))
+        out.append(Candidate(step, path, naming))   # listed only when tried: most never are
     return sorted(out, key=lambda c: c.step, reverse=True)
 
 
@@ -162,8 +162,9 @@ def _is_real_dir(path: str) -> bool:
 def read_candidate(cand: Candidate, needed: Callable[[Dict[str, Any]], List[Tuple[str, bool]]],
                    progress: bool = False
                    ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Dict[str, Any]]:
-    """(trees, problem, bytes, inventory): what load.py's _read_step returns for a committed step."""
-    inv = cand.inventory
+    """(trees, problem, bytes, inventory): what load.py's _read_step returns for a committed step; the
+    inventory (see the module docstring) is what ``needed`` gets in place of a manifest."""
+    inv = inventory(cand.path, cand.step, cand.naming)
     try:
         wanted = needed(inv)
     except ValueError as exc:
