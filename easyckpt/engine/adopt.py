@@ -33,6 +33,10 @@ Which native directories are candidates:
     rank's files, so a newer directory is an interrupted save (skipped, loudly). The Trainer has none.
   * framework "pytorch" has no native format besides easyckpt's: nothing is adopted there.
 
+What the framework never saved is not restored: DeepSpeed keeps no RNG states (easyckpt's own
+``easyckpt_rng/`` files are optional in every adapter's ``needed``), so with dropout a run resumed from
+DeepSpeed's own checkpoint draws other masks than one that never stopped, as with DeepSpeed alone.
+
 Reading: each path comes from ``needed`` and must be in the inventory (so it is a regular file found
 inside the step dir without following a link); it is opened with O_NOFOLLOW, checked to resolve inside
 the step dir, to be a regular file and to still have its listed size. Failure on any rank rejects the

@@ -10,7 +10,8 @@ training.py imports the names at import time):
                                    (fine-tuning from a native checkpoint keeps working), and likewise when
                                    the iteration Megatron's tracker names in ``--load`` is in a format
                                    easyckpt does not read (torch_dist, torch_dcp: no mp_rank_* files), as
-                                   Megatron alone would have; the console says so.
+                                   Megatron alone would have (with Megatron's checks, not easyckpt's safe
+                                   loader); the console says so.
 - ``checkpoint_and_decide_exit`` → first ``save_checkpoint_if_needed`` (a memory snapshot every
                                    ``EASYCKPT_SAVE_MEM_INTERVAL`` iterations, default 1, persisted every
                                    ``--save-interval``), then Megatron's own function (exit signal,
