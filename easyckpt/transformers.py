@@ -15,9 +15,11 @@ What the wrapper changes, and what it keeps:
 - Resume (``resume_from_checkpoint=True``): the newest complete state — a surviving memory snapshot, else
   the newest committed ``checkpoint-N`` whose manifest verifies (damaged or incomplete ones are skipped
   loudly) — is fed to the Trainer's own resume path (data skipping, RNG, trainer state, callbacks) through
-  its load hooks, so nothing is read twice. A newer checkpoint written by a plain Trainer (no manifest, but
-  a trainer_state.json of its step) is resumed from with the Trainer's own loader. Nothing at all: a log
-  line, and training starts from scratch, so the first launch and every relaunch use the same command.
+  its load hooks, so nothing is read twice. A checkpoint written by a plain Trainer (no manifest) takes part
+  as well (engine/adopt.py): it is read the same way, through easyckpt's safe loader, when every file this
+  process needs loads; one that does not (an interrupted save) is passed over, on the console. Nothing at
+  all: a log line, and training starts from scratch, so the first launch and every relaunch use the same
+  command.
   With DeepSpeed on another data-parallel size, the step goes through DeepSpeed's universal checkpoint.
 - An explicit ``resume_from_checkpoint="path"`` is handed to the Trainer unchanged.
 
@@ -285,12 +287,7 @@ class _Session:
     def resume_point(self) -> Optional[str]:
         """Choose what to resume from; install the load hooks that feed it. None: from scratch."""
         engine = self.engine
-        loaded = engine.load(self._needed)
-        plain = newest_plain_checkpoint(self.args.output_dir, above=loaded.step if loaded else 0)
-        if plain is not None:
-            engine.log.emit("load", step=_step_of(plain), rank=engine.rank, source="plain", path=plain,
-                            message="a newer checkpoint without an easyckpt manifest: the Trainer loads it")
-            return plain
+        loaded = engine.load(self._needed)     # a plain Trainer's checkpoint-N included (source "adopted")
         if loaded is None:
             engine.log.emit("load", step=0, rank=engine.rank, source="none",
                             message="no checkpoint found: starting from scratch")
@@ -410,7 +407,8 @@ def _step_of(path: Optional[str]) -> Optional[int]:
 
 def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
     """The newest ``checkpoint-N`` written by a plain Trainer (no easyckpt manifest) that looks complete
-    (its trainer_state.json is readable and of step N), if newer than ``above``."""
+    (its trainer_state.json is readable and of step N), if newer than ``above``. The wrapper no longer uses
+    it (the engine's loader adopts such checkpoints after loading every file); kept for callers."""
     found = []
     for step, path in retention.step_dirs(output_dir, NAMING):
         if step <= above or mf.read(path) is not None:

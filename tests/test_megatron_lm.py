@@ -123,3 +123,62 @@ def test_patches_apply_and_the_patched_loop_resumes_with_equal_losses(tmp_path):
         assert check.returncode == 0, check.stderr
         subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, timeout=60)
     interrupted_run_matches(tmp_path, str(tree), None, (), signal.SIGKILL, log_name="easyckpt.log")
+
+
+def test_hooked_loop_adopts_megatrons_own_checkpoint_in_its_save_dir(tmp_path):
+    """easyckpt added to a running job (row 26): plain Megatron-LM (no hook) saved iteration 3 itself into
+    --save = --load; the hooked loop resumes from it (said on the console), with the losses of a run that
+    never stopped, and its own later saves commit while iter_0000003 stays as Megatron wrote it."""
+    ref_out = tmp_path / "ref.out"
+    finish(launch(tmp_path / "ref", ref_out, TREE, hooked_script(tmp_path)), ref_out)
+    reference = losses(ref_out)
+
+    ckpt, first, second, log = tmp_path / "ckpt", tmp_path / "first.out", tmp_path / "second.out", tmp_path / "audit.jsonl"
+    finish(launch(ckpt, first, TREE, None, ("--train-iters", "3", "--save-interval", "3")), first)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    native = {p: p.read_bytes() for p in (ckpt / "iter_0000003").rglob("*") if p.is_file()}
+    assert native and not (ckpt / "iter_0000003" / "easyckpt_manifest.json").exists()
+
+    finish(launch(ckpt, second, TREE, hooked_script(tmp_path), log=log), second)
+    text = second.read_text()
+    assert "easyckpt: resuming from Megatron's own checkpoint iter_0000003 (no easyckpt manifest)" in text, text[-4000:]
+    got = losses(second)
+    assert sorted(got) == list(range(4, ITERS + 1)), f"resumed at {min(got)}, not after Megatron's iteration 3"
+    diff = [i for i in got if i != 5 and got[i] != reference[i]]    # 5: Megatron's log accumulator (docstring)
+    assert not diff, f"losses differ at iterations {diff}"
+    assert [e["step"] for e in events(log) if e["event"] == "load" and e.get("source") == "adopted"] == [3, 3]
+    assert {p: p.read_bytes() for p in (ckpt / "iter_0000003").rglob("*") if p.is_file()} == native
+    commits = [e["step"] for e in events(log) if e["event"] == "commit"]
+    assert commits and commits[-1] == ITERS
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)
+    wait_no_agent(ckpt)
+    wait_no_agent(tmp_path / "ref")
+
+
+def test_hooked_loop_hands_megatrons_torch_dist_checkpoint_to_megatrons_loader(tmp_path):
+    """Megatron-LM's default format (torch_dist) is not one easyckpt reads: when that is what the tracker
+    in --save = --load names, Megatron's own loader resumes from it (said on the console) instead of the
+    job restarting from iteration 1, and easyckpt's later saves commit."""
+    fmt = ("--ckpt-format", "torch_dist")
+    ref_out = tmp_path / "ref.out"
+    finish(launch(tmp_path / "ref", ref_out, TREE, hooked_script(tmp_path)), ref_out)
+    reference = losses(ref_out)
+
+    ckpt, first, second, log = tmp_path / "ckpt", tmp_path / "first.out", tmp_path / "second.out", tmp_path / "audit.jsonl"
+    finish(launch(ckpt, first, TREE, None, ("--train-iters", "3", "--save-interval", "3", *fmt)), first)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert any((ckpt / "iter_0000003").glob("*.distcp"))
+
+    finish(launch(ckpt, second, TREE, hooked_script(tmp_path), fmt, log=log), second)
+    text = second.read_text()
+    assert "easyckpt: iter_0000003 is Megatron's own checkpoint in a format easyckpt does not read (torch_dist)" \
+        in text, text[-4000:]
+    assert "torch_dist format (*.distcp), which easyckpt does not read" in text
+    got = losses(second)
+    assert sorted(got) == list(range(4, ITERS + 1)), f"resumed at {min(got)}, not after Megatron's iteration 3"
+    diff = [i for i in got if i != 5 and got[i] != reference[i]]    # 5: Megatron's log accumulator (docstring)
+    assert not diff, f"losses differ at iterations {diff}"
+    commits = [e["step"] for e in events(log) if e["event"] == "commit"]
+    assert commits and commits[-1] == ITERS
+    wait_no_agent(ckpt)
+    wait_no_agent(tmp_path / "ref")

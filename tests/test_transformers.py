@@ -116,7 +116,7 @@ def test_plain_trainer_and_wrapper_resume_from_each_others_checkpoints(tmp_path,
     (b / "out" / "checkpoint-15").mkdir()      # as a crash in the middle of the Trainer's save leaves it
     run(hf(b / "out", b / "loss", log=log), timeout=300)
     assert starts(b / "loss")[-1] == 10
-    assert [e["source"] for e in events(log) if e["event"] == "load"] == ["plain"]
+    assert [e["source"] for e in events(log) if e["event"] == "load"] == ["adopted"]
     assert_losses_equal(losses(b / "loss"), single_reference, STEPS, "wrapper from a plain Trainer's checkpoint")
     wait_no_agent(b / "out")
 

@@ -11,6 +11,9 @@ The tracker file is ignored: manifests are the truth (a tracker can be stale, em
 A step whose manifest is invalid (not JSON, a field missing or of the wrong type, a file named outside the
 step) is no candidate: it is logged as rejected, with the reason, and older steps are tried. Only files
 the manifest lists are read, each through manifest.read_entry (inside the step, no symlink out).
+
+The framework's own checkpoints (no manifest) take part in 3 and 4 beside the committed steps, with
+the rules of adopt.py (the framework's tracker bounds them; no checksums exist to check).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from ..errors import ManifestError
 from ..events import AuditLog
 from ..progress import Progress
 from . import manifest as mf
-from . import retention, shardfile, snapshot
+from . import adopt, retention, shardfile, snapshot
 from .tree import safe_torch_load, unflatten
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
@@ -36,12 +39,12 @@ Needed = Callable[[Dict[str, Any]], List[Tuple[str, bool]]]
 @dataclass
 class Loaded:
     step: int
-    source: str               # "memory" or "storage"
+    source: str               # "memory", "storage" or "adopted" (the framework's own checkpoint, adopt.py)
     path: Optional[str]
     trees: Dict[str, Any]
     nbytes: int
     seconds: float
-    manifest: Optional[Dict[str, Any]] = None   # the committed step's manifest (storage only)
+    manifest: Optional[Dict[str, Any]] = None   # the committed step's manifest, or an adopted one's inventory
 
 
 def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog,
@@ -51,9 +54,11 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.world_size == world_size]
     stored = retention.committed(cfg.save_dir, cfg.naming)
     _log_invalid_manifests(cfg, {s for s, _ in stored}, log)
-    views = all_gather(([s.step for s in mem], [s for s, _ in stored]), world_size)
-    common_mem = set.intersection(*(set(m) for m, _ in views))
-    common_sto = sorted(set.intersection(*(set(s) for _, s in views)), reverse=True)
+    native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own
+    views = all_gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native]), world_size)
+    common_mem = set.intersection(*(set(m) for m, _, _ in views))
+    common_nat = set.intersection(*(set(n) for _, _, n in views))
+    common_sto = sorted(set.intersection(*(set(s) for _, s, _ in views)) | common_nat, reverse=True)
     best_mem = max(common_mem) if common_mem else None
 
     if best_mem is not None and (not common_sto or best_mem >= common_sto[0]):
@@ -72,7 +77,13 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
                                                   f"falling back to storage")
 
     paths = dict(stored)
+    foreign = {c.step: c for c in native if c.step in common_nat}
     for step in common_sto:
+        if step in foreign:
+            loaded = _adopt(foreign[step], cfg, rank, world_size, needed, log)
+            if loaded is not None:
+                return loaded
+            continue
         t0 = time.perf_counter()
         trees, problem, nbytes, man = _read_step(paths[step], needed, progress=rank == 0)
         verdicts = all_gather(problem, world_size)
@@ -104,6 +115,38 @@ def _log_invalid_manifests(cfg: Config, valid: Set[int], log: AuditLog) -> None:
                 continue      # valid, e.g. committed by another job: not ours to judge here
             reason = f"{mf.MANIFEST_NAME} is of step {man['step']}, not {step}"
         log.emit("error", step=step, path=path, message=f"checkpoint rejected: {reason}; it is skipped")
+
+
+def _adopt(cand: adopt.Candidate, cfg: Config, rank: int, world_size: int, needed: Needed,
+           log: AuditLog) -> Optional[Loaded]:
+    """Load a checkpoint the framework wrote itself, or None (all ranks agree) when it is incomplete."""
+    t0 = time.perf_counter()
+    what = adopt.describe(cfg.naming, cand.path)
+    trees, problem, nbytes, inv = adopt.read_candidate(cand, needed, progress=rank == 0)
+    verdicts = all_gather(problem, world_size)
+    bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if bad:
+        message = "; ".join(f"rank {r}: {v}" for r, v in bad)
+        log.emit("error", step=cand.step, path=cand.path, message=f"{what} not adopted: {message}")
+        if rank == 0:
+            print(f"easyckpt: {what} is incomplete or unreadable ({message}): trying the previous checkpoint",
+                  flush=True)
+        return None
+    log.emit("adopt", step=cand.step, rank=rank, path=cand.path, bytes=nbytes,
+             message=f"{what}: no easyckpt manifest, so no checksums to verify; every file this rank needs "
+                     f"exists with its size on disk and loads")
+    if rank == 0:   # (the audit line above reaches the "easyckpt" logger at DEBUG: one console line, here)
+        print(f"easyckpt: resuming from {what} (no easyckpt manifest)", flush=True)
+    return Loaded(cand.step, "adopted", cand.path, trees, nbytes, time.perf_counter() - t0, inv)
+
+
+def _console(rank: int, log: AuditLog) -> Callable[[str], None]:
+    """Audit log on every rank, the console once (rank 0): what the loader passed over and why."""
+    def say(text: str) -> None:
+        log.emit("not_adopted", message=text)
+        if rank == 0:
+            print(f"easyckpt: {text}", flush=True)
+    return say
 
 
 def _read_step(step_dir: str, needed: Needed, progress: bool = False

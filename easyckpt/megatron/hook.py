@@ -4,9 +4,14 @@ What it replaces (in both ``megatron.training.training`` and ``megatron.training
 training.py imports the names at import time):
 
 - ``load_checkpoint``            → ``easyckpt.megatron.load_checkpoint``: the newest complete state from
-                                   memory or ``--save``; when easyckpt finds nothing and ``--load`` names
-                                   another directory, Megatron's own loader reads that one (fine-tuning
-                                   from a native checkpoint keeps working).
+                                   memory or ``--save``, Megatron's own ``--ckpt-format torch`` checkpoints
+                                   there included (engine/adopt.py); when easyckpt finds nothing and
+                                   ``--load`` names another directory, Megatron's own loader reads that one
+                                   (fine-tuning from a native checkpoint keeps working), and likewise when
+                                   the iteration Megatron's tracker names in ``--load`` is in a format
+                                   easyckpt does not read (torch_dist, torch_dcp: no mp_rank_* files), as
+                                   Megatron alone would have (with Megatron's checks, not easyckpt's safe
+                                   loader); the console says so.
 - ``checkpoint_and_decide_exit`` → first ``save_checkpoint_if_needed`` (a memory snapshot every
                                    ``EASYCKPT_SAVE_MEM_INTERVAL`` iterations, default 1, persisted every
                                    ``--save-interval``), then Megatron's own function (exit signal,
@@ -97,9 +102,39 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
         return _orig_load(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, **kwargs)
     iteration, flops = _em.load_checkpoint(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict)
     other = getattr(args, load_arg, None)
-    if iteration == 0 and other and os.path.realpath(other) != os.path.realpath(args.save):
+    if iteration == 0 and other and (os.path.realpath(other) != os.path.realpath(args.save)
+                                     or _megatron_only(other)):
         return _orig_load(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, **kwargs)
     return iteration, flops
+
+
+def _megatron_only(load_dir: str) -> bool:
+    """Whether the iteration Megatron's tracker names in ``load_dir`` is Megatron's own checkpoint in a
+    format only Megatron reads (a distributed-checkpoint format: no mp_rank_* directories). A damaged
+    ``--ckpt-format torch`` one is not handed over: easyckpt rejected it, and Megatron would crash on it."""
+    from ..engine import manifest as mf
+    from ..engine.adopt import tracker_step
+    from .state import NAMING
+    step = tracker_step(load_dir, NAMING)
+    if step is None:
+        return False
+    step_dir = os.path.join(load_dir, NAMING.dir_name(step))
+    try:
+        names = os.listdir(step_dir)
+    except OSError:
+        return False
+    if mf.MANIFEST_NAME in names or any(n.startswith("mp_rank_") for n in names):
+        return False
+    if _rank() == 0:
+        print(f"easyckpt: {os.path.basename(step_dir)} is Megatron's own checkpoint in a format easyckpt does not "
+              f"read ({getattr(get_args(), 'ckpt_format', 'torch_dist')}): Megatron's own loader resumes from it",
+              flush=True)
+    return True
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,

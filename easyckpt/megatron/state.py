@@ -7,6 +7,10 @@ Per rank at (tp, pp, dp), for iteration N (directory ``iter_{N:07d}``):
     mp_rank_.../distrib_optim_dp{dp:03d}.pt          with the DistributedOptimizer: this DP rank's shard of
         the fp32 main params and Adam moments (per DP rank, so no gather stalls the save; Megatron's own
         single-file ``distrib_optim.pt`` is produced by the converter, easyckpt.megatron.convert)
+
+A checkpoint Megatron wrote itself (adopted, engine/adopt.py) has ``distrib_optim.pt`` (DP rank 0's gathered
+"dp_zero" state) and no per-DP shards: DP rank 0 reads it and megatron-core's own
+``load_parameter_state_from_dp_zero`` scatters it, so any data-parallel size resumes from it without concat.
     easyckpt_rng/rank_{r:05d}.safetensors             every rank's own RNG states (Megatron keeps DP rank 0's)
 
 This module holds no file I/O: it turns live Megatron objects into ShardSpecs and trees back into them.
@@ -176,6 +180,29 @@ def distopt_restore(opt: Any, state: Dict[str, Any]) -> None:
         opt._set_main_param_and_optimizer_states(model_param, tensors)
 
 
+def distopt_restore_dp_zero(opt: Any, state: Any) -> None:
+    """megatron-core's own scatter of Megatron's ``distrib_optim.pt`` (``state`` on DP rank 0, None elsewhere;
+    a collective over the data-parallel group), with what its per-parameter copy lacks on the torch-Adam
+    path: Adam state to copy into, the step (kept in the param groups, not in the file) on each parameter
+    as its own tensor, and no autograd on the main params (views of fp32 model params)."""
+    original = opt._set_main_param_and_optimizer_states
+
+    def set_states(model_param: Any, tensors: Dict[str, torch.Tensor]) -> None:
+        group_index, group_order = opt.model_param_group_index_map[model_param]
+        current = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in current:
+            tensors = dict(tensors, step=current["step"])
+        _ensure_adam_state(opt, model_param, tensors)
+        original(model_param, tensors)
+
+    opt._set_main_param_and_optimizer_states = set_states
+    try:
+        with torch.no_grad():
+            opt.load_parameter_state_from_dp_zero(state)
+    finally:
+        del opt._set_main_param_and_optimizer_states
+
+
 def _ensure_adam_state(opt: Any, model_param: Any, tensors: Dict[str, torch.Tensor]) -> None:
     """torch Adam creates its state at the first step, so a fresh optimizer has nowhere to copy into;
     and without TE/Apex, DistributedOptimizer.load_state_dict gives every parameter the SAME "step"
@@ -216,10 +243,19 @@ def collect(iteration: int, model: Sequence[Any], optimizer: Any, scheduler: Any
     return shards
 
 
+def dp_zero_file(where: Parallel) -> str:
+    """Megatron's own DistributedOptimizer file (--ckpt-format torch): the state gathered on DP rank 0."""
+    return f"{where.mp_dir}/distrib_optim.pt"
+
+
 def needed(where: Parallel, optimizer: Any, manifest: Dict[str, Any], concat: bool) -> List[Tuple[str, bool]]:
     files = [(where.model_file, False)]
     if any(is_distributed(o) for o in optimizers(optimizer)):
-        if concat:   # every saved DP rank's shard of this (tp, pp)
+        shards = f"{where.mp_dir}/distrib_optim_dp"
+        if dp_zero_file(where) in manifest["files"] and not any(r.startswith(shards) for r in manifest["files"]):
+            if where.dp == 0:   # written by Megatron itself: DP rank 0 reads it and scatters (restore)
+                files.append((dp_zero_file(where), False))
+        elif concat:   # every saved DP rank's shard of this (tp, pp)
             prefix = f"{where.mp_dir}/distrib_optim_dp"
             shards = sorted(r for r in manifest["files"] if r.startswith(prefix))
             if not shards:
@@ -241,8 +277,14 @@ def restore(trees: Dict[str, Any], where: Parallel, model: Sequence[Any], optimi
         with torch.no_grad():
             optimizer.load_state_dict(state["optimizer"])
             dist_opts = [o for o in optimizers(optimizer) if is_distributed(o)]
-            if dist_opts and concat:
-                prefix = f"{where.mp_dir}/distrib_optim_dp"
+            prefix = f"{where.mp_dir}/distrib_optim_dp"
+            if dist_opts and where.distopt_file not in trees and not any(r.startswith(prefix) for r in trees):
+                saved = trees.get(dp_zero_file(where))     # None on DP ranks other than 0
+                chained = optimizers(optimizer)
+                for opt in dist_opts:
+                    own = saved if len(chained) == 1 or saved is None else saved[chained.index(opt)]
+                    distopt_restore_dp_zero(opt, own)
+            elif dist_opts and concat:
                 saved = [trees[r] for r in sorted(trees) if r.startswith(prefix)]
                 names = param_names(model)
                 for i, opt in enumerate(dist_opts):
@@ -253,6 +295,11 @@ def restore(trees: Dict[str, Any], where: Parallel, model: Sequence[Any], optimi
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     own = trees.get(where.rng_file)
-    rng_restore(own["rng"] if own is not None else state["rng_state"][0])
+    if own is not None:
+        rng_restore(own["rng"])
+    elif state.get("rng_state"):
+        # Megatron's own list: one entry, or one per DP rank with --data-parallel-random-init
+        saved = state["rng_state"]
+        rng_restore(saved[where.dp] if len(saved) > where.dp else saved[0])
     return state
 
