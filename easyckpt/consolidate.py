@@ -421,11 +421,12 @@ def _write_atomically(path: str, data: bytes, bar: Progress) -> None:
 
 # ---- DeepSpeed's universal checkpoint, from listed and verified files only ------------------------------
 
-def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600) -> str:
-    """Convert the DeepSpeed files of committed step ``step_dir`` (those its manifest lists, at its top
-    level: the plain engine's ``global_stepN/``) into a universal checkpoint ``work_dir/tag``; returns that
-    folder. ValueError naming the file when one is damaged or not plain data; nothing of the step directory
-    is read but its listed files."""
+def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600, prefix: str = "") -> str:
+    """Convert the DeepSpeed files of committed step ``step_dir`` (those its manifest lists directly under
+    ``prefix``: the top level for the plain engine's ``global_stepN/``, ``global_stepN/`` inside the
+    Trainer's ``checkpoint-N/``) into a universal checkpoint ``work_dir/tag``; returns that folder.
+    ValueError naming the file when one is damaged or not plain data; nothing of the step directory is read
+    but its listed files."""
     try:
         man = mf.load(step_dir)
     except (OSError, ValueError) as exc:
@@ -433,7 +434,8 @@ def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600) 
     staged = os.path.join(work_dir, "input", tag)
     os.makedirs(staged)
     for rel in sorted(man["files"]):
-        if "/" in rel or not (_MODEL_STATES.match(rel) or _OPTIM_STATES.match(rel)):
+        name = rel[len(prefix):]
+        if not rel.startswith(prefix) or "/" in name or not (_MODEL_STATES.match(name) or _OPTIM_STATES.match(name)):
             continue                        # easyckpt's own files (RNG, derived outputs) are no input of it
         try:
             data = mf.read_verified(step_dir, rel, man)
@@ -441,7 +443,7 @@ def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600) 
             raise ValueError(_damaged(step_dir, [f"{rel}: unreadable ({exc})"])) from exc
         except ValueError as exc:
             raise ValueError(_damaged(step_dir, [str(exc)])) from exc
-        fd = os.open(os.path.join(staged, rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(os.path.join(staged, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             write_all(fd, data)
         finally:

@@ -211,8 +211,13 @@ def restore_universal(engine: Any, tag_dir: str, tag: str, work_dir: str, rank: 
         # only the files the manifest lists, verified, unpickled safely (the converter itself would glob the
         # directory and torch.load whatever it finds there with weights_only=False)
         from .consolidate import to_universal
+        from .engine.manifest import MANIFEST_NAME
+        # the manifest sits in the step directory: tag_dir itself (plain engine), or its parent (the
+        # Trainer's checkpoint-N/global_stepN)
+        nested = not os.path.lexists(os.path.join(tag_dir, MANIFEST_NAME))
+        step_dir = os.path.dirname(tag_dir.rstrip("/")) if nested else tag_dir
         try:
-            to_universal(tag_dir, tag, work_dir)
+            to_universal(step_dir, tag, work_dir, prefix=os.path.basename(tag_dir.rstrip("/")) + "/" if nested else "")
         except (ValueError, OSError, subprocess.SubprocessError) as exc:
             error = str(exc)
     errors = [e for e in all_gather(error, world_size) if e]

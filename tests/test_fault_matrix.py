@@ -258,8 +258,8 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
                         d / f".easyckpt-trash-ffffffffffff-step_{rnd.randint(1, 99):08d}-1" / "y"]
                 if not other.exists():
                     other.mkdir()
-                    (other / mf.MANIFEST_NAME).write_text(json.dumps({"step": 0, "job_id": "ffffffffffff",
-                                                                     "files": {}}))
+                    # another job's checkpoint: a complete manifest of another job id (a partial one is damage)
+                    (other / mf.MANIFEST_NAME).write_text(json.dumps(mf.build(0, "ffffffffffff", "pytorch", 1, {})))
                     made.append(other / mf.MANIFEST_NAME)
                 for p in made[:3]:
                     p.parent.mkdir(exist_ok=True)

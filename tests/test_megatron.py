@@ -179,7 +179,7 @@ def test_pruning_foreign_files_and_a_damaged_shard_in_megatrons_layout(tmp_path)
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     # the operator tools see what the loader will do: Megatron's own directory is not ours, 8 is damaged
-    listing = cli_json("ls", ckpt, "--verify")
+    listing = cli_json("ls", ckpt, "--verify", expect=1)   # damage found: exit 1
     rows = {r["step"]: r for r in listing["checkpoints"]}
     assert rows[1]["state"] == "incomplete" and "no manifest" in rows[1]["why"]
     assert rows[8]["state"] == "damaged" and "mp_rank_00/distrib_optim_dp001.pt: checksum" in rows[8]["why"]

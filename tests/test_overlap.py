@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from easyckpt.engine import shm
 from easyckpt.engine.overlap import OptimizerWatch
-from easyckpt.engine.shardfile import decode, read_file
+from easyckpt.engine.manifest import read_entry
+from easyckpt.engine.shardfile import decode
 from easyckpt.engine.snapshot import PendingSnapshot, ShardSpec, Snapshotter, read_snapshot
 from easyckpt.engine.tree import rebuild
 from harness import (assert_losses_equal, committed_steps, events, interrupted_runs, losses, run, train_cmd,
@@ -59,7 +60,7 @@ def test_overlapped_snapshots_persist_the_values_of_their_step(tmp_path):
     for s in steps:
         d = ckpt / f"step_{s:08d}"
         _assert_same(load_file(str(d / "model.safetensors")), torch.load(dumps / f"model_{s}.pt"), f"step {s} model")
-        skeleton, tensors = decode(read_file(str(d / "optimizer.safetensors")))
+        skeleton, tensors = decode(read_entry(str(d), "optimizer.safetensors"))
         _assert_same(rebuild(skeleton, tensors)["optimizer"], torch.load(dumps / f"optim_{s}.pt"),
                      f"step {s} optimizer")
     snaps = [e for e in events(log) if e["event"] == "snapshot" and e["step"] < 8]

@@ -148,7 +148,7 @@ def test_save_total_limit_keeps_what_the_trainer_keeps_including_the_best(tmp_pa
     damaged.write_bytes(bytes(data))
     other = min(int(n.split("-")[1]) for n in wrapped)
     # the operator tools: ls --verify picks what the loader will; prune keeps the Trainer's best
-    listing = cli_json("ls", tmp_path / "wrapped", "--verify")
+    listing = cli_json("ls", tmp_path / "wrapped", "--verify", expect=1)   # damage found: exit 1
     rows = {r["step"]: r for r in listing["checkpoints"]}
     assert listing["framework"] == "transformers" and listing["picked"] == other
     assert rows[STEPS]["state"] == "damaged" and "optimizer.pt: checksum" in rows[STEPS]["why"]

@@ -168,6 +168,8 @@ def test_the_jobs_own_user_without_the_key_gets_an_error_and_the_agent_lives_on(
         assert not hello["ok"] and "world_size=64" in hello["error"] and "world_size=1" in hello["error"]
     finally:
         _finish_holder(proc, save, go, out)
+    assert "was refused" in out.read_text() and "world_size=64" in out.read_text(), \
+        "the running trainer was not told that the agent refused a trainer of another world size"
 
 
 def _planted_run(tmp_path: Path, plant) -> subprocess.CompletedProcess:
@@ -516,3 +518,49 @@ def test_the_agent_imports_neither_torch_nor_pickle(tmp_path):
             "bad = [m for m in ('torch', 'pickle', '_pickle') if m in sys.modules]; "
             "assert not bad, bad")
     run([sys.executable, "-c", code])
+
+
+@AS_ROOT
+def test_a_trainer_never_talks_to_another_users_process_on_its_agents_address(tmp_path):
+    """Row 17 the other way round: `nobody` binds the job's agent address first (the name is predictable):
+    the trainer refuses to send it anything, the job's key included, and says whose process holds it."""
+    save = tmp_path / "ckpt"
+    ready = Path("/dev/shm") / f"squat-{os.getpid()}"
+    code = textwrap.dedent(f"""
+        import socket, time, os
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind("\\0easyckpt-agent-{job_id(save)}")
+        s.listen(8)
+        s.settimeout(60)
+        open({str(ready)!r}, "w").close()
+        got = b""
+        try:
+            while True:
+                c, _ = s.accept()
+                c.settimeout(1)
+                try:
+                    got += c.recv(65536)
+                except OSError:
+                    pass
+                c.close()
+                if got:
+                    print("GOT", got, flush=True)
+        except OSError:
+            pass
+    """)
+    squatter = subprocess.Popen(["runuser", "-u", "nobody", "--", "python3", "-c", code], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline and squatter.poll() is None, "the squatter did not start"
+            time.sleep(0.05)
+        res = run(train_cmd(save, 1, "--iters", "2", "--storage-interval", "1"), check=False)
+        assert res.returncode != 0 and "uid 65534" in res.stderr, res.stderr[-3000:]
+    finally:
+        ready.unlink(missing_ok=True)
+        for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):
+            p.unlink()
+        os.killpg(squatter.pid, signal.SIGKILL)
+        out, _ = squatter.communicate(timeout=30)
+    assert "GOT" not in out, f"the trainer sent the squatter something: {out}"

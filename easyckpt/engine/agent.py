@@ -104,6 +104,8 @@ class Agent:
         self.lock = JobLock(cfg.save_dir, self.job_id, cfg.job_name)
         self.last_error: Optional[str] = None
         self.failed: Dict[int, str] = {}        # step -> why it failed (trainers waiting for it ask status)
+        self.refused: List[str] = []            # hellos refused (another world size, a second job): said to
+                                                # the running trainers through status, so not only in a log
         self.slowest_write = 0.0                # seconds of the slowest persist + commit seen
         self.got_sigterm = False
         self.leaving = False                    # the agent itself got SIGTERM
@@ -244,6 +246,7 @@ class Agent:
             if refused:
                 self.ever_connected = True     # an agent started only for this trainer leaves at once
                 self._fail_loudly("hello", refused, rank)
+                self.refused.append(f"a trainer (rank {rank}, pid {msg['pid']}) was refused: {refused}")
                 self._send(conn, {"op": "hello", "ok": False, "error": refused})
                 return
             for other_conn, other in list(self.clients.items()):
@@ -338,6 +341,7 @@ class Agent:
                 "dead_ranks": sorted(self.dead_ranks), "pending_commits": sorted(self.pending_commits),
                 "outstanding": self.outstanding, "last_error": self.last_error, "leaving": self.leaving,
                 "failed_steps": {str(k): v for k, v in sorted(self.failed.items())[-16:]},
+                "refused": len(self.refused), "last_refused": self.refused[-4:],
                 "sigterm": None if self.term_at is None else {
                     "seconds_ago": round(now - self.term_at, 3), "agreed_step": self.term_step,
                     "deadline_in": round(self.term_at + self.cfg.grace_deadline - now, 3),

@@ -47,29 +47,31 @@ class AgentClient:
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.cfg.agent_start_timeout)
+            reply = None
             try:
                 sock.connect(protocol.address(self.cfg.job_id))
                 uid = protocol.peer_uid(sock)
-                if uid != os.geteuid():
-                    sock.close()
-                    raise AgentError(f"rank {self.rank}: the agent address of job {self.cfg.job_id} is held by a "
-                                     f"process of uid {uid}, not of this job's user: easyckpt will not talk to it. "
-                                     f"Stop that process (see `ss -xlp | grep easyckpt-agent-{self.cfg.job_id}`), or "
-                                     f"give this job another save_dir or job_name")
-                sock.sendall(protocol.encode({"op": "hello", "key": key, "rank": self.rank,
-                                              "world_size": self.world_size, "local_rank": self.local_rank,
-                                              "pid": os.getpid()}))
-                self.reader = protocol.LineReader()
-                reply = protocol.recv_one(sock, self.reader)
-                if reply and reply.get("ok"):
-                    self.sock, self.agent_pid = sock, reply["agent_pid"]
-                    self._attached_once = True
-                    return
-                sock.close()   # an agent on its way out: try again (and start a new one)
-                if reply and reply.get("error"):
-                    raise ConfigError(reply["error"])
-            except (OSError, ValueError):
+                if uid == os.geteuid():
+                    sock.sendall(protocol.encode({"op": "hello", "key": key, "rank": self.rank,
+                                                  "world_size": self.world_size, "local_rank": self.local_rank,
+                                                  "pid": os.getpid()}))
+                    self.reader = protocol.LineReader()
+                    reply = protocol.recv_one(sock, self.reader)
+            except (OSError, ValueError):   # no agent yet, or one on its way out: try again (and start one)
+                uid = os.geteuid()
+            if uid != os.geteuid():
                 sock.close()
+                raise AgentError(f"rank {self.rank}: the agent address of job {self.cfg.job_id} is held by a "
+                                 f"process of uid {uid}, not of this job's user: easyckpt will not talk to it. "
+                                 f"Stop that process (see `ss -xlp | grep easyckpt-agent-{self.cfg.job_id}`), or "
+                                 f"give this job another save_dir or job_name")
+            if reply and reply.get("ok"):
+                self.sock, self.agent_pid = sock, reply["agent_pid"]
+                self._attached_once = True
+                return
+            sock.close()
+            if reply and reply.get("error"):
+                raise ConfigError(reply["error"])
             if (self.local_rank == 0 or self._attached_once) and (self._spawned is None or
                                                                  self._spawned.poll() is not None):
                 self._spawn()

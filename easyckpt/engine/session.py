@@ -52,6 +52,7 @@ class Engine:
         self.last_step: Optional[int] = None
         self.last_complete_step: Optional[int] = None   # newest snapshot a crash would resume from
         self.reported_failures: set = set()
+        self.reported_refusals = 0
         self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
@@ -205,13 +206,24 @@ class Engine:
             self.last_persisted_step = result.step
         except AgentError as exc:   # never take training down for a failed persist (promise 2)
             self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
-        self._report_failures(self.failed_steps())
+        status = one_shot(self.cfg.job_id, {"op": "status"}) or {}
+        self._report_failures(_failed_steps(status))
+        self._report_refusals(status)
 
     def failed_steps(self) -> Dict[int, str]:
         """Steps the agent could not persist or commit, with why (from its status)."""
-        status = one_shot(self.cfg.job_id, {"op": "status"}) or {}
-        failed = status.get("failed_steps")
-        return {int(k): str(v) for k, v in failed.items() if str(k).isdigit()} if isinstance(failed, dict) else {}
+        return _failed_steps(one_shot(self.cfg.job_id, {"op": "status"}) or {})
+
+    def _report_refusals(self, status: Dict[str, Any]) -> None:
+        """A trainer the agent refused (another world size or job on this save_dir) is said on rank 0's
+        console too, not only to the refused process."""
+        count, last = status.get("refused"), status.get("last_refused")
+        if not isinstance(count, int) or not isinstance(last, list) or count <= self.reported_refusals:
+            return
+        for text in last[-(count - self.reported_refusals):]:
+            if self.rank == 0:
+                self.log.emit("error", rank=self.rank, message=f"easyckpt agent: {text}")
+        self.reported_refusals = count
 
     def _report_failures(self, failed: Dict[int, str]) -> None:
         """A step that cannot be committed is said on the console once (rank 0), while training goes on
@@ -341,6 +353,11 @@ class Engine:
         missing = sorted(set(range(self.world_size)) - seen)
         return (f"no shard from rank(s) {missing} (dead, or stuck before saving step {step})" if missing
                 else "every shard is there; the coordinator's agent did not commit (see its log)")
+
+
+def _failed_steps(status: Dict[str, Any]) -> Dict[int, str]:
+    failed = status.get("failed_steps")
+    return {int(k): str(v) for k, v in failed.items() if str(k).isdigit()} if isinstance(failed, dict) else {}
 
 
 class EngineSlot:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import struct
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..storage.direct import BLOCK
 
@@ -87,22 +86,6 @@ def decode(buf: bytearray) -> Tuple[Any, Dict[str, Any]]:
                                             count=(end - begin) // _itemsize(dtype)).view(shape)
     skeleton = json.loads(meta[SKELETON_KEY]) if SKELETON_KEY in meta else {k: {"__t": k} for k in tensors}
     return skeleton, tensors
-
-
-def read_file(path: str, on_bytes: Optional[Callable[[int], None]] = None, chunk: int = 64 << 20) -> bytearray:
-    """The whole file; ``on_bytes`` hears of each chunk read (a progress bar)."""
-    size = os.path.getsize(path)
-    buf = bytearray(size)
-    with open(path, "rb", buffering=0) as f:
-        view, got = memoryview(buf), 0
-        while got < size:
-            n = f.readinto(view[got:got + chunk] if on_bytes else view[got:])
-            if not n:
-                raise ValueError(f"{path} shrank while being read")
-            got += n
-            if on_bytes is not None:
-                on_bytes(n)
-    return buf
 
 
 def _itemsize(dtype) -> int:
