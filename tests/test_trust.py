@@ -342,7 +342,8 @@ def test_a_shard_that_failed_on_one_rank_is_rewritten_on_every_rank_after_the_tr
     loss = tmp_path / "loss"
     env = {"EASYCKPT_FAULTS": "agent.persist_file@1=enospc", "EASYCKPT_FAULT_ONCE_DIR": str(tmp_path)}
     proc = start(train_cmd(save, 2, "--iters", "40", "--mem-interval", "5", "--storage-interval", "5",
-                           "--step-sleep", "0.1", "--loss-file", str(loss), "--commit-timeout", "600"),
+                           "--step-sleep", "0.1", "--loss-file", str(loss), "--commit-timeout", "600",
+                           "--idle-timeout", "3"),
                  extra_env=env, log=tmp_path / "out")
     try:
         wait_for_iteration(loss, 7, proc)
@@ -355,7 +356,7 @@ def test_a_shard_that_failed_on_one_rank_is_rewritten_on_every_rank_after_the_tr
                                             f"{[e for e in events(save / 'easyckpt.log') if e['event'] in ('error', 'persist', 'abandon')]}"
         time.sleep(0.1)
     assert {"rank_00000.safetensors", "rank_00001.safetensors"} <= set(json.loads(manifest.read_text())["files"])
-    wait_no_agent(save, timeout=90)
+    wait_no_agent(save, timeout=60)
     for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):
         p.unlink()
 
