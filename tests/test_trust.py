@@ -367,8 +367,9 @@ def test_a_new_run_in_the_dir_of_a_crashed_run_whose_agent_lives_commits_its_own
     dropped as superseded by the old run's 12."""
     save = tmp_path / "ckpt"
     loss = tmp_path / "loss"
+    audit = save / "easyckpt.log"     # named, so that the test reads the same log whatever the default
     proc = start(train_cmd(save, 1, "--iters", "40", "--storage-interval", "5", "--step-sleep", "0.05",
-                           "--loss-file", str(loss)), log=tmp_path / "out1")
+                           "--loss-file", str(loss), "--log-file", str(audit)), log=tmp_path / "out1")
     try:
         wait_for_iteration(loss, 12, proc)
         time.sleep(0.2)
@@ -376,7 +377,7 @@ def test_a_new_run_in_the_dir_of_a_crashed_run_whose_agent_lives_commits_its_own
         kill_tree(proc)
     deadline = time.monotonic() + 60
     while True:      # the agent persists the old run's newest snapshot after its death, and lives on
-        died = [e["step"] for e in events(save / "easyckpt.log") if e["event"] == "persist_after_death"]
+        died = [e["step"] for e in events(audit) if e["event"] == "persist_after_death"]
         if died and (save / f"step_{died[-1]:08d}" / "easyckpt_manifest.json").exists():
             break
         assert time.monotonic() < deadline, "the old run's newest snapshot was not persisted"
@@ -385,9 +386,9 @@ def test_a_new_run_in_the_dir_of_a_crashed_run_whose_agent_lives_commits_its_own
     started = time.time()
     (tmp_path / "dump").mkdir()
     run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--no-resume", "--seed", "99",
-                  "--dump-dir", str(tmp_path / "dump")))
+                  "--dump-dir", str(tmp_path / "dump"), "--log-file", str(audit)))
     wait_no_agent(save)
-    log = events(save / "easyckpt.log")
+    log = events(audit)
     assert not [e for e in log if e["event"] == "abandon" and "superseded" in e.get("message", "")]
     import torch
     from safetensors.torch import load_file
