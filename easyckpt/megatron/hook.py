@@ -23,7 +23,7 @@ training.py imports the names at import time):
 
 Settings: ``--save`` (the checkpoint directory, also where easyckpt loads from), ``--save-interval``
 (storage interval), and the environment: EASYCKPT_SAVE_MEM_INTERVAL (1), EASYCKPT_MAX_CKPT_NUM (5),
-EASYCKPT_LOG_FILE (none), EASYCKPT_GRACE_DEADLINE (300 s), EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT
+EASYCKPT_LOG_FILE (SAVE_DIR/easyckpt.log; 0 turns it off), EASYCKPT_GRACE_DEADLINE (300 s), EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT
 (default: on with ``--exit-signal-handler``). SIGTERM is handled by easyckpt whether or not Megatron's
 own handler is on (it is chained): the ranks agree on a step, save it, and exit or train on. Checkpoints
 use Megatron's ``--ckpt-format torch`` layout.
@@ -68,8 +68,9 @@ def _ensure_initialized() -> bool:
     # checkpoint then exits too (EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT=0|1 overrides)
     exit_env = os.environ.get("EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT")
     exit_after = bool(getattr(args, "exit_signal_handler", False)) if exit_env is None else exit_env == "1"
+    log = os.environ.get("EASYCKPT_LOG_FILE") or None
     _em.initialize_easyckpt(mem, storage, None if max_num in ("", "0", "none") else int(max_num),
-                            os.environ.get("EASYCKPT_LOG_FILE") or None, save_dir=args.save, args=args,
+                            False if log == "0" else log, save_dir=args.save, args=args,
                             exit_after_ondemand_checkpoint=exit_after,
                             grace_deadline=float(os.environ.get("EASYCKPT_GRACE_DEADLINE", "300")))
     _state["initialized"] = True
