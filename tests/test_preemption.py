@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import (ROOT, alive, children, committed_steps, descendants, env, events, is_agent, last_iteration,
+from harness import (alive, children, committed_steps, descendants, env, events, is_agent, last_iteration,
                      losses, run, signal_every_process, start, starts, train_cmd, wait_for_iteration, wait_no_agent,
                      worker_pids)
 
