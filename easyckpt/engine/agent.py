@@ -311,6 +311,10 @@ class Agent:
             return
         self.epoch += 1
         self.newest_committed = -1
+        # a restarted run redoes step numbers: an earlier run's failed or finished shards of a step must not
+        # answer the new run's flush or commit wait for it
+        self.failed.clear()
+        self.done.clear()
         self.log.emit("new_trainers", epoch=self.epoch, world_size=world_size,
                       message="earlier trainers are gone; their pending steps no longer decide what commits")
 

@@ -65,13 +65,13 @@ class AgentClient:
                                  f"process of uid {uid}, not of this job's user: easyckpt will not talk to it. "
                                  f"Stop that process (see `ss -xlp | grep easyckpt-agent-{self.cfg.job_id}`), or "
                                  f"give this job another save_dir or job_name")
-            if reply and reply.get("ok"):
+            if reply and reply.get("ok") is True and isinstance(reply.get("agent_pid"), int):
                 self.sock, self.agent_pid = sock, reply["agent_pid"]
                 self._attached_once = True
                 return
             sock.close()
             if reply and reply.get("error"):
-                raise ConfigError(reply["error"])
+                raise ConfigError(str(reply["error"])[:2000])
             if (self.local_rank == 0 or self._attached_once) and (self._spawned is None or
                                                                  self._spawned.poll() is not None):
                 self._spawn()
