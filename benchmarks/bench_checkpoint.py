@@ -47,15 +47,31 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import baselines  # noqa: E402
-from common import (GB, all_tensors, alloc_copy, build_state, direct_buffer, evict, median, nbytes_of, raw_copy,  # noqa: E402
-                    raw_write, raw_write_direct, remove, settle_disk, timed, timed_disk_op, warm_free_memory)
+from common import (  # noqa: E402
+    GB,
+    all_tensors,
+    alloc_copy,
+    build_state,
+    direct_buffer,
+    evict,
+    median,
+    nbytes_of,
+    raw_copy,
+    raw_write,
+    raw_write_direct,
+    remove,
+    settle_disk,
+    timed,
+    timed_disk_op,
+    warm_free_memory,
+)
 
 import easyckpt  # noqa: E402
 from easyckpt.config import Config  # noqa: E402
-from easyckpt.engine import load as ez_load  # noqa: E402
-from easyckpt.engine.overlap import auto_overlap  # noqa: E402
-from easyckpt.engine.session import Engine  # noqa: E402
-from easyckpt.engine.snapshot import ShardSpec  # noqa: E402
+from easyckpt.trainer import load as ez_load  # noqa: E402
+from easyckpt.trainer.overlap import auto_overlap  # noqa: E402
+from easyckpt.trainer.session import Engine  # noqa: E402
+from easyckpt.trainer.snapshot import ShardSpec  # noqa: E402
 
 MODEL, OPTIM = "model.safetensors", "optimizer.safetensors"
 LOOP_WIDTH = 2048          # the loop's MLP: Linear(2048, 2048) layers, as many as the size needs
@@ -434,7 +450,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def check_space(sizes: List[float], work: str) -> None:
     from common import free_bytes
-    from easyckpt.engine import shm
+
+    from easyckpt.formats import shm
     big = max(sizes) * GB
     problems = []
     if free_bytes(shm.SHM_DIR) < 2.2 * big:

@@ -1,12 +1,18 @@
 """easyckpt: near-free checkpoints through host shared memory, persisted in the background.
 
 Public names only; see DESIGN.md for the map of the engine. They are resolved lazily so that the
-node agent (``python -m easyckpt.engine.agent``), which only moves bytes, never imports torch.
+node agent (``python -m easyckpt.agent``), which only moves bytes, never imports torch.
 """
 from typing import Any
 
-from .config import Config
-from .errors import AgentError, CheckpointError, ConfigError, EasyCkptError, ShmCapacityError
+from easyckpt.config import Config
+from easyckpt.errors import (
+    AgentError,
+    CheckpointError,
+    ConfigError,
+    EasyCkptError,
+    ShmCapacityError,
+)
 
 __all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt",
            "Config", "EasyCkptError", "ConfigError", "ShmCapacityError", "AgentError", "CheckpointError"]
@@ -16,6 +22,6 @@ _VERBS = {"initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint",
 
 def __getattr__(name: str) -> Any:
     if name in _VERBS:
-        from . import pytorch
+        from easyckpt import pytorch
         return getattr(pytorch, name)
     raise AttributeError(f"module 'easyckpt' has no attribute {name!r}")

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
-from .errors import ConfigError
-from .storage.posix import probe_writable
+from easyckpt.errors import ConfigError
+from easyckpt.storage.posix import probe_writable
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ import subprocess
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
-from . import rng
-from .config import Config, NAMINGS, check_advanced, log_setting
-from .dist import all_gather
-from .engine.session import Engine, EngineSlot
-from .engine.snapshot import ShardSpec
-from .errors import EasyCkptError
+from easyckpt.config import NAMINGS, Config, check_advanced, log_setting
+from easyckpt.errors import EasyCkptError
+from easyckpt.trainer import rng
+from easyckpt.trainer.dist import all_gather
+from easyckpt.trainer.session import Engine, EngineSlot
+from easyckpt.trainer.snapshot import ShardSpec
 
 NAMING = NAMINGS["deepspeed"]
 _ROOT = "/easyckpt-in-memory"      # DeepSpeed composes file names under it; nothing is created there
@@ -139,7 +139,10 @@ def native_shards(engine: Any, tag: str, prefix: str = "",
 
 
 def _universal_info() -> Dict[str, Any]:
-    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
+    from deepspeed.checkpoint.constants import (
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
     return {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
 
 
@@ -210,8 +213,8 @@ def restore_universal(engine: Any, tag_dir: str, tag: str, work_dir: str, rank: 
         os.makedirs(work_dir)
         # only the files the manifest lists, verified, unpickled safely (the converter itself would glob the
         # directory and torch.load whatever it finds there with weights_only=False)
-        from .consolidate import to_universal
-        from .engine.manifest import MANIFEST_NAME
+        from easyckpt.cli.consolidate import to_universal
+        from easyckpt.formats.manifest import MANIFEST_NAME
         # the manifest sits in the step directory: tag_dir itself (plain engine), or its parent (the
         # Trainer's checkpoint-N/global_stepN)
         nested = not os.path.lexists(os.path.join(tag_dir, MANIFEST_NAME))

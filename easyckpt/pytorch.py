@@ -18,10 +18,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import rng
-from .config import Config, NAMINGS, check_advanced, log_setting
-from .engine.session import Engine, EngineSlot
-from .engine.snapshot import ShardSpec
+from easyckpt.config import NAMINGS, Config, check_advanced, log_setting
+from easyckpt.trainer import rng
+from easyckpt.trainer.session import Engine, EngineSlot
+from easyckpt.trainer.snapshot import ShardSpec
 
 NAMING = NAMINGS["pytorch"]
 MODEL, OPTIM = "model.safetensors", "optimizer.safetensors"

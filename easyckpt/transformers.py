@@ -42,12 +42,12 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import deepspeed as ds
-from .config import Config, NAMINGS, check_advanced, log_setting
-from .engine import manifest as mf
-from .engine import retention
-from .engine.session import Engine
-from .engine.snapshot import ShardSpec
+from easyckpt import deepspeed as ds
+from easyckpt.config import NAMINGS, Config, check_advanced, log_setting
+from easyckpt.formats import manifest as mf
+from easyckpt.storage import retention
+from easyckpt.trainer.session import Engine
+from easyckpt.trainer.snapshot import ShardSpec
 
 # the Trainer keeps no tracker file: it finds checkpoints by their names
 NAMING = NAMINGS["transformers"]

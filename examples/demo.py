@@ -53,7 +53,7 @@ def kill_trainers(proc: subprocess.Popen) -> None:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            agent = b"easyckpt.engine.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            agent = b"easyckpt.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
         if not agent:

@@ -75,7 +75,7 @@ def _children() -> Dict[int, List[int]]:
 
 def _is_agent(pid: int) -> bool:
     try:
-        return b"easyckpt.engine.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"easyckpt.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -266,7 +266,7 @@ def worker_pids(proc: subprocess.Popen, n: int, timeout: float = 60) -> Dict[int
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"torch.distributed.run" in cmdline or b"easyckpt.engine.agent" in cmdline:
+            if b"torch.distributed.run" in cmdline or b"easyckpt.agent" in cmdline:
                 continue
             ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
             found[int(ranks[0]) if ranks else 0] = pid

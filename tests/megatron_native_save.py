@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "megatron"))
 import pretrain_gpt as P  # noqa: E402
-
 from megatron.core import parallel_state as mpu  # noqa: E402
-from easyckpt.megatron import state as S  # noqa: E402  (rng_capture: Megatron-LM's get_rng_state keys)
+
+from easyckpt.megatron import state as S  # noqa: E402  (rng_capture: Megatron-LM's get_rng_state keys
 
 
 def save(save_dir, iteration, model, optimizer, scheduler, args):

@@ -10,8 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from harness import ROOT, committed_steps, events, losses, run, script_cmd, starts, wait_no_agent
+from harness import (
+    ROOT,
+    committed_steps,
+    events,
+    losses,
+    run,
+    script_cmd,
+    starts,
+    wait_no_agent,
+)
 
 
 def tree_bytes(path: Path):
@@ -159,7 +167,7 @@ def test_adoption_reads_only_regular_files_inside_the_step_and_never_a_damaged_e
     import torch
 
     from easyckpt.config import NAMINGS
-    from easyckpt.engine import adopt
+    from easyckpt.trainer import adopt
 
     naming = NAMINGS["megatron"]
     save = tmp_path / "save"

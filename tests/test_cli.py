@@ -12,11 +12,18 @@ import shutil
 from pathlib import Path
 
 import pytest
+from harness import (
+    cli,
+    cli_json,
+    committed_steps,
+    events,
+    run,
+    train_cmd,
+    wait_no_agent,
+)
 
-from harness import cli, cli_json, committed_steps, events, run, train_cmd, wait_no_agent
-
-from easyckpt.engine.joblock import JobLock
-from easyckpt.engine.manifest import MANIFEST_NAME
+from easyckpt.formats.manifest import MANIFEST_NAME
+from easyckpt.storage.joblock import JobLock
 
 HIDDEN = 24
 

@@ -17,9 +17,8 @@ from typing import Dict
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from harness import ROOT, run, script_cmd, wait_no_agent
+from safetensors.torch import load_file, save_file
 
 TRAIN = ROOT / "examples" / "deepspeed" / "train.py"
 HF = ROOT / "examples" / "deepspeed" / "hf_train.py"
@@ -100,7 +99,9 @@ def test_deepspeed_checkpoint_consolidates_to_the_engines_full_fp32_weights(tmp_
         assert native["param_shapes"] is None and not list(step_dir.glob("*optim_states.pt"))
         theirs = native["module"]
     else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils.zero_to_fp32 import (
+            get_fp32_state_dict_from_zero_checkpoint,
+        )
         theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=f"global_step{STEPS}")
     assert sorted(theirs) == sorted(truth) and all(torch.equal(theirs[k], truth[k]) for k in truth)
 
@@ -128,7 +129,7 @@ def test_hf_trainer_checkpoint_consolidates_its_model_weights(tmp_path, hf_plain
 
 
 def test_default_output_is_added_to_the_step_so_verify_covers_it_and_sources_are_never_replaced(hf_plain):
-    from easyckpt.consolidate import to_safetensors
+    from easyckpt.cli.consolidate import to_safetensors
     out_dir, truth = hf_plain
     step_dir = out_dir / f"checkpoint-{STEPS}"
     done = convert(out_dir, str(STEPS))
@@ -152,8 +153,8 @@ def test_default_output_is_added_to_the_step_so_verify_covers_it_and_sources_are
 def test_other_trainer_weight_layouts_consolidate_to_the_same_file(tmp_path, hf_plain, layout):
     """The Trainer's other layouts of the same weights (sharded with an index, or a torch pickle), written
     into a copy of a committed checkpoint-N and listed in its manifest."""
-    from easyckpt.consolidate import to_safetensors
-    from easyckpt.engine import manifest as mf
+    from easyckpt.cli.consolidate import to_safetensors
+    from easyckpt.formats import manifest as mf
     out_dir, _ = hf_plain
     step_dir = tmp_path / f"checkpoint-{STEPS}"
     shutil.copytree(out_dir / f"checkpoint-{STEPS}", step_dir)
@@ -199,7 +200,7 @@ def test_damaged_shard_fails_naming_the_file_and_writes_nothing(tmp_path, deepsp
 
 
 def test_a_directory_without_a_committed_checkpoint_is_refused(tmp_path):
-    from easyckpt.consolidate import to_safetensors
+    from easyckpt.cli.consolidate import to_safetensors
     done = convert(tmp_path, "--output", str(tmp_path / "x.safetensors"))
     assert done.returncode == 2 and "checkpoint" in done.stderr, done.stderr
     (tmp_path / "global_step3").mkdir()       # named like a step, but nothing was committed

@@ -7,14 +7,26 @@ easyckpt's loader. A ZeRO-3 checkpoint of 2 ranks resumes on 1 through the unive
 """
 from __future__ import annotations
 
+import os
 import random
 import signal
-import os
 
 import pytest
-
-from harness import (ROOT, assert_losses_close, assert_losses_equal, cli, cli_json, events, interrupted_runs,
-                     killed_then_resumed, losses, run, script_cmd, starts, wait_no_agent)
+from harness import (
+    ROOT,
+    assert_losses_close,
+    assert_losses_equal,
+    cli,
+    cli_json,
+    events,
+    interrupted_runs,
+    killed_then_resumed,
+    losses,
+    run,
+    script_cmd,
+    starts,
+    wait_no_agent,
+)
 
 TRAIN = ROOT / "examples" / "deepspeed" / "train.py"
 CHECK = ROOT / "tests" / "deepspeed_native_check.py"

@@ -12,9 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
-
-from harness import (committed_steps, events, last_iteration, run, start, train_cmd, wait_for_iteration,
-                     wait_no_agent)
+from harness import (
+    committed_steps,
+    events,
+    last_iteration,
+    run,
+    start,
+    train_cmd,
+    wait_for_iteration,
+    wait_no_agent,
+)
 
 SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
@@ -193,9 +200,10 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
     seeded random sequences of save / failed save / kill at a point of the commit / restart / prune /
     foreign files. After every operation: the newest committed step is never deleted, at most
     max_ckpt_num remain after a prune, no half-written step is visible, foreign files are untouched."""
-    from easyckpt.engine import commit, manifest as mf, retention
-    from easyckpt.events import AuditLog
+    from easyckpt.formats import manifest as mf
     from easyckpt.pytorch import NAMING
+    from easyckpt.storage import commit, retention
+    from easyckpt.storage.auditlog import AuditLog
     rnd = random.Random(SEED)
     log = AuditLog(None, "test")
     points = ["agent.after_manifest", "agent.before_rename", "agent.after_rename", "agent.before_tracker"]

@@ -13,8 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from harness import (ROOT, committed_steps, events, job_id, losses, run, shm_segments, starts, train_cmd, wait_no_agent)
+from harness import (
+    ROOT,
+    committed_steps,
+    events,
+    job_id,
+    losses,
+    run,
+    shm_segments,
+    starts,
+    train_cmd,
+    wait_no_agent,
+)
 
 FAST = ["--idle-timeout", "1"]
 

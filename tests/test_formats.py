@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
-from easyckpt.engine import shm
-from easyckpt.engine.load import _read_step
-from easyckpt.engine.manifest import MANIFEST_NAME, build
-from easyckpt.engine.persist import persist_slot
-from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
-from easyckpt.engine.tree import safe_torch_load
+from easyckpt.agent.persist import persist_slot
+from easyckpt.formats import shm
+from easyckpt.formats.manifest import MANIFEST_NAME, build
+from easyckpt.trainer.load import _read_step
+from easyckpt.trainer.snapshot import ShardSpec, Snapshotter, read_snapshot
+from easyckpt.trainer.tree import safe_torch_load
 
 
 class _Local(enum.Enum):   # an enum outside the frameworks' packages
@@ -120,7 +120,7 @@ def test_deepspeed_and_numpy_data_classes_are_allowed():
 
 
 def test_retention_keeps_the_newest_and_protected_steps_like_the_trainer():
-    from easyckpt.engine.retention import KeepLast
+    from easyckpt.storage.retention import KeepLast
     dirs = [(s, f"checkpoint-{s}") for s in (30, 25, 20, 15, 10, 5)]
     assert [s for s, _ in KeepLast(2).to_delete(dirs)] == [20, 15, 10, 5]
     assert [s for s, _ in KeepLast(2, protect=[10]).to_delete(dirs)] == [25, 20, 15, 5]

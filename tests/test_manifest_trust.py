@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import ROOT, cli, events, run, script_cmd, train_cmd, wait_no_agent
 
-from easyckpt.engine import manifest as mf
-from easyckpt.engine.manifest import MANIFEST_NAME
 from easyckpt.errors import EasyCkptError, ManifestError
+from easyckpt.formats import manifest as mf
+from easyckpt.formats.manifest import MANIFEST_NAME
 
 FAST = ["--idle-timeout", "1"]
 
@@ -150,7 +149,7 @@ def _negative_step(m):
 def test_a_malformed_manifest_is_rejected_logged_and_the_job_starts_from_the_previous_step(ckpt, tmp_path,
                                                                                            damage, field):
     from easyckpt.config import NAMINGS
-    from easyckpt.engine import retention
+    from easyckpt.storage import retention
     newest = step_dir(ckpt, 4)
     if damage == "invalid-json":
         (newest / MANIFEST_NAME).write_text('{"format_version": 1, "step": 4, "files": {')
@@ -195,8 +194,9 @@ def test_size_and_checksum_messages_say_exactly_what_differs_in_readable_units(t
 
 
 def test_shm_capacity_message_names_a_small_shortfall_in_readable_units(monkeypatch):
-    from easyckpt.engine import shm, snapshot
     from easyckpt.errors import ShmCapacityError
+    from easyckpt.formats import shm
+    from easyckpt.trainer import snapshot
     monkeypatch.setattr(shm, "free_bytes", lambda: 1000)     # /dev/shm with 1000 bytes left
     snap = snapshot.Snapshotter("0badc0ffee00", rank=0, world_size=1)
     try:

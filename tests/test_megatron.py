@@ -11,8 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from harness import ROOT, assert_losses_close, cli, cli_json, events, interrupted_runs, run, wait_no_agent
+from harness import (
+    ROOT,
+    assert_losses_close,
+    cli,
+    cli_json,
+    events,
+    interrupted_runs,
+    run,
+    wait_no_agent,
+)
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import ROOT, env, events, kill_tree, signal_every_process, wait_no_agent
 
 TREE = os.environ.get("EASYCKPT_MEGATRON_LM")

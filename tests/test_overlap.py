@@ -13,16 +13,29 @@ import signal
 
 import pytest
 import torch
+from harness import (
+    assert_losses_equal,
+    committed_steps,
+    events,
+    interrupted_runs,
+    losses,
+    run,
+    train_cmd,
+    wait_no_agent,
+)
 from safetensors.torch import load_file
 
-from easyckpt.engine import shm
-from easyckpt.engine.overlap import OptimizerWatch
-from easyckpt.engine.manifest import read_entry
-from easyckpt.engine.shardfile import decode
-from easyckpt.engine.snapshot import PendingSnapshot, ShardSpec, Snapshotter, read_snapshot
-from easyckpt.engine.tree import rebuild
-from harness import (assert_losses_equal, committed_steps, events, interrupted_runs, losses, run, train_cmd,
-                     wait_no_agent)
+from easyckpt.formats import shm
+from easyckpt.formats.manifest import read_entry
+from easyckpt.formats.shardfile import decode
+from easyckpt.trainer.overlap import OptimizerWatch
+from easyckpt.trainer.snapshot import (
+    PendingSnapshot,
+    ShardSpec,
+    Snapshotter,
+    read_snapshot,
+)
+from easyckpt.trainer.tree import rebuild
 
 SLOW_COPY = {"EASYCKPT_FAULTS": "trainer.background_copy=sleep:0.3"}
 

@@ -18,10 +18,25 @@ import time
 from pathlib import Path
 
 import pytest
-
-from harness import (alive, children, committed_steps, descendants, env, events, is_agent, last_iteration,
-                     losses, run, signal_every_process, start, starts, train_cmd, wait_for_iteration, wait_no_agent,
-                     worker_pids)
+from harness import (
+    alive,
+    children,
+    committed_steps,
+    descendants,
+    env,
+    events,
+    is_agent,
+    last_iteration,
+    losses,
+    run,
+    signal_every_process,
+    start,
+    starts,
+    train_cmd,
+    wait_for_iteration,
+    wait_no_agent,
+    worker_pids,
+)
 
 N = 30
 COMMON = ["--iters", str(N), "--mem-interval", "2", "--storage-interval", "10", "--max-ckpt", "2"]

@@ -5,9 +5,18 @@ import os
 import random
 
 import pytest
-
-from harness import (events, kill_group, last_iteration, losses, run, start, starts, train_cmd,
-                     wait_for_iteration, wait_no_agent)
+from harness import (
+    events,
+    kill_group,
+    last_iteration,
+    losses,
+    run,
+    start,
+    starts,
+    train_cmd,
+    wait_for_iteration,
+    wait_no_agent,
+)
 
 N = 30
 MEM = 2

@@ -14,10 +14,24 @@ import random
 import signal
 
 import pytest
-
-from harness import (ROOT, assert_losses_close, assert_losses_equal, cli, cli_json, events, interrupted_runs, kill_tree,
-                     killed_then_resumed, losses, run, script_cmd, start, starts, wait_for_iteration,
-                     wait_no_agent)
+from harness import (
+    ROOT,
+    assert_losses_close,
+    assert_losses_equal,
+    cli,
+    cli_json,
+    events,
+    interrupted_runs,
+    kill_tree,
+    killed_then_resumed,
+    losses,
+    run,
+    script_cmd,
+    start,
+    starts,
+    wait_for_iteration,
+    wait_no_agent,
+)
 
 HF = ROOT / "examples" / "deepspeed" / "hf_train.py"
 STEPS = 24

@@ -19,9 +19,18 @@ import time
 from pathlib import Path
 
 import pytest
-
-from harness import (TIMEOUT, events, job_id, kill_tree, run, shm_segments, start, train_cmd, wait_for_iteration,
-                     wait_no_agent)
+from harness import (
+    TIMEOUT,
+    events,
+    job_id,
+    kill_tree,
+    run,
+    shm_segments,
+    start,
+    train_cmd,
+    wait_for_iteration,
+    wait_no_agent,
+)
 
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
                              reason="needs root and runuser to act as a second local user (nobody); CI runs as root")
@@ -78,7 +87,7 @@ def _agent_pid(save: Path) -> int:
                 cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"easyckpt.engine.agent" in cmd and str(save).encode() in cmd:
+            if b"easyckpt.agent" in cmd and str(save).encode() in cmd:
                 return int(entry)
     raise AssertionError(f"no agent of {save} runs")
 
@@ -251,10 +260,10 @@ def test_a_slot_whose_file_names_leave_the_step_is_refused_by_the_agent(tmp_path
     nothing is written outside the staging directory."""
     import torch
 
-    from easyckpt.engine import shm
-    from easyckpt.engine.persist import persist_slot
-    from easyckpt.engine.slotmeta import BadSlotMeta
-    from easyckpt.engine.snapshot import ShardSpec, Snapshotter
+    from easyckpt.agent.persist import persist_slot
+    from easyckpt.formats import shm
+    from easyckpt.formats.slotmeta import BadSlotMeta
+    from easyckpt.trainer.snapshot import ShardSpec, Snapshotter
 
     for bad in ("../../escape.safetensors", str(tmp_path / "abs.safetensors")):
         snap = Snapshotter("feedfaceca11", 0, 1)
@@ -282,10 +291,10 @@ def test_a_malicious_object_in_a_torch_shard_runs_neither_in_the_agent_nor_on_lo
     the agent's code without unpickling it, and refused both when restored from memory and from storage."""
     import torch
 
-    from easyckpt.engine import shm
-    from easyckpt.engine.persist import persist_slot
-    from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
-    from easyckpt.engine.tree import safe_torch_load
+    from easyckpt.agent.persist import persist_slot
+    from easyckpt.formats import shm
+    from easyckpt.trainer.snapshot import ShardSpec, Snapshotter, read_snapshot
+    from easyckpt.trainer.tree import safe_torch_load
 
     marker = tmp_path / "pwned"
     snap = Snapshotter("feedfaceca12", 0, 1)
@@ -432,13 +441,13 @@ def test_skipped_snapshots_under_back_pressure_are_said_on_the_console_with_the_
 def test_an_agent_nobody_says_hello_to_leaves_within_seconds(tmp_path):
     """Smaller item 17: an agent whose trainer died before its hello does not linger for a minute."""
     from easyckpt.config import Config
-    from easyckpt.engine import jobkey
+    from easyckpt.formats import jobkey
 
     cfg = Config(save_dir=str(tmp_path / "ckpt"))
     (tmp_path / "ckpt").mkdir()
     jobkey.ensure(cfg.job_id)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "easyckpt.engine.agent", json.dumps(cfg.to_json())],
+        proc = subprocess.Popen([sys.executable, "-m", "easyckpt.agent", json.dumps(cfg.to_json())],
                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
         assert proc.wait(timeout=30) == 0
     finally:
@@ -486,8 +495,8 @@ def test_the_audit_log_is_on_by_default_inside_the_save_dir_and_can_be_turned_of
 def test_any_easyckpt_start_reaps_only_this_users_dead_jobs(tmp_path):
     """Item 17: a dead job's segments go at the next easyckpt start of any job (not only of that job's own
     agent), and only those of this user: another user's file is never touched."""
-    from easyckpt.engine.reap import reap_dead_jobs
-    from easyckpt.events import AuditLog
+    from easyckpt.formats.reap import reap_dead_jobs
+    from easyckpt.storage.auditlog import AuditLog
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -516,7 +525,7 @@ def test_any_easyckpt_start_reaps_only_this_users_dead_jobs(tmp_path):
 def test_the_agent_imports_neither_torch_nor_pickle(tmp_path):
     """The agent assembles framework-native torch.save files from bytes the trainer prepared: a fresh
     interpreter that imports the agent has loaded neither torch nor an unpickler."""
-    code = ("import sys, easyckpt.engine.agent; "
+    code = ("import sys, easyckpt.agent.__main__; "
             "bad = [m for m in ('torch', 'pickle', '_pickle') if m in sys.modules]; "
             "assert not bad, bad")
     run([sys.executable, "-c", code])

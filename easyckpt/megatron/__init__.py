@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple, Union
 
-from ..config import Config, check_advanced, log_setting
-from ..engine.session import EngineSlot
-from ..errors import ConfigError
-from . import state as _state
+from easyckpt.config import Config, check_advanced, log_setting
+from easyckpt.errors import ConfigError
+from easyckpt.megatron import state as _state
+from easyckpt.trainer.session import EngineSlot
 
 _slot = EngineSlot("easyckpt.megatron")
 _args: Any = None

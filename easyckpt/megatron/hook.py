@@ -45,7 +45,7 @@ except ImportError as exc:   # pragma: no cover - exercised only without Megatro
         "of the megatron-core wheel: run it from a Megatron-LM checkout (PYTHONPATH=<Megatron-LM>), or use "
         "easyckpt.megatron's functions directly in your own loop") from exc
 
-from .. import megatron as _em
+from easyckpt import megatron as _em
 
 _orig_load = _ckpt.load_checkpoint
 _orig_save = _ckpt.save_checkpoint
@@ -113,9 +113,9 @@ def _megatron_only(load_dir: str) -> bool:
     """Whether the iteration Megatron's tracker names in ``load_dir`` is Megatron's own checkpoint in a
     format only Megatron reads (a distributed-checkpoint format: no mp_rank_* directories). A damaged
     ``--ckpt-format torch`` one is not handed over: easyckpt rejected it, and Megatron would crash on it."""
-    from ..engine import manifest as mf
-    from ..engine.adopt import tracker_step
-    from .state import NAMING
+    from easyckpt.formats import manifest as mf
+    from easyckpt.megatron.state import NAMING
+    from easyckpt.trainer.adopt import tracker_step
     step = tracker_step(load_dir, NAMING)
     if step is None:
         return False

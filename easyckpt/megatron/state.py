@@ -6,7 +6,7 @@ Per rank at (tp, pp, dp), for iteration N (directory ``iter_{N:07d}``):
         num_floating_point_operations_so_far — written once per (tp, pp), by data-parallel rank 0
     mp_rank_.../distrib_optim_dp{dp:03d}.pt          with the DistributedOptimizer: this DP rank's shard of
         the fp32 main params and Adam moments (per DP rank, so no gather stalls the save; Megatron's own
-        single-file ``distrib_optim.pt`` is produced by the converter, easyckpt.megatron.convert)
+        single-file ``distrib_optim.pt`` is produced by the converter, easyckpt.cli.convert)
 
 A checkpoint Megatron wrote itself (adopted, engine/adopt.py) has ``distrib_optim.pt`` (DP rank 0's gathered
 "dp_zero" state) and no per-DP shards: DP rank 0 reads it and megatron-core's own
@@ -24,8 +24,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..config import NAMINGS
-from ..engine.snapshot import ShardSpec
+from easyckpt.config import NAMINGS
+from easyckpt.trainer.snapshot import ShardSpec
 
 NAMING = NAMINGS["megatron"]
 CHECKPOINT_VERSION = 3.0

@@ -81,7 +81,13 @@ def main() -> int:
     args = parse()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     world = int(os.environ.get("WORLD_SIZE", 1))
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     extra = {}
     if args.zero is not None:

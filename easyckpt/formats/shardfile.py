@@ -11,7 +11,7 @@ import json
 import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..storage.direct import BLOCK
+from easyckpt.storage.direct import BLOCK
 
 SKELETON_KEY = "easyckpt.skeleton"
 

@@ -13,8 +13,8 @@ import os
 import secrets
 import stat
 
-from ..errors import AgentError
-from . import shm
+from easyckpt.errors import AgentError
+from easyckpt.formats import shm
 
 _LEN = 64
 

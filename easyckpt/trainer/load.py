@@ -22,14 +22,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from ..config import Config
-from ..dist import all_gather
-from ..errors import ManifestError
-from ..events import AuditLog
-from ..progress import Progress
-from . import manifest as mf
-from . import adopt, retention, shardfile, snapshot
-from .tree import safe_torch_load, unflatten
+from easyckpt.config import Config
+from easyckpt.errors import ManifestError
+from easyckpt.formats import manifest as mf
+from easyckpt.formats import shardfile
+from easyckpt.progress import Progress
+from easyckpt.storage import retention
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.trainer import adopt, snapshot
+from easyckpt.trainer.dist import all_gather
+from easyckpt.trainer.tree import safe_torch_load, unflatten
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
 # when the checkpoint was written)

@@ -25,13 +25,12 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
-from . import catalog
-from .catalog import CatalogError, FRAMEWORKS
-from .engine import manifest as mf
-from .engine import retention
-from .errors import EasyCkptError
-from .units import human
-
+from easyckpt.cli import catalog
+from easyckpt.cli.catalog import FRAMEWORKS, CatalogError
+from easyckpt.errors import EasyCkptError
+from easyckpt.formats import manifest as mf
+from easyckpt.storage import retention
+from easyckpt.units import human
 
 _stdout = sys.stdout
 
@@ -43,7 +42,7 @@ def say(*parts: Any) -> None:
 
 
 def _progress(args: argparse.Namespace) -> Callable[[int, str], Any]:
-    from .progress import Progress
+    from easyckpt.progress import Progress
     return lambda total, desc: Progress(total, desc, args.progress)
 
 
@@ -109,7 +108,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .contents import describe
+    from easyckpt.cli.contents import describe
     cat = catalog.require(args.dir, args.framework)
     entry = cat.step(args.step)
     info = describe(entry, _progress(args))
@@ -157,8 +156,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     """The agent's rules (retention.py): only step directories committed by one job, never the newest,
     the Trainer's best checkpoint kept; the job's lock is taken so that a running job is never pruned
     under its feet."""
-    from .engine.joblock import JobLock
-    from .events import AuditLog
+    from easyckpt.storage.auditlog import AuditLog
+    from easyckpt.storage.joblock import JobLock
     if args.keep < 1:
         print("easyckpt prune: --keep must be at least 1 (the newest checkpoint is never deleted)", file=sys.stderr)
         return 2
@@ -210,9 +209,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .config import Config
-    from .engine import shm
-    from .engine.client import one_shot
+    from easyckpt.config import Config
+    from easyckpt.formats import shm
+    from easyckpt.trainer.client import one_shot
     cat = catalog.scan(args.dir, args.framework)
     job_id = Config(save_dir=args.dir, job_name=args.job_name).job_id
     framework, naming = cat.framework, catalog.naming(cat.framework)
@@ -283,10 +282,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 1
     try:
         if args.what == "megatron-distopt":
-            from .megatron.convert import to_megatron_distrib_optim
+            from easyckpt.cli.convert import to_megatron_distrib_optim
             summary: Dict[str, Any] = {"written": to_megatron_distrib_optim(entry.path)}
         else:
-            from .consolidate import to_safetensors
+            from easyckpt.cli.consolidate import to_safetensors
             output = args.output or os.path.join(entry.path, "consolidated.safetensors")
             summary = to_safetensors(entry.path, output, progress=_progress(args))
     except ValueError as exc:
@@ -338,7 +337,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 step=True, what=["megatron-distopt", "safetensors"])
     conv.add_argument("--output", default=None, help="safetensors: the file to write "
                                                      "(default: consolidated.safetensors in the step directory)")
-    from .launcher import add_parser as add_run
+    from easyckpt.cli.launcher import add_parser as add_run
     add_run(sub)
     args = parser.parse_args(argv)
     global _stdout

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import errno
 import json
-import stat
 import os
+import stat
 import time
 import zlib
 from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional
 
-from ..errors import ManifestError
-from ..units import size_and_bytes
-from . import paths
+from easyckpt.errors import ManifestError
+from easyckpt.formats import paths
+from easyckpt.units import size_and_bytes
 
 try:
     import xxhash

@@ -26,9 +26,9 @@ import stat
 import struct
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from .catalog import Entry
-from .engine import manifest as mf
-from .engine.shardfile import DTYPE_NAMES
+from easyckpt.cli.catalog import Entry
+from easyckpt.formats import manifest as mf
+from easyckpt.formats.shardfile import DTYPE_NAMES
 
 GROUPS = ("model", "optimizer", "other")
 _MODEL_KEYS = ("model", "module")
@@ -149,7 +149,7 @@ def _safetensors_tensors(step_dir: str, rel: str) -> Iterator[Tuple[str, str, Li
 def _torch_tensors(step_dir: str, rel: str, args: Dict[str, Any], metadata: Dict[str, Any]):
     import torch
 
-    from .engine.tree import safe_torch_load
+    from easyckpt.trainer.tree import safe_torch_load
     tree = safe_torch_load(bytes(mf.read_entry(step_dir, rel)))
     found = [(key, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size())
              for key, t in _walk(tree, "") if isinstance(t, torch.Tensor)]

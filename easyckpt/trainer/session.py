@@ -19,19 +19,24 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from ..config import Config, validate
-from ..dist import any_rank, placement
-from ..errors import AgentError, EasyCkptError
-from ..events import AuditLog
-from . import commit
-from . import manifest as mf
-from . import runlog
-from .client import AgentClient, one_shot
-from .load import Loaded, Needed, load_newest
-from .preempt import Preemption
-from .reap import reap_dead_jobs
-from .overlap import OptimizerWatch, auto_overlap
-from .snapshot import PendingSnapshot, ShardSpec, SnapshotResult, Snapshotter
+from easyckpt.config import Config, validate
+from easyckpt.errors import AgentError, EasyCkptError
+from easyckpt.formats import manifest as mf
+from easyckpt.formats.reap import reap_dead_jobs
+from easyckpt.storage import commit
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.trainer import runlog
+from easyckpt.trainer.client import AgentClient, one_shot
+from easyckpt.trainer.dist import any_rank, placement
+from easyckpt.trainer.load import Loaded, Needed, load_newest
+from easyckpt.trainer.overlap import OptimizerWatch, auto_overlap
+from easyckpt.trainer.preempt import Preemption
+from easyckpt.trainer.snapshot import (
+    PendingSnapshot,
+    ShardSpec,
+    SnapshotResult,
+    Snapshotter,
+)
 
 Collect = Callable[[], Sequence[ShardSpec]]
 # what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})

@@ -23,12 +23,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import faults
-from ..errors import ShmCapacityError
-from ..units import human
-from . import shm, slotmeta
-from .shardfile import dtype_name
-from .tree import FLATTEN, rebuild
+from easyckpt import faults
+from easyckpt.errors import ShmCapacityError
+from easyckpt.formats import shm, slotmeta
+from easyckpt.formats.shardfile import dtype_name
+from easyckpt.trainer.tree import FLATTEN, rebuild
+from easyckpt.units import human
 
 _ALIGN = 64
 MIN_META_CAPACITY = 1 << 20
@@ -359,8 +359,7 @@ def _file_size(path: str) -> int:
         return 0
 
 
-from .shardfile import torch_dtype as _dtype  # noqa: E402
-
+from easyckpt.formats.shardfile import torch_dtype as _dtype  # noqa: E402
 
 # ---- reading a snapshot back (loader) ---------------------------------------------------------
 

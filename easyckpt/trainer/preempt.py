@@ -37,9 +37,9 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
-from ..errors import EasyCkptError
-from ..events import AuditLog
-from . import loader_workers
+from easyckpt.errors import EasyCkptError
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.trainer import loader_workers
 
 
 class PreemptionError(EasyCkptError):

@@ -14,11 +14,11 @@ import re
 import shutil
 from typing import Iterable, List, Optional, Protocol, Set, Tuple
 
-from ..config import Naming
-from ..events import AuditLog
-from ..storage.posix import fsync_dir
-from . import manifest as mf
-from .commit import read_damaged, trash_path
+from easyckpt.config import Naming
+from easyckpt.formats import manifest as mf
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.commit import read_damaged, trash_path
+from easyckpt.storage.posix import fsync_dir
 
 
 def step_dirs(save_dir: str, naming: Naming) -> List[Tuple[int, str]]:

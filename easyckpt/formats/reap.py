@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Dict
 
-from ..events import AuditLog
-from . import jobkey, protocol, shm
+from easyckpt.formats import jobkey, protocol, shm
+from easyckpt.storage.auditlog import AuditLog
 
 
 def reap_dead_jobs(log: AuditLog, keep: str) -> None:

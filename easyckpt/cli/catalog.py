@@ -22,11 +22,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .config import NAMINGS, Naming
-from .engine import manifest as mf
-from .engine import retention
-from .engine.commit import STAGING_PREFIX
-from .errors import ManifestError
+from easyckpt.config import NAMINGS, Naming
+from easyckpt.errors import ManifestError
+from easyckpt.formats import manifest as mf
+from easyckpt.storage import retention
+from easyckpt.storage.commit import STAGING_PREFIX
 
 FRAMEWORKS = sorted(NAMINGS)
 DAMAGED_MANIFEST = "bad manifest"      # how an entry's ``why`` starts when its manifest cannot be trusted

@@ -16,10 +16,10 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..engine import commit
-from ..engine import manifest as mf
-from ..engine.tree import safe_torch_load
-from .state import assemble
+from easyckpt.formats import manifest as mf
+from easyckpt.megatron.state import assemble
+from easyckpt.storage import commit
+from easyckpt.trainer.tree import safe_torch_load
 
 _SHARD = re.compile(r"^(mp_rank_[0-9_]+)/distrib_optim_dp(\d{3})\.pt$")
 

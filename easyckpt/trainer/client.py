@@ -14,10 +14,10 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
-from ..config import Config
-from ..errors import AgentError, ConfigError
-from ..events import AuditLog
-from . import jobkey, protocol, shm
+from easyckpt.config import Config
+from easyckpt.errors import AgentError, ConfigError
+from easyckpt.formats import jobkey, protocol, shm
+from easyckpt.storage.auditlog import AuditLog
 
 
 class AgentClient:
@@ -102,7 +102,7 @@ class AgentClient:
         fd = os.open(self._agent_log(), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             self._spawned = subprocess.Popen(
-                [sys.executable, "-m", "easyckpt.engine.agent", json.dumps(self.cfg.to_json())],
+                [sys.executable, "-m", "easyckpt.agent", json.dumps(self.cfg.to_json())],
                 stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, close_fds=True, start_new_session=True)
         finally:
             os.close(fd)

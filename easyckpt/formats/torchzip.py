@@ -21,7 +21,7 @@ import os
 import struct
 from typing import Callable, List, Sequence, Tuple
 
-from ..storage.direct import BLOCK
+from easyckpt.storage.direct import BLOCK
 
 ARCHIVE = "archive/"
 ALIGN = 64

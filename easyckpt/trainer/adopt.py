@@ -50,11 +50,11 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..config import Naming
-from ..progress import Progress
-from . import manifest as mf
-from . import shardfile
-from .tree import safe_torch_load, unflatten
+from easyckpt.config import Naming
+from easyckpt.formats import manifest as mf
+from easyckpt.formats import shardfile
+from easyckpt.progress import Progress
+from easyckpt.trainer.tree import safe_torch_load, unflatten
 
 FRAMEWORK_NAMES = {"megatron": "Megatron", "deepspeed": "DeepSpeed", "transformers": "the HF Trainer"}
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")

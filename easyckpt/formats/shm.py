@@ -26,8 +26,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
-from ..errors import ShmCapacityError, UntrustedFileError
-from ..units import human
+from easyckpt.errors import ShmCapacityError, UntrustedFileError
+from easyckpt.units import human
 
 SHM_DIR = os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm")
 PREFIX = "easyckpt-"

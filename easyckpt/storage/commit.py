@@ -24,11 +24,11 @@ import os
 import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import faults
-from ..config import Naming
-from ..events import AuditLog
-from ..storage.posix import atomic_write, fsync_dir, rename_noreplace
-from . import manifest as mf
+from easyckpt import faults
+from easyckpt.config import Naming
+from easyckpt.formats import manifest as mf
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.posix import atomic_write, fsync_dir, rename_noreplace
 
 STAGING_PREFIX = ".easyckpt-staging-"
 TRASH_PREFIX = ".easyckpt-trash-"

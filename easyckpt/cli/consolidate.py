@@ -56,11 +56,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .engine import commit
-from .engine import manifest as mf
-from .engine.tree import safe_torch_load
-from .progress import Progress
-from .storage.posix import fsync_dir, write_all
+from easyckpt.formats import manifest as mf
+from easyckpt.progress import Progress
+from easyckpt.storage import commit
+from easyckpt.storage.posix import fsync_dir, write_all
+from easyckpt.trainer.tree import safe_torch_load
 
 Weights = Dict[str, torch.Tensor]
 ProgressFactory = Callable[[int, str], Progress]
@@ -71,7 +71,7 @@ _MODEL_STATES = re.compile(r"^(?:(?P<dir>global_step\d+)/)?(?:zero_pp_rank_\d+_)
 _OPTIM_STATES = re.compile(r"^(?:global_step\d+/)?(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 _HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _HF_SINGLE = ("model.safetensors", "pytorch_model.bin")
-DERIVED_BY = "easyckpt.consolidate"        # marks our own output in a manifest: the only file we replace
+DERIVED_BY = "easyckpt.cli.consolidate"        # marks our own output in a manifest: the only file we replace
 _WRITE_CHUNK = 64 << 20
 _ZERO_TO_FP32_LOCK = threading.Lock()
 
@@ -449,7 +449,7 @@ def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600, 
         finally:
             os.close(fd)
     output = os.path.join(work_dir, tag)
-    cmd = [sys.executable, "-m", "easyckpt.consolidate", "ds-to-universal", "--input_folder", staged,
+    cmd = [sys.executable, "-m", "easyckpt.cli.consolidate", "ds-to-universal", "--input_folder", staged,
            "--output_folder", output, "--num_extract_workers", "1", "--num_merge_workers", "1",
            "--inject_missing_state"]
     import subprocess
@@ -484,10 +484,15 @@ def _ds_to_universal_main(argv: List[str]) -> int:
     _SafeTorchFiles; its worker processes are forked, so they inherit the swap."""
     import multiprocessing
     with contextlib.redirect_stdout(sys.stderr):
-        from deepspeed.checkpoint import ds_to_universal
         # imported lazily or indirectly by main(): imported now, so that their ``torch`` is swapped too
-        from deepspeed.checkpoint import (autoep_universal, deepspeed_checkpoint, reshape_3d_utils,  # noqa: F401
-                                          universal_checkpoint, zero_checkpoint)
+        from deepspeed.checkpoint import (  # noqa: F401
+            autoep_universal,
+            deepspeed_checkpoint,
+            ds_to_universal,
+            reshape_3d_utils,
+            universal_checkpoint,
+            zero_checkpoint,
+        )
     multiprocessing.set_start_method("fork", force=True)
     shim = _SafeTorchFiles()
     for name, module in list(sys.modules.items()):
@@ -511,5 +516,5 @@ __all__ = ["to_safetensors", "to_universal"]
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["ds-to-universal"]:
-        sys.exit("usage: python -m easyckpt.consolidate ds-to-universal --input_folder ... --output_folder ...")
+        sys.exit("usage: python -m easyckpt.cli.consolidate ds-to-universal --input_folder ... --output_folder ...")
     sys.exit(_ds_to_universal_main(sys.argv[2:]))

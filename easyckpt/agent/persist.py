@@ -17,13 +17,13 @@ import threading
 import time
 from typing import Any, Dict, List, Tuple
 
-from .. import faults
-from ..storage.direct import SequentialWriter
-from ..storage.posix import fsync_dir
-from . import manifest as mf
-from . import shm, slotmeta, torchzip
-from .paths import inside
-from .shardfile import encode_header, file_entries
+from easyckpt import faults
+from easyckpt.formats import manifest as mf
+from easyckpt.formats import shm, slotmeta, torchzip
+from easyckpt.formats.paths import inside
+from easyckpt.formats.shardfile import encode_header, file_entries
+from easyckpt.storage.direct import SequentialWriter
+from easyckpt.storage.posix import fsync_dir
 
 
 class SnapshotChanged(RuntimeError):

@@ -7,7 +7,7 @@ from typing import Any, List
 
 import torch.distributed as dist
 
-from .errors import EasyCkptError
+from easyckpt.errors import EasyCkptError
 
 
 @dataclass(frozen=True)

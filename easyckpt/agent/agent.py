@@ -23,7 +23,6 @@ the deadline it abandons a commit in flight (its staging dir goes; nothing half-
 from __future__ import annotations
 
 import hmac
-import json
 import os
 import queue
 import selectors
@@ -35,15 +34,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from .. import faults
-from ..config import Config
-from ..errors import EasyCkptError
-from ..events import AuditLog
-from . import commit, jobkey, protocol, retention, shm
-from .joblock import JobLock
-from .reap import reap_dead_jobs
-from .persist import persist_slot
-
+from easyckpt import faults
+from easyckpt.agent.persist import persist_slot
+from easyckpt.config import Config
+from easyckpt.formats import jobkey, protocol, shm
+from easyckpt.formats.reap import reap_dead_jobs
+from easyckpt.storage import commit, retention
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.joblock import JobLock
 
 HELLO_WAIT = 10.0   # seconds a new agent waits for its first trainer before it leaves
 
@@ -684,31 +682,3 @@ class Agent:
         self._answer_flushes()
         staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
         commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=staging)
-
-
-AGENT_NICE = 10
-
-
-def main(argv: List[str]) -> int:
-    cfg = Config.from_json(json.loads(argv[0]))
-    # training comes first: the persist (kernel copies, checksums) yields the CPU to the trainers when
-    # both want it, and still gets all of it while they wait (a SIGTERM save, a final flush)
-    try:
-        os.nice(AGENT_NICE)
-    except OSError:
-        pass
-    try:
-        agent = Agent(cfg)
-    except OSError as exc:
-        print(f"easyckpt agent for job {cfg.job_id} not started: {exc} (another agent is running?)",
-              file=sys.stderr)
-        return 3
-    except EasyCkptError as exc:
-        print(f"easyckpt agent for job {cfg.job_id} not started: {exc}", file=sys.stderr)
-        return 4
-    agent.run()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,39 @@
+"""The agent's entry point: ``python -m easyckpt.agent '<config json>'``, started by the first local rank
+(trainer/client.py) or by ``easyckpt run``. Importing it loads neither torch nor an unpickler."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import List
+
+from easyckpt.agent.agent import Agent
+from easyckpt.config import Config
+from easyckpt.errors import EasyCkptError
+
+AGENT_NICE = 10
+
+
+def main(argv: List[str]) -> int:
+    cfg = Config.from_json(json.loads(argv[0]))
+    # training comes first: the persist (kernel copies, checksums) yields the CPU to the trainers when
+    # both want it, and still gets all of it while they wait (a SIGTERM save, a final flush)
+    try:
+        os.nice(AGENT_NICE)
+    except OSError:
+        pass
+    try:
+        agent = Agent(cfg)
+    except OSError as exc:
+        print(f"easyckpt agent for job {cfg.job_id} not started: {exc} (another agent is running?)",
+              file=sys.stderr)
+        return 3
+    except EasyCkptError as exc:
+        print(f"easyckpt agent for job {cfg.job_id} not started: {exc}", file=sys.stderr)
+        return 4
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

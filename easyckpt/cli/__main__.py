@@ -1,0 +1,5 @@
+import sys
+
+from easyckpt.cli.main import main
+
+sys.exit(main())
