@@ -205,7 +205,8 @@ def events(log: Path) -> List[dict]:
 
 
 def shm_segments() -> List[str]:
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("easyckpt-"))
+    # EASYCKPT_SHM_DIR lets two test runs on one machine keep out of each other's segments
+    return sorted(n for n in os.listdir(os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm")) if n.startswith("easyckpt-"))
 
 
 def interrupted_runs(cmd: Sequence[str], loss: Path, workdir: Path, interrupts: Sequence[tuple],
