@@ -5,93 +5,220 @@ Who may talk (promise 9). The name of an abstract socket is public (/proc/net/un
 file permissions, so both ends check the other: the agent accepts a connection only from a process of
 its own user (SO_PEERCRED), and the first message of every connection must carry the job's key — 32
 random bytes in a 0600 file in /dev/shm that only the job's user can read (jobkey.py). A trainer, in
-turn, talks only to an agent of its own user, so a squatter on the name gets nothing. Every message is
-checked against the schema below before it is used; a bad one gets an ``error`` reply and the agent
-lives on.
+turn, talks only to an agent of its own user, so a squatter on the name gets nothing. Every line is
+turned into a typed message by ``parse`` (the one place that validates); a bad one gets an ``error``
+reply naming the bad field, and the agent lives on.
 
-Order of messages a trainer sends (the agent answers only hello, flush and status):
+The seven operations, in the order a trainer sends them (the agent answers only hello, flush, status):
 
-  1. hello   {key, rank, world_size, local_rank, pid}  → {ok, agent_pid} or {ok: false, error}
-  2. persist {rank, slot, generation, step}             after each snapshot on a storage step
-  3. flush   {rank, step, slot, generation}             → {ok, step, error} once the rank's shard of
-                                                          ``step`` is durable (or failed); persists
-                                                          it first if this agent never heard of it
-  4. bye     {rank}                                     the trainer is done; its slots go with it
+  1. hello     Hello(rank, world_size, local_rank, pid)   → {ok, agent_pid} or {ok: false, error}
+  2. persist   Persist(rank, slot, generation, step)       after each snapshot on a storage step
+  3. flush     Flush(rank, step, slot, generation)         → {ok, step, error} once the rank's shard of
+                                                             ``step`` is durable (or failed); persists it
+                                                             first if this agent never heard of it
+  4. bye       Bye(rank)                                   the trainer is done; its slots go with it
 Side channels, each on a connection of its own whose one message carries ``key`` (client.one_shot):
-  term {rank, at} (a SIGTERM arrived), term_step {rank, step}, damaged {step, reason} (the loader
-  rejected a committed step), status {} → the agent's state.
+  5. term      Term(rank, at)          a SIGTERM arrived at wall time ``at``: the grace clock starts
+  6. term_step TermStep(rank, step)    the step the trainers agreed to save for it
+  7. damaged   Damaged(step, reason)   the loader rejected a committed step
+  +  status    Status()                → the agent's state (a query, not a command)
 A connection that closes without bye is a trainer that died: the agent persists the newest complete
 snapshot of its dead ranks, keeps the slots for agent_idle_timeout so a restart can resume from
 memory, then removes them and exits.
+
+On the wire a message is one JSON object ``{"op": <op>, <field>: <value>, ...}`` (plus ``"key"`` in a
+connection's first message); fields the receiver does not know are ignored, so both ends may be of
+different versions as long as the fields below stay.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import struct
-from typing import Any, Dict, Optional
+import typing
+from typing import Any, ClassVar, Dict, Iterator, NamedTuple, Optional, Type, Union
 
 MAX_LINE = 1 << 16          # no valid message comes close; a longer line is an attack or a bug
-
-# op -> {field: type}; ints are non-negative; the first message of a connection also carries "key"
-SCHEMA: Dict[str, Dict[str, type]] = {
-    "hello": {"rank": int, "world_size": int, "local_rank": int, "pid": int},
-    "persist": {"rank": int, "slot": int, "generation": int, "step": int},
-    "flush": {"rank": int, "step": int, "slot": int, "generation": int},
-    "bye": {"rank": int},
-    "term": {"rank": int, "at": float},
-    "term_step": {"rank": int, "step": int},
-    "damaged": {"step": int, "reason": str},
-    "status": {},
-}
+MAX_INT = 2 ** 62
+MAX_TEXT = 4096
 
 
 class BadMessage(ValueError):
-    pass
+    """A line that is not a valid message; the text names the bad field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Message:
+    op: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for name, kind in _types(type(self)).items():
+            object.__setattr__(self, name, _field(self.op, name, kind, getattr(self, name)))
+        self._check()
+
+    def _check(self) -> None:
+        """Rules across fields (each message class adds its own)."""
+
+    def to_wire(self) -> Dict[str, Any]:
+        return {"op": self.op, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello(_Message):
+    op: ClassVar[str] = "hello"
+    rank: int
+    world_size: int
+    local_rank: int
+    pid: int
+
+    def _check(self) -> None:
+        if self.world_size < 1 or self.rank >= self.world_size:
+            raise BadMessage(f"hello: rank {self.rank} is not below world_size {self.world_size}")
+
+
+def _slot_is_0_or_1(msg: Union["Persist", "Flush"]) -> None:
+    if msg.slot not in (0, 1):
+        raise BadMessage(f"{msg.op}: field 'slot' = {msg.slot} must be 0 or 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Persist(_Message):
+    op: ClassVar[str] = "persist"
+    rank: int
+    slot: int
+    generation: int
+    step: int
+
+    def _check(self) -> None:
+        _slot_is_0_or_1(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flush(_Message):
+    op: ClassVar[str] = "flush"
+    rank: int
+    step: int
+    slot: int
+    generation: int
+
+    def _check(self) -> None:
+        _slot_is_0_or_1(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bye(_Message):
+    op: ClassVar[str] = "bye"
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Term(_Message):
+    op: ClassVar[str] = "term"
+    rank: int
+    at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TermStep(_Message):
+    op: ClassVar[str] = "term_step"
+    rank: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Damaged(_Message):
+    op: ClassVar[str] = "damaged"
+    step: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Status(_Message):
+    op: ClassVar[str] = "status"
+
+
+Message = Union[Hello, Persist, Flush, Bye, Term, TermStep, Damaged, Status]
+OPS: Dict[str, Type[_Message]] = {cls.op: cls for cls in (Hello, Persist, Flush, Bye, Term, TermStep, Damaged,
+                                                          Status)}
+_TYPES: Dict[type, Dict[str, type]] = {}
+
+
+def _field(op: str, name: str, kind: type, value: Any) -> Any:
+    """``value`` checked as field ``name`` of ``op`` (ints are non-negative; a float may come as an int)."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise BadMessage(f"{op}: field {name!r} must be {kind.__name__}, got {str(value)[:40]!r}")
+    if kind is int and not 0 <= value < MAX_INT:
+        raise BadMessage(f"{op}: field {name!r} = {value} is out of range")
+    if kind is str and len(value) > MAX_TEXT:
+        raise BadMessage(f"{op}: field {name!r} is too long")
+    return value
+
+
+def _types(cls: type) -> Dict[str, type]:
+    if cls not in _TYPES:   # annotations are strings here (postponed evaluation): resolve them once
+        hints = typing.get_type_hints(cls)
+        _TYPES[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return _TYPES[cls]
+
+
+class Received(NamedTuple):
+    message: Message
+    key: Optional[str]     # the job's key, as the connection's first message carries it
 
 
 def address(job_id: str) -> str:
     return f"\0easyckpt-agent-{job_id}"
 
 
-def encode(msg: Dict[str, Any]) -> bytes:
-    return (json.dumps(msg) + "\n").encode()
+def encode(msg: Message, key: Optional[str] = None) -> bytes:
+    """One request line; ``key`` for the first message of a connection."""
+    wire = msg.to_wire()
+    if key is not None:
+        wire["key"] = key
+    return encode_reply(wire)
 
 
-def parse(line: bytes) -> Dict[str, Any]:
-    """One checked message; BadMessage says what is wrong with it."""
+def encode_reply(reply: Dict[str, Any]) -> bytes:
+    """One line of the agent's answer (a plain object: hello, flush, status, error)."""
+    return (json.dumps(reply) + "\n").encode()
+
+
+def from_wire(obj: Any) -> Message:
+    """The typed message of a decoded JSON value; BadMessage names the first bad field."""
+    if not isinstance(obj, dict):
+        raise BadMessage("a message is a JSON object")
+    op = obj.get("op")
+    cls = OPS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise BadMessage(f"unknown op {str(op)[:40]!r}")
+    values = {}
+    for name, kind in _types(cls).items():     # in field order: the first bad field is the one named
+        if name not in obj:
+            raise BadMessage(f"{op}: field {name!r} is missing")
+        values[name] = _field(op, name, kind, obj[name])
+    return cls(**values)   # type: ignore[return-value]
+
+
+def parse(line: bytes) -> Received:
+    """One checked message from one line, with the key it carries (None when it carries none)."""
     try:
-        msg = json.loads(line)
+        obj = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         raise BadMessage(f"not JSON: {line[:80]!r}") from None
-    if not isinstance(msg, dict):
-        raise BadMessage("a message is a JSON object")
-    op = msg.get("op")
-    if op not in SCHEMA:
-        raise BadMessage(f"unknown op {str(op)[:40]!r}")
-    for name, kind in SCHEMA[op].items():
-        value = msg.get(name)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = msg[name] = float(value)
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise BadMessage(f"{op}: field {name!r} must be {kind.__name__}, got {str(value)[:40]!r}")
-        if kind is int and not 0 <= value < 2 ** 62:
-            raise BadMessage(f"{op}: field {name!r} = {value} is out of range")
-        if kind is str and len(value) > 4096:
-            raise BadMessage(f"{op}: field {name!r} is too long")
-    if op in ("persist", "flush") and msg["slot"] not in (0, 1):
-        raise BadMessage(f"{op}: slot must be 0 or 1")
-    if op == "hello" and (msg["world_size"] < 1 or msg["rank"] >= msg["world_size"]):
-        raise BadMessage(f"hello: rank {msg['rank']} is not below world_size {msg['world_size']}")
-    return msg
+    msg = from_wire(obj)
+    key = obj.get("key")
+    return Received(msg, key if isinstance(key, str) else None)
 
 
 class LineReader:
     def __init__(self) -> None:
         self.buf = b""
 
-    def feed(self, data: bytes):
+    def feed(self, data: bytes) -> Iterator[bytes]:
         """Complete lines (bytes), in order; BadMessage when a line grows past MAX_LINE."""
         self.buf += data
         while b"\n" in self.buf:
@@ -104,19 +231,18 @@ class LineReader:
 
 
 def recv_one(sock: socket.socket, reader: LineReader) -> Optional[Dict[str, Any]]:
-    """Block (under the socket's timeout) until one JSON object arrives; None on EOF."""
+    """Block (under the socket's timeout) until the agent's next reply arrives; None on EOF."""
     while True:
         for line in reader.feed(b""):
-            return _reply(line, reader)
+            return _reply(line)
         data = sock.recv(65536)
         if not data:
             return None
-        for line in reader.feed(data):
-            return _reply(line, reader)
+        for line in reader.feed(data):   # the reader yields lazily: what follows the line stays buffered
+            return _reply(line)
 
 
-def _reply(line: bytes, reader: LineReader) -> Dict[str, Any]:
-    # put back what came after this line (the reader yields lazily, so only the rest of buf remains)
+def _reply(line: bytes) -> Dict[str, Any]:
     msg = json.loads(line)
     if not isinstance(msg, dict):
         raise BadMessage("the agent's reply is not a JSON object")
@@ -144,3 +270,8 @@ def peer_uid(sock: socket.socket) -> int:
 
 def same_user(sock: socket.socket) -> bool:
     return peer_uid(sock) == os.geteuid()
+
+
+__all__ = ["BadMessage", "Bye", "Damaged", "Flush", "Hello", "LineReader", "Message", "OPS", "Persist",
+           "Received", "Status", "Term", "TermStep", "address", "agent_listening", "encode", "encode_reply",
+           "from_wire", "parse", "peer_uid", "recv_one", "same_user"]

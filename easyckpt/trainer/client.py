@@ -1,4 +1,5 @@
-"""Trainer side of the agent protocol (protocol.py): attach to the node's agent, starting it on demand.
+"""Trainer side of the agent protocol (formats/protocol.py): attach to the node's agent, starting it on
+demand, and send it typed messages (``protocol.Persist(...)``, ...).
 
 The first local rank starts the agent when none answers; it runs in its own session so that neither
 a kill of the trainer's process group (torchrun) nor the trainer's death takes it down. Sending never
@@ -12,12 +13,21 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from easyckpt.config import Config
 from easyckpt.errors import AgentError, ConfigError
 from easyckpt.formats import jobkey, protocol, shm
 from easyckpt.storage.auditlog import AuditLog
+
+
+Request = Union[protocol.Message, Dict[str, Any]]
+
+
+def _typed(msg: Request) -> protocol.Message:
+    """A message as the agent will see it: a plain dict (``{"op": ..., ...}``) goes through the same
+    check the agent applies, so a bad one fails here, in the trainer that built it."""
+    return protocol.from_wire(msg) if isinstance(msg, dict) else msg
 
 
 class AgentClient:
@@ -52,9 +62,8 @@ class AgentClient:
                 sock.connect(protocol.address(self.cfg.job_id))
                 uid = protocol.peer_uid(sock)
                 if uid == os.geteuid():
-                    sock.sendall(protocol.encode({"op": "hello", "key": key, "rank": self.rank,
-                                                  "world_size": self.world_size, "local_rank": self.local_rank,
-                                                  "pid": os.getpid()}))
+                    hello = protocol.Hello(self.rank, self.world_size, self.local_rank, os.getpid())
+                    sock.sendall(protocol.encode(hello, key=key))
                     self.reader = protocol.LineReader()
                     reply = protocol.recv_one(sock, self.reader)
             except (OSError, ValueError):   # no agent yet, or one on its way out: try again (and start one)
@@ -107,8 +116,9 @@ class AgentClient:
         finally:
             os.close(fd)
 
-    def send(self, msg: Dict[str, Any]) -> None:
+    def send(self, msg: Request) -> None:
         """Send one message; if the agent died in the meantime, re-attach (restarting it) once."""
+        msg = _typed(msg)
         for attempt in (0, 1):
             try:
                 if self.sock is None:
@@ -121,9 +131,10 @@ class AgentClient:
                 if attempt:
                     raise AgentError(f"rank {self.rank}: cannot reach the easyckpt agent: {exc}") from exc
 
-    def request(self, msg: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    def request(self, msg: Request, timeout: float) -> Dict[str, Any]:
         """Send ``msg`` and wait for its reply. If the agent dies meanwhile, a new one is started and asked
         once more (a flush then persists the step from the slot: nothing waits for a dead agent)."""
+        msg = _typed(msg)
         deadline = time.monotonic() + timeout
         for attempt in (0, 1):
             self.send(msg)
@@ -136,7 +147,7 @@ class AgentClient:
                         break
                     except socket.timeout:
                         if time.monotonic() > deadline:
-                            raise AgentError(f"rank {self.rank}: the agent did not answer {msg['op']} within "
+                            raise AgentError(f"rank {self.rank}: the agent did not answer {msg.op} within "
                                              f"{timeout}s") from None
                         if not self.alive():
                             reply = None
@@ -147,8 +158,8 @@ class AgentClient:
                 return reply
             if attempt:
                 break
-            self.reattach(f"it exited while answering {msg['op']}")
-        raise AgentError(f"rank {self.rank}: the agent exited twice while answering {msg['op']}")
+            self.reattach(f"it exited while answering {msg.op}")
+        raise AgentError(f"rank {self.rank}: the agent exited twice while answering {msg.op}")
 
     def close(self) -> None:
         if self.sock is not None:
@@ -156,13 +167,14 @@ class AgentClient:
             self.sock = None
 
 
-def one_shot(job_id: str, msg: Dict[str, Any], timeout: float = 2.0) -> Optional[Dict[str, Any]]:
+def one_shot(job_id: str, msg: Request, timeout: float = 2.0) -> Optional[Dict[str, Any]]:
     """Send one message to a job's agent on a connection of its own (no hello: the agent does not count it
     as a trainer); return the reply for ops that have one (status), None otherwise or when no agent of
     this user runs. Threads other than the trainer's main one use this, so they never share its socket."""
     try:
+        msg = _typed(msg)      # a bad one (a reason too long) is refused here as the agent would refuse it
         key = jobkey.read(job_id)
-    except (OSError, AgentError):
+    except (OSError, ValueError, AgentError):
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -170,8 +182,8 @@ def one_shot(job_id: str, msg: Dict[str, Any], timeout: float = 2.0) -> Optional
         sock.connect(protocol.address(job_id))
         if not protocol.same_user(sock):
             return None
-        sock.sendall(protocol.encode({**msg, "key": key}))
-        if msg.get("op") != "status":
+        sock.sendall(protocol.encode(msg, key=key))
+        if not isinstance(msg, protocol.Status):
             return None
         return protocol.recv_one(sock, protocol.LineReader())
     except (OSError, ValueError):

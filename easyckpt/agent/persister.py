@@ -1,0 +1,132 @@
+"""The agent's persist worker: the only code that runs on the agent's second thread.
+
+The loop submits immutable jobs (jobs.py) and reads back one ``Result`` per job; the worker keeps no
+state the loop reads, and the loop's state is never touched here. Order of the work, per job kind:
+
+  persist (rank, slot, generation, step):
+    mark the slot busy → persist.persist_slot() into the step's staging dir → check it held ``step``
+    → write the rank's marker → release the slot → log "persist" → Result (the loop decides on the
+    commit: coordinator.py)
+  commit (step): commit.py's durable sequence (manifest, rename, fsync, tracker) → prune → Result
+  abandon (keep) / drop (step): remove staging dirs → Result
+  damaged (step): mark the committed step damaged → Result
+
+Jobs run one at a time. Commits, abandons, drops and damaged marks run before queued persists (in the
+order they were submitted): a commit then follows its step's last shard at once, as it would if it
+were part of that persist, instead of waiting behind the next step's shards. A result wakes the loop
+through a pipe, so it acts on it without waiting for its poll timeout.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from typing import Callable, Deque, List
+
+from easyckpt import faults
+from easyckpt.agent import slots
+from easyckpt.agent.jobs import AbandonJob, CommitJob, DamagedJob, DropJob, Job, PersistJob, Result
+from easyckpt.agent.persist import persist_slot
+from easyckpt.agent.savedir import JobDir
+from easyckpt.storage.auditlog import AuditLog
+
+ABANDON_WHY = "its trainers died before every rank's shard of this step was written; a restarted job redoes it"
+
+
+class Persister:
+    """The job queue and the thread that serves it."""
+
+    def __init__(self, run: Callable[[Job], Result]):
+        self._run = run
+        self._cond = threading.Condition()
+        self._urgent: Deque[Job] = collections.deque()     # commit, abandon, drop, damaged
+        self._persists: Deque[PersistJob] = collections.deque()
+        self._results: Deque[Result] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        threading.Thread(target=self._serve, daemon=True, name="easyckpt-persist").start()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            (self._persists if isinstance(job, PersistJob) else self._urgent).append(job)
+            self._cond.notify()
+
+    def cancel(self, drop: Callable[[PersistJob], bool]) -> List[PersistJob]:
+        """Take the queued (not started) persists that ``drop`` selects off the queue; returns them."""
+        with self._cond:
+            gone = [j for j in self._persists if drop(j)]
+            self._persists = collections.deque(j for j in self._persists if not drop(j))
+        return gone
+
+    def queued_persists(self) -> List[PersistJob]:
+        with self._cond:
+            return list(self._persists)
+
+    def wake_fd(self) -> int:
+        """Readable when results are waiting (the loop's selector watches it)."""
+        return self._wake_r
+
+    def results(self) -> List[Result]:
+        """Every result that came in since the last call, in the order the jobs finished."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        with self._cond:
+            while self._results:
+                out.append(self._results.popleft())
+        return out
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._urgent or self._persists):
+                    self._cond.wait()
+                job = self._urgent.popleft() if self._urgent else self._persists.popleft()
+            try:
+                result = self._run(job)
+            except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
+                result = Result(job, f"{type(exc).__name__}: {exc}")
+            with self._cond:
+                self._results.append(result)
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass      # the pipe is full of wake-ups already: the loop will look
+
+
+def disk_work(job_id: str, jobdir: JobDir, log: AuditLog, direct_io: bool) -> Callable[[Job], Result]:
+    """The function the worker runs for each job (its arguments never change after the start)."""
+
+    def persist(job: PersistJob) -> Result:
+        with slots.reserved(job_id, job.rank, job.slot, job.generation) as path:
+            faults.inject("agent.before_persist", job.rank)
+            step, files, nbytes, seconds, info = persist_slot(path, job.generation, jobdir.staging(job.step),
+                                                              job.rank, direct_io=direct_io)
+            if step != job.step:
+                raise RuntimeError(f"slot holds step {step}, expected {job.step}")
+            jobdir.write_marker(job.step, job.rank, files, info)
+            faults.inject("agent.after_marker", job.rank)
+        log.emit("persist", step=job.step, rank=job.rank, bytes=nbytes, seconds=round(seconds, 6),
+                 gbps=round(nbytes / max(seconds, 1e-9) / 1e9, 3), reason=job.reason)
+        return Result(job, None, seconds)
+
+    def run(job: Job) -> Result:
+        if isinstance(job, PersistJob):
+            return persist(job)
+        if isinstance(job, CommitJob):
+            jobdir.commit(job.step, job.world_size)
+        elif isinstance(job, AbandonJob):
+            jobdir.drop_all_but(job.keep, ABANDON_WHY)
+        elif isinstance(job, DropJob):
+            jobdir.drop(job.step)
+        elif isinstance(job, DamagedJob):
+            jobdir.mark_damaged(job.step, job.reason)
+        else:
+            raise ValueError(f"unknown job {job!r}")
+        return Result(job)
+
+    return run

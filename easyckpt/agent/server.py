@@ -1,0 +1,143 @@
+"""The agent's socket: accept, check who talks, read lines, turn them into typed messages, hand them on.
+
+Order of events for a connection:
+  accept → the peer's uid (SO_PEERCRED) must be the agent's own, else it is closed unheard
+  each line → protocol.parse (a typed message, or an ``error`` reply naming the bad field)
+            → the connection's first message must carry the job's key, else an error and the close
+            → persist/flush/bye only after hello, and only for the rank that said hello
+            → ``Handler.on_message``
+  EOF or an error → ``Handler.on_disconnect`` (a trainer that never said bye has died)
+
+It owns the connections and what it knows of each (``Client``); what a message means is the
+handler's business (agent.py).
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import selectors
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Protocol
+
+from easyckpt.formats import protocol
+from easyckpt.storage.auditlog import AuditLog
+
+
+@dataclass
+class Client:
+    reader: protocol.LineReader = field(default_factory=protocol.LineReader)
+    rank: Optional[int] = None
+    said_bye: bool = False
+    pid: int = 0
+    authed: bool = False          # its first message carried the job's key
+
+
+class Handler(Protocol):
+    def on_message(self, conn: socket.socket, client: Client, msg: protocol.Message) -> None: ...
+
+    def on_disconnect(self, conn: socket.socket, client: Client) -> None: ...
+
+
+class Server:
+    def __init__(self, job_id: str, key: str, log: AuditLog):
+        self.key, self.log = key.encode(), log
+        self.sel = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(protocol.address(job_id))   # raises if an agent of this job is alive
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.sel.register(self.listener, selectors.EVENT_READ)
+        self.clients: Dict[socket.socket, Client] = {}
+        self.handler: Optional[Handler] = None
+
+    def watch(self, fd: int) -> None:
+        """Wake ``poll`` when ``fd`` is readable (the persist worker's results)."""
+        self.sel.register(fd, selectors.EVENT_READ)
+
+    def poll(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for connections, lines or a watched fd; serve what came."""
+        for key, _ in self.sel.select(timeout=timeout):
+            if key.fileobj is self.listener:
+                self._accept()
+            elif key.fileobj in self.clients:
+                self._read(key.fileobj)   # type: ignore[arg-type]
+
+    def trainers(self) -> List[Client]:
+        return [c for c in self.clients.values() if c.rank is not None]
+
+    def send(self, conn: socket.socket, reply: Dict[str, Any]) -> None:
+        try:
+            conn.setblocking(True)
+            conn.sendall(protocol.encode_reply(reply))
+            conn.setblocking(False)
+        except OSError:
+            pass   # the trainer is gone; its disconnect is handled by the loop
+
+    def disconnect(self, conn: socket.socket) -> None:
+        client = self.clients.pop(conn)
+        self.sel.unregister(conn)
+        conn.close()
+        assert self.handler is not None
+        self.handler.on_disconnect(conn, client)
+
+    def close(self) -> None:
+        """Stop listening (first, at exit: no trainer attaches to an agent that is leaving)."""
+        self.sel.unregister(self.listener)
+        self.listener.close()
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        uid = protocol.peer_uid(conn)
+        if uid != os.geteuid():     # promise 9: another user's process never gets a word in
+            self.log.emit("refused", message=f"connection from uid {uid} (not this job's user) closed")
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.sel.register(conn, selectors.EVENT_READ)
+        self.clients[conn] = Client()
+
+    def _read(self, conn: socket.socket) -> None:
+        client = self.clients[conn]
+        try:
+            data = conn.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self.disconnect(conn)
+            return
+        assert self.handler is not None
+        try:
+            for line in client.reader.feed(data):
+                try:
+                    msg = self._check(client, line)
+                except protocol.BadMessage as exc:
+                    self._refuse(conn, client, str(exc))
+                    if not client.authed:
+                        self.disconnect(conn)
+                        return
+                    continue
+                self.handler.on_message(conn, client, msg)
+                if conn not in self.clients:
+                    return
+        except protocol.BadMessage as exc:     # a line too long: nothing sane comes after it
+            self._refuse(conn, client, str(exc))
+            self.disconnect(conn)
+
+    def _check(self, client: Client, line: bytes) -> protocol.Message:
+        msg, key = protocol.parse(line)
+        if not client.authed:
+            if not hmac.compare_digest((key or "").encode(), self.key):
+                raise protocol.BadMessage("the first message must carry the job's key")
+            client.authed = True
+        if isinstance(msg, (protocol.Persist, protocol.Flush, protocol.Bye)):
+            if client.rank is None:
+                raise protocol.BadMessage(f"{msg.op} before hello")
+            if msg.rank != client.rank:
+                raise protocol.BadMessage(f"{msg.op} for rank {msg.rank} on a connection that said hello as "
+                                          f"rank {client.rank}")
+        return msg
+
+    def _refuse(self, conn: socket.socket, client: Client, why: str) -> None:
+        self.log.emit("refused", rank=client.rank, message=f"bad message: {why}")
+        self.send(conn, {"op": "error", "ok": False, "error": why})
