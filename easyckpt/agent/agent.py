@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from easyckpt import faults
 from easyckpt.agent.persist import persist_slot
 from easyckpt.config import Config
-from easyckpt.formats import jobkey, protocol, shm
+from easyckpt.formats import jobkey, protocol, shm, slotread
 from easyckpt.formats.reap import reap_dead_jobs
 from easyckpt.storage import commit, retention
 from easyckpt.storage.auditlog import AuditLog
@@ -417,16 +417,12 @@ class Agent:
             per_rank[rank] = {}
             for i in (0, 1):
                 try:
-                    slot = shm.Slot(shm.slot_path(self.job_id, rank, i), writable=False)
-                except FileNotFoundError:
-                    continue
+                    done = slotread.read_complete(shm.slot_path(self.job_id, rank, i))
                 except OSError as exc:
                     self.log.emit("error", rank=rank, message=str(exc))
                     continue
-                hdr = slot.read_header()
-                if hdr is not None:
-                    per_rank[rank][hdr.step] = (i, hdr.generation)
-                slot.close()
+                if done is not None:
+                    per_rank[rank][done.step] = (i, done.generation)
         return per_rank
 
     def _persist_from_slots(self, step: int, per_rank: Dict[int, Dict[int, Tuple[int, int]]], reason: str) -> bool:
