@@ -1,11 +1,12 @@
-"""A small model trained with plain PyTorch (DDP under torchrun, or a single process) using easyckpt.
+"""The trainer the tests drive: the training of examples/pytorch/train.py (a small model, plain PyTorch,
+DDP under torchrun or a single process) plus the flags only tests need — faults at a chosen iteration
+(--inject, --crash-at), ranks that disagree (--misreport), slow steps, per-iteration state dumps, an exit
+without finalize, and the agent's timeouts. tests/harness.py's train_cmd launches it.
 
-    torchrun --standalone --nproc_per_node 2 examples/pytorch/train.py --save-dir /tmp/ckpt --iters 50
-
-Relaunch the same command after killing it: it resumes from the newest complete state. Every
-iteration's loss goes to ``--loss-file`` (one per rank, as exact float hex) so runs can be compared.
+Every iteration's loss goes to ``--loss-file`` (one per rank, as exact float hex) so runs can be compared.
 The batch, the dropout masks and a numpy/python-random noise term all draw from the global RNGs, so
-losses match an uninterrupted run only if easyckpt restores the RNG states too.
+losses match an uninterrupted run only if easyckpt restores the RNG states too. Keep the training itself
+the same as the example's: test_example.py runs the example against this worker's losses.
 """
 from __future__ import annotations
 

@@ -1,0 +1,129 @@
+"""A small model trained with plain PyTorch (DDP under torchrun, or a single process) using easyckpt.
+
+    torchrun --standalone --nproc_per_node 2 examples/pytorch/train.py --save-dir /tmp/ckpt --iters 50
+
+Relaunch the same command after killing it (even with kill -9): it resumes from the newest complete
+state. The three easyckpt calls are initialize_easyckpt, load_checkpoint and save_checkpoint_if_needed
+(every iteration; easyckpt decides when to snapshot and when to persist), then finalize_easyckpt.
+
+Every iteration's loss goes to ``--loss-file`` (one per rank, as exact float hex) so runs can be compared.
+The batch, the dropout masks and a numpy/python-random noise term all draw from the global RNGs, so
+losses match an uninterrupted run only if easyckpt restores the RNG states too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import easyckpt
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--mem-interval", type=int, default=1, help="save_mem_interval: snapshot to host memory")
+    p.add_argument("--storage-interval", type=int, default=5, help="save_storage_interval: also persist")
+    p.add_argument("--max-ckpt", type=int, default=3, help="max_ckpt_num: committed checkpoints kept")
+    p.add_argument("--log-file", default=None, help="the audit log (every save, commit, load, delete)")
+    p.add_argument("--loss-file", default=None, help="prefix; rank r appends to PREFIX.rank{r}")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a kill")
+    p.add_argument("--job-name", default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-resume", action="store_true", help="start from scratch (a new run in the same save dir)")
+    p.add_argument("--no-exit-on-sigterm", action="store_true",
+                   help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
+    p.add_argument("--grace", type=float, default=300.0, help="grace deadline after SIGTERM, seconds")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="snapshot_overlap: copy the optimizer's tensors during the next forward/backward")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="draw the batches through a torch DataLoader with N worker processes "
+                        "(0: in this process); default: from the global RNG, no DataLoader")
+    return p.parse_args()
+
+
+class Batches(torch.utils.data.Dataset):
+    """Batch ``it`` of one rank, the same whichever process makes it and whether or not the run resumed:
+    the data position is the iteration, as Megatron's consumed samples are."""
+
+    def __init__(self, seed: int, rank: int, first: int, last: int):
+        self.seed, self.rank, self.first, self.last = seed, rank, first, last
+
+    def __len__(self) -> int:
+        return max(0, self.last - self.first + 1)
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        it = self.first + k
+        return torch.randn(32, 16, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.rank * 10_007 + it))
+
+
+def main() -> int:
+    args = parse()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    random.seed(args.seed + rank)
+
+    torch.manual_seed(args.seed)   # same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(args.hidden, 1))
+    torch.manual_seed(args.seed + rank)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
+
+    easyckpt.initialize_easyckpt(args.save_dir, save_mem_interval=args.mem_interval,
+                                 save_storage_interval=args.storage_interval, max_ckpt_num=args.max_ckpt,
+                                 log_file_path=args.log_file, job_name=args.job_name, grace_deadline=args.grace,
+                                 exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm,
+                                 snapshot_overlap={"auto": None, "on": True, "off": False}[args.overlap])
+    t0 = time.perf_counter()
+    # extra: what the loop needs besides the model, optimizer and scheduler (here the data position)
+    start, extra = (0, None) if args.no_resume else easyckpt.load_checkpoint(ddp, optimizer, scheduler)
+    load_s = time.perf_counter() - t0
+    if start and extra["data_pos"] != start:
+        raise RuntimeError(f"extra does not match the iteration: {extra} vs {start}")
+    losses = open(f"{args.loss_file}.rank{rank}", "a", buffering=1) if args.loss_file else None
+    if losses:
+        losses.write(f"# start {start} load_s {load_s:.6f}\n")
+
+    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(args.seed))   # the task, fixed
+    batches = None
+    if args.workers is not None:
+        # its own generator: drawing the workers' base seed from the global RNG would shift the dropout masks
+        # of a resumed run against an uninterrupted one
+        loader = torch.utils.data.DataLoader(Batches(args.seed, rank, start + 1, args.iters), batch_size=None,
+                                             num_workers=args.workers, generator=torch.Generator().manual_seed(0))
+        batches = iter(loader)
+    for it in range(start + 1, args.iters + 1):
+        x = next(batches) if batches is not None else torch.randn(32, 16)
+        y = x @ w + 0.1 * float(np.random.randn()) + 0.01 * random.random()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        if losses:
+            losses.write(f"{it} {loss.item().hex()}\n")
+        easyckpt.save_checkpoint_if_needed(it, ddp, optimizer, scheduler, extra={"data_pos": it})
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    easyckpt.finalize_easyckpt()
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
