@@ -1,5 +1,5 @@
-"""Multi-process test harness: launch the example trainer under torchrun (or alone), kill it at a
-chosen iteration, and compare its per-iteration losses with an uninterrupted run.
+"""Multi-process test harness: launch the test trainer (worker_pytorch.py) under torchrun (or alone), kill it
+at a chosen iteration, and compare its per-iteration losses with an uninterrupted run.
 
 Every subprocess has a timeout. Agents run in their own session; `wait_no_agent` waits until the
 agent of a save dir has exited, and the `shm_clean` fixture (conftest.py) checks /dev/shm afterwards.
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "examples" / "pytorch" / "train.py"
+TRAIN = ROOT / "tests" / "worker_pytorch.py"       # the example's training plus the flags only tests need
+EXAMPLE = ROOT / "examples" / "pytorch" / "train.py"
 TIMEOUT = 120
 
 

@@ -1,5 +1,5 @@
 """The operator tools as a user runs them (``python -m easyckpt.cli ...`` in a subprocess) on the
-checkpoints of a real 2-rank DDP training run (examples/pytorch/train.py under torchrun): ls, inspect,
+checkpoints of a real 2-rank DDP training run (tests/worker_pytorch.py under torchrun): ls, inspect,
 verify and prune, on intact, interrupted and damaged checkpoints, text and --json output, exit statuses.
 The same commands on Megatron, DeepSpeed and Trainer checkpoints are checked in those frameworks' tests,
 on the checkpoints their runs leave (test_megatron, test_deepspeed, test_transformers).

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from easyckpt.formats import shm
 from easyckpt.formats.manifest import read_entry
-from easyckpt.formats.shardfile import decode
+from easyckpt.trainer.shardload import decode
 from easyckpt.trainer.overlap import OptimizerWatch
 from easyckpt.trainer.snapshot import (
     PendingSnapshot,

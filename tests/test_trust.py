@@ -1,7 +1,7 @@
 """The threat model (RELIABILITY.md rows 17-20) and the Trust issue's failure paths (rows 21-24, 28).
 
 The multi-user tests run as root with a second local user (`nobody`), as CI does, and skip elsewhere.
-Each test drives the real trainer (examples/pytorch/train.py or a small easyckpt script) and the real
+Each test drives the real trainer (tests/worker_pytorch.py or a small easyckpt script) and the real
 agent in separate processes; nothing is mocked.
 """
 from __future__ import annotations

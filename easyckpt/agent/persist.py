@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Tuple
 
 from easyckpt import faults
 from easyckpt.formats import manifest as mf
-from easyckpt.formats import shm, slotmeta, torchzip
+from easyckpt.formats import shm, slotmeta, slotread, torchzip
 from easyckpt.formats.paths import inside
 from easyckpt.formats.shardfile import encode_header, file_entries
 from easyckpt.storage.direct import SequentialWriter
@@ -38,13 +38,11 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int,
     t0 = time.perf_counter()
     slot = shm.Slot(slot_path, writable=False)
     try:
-        hdr = slot.read_header()
-        if hdr is None or hdr.generation != generation:
-            raise SnapshotChanged(f"slot {slot_path} no longer holds generation {generation}")
-        meta_raw = slot.read_meta(hdr)
-        if meta_raw is None:
-            raise SnapshotChanged(f"slot {slot_path} has damaged metadata")
-        meta = slotmeta.parse(meta_raw, hdr.step, shm.HEADER_BYTES, hdr.meta_offset)
+        try:
+            complete = slotread.check(slot, expect_generation=generation)
+        except slotread.SlotNotComplete as exc:
+            raise SnapshotChanged(str(exc)) from None
+        hdr, meta = complete.header, complete.meta
         files: Dict[str, Any] = {}
         total = 0
         made_dirs = {staging}

@@ -10,38 +10,41 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
 
-from easyckpt.formats import shm
+from easyckpt.formats import shm, slotread
 from easyckpt.storage.auditlog import AuditLog
 
 PerRank = Dict[int, Dict[int, Tuple[int, int]]]    # rank -> {step: (slot, generation)}
 
 
-def _peek(job_id: str, rank: int, slot: int, log: AuditLog) -> Tuple[Optional[shm.Header], int]:
-    """The slot's header if it holds a complete snapshot (else None), and the generation it holds or is
-    writing (0 when unknown); (None, 0) for a slot that is not there or not ours."""
+def _generation(job_id: str, rank: int, slot: int, log: AuditLog) -> int:
+    """The generation the slot holds or is being written with (0 when unknown, not there or not ours)."""
     try:
         opened = shm.Slot(shm.slot_path(job_id, rank, slot), writable=False)
     except FileNotFoundError:
-        return None, 0
+        return 0
     except OSError as exc:     # UntrustedFileError included: never touch another user's file
         log.emit("error", rank=rank, message=str(exc))
-        return None, 0
+        return 0
     try:
-        generation = opened.state()[1] if opened.mm is not None and opened.size >= shm.HEADER_BYTES else 0
-        return opened.read_header(), generation
+        return opened.state()[1] if opened.mm is not None and opened.size >= shm.HEADER_BYTES else 0
     finally:
         opened.close()
 
 
 def complete_snapshots(job_id: str, ranks: Iterable[int], log: AuditLog) -> PerRank:
-    """rank -> {step: (slot, generation)} of its complete snapshots."""
+    """rank -> {step: (slot, generation)} of its complete snapshots, by the one reader
+    (formats/slotread.py) that the trainer's loader and ``easyckpt status`` use too."""
     per_rank: PerRank = {}
     for rank in ranks:
         per_rank[rank] = {}
         for i in (0, 1):
-            hdr, _ = _peek(job_id, rank, i, log)
-            if hdr is not None:
-                per_rank[rank][hdr.step] = (i, hdr.generation)
+            try:
+                done = slotread.read_complete(shm.slot_path(job_id, rank, i))
+            except OSError as exc:     # UntrustedFileError included: never touch another user's file
+                log.emit("error", rank=rank, message=str(exc))
+                continue
+            if done is not None:
+                per_rank[rank][done.step] = (i, done.generation)
     return per_rank
 
 
@@ -57,7 +60,7 @@ def release_stale(job_id: str, rank: int, skip: Set[int], log: AuditLog) -> None
     for i in (0, 1):
         if i in skip:
             continue
-        _, generation = _peek(job_id, rank, i, log)
+        generation = _generation(job_id, rank, i, log)
         if generation:
             view = shm.AgentView(shm.slot_path(job_id, rank, i))
             try:

@@ -210,7 +210,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from easyckpt.config import Config
-    from easyckpt.formats import shm
+    from easyckpt.formats import shm, slotread
     from easyckpt.trainer.client import one_shot
     cat = catalog.scan(args.dir, args.framework)
     job_id = Config(save_dir=args.dir, job_name=args.job_name).job_id
@@ -221,15 +221,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         entry = {"rank": rank, "slot": index, "path": path, "segment_bytes": os.path.getsize(path),
                  "step": None, "bytes": None, "complete": False}
         try:
-            slot = shm.Slot(path, writable=False)
+            done = slotread.read_complete(path)
         except OSError:
             continue
-        try:
-            hdr = slot.read_header()
-            if hdr is not None and slot.read_meta(hdr) is not None:
-                entry.update(step=hdr.step, bytes=hdr.data_capacity, complete=True, world_size=hdr.world_size)
-        finally:
-            slot.close()
+        if done is not None:
+            entry.update(step=done.step, bytes=done.header.data_capacity, complete=True,
+                         world_size=done.header.world_size)
         snapshots.append(entry)
     committed = retention.committed(args.dir, naming)
     newest = None

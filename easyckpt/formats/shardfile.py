@@ -6,7 +6,6 @@ one contiguous run, copied straight from the snapshot slot to the file by the ke
 """
 from __future__ import annotations
 
-import functools
 import json
 import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -15,14 +14,15 @@ from easyckpt.storage.direct import BLOCK
 
 SKELETON_KEY = "easyckpt.skeleton"
 
-# safetensors dtype names by torch dtype name; torch is imported lazily so that the agent, which only
-# copies bytes, starts fast and small
+# safetensors dtype names by torch dtype name: this module never imports torch (the agent only copies
+# bytes); the trainer maps names back to torch dtypes in trainer/shardload.py
 DTYPE_NAMES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
     "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
     "complex64": "C64",
 }
+NAME_DTYPES = {sname: tname for tname, sname in DTYPE_NAMES.items()}
 
 
 def dtype_name(dtype) -> str:
@@ -30,15 +30,6 @@ def dtype_name(dtype) -> str:
         return DTYPE_NAMES[str(dtype).replace("torch.", "")]
     except KeyError:
         raise TypeError(f"easyckpt cannot store tensors of dtype {dtype}") from None
-
-
-@functools.lru_cache(maxsize=None)
-def torch_dtype(name: str):
-    import torch
-    for tname, sname in DTYPE_NAMES.items():
-        if sname == name:
-            return getattr(torch, tname)
-    raise ValueError(f"unknown tensor dtype {name!r} in shard")
 
 
 def encode_header(entries: Sequence[Tuple[str, str, Sequence[int], int, int]], skeleton: Any,
@@ -61,9 +52,10 @@ def encode_header(entries: Sequence[Tuple[str, str, Sequence[int], int, int]], s
     return struct.pack("<Q", len(raw)) + raw
 
 
-def decode(buf: bytearray) -> Tuple[Any, Dict[str, Any]]:
-    """Parse a whole shard held in ``buf``; tensors are views into ``buf`` (no copy)."""
-    import torch
+def parse(buf: bytes) -> Tuple[Any, List[Tuple[str, str, List[int], int, int]]]:
+    """The skeleton and the tensor entries (key, dtype name, shape, begin, end; offsets into ``buf``) of
+    a whole shard held in ``buf``. Every range is checked to lie inside ``buf``; turning entries into
+    tensors is the trainer's part (trainer/shardload.py)."""
     if len(buf) < 8:
         raise ValueError("shard is shorter than its 8-byte header length")
     (n,) = struct.unpack_from("<Q", buf, 0)
@@ -72,24 +64,16 @@ def decode(buf: bytearray) -> Tuple[Any, Dict[str, Any]]:
     header = json.loads(bytes(buf[8:8 + n]))
     meta = header.pop("__metadata__", {}) or {}
     base = 8 + n
-    tensors: Dict[str, torch.Tensor] = {}
+    entries = []
     for key, info in header.items():
         begin, end = info["data_offsets"]
-        dtype = torch_dtype(info["dtype"])
-        shape = info["shape"]
+        if info["dtype"] not in NAME_DTYPES:
+            raise ValueError(f"unknown tensor dtype {info['dtype']!r} in shard")
         if base + end > len(buf) or begin > end:
             raise ValueError(f"tensor {key} lies outside the shard")
-        if end == begin:
-            tensors[key] = torch.empty(shape, dtype=dtype)
-        else:
-            tensors[key] = torch.frombuffer(buf, dtype=dtype, offset=base + begin,
-                                            count=(end - begin) // _itemsize(dtype)).view(shape)
-    skeleton = json.loads(meta[SKELETON_KEY]) if SKELETON_KEY in meta else {k: {"__t": k} for k in tensors}
-    return skeleton, tensors
-
-
-def _itemsize(dtype) -> int:
-    return dtype.itemsize
+        entries.append((key, info["dtype"], info["shape"], base + begin, base + end))
+    skeleton = json.loads(meta[SKELETON_KEY]) if SKELETON_KEY in meta else {k: {"__t": k} for k in header}
+    return skeleton, entries
 
 
 def file_entries(tensors: List[Tuple[str, str, List[int], int, int]], region_start: int):

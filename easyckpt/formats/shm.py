@@ -126,7 +126,9 @@ def open_checked(path: str, flags: int) -> int:
 
 
 class Slot:
-    """One mapped slot file. Trainers open it read-write; the agent and loaders open it read-only."""
+    """One mapped slot file. Trainers open it read-write; the agent and loaders open it read-only.
+    Whether a snapshot in it is complete is decided by slotread.py alone. Page-locking for CUDA is the
+    trainer's business (trainer/pinned.py): this module never imports torch."""
 
     def __init__(self, path: str, writable: bool):
         self.path = path
@@ -134,7 +136,6 @@ class Slot:
         self.fd = open_checked(path, os.O_RDWR if writable else os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
         self.mm: Optional[mmap.mmap] = None
-        self.pinned = 0          # address registered with CUDA (page-locked), 0 if not
         self._map()
 
     def _map(self) -> None:
@@ -190,27 +191,7 @@ class Slot:
             self.mm[pos:pos + n] = zero[:n]
             pos += n
 
-    def pin(self) -> None:
-        """Page-lock the mapping for CUDA (cudaHostRegister), so device-to-host copies into it are
-        asynchronous DMA. Only called when the state has device tensors: CPU machines never import
-        CUDA here."""
-        import torch
-        assert self.mm is not None
-        view = torch.frombuffer(self.mm, dtype=torch.uint8)
-        addr = view.data_ptr()
-        del view
-        err = torch.cuda.cudart().cudaHostRegister(addr, self.size, 0)
-        if int(err) != 0:
-            raise ShmCapacityError(f"cannot page-lock snapshot slot {self.path} ({human(self.size)}) "
-                                   f"for CUDA copies (cudaHostRegister error {int(err)}); raise the locked-memory "
-                                   f"limit (`ulimit -l unlimited`, docker `--ulimit memlock=-1`)")
-        self.pinned = addr
-
     def close(self) -> None:
-        if self.pinned:
-            import torch
-            torch.cuda.cudart().cudaHostUnregister(self.pinned)
-            self.pinned = 0
         if self.mm is not None:
             try:
                 self.mm.close()

@@ -52,8 +52,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.config import Naming
 from easyckpt.formats import manifest as mf
-from easyckpt.formats import shardfile
 from easyckpt.progress import Progress
+from easyckpt.trainer import shardload
 from easyckpt.trainer.tree import safe_torch_load, unflatten
 
 FRAMEWORK_NAMES = {"megatron": "Megatron", "deepspeed": "DeepSpeed", "transformers": "the HF Trainer"}
@@ -229,6 +229,6 @@ def _decode(buf: bytearray, fmt: str) -> Any:
     if fmt == "torch":
         return safe_torch_load(bytes(buf))
     if fmt == "safetensors":
-        skeleton, tensors = shardfile.decode(buf)
+        skeleton, tensors = shardload.decode(buf)
         return unflatten(skeleton, tensors)
     return bytes(buf)

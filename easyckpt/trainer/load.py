@@ -25,11 +25,10 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from easyckpt.config import Config
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
-from easyckpt.formats import shardfile
 from easyckpt.progress import Progress
 from easyckpt.storage import retention
 from easyckpt.storage.auditlog import AuditLog
-from easyckpt.trainer import adopt, snapshot
+from easyckpt.trainer import adopt, shardload, snapshot
 from easyckpt.trainer.dist import all_gather
 from easyckpt.trainer.tree import safe_torch_load, unflatten
 
@@ -198,7 +197,7 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[str, bool
             elif fmt == "raw":
                 trees[rel] = bytes(buf)
             else:
-                skeleton, tensors = shardfile.decode(buf)
+                skeleton, tensors = shardload.decode(buf)
                 trees[rel] = unflatten(skeleton, tensors)
         except Exception as exc:  # noqa: BLE001 - any unreadable shard rejects the step
             return None, f"{rel}: unreadable ({exc})", 0, man

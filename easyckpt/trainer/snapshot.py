@@ -25,8 +25,9 @@ import torch
 
 from easyckpt import faults
 from easyckpt.errors import ShmCapacityError
-from easyckpt.formats import shm, slotmeta
+from easyckpt.formats import shm, slotread
 from easyckpt.formats.shardfile import dtype_name
+from easyckpt.trainer import pinned, shardload
 from easyckpt.trainer.tree import FLATTEN, rebuild
 from easyckpt.units import human
 
@@ -94,6 +95,7 @@ class Snapshotter:
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.paths = [shm.slot_path(job_id, rank, i) for i in (0, 1)]
         self.slots: List[Optional[shm.Slot]] = [None, None]
+        self._pinned = [0, 0]    # address of each slot's mapping registered with CUDA, 0 if not
         self.layout: Optional[_Layout] = None
         self._views: List[Optional[List[torch.Tensor]]] = [None, None]
         self.generation = 0
@@ -135,35 +137,27 @@ class Snapshotter:
             if self.slots[i] is not None:
                 if self.slots[i].size >= size:
                     continue
-                self.slots[i].close()
-                self.slots[i], self._views[i] = None, None
+                self._close_slot(i)
             self.slots[i] = shm.Slot.create_or_grow(path, size)
 
     def _dst_views(self, i: int) -> List[torch.Tensor]:
         if self._views[i] is None:
             slot = self.slots[i]
             base = torch.frombuffer(slot.mm, dtype=torch.uint8)
-            views = []
-            for f in self.layout.files:
-                for key, dtype, shape, b, e in f["tensors"]:
-                    views.append(base[b:e].view(_dtype(dtype)).view(shape))
-            self._views[i] = views
+            self._views[i] = shardload.views(base, (t for f in self.layout.files for t in f["tensors"]))
         return self._views[i]
 
-    def _reserved(self, slot: shm.Slot) -> bool:
-        hdr = slot.read_header()
-        if hdr is None:
-            return False
-        busy, released = slot.agent_words()
-        return busy == hdr.generation or (hdr.persist and hdr.generation > released)
-
     def _pick_slot(self) -> Optional[int]:
+        # only this process writes these slots, so their headers are not re-checked against the metadata
+        # (slotread.check); a header that is not COMPLETE marks a free slot holding nothing worth keeping
         best, best_step = None, None
         for i in (0, 1):
             slot = self.slots[i]
-            if self._reserved(slot):
-                continue
             hdr = slot.read_header()
+            if hdr is not None:
+                busy, released = slot.agent_words()
+                if busy == hdr.generation or (hdr.persist and hdr.generation > released):
+                    continue     # reserved by the agent
             step = -1 if hdr is None else hdr.step
             if best is None or step < best_step:
                 best, best_step = i, step
@@ -219,16 +213,22 @@ class Snapshotter:
     def _pin_slots(self) -> None:
         """Page-lock both slots once, so device-to-host copies into them run asynchronously (DMA) on
         a side stream instead of staging through a pageable bounce buffer."""
-        for slot in self.slots:
-            if slot is not None and not slot.pinned:
-                slot.pin()
+        for i, slot in enumerate(self.slots):
+            if slot is not None and not self._pinned[i]:
+                self._pinned[i] = pinned.pin(slot)
+
+    def _close_slot(self, i: int) -> None:
+        if self._pinned[i]:
+            pinned.unpin(self._pinned[i])
+            self._pinned[i] = 0
+        self._views[i] = None
+        if self.slots[i] is not None:
+            self.slots[i].close()
+        self.slots[i] = None
 
     def close(self, unlink: bool) -> None:
-        self._views = [None, None]
-        for i, slot in enumerate(self.slots):
-            if slot is not None:
-                slot.close()
-            self.slots[i] = None
+        for i in (0, 1):
+            self._close_slot(i)
         if unlink:
             for path in self.paths:
                 shm.unlink_quiet(path)
@@ -359,8 +359,6 @@ def _file_size(path: str) -> int:
         return 0
 
 
-from easyckpt.formats.shardfile import torch_dtype as _dtype  # noqa: E402
-
 # ---- reading a snapshot back (loader) ---------------------------------------------------------
 
 @dataclass
@@ -372,23 +370,12 @@ class SlotInfo:
 
 
 def complete_snapshots(job_id: str, rank: int) -> List[SlotInfo]:
-    """The complete, intact snapshots of ``rank`` on this node, newest first."""
+    """The complete, intact snapshots of ``rank`` on this node, newest first (storage serves otherwise)."""
     found = []
     for i in (0, 1):
-        try:
-            slot = shm.Slot(shm.slot_path(job_id, rank, i), writable=False)
-        except FileNotFoundError:
-            continue
-        try:
-            hdr = slot.read_header()
-            raw = None if hdr is None else slot.read_meta(hdr)
-            if raw is not None:
-                slotmeta.parse(raw, hdr.step, shm.HEADER_BYTES, hdr.meta_offset)
-                found.append(SlotInfo(i, hdr.step, hdr.generation, hdr.world_size))
-        except slotmeta.BadSlotMeta:
-            pass     # not a snapshot we can use: storage serves instead
-        finally:
-            slot.close()
+        done = slotread.read_complete(shm.slot_path(job_id, rank, i))
+        if done is not None:
+            found.append(SlotInfo(i, done.step, done.generation, done.header.world_size))
     return sorted(found, key=lambda s: -s.step)
 
 
@@ -397,22 +384,17 @@ def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[st
     that nothing the trainer keeps aliases a slot it will overwrite later."""
     slot = shm.Slot(shm.slot_path(job_id, rank, slot_index), writable=False)
     try:
-        hdr = slot.read_header()
-        meta = None if hdr is None or hdr.step != step else slot.read_meta(hdr)
-        if meta is None:
-            raise ValueError(f"snapshot of step {step} in slot {slot_index} of rank {rank} is gone or damaged")
-        meta = slotmeta.parse(meta, step, shm.HEADER_BYTES, hdr.meta_offset)
+        done = slotread.check(slot, expect_step=step)
         with warnings.catch_warnings():   # the mapping is read-only and we only read through it
             warnings.simplefilter("ignore")
             base = torch.frombuffer(slot.mm, dtype=torch.uint8)
         trees = {}
-        for f in meta["files"]:
-            tensors = {key: base[b:e].view(_dtype(dtype)).view(shape).clone()
-                       for key, dtype, shape, b, e in f["tensors"]}
-            trees[f["relpath"]] = rebuild(meta["skeletons"][f["relpath"]], tensors)
+        for f in done.meta["files"]:
+            copies = [t.clone() for t in shardload.views(base, f["tensors"])]
+            trees[f["relpath"]] = rebuild(done.meta["skeletons"][f["relpath"]],
+                                          {t[0]: c for t, c in zip(f["tensors"], copies)})
         del base
-        if slot.state() != (shm.COMPLETE, hdr.generation):
-            raise ValueError(f"snapshot of rank {rank} changed while it was read")
+        slotread.ensure_unchanged(slot, done)
         return trees
     finally:
         slot.close()

@@ -2,18 +2,19 @@
 
     torchrun --standalone --nproc_per_node 2 examples/pytorch/train.py --save-dir /tmp/ckpt --iters 50
 
-Relaunch the same command after killing it: it resumes from the newest complete state. Every
-iteration's loss goes to ``--loss-file`` (one per rank, as exact float hex) so runs can be compared.
+Relaunch the same command after killing it (even with kill -9): it resumes from the newest complete
+state. The three easyckpt calls are initialize_easyckpt, load_checkpoint and save_checkpoint_if_needed
+(every iteration; easyckpt decides when to snapshot and when to persist), then finalize_easyckpt.
+
+Every iteration's loss goes to ``--loss-file`` (one per rank, as exact float hex) so runs can be compared.
 The batch, the dropout masks and a numpy/python-random noise term all draw from the global RNGs, so
 losses match an uninterrupted run only if easyckpt restores the RNG states too.
 """
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import random
-import signal
 import sys
 import time
 
@@ -29,42 +30,23 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-dir", required=True)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--mem-interval", type=int, default=1)
-    p.add_argument("--storage-interval", type=int, default=5)
-    p.add_argument("--max-ckpt", type=int, default=3)
-    p.add_argument("--log-file", default=None)
+    p.add_argument("--mem-interval", type=int, default=1, help="save_mem_interval: snapshot to host memory")
+    p.add_argument("--storage-interval", type=int, default=5, help="save_storage_interval: also persist")
+    p.add_argument("--max-ckpt", type=int, default=3, help="max_ckpt_num: committed checkpoints kept")
+    p.add_argument("--log-file", default=None, help="the audit log (every save, commit, load, delete)")
     p.add_argument("--loss-file", default=None, help="prefix; rank r appends to PREFIX.rank{r}")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a kill")
-    p.add_argument("--stop-at", type=int, default=None, help="exit normally after this iteration")
-    p.add_argument("--no-finalize", action="store_true", help="exit without finalize_easyckpt()")
-    p.add_argument("--crash-at", type=int, default=None, help="raise an exception at this iteration")
-    p.add_argument("--crash-rank", type=int, default=0)
-    p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--job-name", default=None)
-    p.add_argument("--dump-dir", default=None, help="save the model's and optimizer's state_dict per iteration here (tests)")
-    p.add_argument("--dump-loaded", default=None, help="save the loaded model's state_dict here (tests)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-resume", action="store_true", help="start from scratch (a new run in the same save dir)")
     p.add_argument("--no-exit-on-sigterm", action="store_true",
                    help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--grace", type=float, default=300.0, help="grace deadline after SIGTERM, seconds")
-    p.add_argument("--slow-step", default=None, metavar="IT:SECONDS",
-                   help="iteration IT takes SECONDS longer (before its optimizer step), on every rank")
-    p.add_argument("--inject", default="", metavar="IT[@RANK]:HOW,...",
-                   help="faults for tests: at iteration IT (on RANK, default 0) HOW = raise | kill | exit | term "
-                        "(SIGTERM to itself) | fork-term (fork a helper and end it with SIGTERM, as a "
-                        "multiprocessing.Pool's terminate() does); each fires once per --once-dir")
-    p.add_argument("--once-dir", default=None)
-    p.add_argument("--misreport", default=None, metavar="IT@RANK:STEP",
-                   help="tests: at iteration IT, RANK passes STEP to save_checkpoint_if_needed (ranks disagree)")
-    p.add_argument("--commit-timeout", type=float, default=600.0)
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="snapshot_overlap: copy the optimizer's tensors during the next forward/backward")
     p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="draw the batches through a torch DataLoader with N worker processes (Megatron's default "
-                        "is 2; 0: in this process); default: from the global RNG, no DataLoader")
-    p.add_argument("--worker-start", choices=("fork", "spawn", "forkserver"), default=None,
-                   help="the DataLoader workers' multiprocessing start method (default: torch's)")
+                   help="draw the batches through a torch DataLoader with N worker processes "
+                        "(0: in this process); default: from the global RNG, no DataLoader")
     return p.parse_args()
 
 
@@ -81,36 +63,6 @@ class Batches(torch.utils.data.Dataset):
     def __getitem__(self, k: int) -> torch.Tensor:
         it = self.first + k
         return torch.randn(32, 16, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.rank * 10_007 + it))
-
-
-def inject(spec: str, once_dir, it: int, rank: int) -> None:
-    for item in filter(None, spec.split(",")):
-        where, how = item.split(":")
-        at, _, r = where.partition("@")
-        if int(at) != it or int(r or 0) != rank:
-            continue
-        if once_dir:
-            try:
-                os.close(os.open(os.path.join(once_dir, item.replace("@", "_").replace(":", "_")),
-                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                continue
-        if how == "raise":
-            raise RuntimeError(f"injected crash at iteration {it} on rank {rank}")
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if how == "exit":
-            os._exit(17)
-        if how == "term":
-            os.kill(os.getpid(), signal.SIGTERM)
-        if how == "fork-term":
-            helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
-            helper.start()
-            helper.terminate()
-            helper.join(timeout=10)
-            if helper.exitcode != -signal.SIGTERM:
-                helper.kill()
-                raise RuntimeError(f"a process forked from the trainer outlived SIGTERM (exit code {helper.exitcode})")
 
 
 def main() -> int:
@@ -133,16 +85,13 @@ def main() -> int:
 
     easyckpt.initialize_easyckpt(args.save_dir, save_mem_interval=args.mem_interval,
                                  save_storage_interval=args.storage_interval, max_ckpt_num=args.max_ckpt,
-                                 log_file_path=args.log_file, agent_idle_timeout=args.idle_timeout,
-                                 job_name=args.job_name, grace_deadline=args.grace,
+                                 log_file_path=args.log_file, job_name=args.job_name, grace_deadline=args.grace,
                                  exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm,
-                                 commit_timeout=args.commit_timeout,
                                  snapshot_overlap={"auto": None, "on": True, "off": False}[args.overlap])
     t0 = time.perf_counter()
+    # extra: what the loop needs besides the model, optimizer and scheduler (here the data position)
     start, extra = (0, None) if args.no_resume else easyckpt.load_checkpoint(ddp, optimizer, scheduler)
     load_s = time.perf_counter() - t0
-    if args.dump_loaded and rank == 0:
-        torch.save(model.state_dict(), args.dump_loaded)
     if start and extra["data_pos"] != start:
         raise RuntimeError(f"extra does not match the iteration: {extra} vs {start}")
     losses = open(f"{args.loss_file}.rank{rank}", "a", buffering=1) if args.loss_file else None
@@ -150,15 +99,12 @@ def main() -> int:
         losses.write(f"# start {start} load_s {load_s:.6f}\n")
 
     w = torch.randn(16, 1, generator=torch.Generator().manual_seed(args.seed))   # the task, fixed
-    slow_it, slow_s = (int(args.slow_step.split(":")[0]), float(args.slow_step.split(":")[1])) \
-        if args.slow_step else (None, 0.0)
     batches = None
     if args.workers is not None:
         # its own generator: drawing the workers' base seed from the global RNG would shift the dropout masks
         # of a resumed run against an uninterrupted one
         loader = torch.utils.data.DataLoader(Batches(args.seed, rank, start + 1, args.iters), batch_size=None,
-                                             num_workers=args.workers, generator=torch.Generator().manual_seed(0),
-                                             multiprocessing_context=args.worker_start if args.workers else None)
+                                             num_workers=args.workers, generator=torch.Generator().manual_seed(0))
         batches = iter(loader)
     for it in range(start + 1, args.iters + 1):
         x = next(batches) if batches is not None else torch.randn(32, 16)
@@ -166,29 +112,14 @@ def main() -> int:
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         optimizer.zero_grad()
         loss.backward()
-        if it == slow_it:
-            time.sleep(slow_s)
         optimizer.step()
         scheduler.step()
-        if args.crash_at == it and rank == args.crash_rank:
-            raise RuntimeError(f"injected crash at iteration {it} on rank {rank}")
         if losses:
             losses.write(f"{it} {loss.item().hex()}\n")
-        if args.inject:
-            inject(args.inject, args.once_dir, it, rank)
-        if args.dump_dir and rank == 0:
-            torch.save(model.state_dict(), os.path.join(args.dump_dir, f"model_{it}.pt"))
-            torch.save(optimizer.state_dict(), os.path.join(args.dump_dir, f"optim_{it}.pt"))
-        told = it
-        if args.misreport and args.misreport.split(":")[0] == f"{it}@{rank}":
-            told = int(args.misreport.split(":")[1])
-        easyckpt.save_checkpoint_if_needed(told, ddp, optimizer, scheduler, extra={"data_pos": it})
+        easyckpt.save_checkpoint_if_needed(it, ddp, optimizer, scheduler, extra={"data_pos": it})
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        if args.stop_at == it:
-            break
-    if not args.no_finalize:
-        easyckpt.finalize_easyckpt()
+    easyckpt.finalize_easyckpt()
     if world > 1:
         dist.destroy_process_group()
     return 0
