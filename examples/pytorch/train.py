@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import easyckpt
 
 
-def parse() -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--save-dir", required=True)
     p.add_argument("--iters", type=int, default=50)
@@ -47,7 +48,41 @@ def parse() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="draw the batches through a torch DataLoader with N worker processes "
                         "(0: in this process); default: from the global RNG, no DataLoader")
-    return p.parse_args()
+    return p
+
+
+class Hooks:
+    """Where a program built on this loop (tests/worker_pytorch.py) adds to it; here they do nothing."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+
+    def settings(self) -> dict:
+        """More keyword arguments for initialize_easyckpt."""
+        return {}
+
+    def loaded(self, model: torch.nn.Module, rank: int) -> None:
+        """After load_checkpoint."""
+
+    def loader_args(self) -> dict:
+        """More keyword arguments for the DataLoader."""
+        return {}
+
+    def before_optimizer_step(self, it: int) -> None:
+        pass
+
+    def stepped(self, it: int, rank: int) -> None:
+        """After the optimizer and scheduler step, before the iteration's loss is recorded."""
+
+    def after_optimizer_step(self, it: int, rank: int, model: torch.nn.Module, optimizer) -> int:
+        """The iteration to pass to save_checkpoint_if_needed."""
+        return it
+
+    def stop_after(self, it: int) -> bool:
+        return False
+
+    def finalize(self) -> bool:
+        return True
 
 
 class Batches(torch.utils.data.Dataset):
@@ -65,8 +100,10 @@ class Batches(torch.utils.data.Dataset):
         return torch.randn(32, 16, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.rank * 10_007 + it))
 
 
-def main() -> int:
-    args = parse()
+def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] = None,
+         make_hooks: Callable[[argparse.Namespace], Hooks] = Hooks) -> int:
+    args = (p or parser()).parse_args(argv)
+    hooks = make_hooks(args)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         dist.init_process_group("gloo")
@@ -87,11 +124,13 @@ def main() -> int:
                                  save_storage_interval=args.storage_interval, max_ckpt_num=args.max_ckpt,
                                  log_file_path=args.log_file, job_name=args.job_name, grace_deadline=args.grace,
                                  exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm,
-                                 snapshot_overlap={"auto": None, "on": True, "off": False}[args.overlap])
+                                 snapshot_overlap={"auto": None, "on": True, "off": False}[args.overlap],
+                                 **hooks.settings())
     t0 = time.perf_counter()
     # extra: what the loop needs besides the model, optimizer and scheduler (here the data position)
     start, extra = (0, None) if args.no_resume else easyckpt.load_checkpoint(ddp, optimizer, scheduler)
     load_s = time.perf_counter() - t0
+    hooks.loaded(model, rank)
     if start and extra["data_pos"] != start:
         raise RuntimeError(f"extra does not match the iteration: {extra} vs {start}")
     losses = open(f"{args.loss_file}.rank{rank}", "a", buffering=1) if args.loss_file else None
@@ -104,7 +143,8 @@ def main() -> int:
         # its own generator: drawing the workers' base seed from the global RNG would shift the dropout masks
         # of a resumed run against an uninterrupted one
         loader = torch.utils.data.DataLoader(Batches(args.seed, rank, start + 1, args.iters), batch_size=None,
-                                             num_workers=args.workers, generator=torch.Generator().manual_seed(0))
+                                             num_workers=args.workers, generator=torch.Generator().manual_seed(0),
+                                             **hooks.loader_args())
         batches = iter(loader)
     for it in range(start + 1, args.iters + 1):
         x = next(batches) if batches is not None else torch.randn(32, 16)
@@ -112,14 +152,20 @@ def main() -> int:
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         optimizer.zero_grad()
         loss.backward()
+        hooks.before_optimizer_step(it)
         optimizer.step()
         scheduler.step()
+        hooks.stepped(it, rank)
         if losses:
             losses.write(f"{it} {loss.item().hex()}\n")
-        easyckpt.save_checkpoint_if_needed(it, ddp, optimizer, scheduler, extra={"data_pos": it})
+        told = hooks.after_optimizer_step(it, rank, model, optimizer)
+        easyckpt.save_checkpoint_if_needed(told, ddp, optimizer, scheduler, extra={"data_pos": it})
         if args.step_sleep:
             time.sleep(args.step_sleep)
-    easyckpt.finalize_easyckpt()
+        if hooks.stop_after(it):
+            break
+    if hooks.finalize():
+        easyckpt.finalize_easyckpt()
     if world > 1:
         dist.destroy_process_group()
     return 0
