@@ -32,6 +32,8 @@ import socket
 import struct
 from typing import Any, Dict, Optional
 
+from easyckpt.errors import BadMessage
+
 MAX_LINE = 1 << 16          # no valid message comes close; a longer line is an attack or a bug
 
 # op -> {field: type}; ints are non-negative; the first message of a connection also carries "key"
@@ -45,10 +47,6 @@ SCHEMA: Dict[str, Dict[str, type]] = {
     "damaged": {"step": int, "reason": str},
     "status": {},
 }
-
-
-class BadMessage(ValueError):
-    pass
 
 
 def address(job_id: str) -> str:

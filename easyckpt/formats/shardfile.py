@@ -11,6 +11,7 @@ import json
 import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from easyckpt.errors import CheckpointError
 from easyckpt.storage.direct import BLOCK
 
 SKELETON_KEY = "easyckpt.skeleton"
@@ -38,7 +39,7 @@ def torch_dtype(name: str):
     for tname, sname in DTYPE_NAMES.items():
         if sname == name:
             return getattr(torch, tname)
-    raise ValueError(f"unknown tensor dtype {name!r} in shard")
+    raise CheckpointError(f"unknown tensor dtype {name!r} in shard")
 
 
 def encode_header(entries: Sequence[Tuple[str, str, Sequence[int], int, int]], skeleton: Any,
@@ -65,10 +66,10 @@ def decode(buf: bytearray) -> Tuple[Any, Dict[str, Any]]:
     """Parse a whole shard held in ``buf``; tensors are views into ``buf`` (no copy)."""
     import torch
     if len(buf) < 8:
-        raise ValueError("shard is shorter than its 8-byte header length")
+        raise CheckpointError("shard is shorter than its 8-byte header length")
     (n,) = struct.unpack_from("<Q", buf, 0)
     if n > len(buf) - 8:
-        raise ValueError(f"shard header length {n} exceeds the file size {len(buf)}")
+        raise CheckpointError(f"shard header length {n} exceeds the file size {len(buf)}")
     header = json.loads(bytes(buf[8:8 + n]))
     meta = header.pop("__metadata__", {}) or {}
     base = 8 + n
@@ -78,7 +79,7 @@ def decode(buf: bytearray) -> Tuple[Any, Dict[str, Any]]:
         dtype = torch_dtype(info["dtype"])
         shape = info["shape"]
         if base + end > len(buf) or begin > end:
-            raise ValueError(f"tensor {key} lies outside the shard")
+            raise CheckpointError(f"tensor {key} lies outside the shard")
         if end == begin:
             tensors[key] = torch.empty(shape, dtype=dtype)
         else:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from easyckpt import faults
-from easyckpt.errors import ShmCapacityError
+from easyckpt.errors import CheckpointError, ShmCapacityError
 from easyckpt.formats import shm, slotmeta
 from easyckpt.formats.shardfile import dtype_name
 from easyckpt.trainer.tree import FLATTEN, rebuild
@@ -400,7 +400,7 @@ def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[st
         hdr = slot.read_header()
         meta = None if hdr is None or hdr.step != step else slot.read_meta(hdr)
         if meta is None:
-            raise ValueError(f"snapshot of step {step} in slot {slot_index} of rank {rank} is gone or damaged")
+            raise CheckpointError(f"snapshot of step {step} in slot {slot_index} of rank {rank} is gone or damaged")
         meta = slotmeta.parse(meta, step, shm.HEADER_BYTES, hdr.meta_offset)
         with warnings.catch_warnings():   # the mapping is read-only and we only read through it
             warnings.simplefilter("ignore")
@@ -412,7 +412,7 @@ def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[st
             trees[f["relpath"]] = rebuild(meta["skeletons"][f["relpath"]], tensors)
         del base
         if slot.state() != (shm.COMPLETE, hdr.generation):
-            raise ValueError(f"snapshot of rank {rank} changed while it was read")
+            raise CheckpointError(f"snapshot of rank {rank} changed while it was read")
         return trees
     finally:
         slot.close()
