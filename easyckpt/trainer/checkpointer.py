@@ -16,7 +16,7 @@ verbs are a DefaultCheckpointer, a thin default instance over this object.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar, runtime_checkable
 
 from easyckpt.config import Config
 from easyckpt.errors import EasyCkptError
@@ -28,6 +28,7 @@ from easyckpt.trainer.snapshot import ShardSpec, SnapshotResult
 R = TypeVar("R", covariant=True)
 
 
+@runtime_checkable
 class FrameworkState(Protocol[R]):
     """One adapter's view of its framework's live objects on this rank (model, optimizer, engine, ...)."""
 
