@@ -44,7 +44,8 @@ import torch
 from easyckpt.config import NAMINGS, Config, adapter_config
 from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.trainer import deepspeed_state as ds
-from easyckpt.trainer import foreign, scratch, universal
+from easyckpt.trainer import scratch, universal
+from easyckpt.trainer.foreign import newest_plain_checkpoint
 from easyckpt.trainer.checkpointer import Checkpointer
 from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
@@ -399,13 +400,6 @@ def _is_tied(model: Any, key: str) -> bool:
 def _step_of(path: Optional[str]) -> Optional[int]:
     m = re.search(r"checkpoint-(\d+)$", str(path).rstrip("/")) if path else None
     return int(m.group(1)) if m else None
-
-
-def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
-    """The newest ``checkpoint-N`` written by a plain Trainer (no easyckpt manifest) that looks complete
-    (its trainer_state.json is readable and of step N), if newer than ``above``. The wrapper no longer uses
-    it (the engine's loader adopts such checkpoints after loading every file); kept for callers."""
-    return foreign.newest_plain_checkpoint(output_dir, NAMING, STATE, above)
 
 
 __all__ = ["TrainerWrapper", "newest_plain_checkpoint", "NAMING"]

@@ -11,21 +11,22 @@ import json
 import os
 from typing import Optional
 
-from easyckpt.config import Naming
+from easyckpt.config import NAMINGS, Naming
 from easyckpt.formats import manifest as mf
 from easyckpt.storage import retention
 from easyckpt.trainer.adopt import tracker_step
 
 
-def newest_plain_checkpoint(output_dir: str, naming: Naming, state_file: str, above: int = 0) -> Optional[str]:
-    """The newest step directory with no easyckpt manifest whose ``state_file`` (the Trainer's
-    trainer_state.json) is readable and of that step, if newer than ``above``."""
+def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
+    """The newest ``checkpoint-N`` written by a plain Trainer (no easyckpt manifest) that looks complete
+    (its trainer_state.json is readable and of step N), if newer than ``above``. The Trainer's adapter no
+    longer uses it (the loader adopts such checkpoints after loading every file); kept for callers."""
     found = []
-    for step, path in retention.step_dirs(output_dir, naming):
+    for step, path in retention.step_dirs(output_dir, NAMINGS["transformers"]):
         if step <= above or mf.read(path) is not None:
             continue
         try:
-            with open(os.path.join(path, state_file)) as f:
+            with open(os.path.join(path, "trainer_state.json")) as f:
                 if int(json.load(f)["global_step"]) == step:
                     found.append((step, path))
         except (OSError, ValueError, KeyError, TypeError):
