@@ -1,7 +1,8 @@
 """easyckpt: near-free checkpoints through host shared memory, persisted in the background.
 
-Public names only; see DESIGN.md for the map of the engine. They are resolved lazily so that the
-node agent (``python -m easyckpt.agent``), which only moves bytes, never imports torch.
+Public names only; see DESIGN.md for the map of the engine. ``Checkpointer(config)`` is the one
+object behind every adapter; the plain-PyTorch verbs below are its default instance. They are resolved
+lazily so that the node agent (``python -m easyckpt.agent``), which only moves bytes, never imports torch.
 """
 from typing import Any
 
@@ -15,7 +16,8 @@ from easyckpt.errors import (
 )
 
 __all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt",
-           "Config", "EasyCkptError", "ConfigError", "ShmCapacityError", "AgentError", "CheckpointError"]
+           "Checkpointer", "FrameworkState", "Config", "EasyCkptError", "ConfigError", "ShmCapacityError",
+           "AgentError", "CheckpointError"]
 __version__ = "0.1.0"
 _VERBS = {"initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt"}
 
@@ -24,4 +26,7 @@ def __getattr__(name: str) -> Any:
     if name in _VERBS:
         from easyckpt import pytorch
         return getattr(pytorch, name)
+    if name in ("Checkpointer", "FrameworkState"):
+        from easyckpt.trainer import checkpointer
+        return getattr(checkpointer, name)
     raise AttributeError(f"module 'easyckpt' has no attribute {name!r}")

@@ -5,13 +5,15 @@ iteration, not at step N: every message names the argument and what to change.
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import hashlib
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Type, TypeVar, Union
 
-from easyckpt.errors import ConfigError
+from easyckpt.errors import ConfigError, UnknownSettingError
 from easyckpt.storage.posix import probe_writable
 
 
@@ -51,8 +53,43 @@ def log_setting(value: Any) -> Union[str, bool, None]:
     return value if value is None or isinstance(value, bool) else str(value)
 
 
+T = TypeVar("T")
+
+
+def _unknown(where: str, given: Iterable[str], known: Iterable[str]) -> None:
+    """UnknownSettingError naming every setting ``where`` does not know, with the nearest known name."""
+    known = list(known)
+    unknown = sorted(set(given) - set(known))
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, known, n=1)
+        hints.append(f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name))
+    raise UnknownSettingError(f"{where} got unknown setting(s) {', '.join(hints)}; it accepts {known}")
+
+
+def _refuse_unknown_settings(cls: Type[T]) -> Type[T]:
+    """``Config(save_intervall=3)`` names the setting as the verbs do (a ConfigError, still a TypeError),
+    instead of the dataclass's bare TypeError."""
+    init = cls.__init__
+    names = [f.name for f in fields(cls)]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _unknown(cls.__name__, kwargs, names)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_refuse_unknown_settings
 @dataclass(frozen=True)
 class Config:
+    """Every setting of one job. Build it once and hand it to any adapter (``initialize_easyckpt(config)``,
+    ``TrainerWrapper(trainer, config=...)``, ``Checkpointer(config)``); the adapter supplies ``naming``."""
+
     save_dir: str
     save_mem_interval: int = 1
     save_storage_interval: int = 5
@@ -112,10 +149,31 @@ ADVANCED = ("job_name", "commit_timeout", "agent_idle_timeout", "agent_start_tim
             "snapshot_overlap", "direct_io")
 
 
-def check_advanced(verb: str, advanced: Dict[str, Any]) -> None:
-    unknown = set(advanced) - set(ADVANCED)
-    if unknown:
-        raise TypeError(f"{verb} got unexpected arguments {sorted(unknown)}; it accepts {list(ADVANCED)}")
+def check_advanced(verb: str, advanced: Mapping[str, Any]) -> None:
+    """UnknownSettingError naming any keyword of ``advanced`` that is no setting."""
+    _unknown(verb, advanced, ADVANCED)
+
+
+def adapter_config(verb: str, naming: Naming, config: Optional[Config], settings: Mapping[str, Any],
+                   advanced: Mapping[str, Any]) -> Config:
+    """The Config of an adapter's ``initialize_easyckpt``: ``config`` when one is given (with the adapter's
+    naming: the framework decides its layout), else one built from the verb's keywords ``settings`` and
+    ``advanced``. A config together with a keyword that is not at its default is refused, naming it:
+    which of the two should win would be a guess."""
+    check_advanced(verb, advanced)
+    if config is None:
+        built = dict(settings, log_file_path=log_setting(settings.get("log_file_path")))
+        if built.get("save_dir") is not None:
+            built["save_dir"] = str(built["save_dir"])
+        return Config(naming=naming, **built, **advanced)
+    if not isinstance(config, Config):
+        raise ConfigError(f"{verb}: config={config!r} must be an easyckpt.Config")
+    defaults = {f.name: None if f.default is MISSING else f.default for f in fields(Config)}
+    both = sorted([k for k, v in settings.items() if v != defaults.get(k)] + list(advanced))
+    if both:
+        raise ConfigError(f"{verb} got config= and also {both}: set them in the Config "
+                          f"(dataclasses.replace(config, ...)) and pass only config=")
+    return replace(config, naming=naming)
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -1,4 +1,25 @@
-"""Exceptions with messages that say what to change."""
+"""Every exception type easyckpt raises on purpose, all subclasses of EasyCkptError; messages say what to change.
+
+Some also derive from the builtin a caller caught before they existed (ValueError for bad input,
+TypeError for an unknown keyword), so that ``except ValueError`` written against older versions still
+catches them. This module imports nothing: the agent, the formats and the adapters all raise from it.
+
+    EasyCkptError (RuntimeError)
+    ├── ConfigError (ValueError)                 a setting is wrong
+    │   └── UnknownSettingError (TypeError)      a keyword no verb or Config knows
+    ├── ShmCapacityError                         /dev/shm too small for the slots
+    ├── AgentError                               the node agent failed or cannot be reached
+    │   └── SnapshotChanged                      a slot was reused while the agent persisted it
+    ├── PreemptionError                          the ranks could not agree on a SIGTERM step
+    ├── ProtocolError (ValueError)               a malformed message on the agent's socket
+    ├── CatalogError (ValueError)                an operator tool found no such checkpoint
+    ├── UntrustedFileError (PermissionError)     a file that may have been planted
+    └── CheckpointError (ValueError)             a damaged or mismatched checkpoint
+        ├── ManifestError                        a manifest that cannot be trusted
+        ├── UnsafePath                           a file name leaving its step directory
+        ├── BadSlotMeta                          a snapshot slot's metadata fails its checks
+        └── SlotNotComplete                      a slot holds no usable snapshot (torn, changed, other step)
+"""
 from __future__ import annotations
 
 
@@ -10,6 +31,10 @@ class ConfigError(EasyCkptError, ValueError):
     """A setting is wrong; the message names the setting and the fix."""
 
 
+class UnknownSettingError(ConfigError, TypeError):
+    """A keyword that no verb and no Config field knows (a TypeError too, as Python raises for one)."""
+
+
 class ShmCapacityError(EasyCkptError):
     """/dev/shm cannot hold the snapshot slots; raised before anything is copied."""
 
@@ -18,8 +43,24 @@ class AgentError(EasyCkptError):
     """The node agent could not be started, reached, or reported a failed persist."""
 
 
-class CheckpointError(EasyCkptError):
-    """A checkpoint is damaged or cannot be loaded into the current job."""
+class SnapshotChanged(AgentError):
+    """The slot the agent persists from no longer holds the snapshot it was asked for (a newer one
+    replaced it, or its metadata is damaged): that persist is abandoned, a newer one follows."""
+
+
+class PreemptionError(EasyCkptError):
+    """After SIGTERM the ranks could not agree on a step to save (timeout, abort, or a rank past it)."""
+
+
+class ProtocolError(EasyCkptError, ValueError):
+    """A message on the agent's socket is not one of the protocol's, or not well-formed."""
+
+
+BadMessage = ProtocolError     # the name formats/protocol.py and the agent use
+
+
+class CatalogError(EasyCkptError, ValueError):
+    """A path that is not a directory, or a directory that holds no checkpoint: exit status 2."""
 
 
 class UntrustedFileError(EasyCkptError, PermissionError):
@@ -27,6 +68,31 @@ class UntrustedFileError(EasyCkptError, PermissionError):
     is open to others, or is a symlink: it may have been planted; nothing is read from it or written to it."""
 
 
-class ManifestError(CheckpointError, ValueError):
+class CheckpointError(EasyCkptError, ValueError):
+    """A checkpoint is damaged or cannot be loaded into the current job (a ValueError too: callers
+    written before it existed caught that)."""
+
+
+class ManifestError(CheckpointError):
     """A step's manifest is missing a field, has one of the wrong type, is not JSON, or names a file
     outside its step directory; the message names the field or the file."""
+
+
+class UnsafePath(CheckpointError):
+    """A file name taken from a slot, a manifest or a marker is not a plain relative path inside its
+    step directory: it may have been written by someone else."""
+
+
+class BadSlotMeta(CheckpointError):
+    """A snapshot slot's metadata fails its checks; the message names the field."""
+
+
+class SlotNotComplete(CheckpointError):
+    """A slot holds no usable snapshot: empty, being written, torn, changed while read, or not the
+    step / generation asked for. Its message says which."""
+
+
+__all__ = ["EasyCkptError", "ConfigError", "UnknownSettingError", "ShmCapacityError", "AgentError",
+           "SnapshotChanged", "PreemptionError", "ProtocolError", "BadMessage", "CatalogError",
+           "UntrustedFileError", "CheckpointError", "ManifestError", "UnsafePath", "BadSlotMeta",
+           "SlotNotComplete"]

@@ -14,19 +14,21 @@ but only rank 0's copy is persisted.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from easyckpt.config import NAMINGS, Config, check_advanced, log_setting
+from easyckpt.config import NAMINGS, Config, adapter_config
 from easyckpt.trainer import rng
-from easyckpt.trainer.session import Engine, EngineSlot
+from easyckpt.trainer.checkpointer import Checkpointer, DefaultCheckpointer
+from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
 
 NAMING = NAMINGS["pytorch"]
 MODEL, OPTIM = "model.safetensors", "optimizer.safetensors"
 
-_slot = EngineSlot("easyckpt")
+_default = DefaultCheckpointer("easyckpt")
 
 
 def _rank_file(rank: int) -> str:
@@ -37,76 +39,91 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def initialize_easyckpt(save_dir: str, save_mem_interval: int = 1, save_storage_interval: int = 5,
-                        max_ckpt_num: Optional[int] = 5, log_file_path: Union[str, bool, None] = None,
+@dataclass
+class PytorchState:
+    """A plain training loop's objects on one rank (the FrameworkState of this adapter)."""
+
+    ckpt: Checkpointer
+    model: torch.nn.Module
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    iteration: int = 0
+    extra: Optional[Dict[str, Any]] = None
+
+    @property
+    def rank(self) -> int:
+        return self.ckpt.rank
+
+    def collect(self) -> List[ShardSpec]:
+        owner = self.rank == 0
+        shards = [ShardSpec(MODEL, _unwrap(self.model).state_dict(), persist=owner)]
+        if self.optimizer is not None or self.lr_scheduler is not None:
+            shards.append(ShardSpec(OPTIM, {
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None},
+                persist=owner))
+        shards.append(ShardSpec(_rank_file(self.rank), {"iteration": self.iteration, "rng": rng.capture(),
+                                                        "extra": self.extra}, persist=True))
+        return shards
+
+    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+        files = [(MODEL, False)]
+        if self.optimizer is not None or self.lr_scheduler is not None:
+            files.append((OPTIM, False))
+        # a rank that did not exist when the checkpoint was written has no RNG state to restore
+        files.append((_rank_file(self.rank), self.rank >= manifest.get("world_size", 1)))
+        return files
+
+    def restore(self, loaded: Loaded) -> Tuple[int, Optional[Dict[str, Any]]]:
+        trees = loaded.trees
+        _unwrap(self.model).load_state_dict(trees[MODEL])
+        if self.optimizer is not None or self.lr_scheduler is not None:
+            state = trees[OPTIM]
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        per_rank = trees.get(_rank_file(self.rank))
+        if per_rank is None:
+            self.ckpt.emit("warning", message="no RNG state saved for this rank")
+            return loaded.step, None
+        rng.restore(per_rank["rng"])
+        return int(per_rank["iteration"]), per_rank["extra"]
+
+
+def initialize_easyckpt(save_dir: Union[str, Config, None] = None, save_mem_interval: int = 1,
+                        save_storage_interval: int = 5, max_ckpt_num: Optional[int] = 5,
+                        log_file_path: Union[str, bool, None] = None, *, config: Optional[Config] = None,
                         **advanced: Any) -> None:
     """Validate the settings and attach to this node's agent (starting it on the first local rank).
 
-    ``advanced``: see config.ADVANCED and Config (e.g. ``exit_after_ondemand_checkpoint=True``).
-    """
-    check_advanced("initialize_easyckpt", advanced)
-    _slot.start(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
-                            save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
-                            log_file_path=log_setting(log_file_path),
-                            naming=NAMING, **advanced))
-
-
-def _shards(engine: Engine, iteration: int, model: torch.nn.Module, optimizer, lr_scheduler,
-            extra: Optional[Dict[str, Any]]) -> List[ShardSpec]:
-    owner = engine.rank == 0
-    shards = [ShardSpec(MODEL, _unwrap(model).state_dict(), persist=owner)]
-    if optimizer is not None or lr_scheduler is not None:
-        shards.append(ShardSpec(OPTIM, {
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}, persist=owner))
-    shards.append(ShardSpec(_rank_file(engine.rank), {"iteration": iteration, "rng": rng.capture(),
-                                                      "extra": extra}, persist=True))
-    return shards
+    Either the settings as keywords (``advanced``: see config.ADVANCED and Config, e.g.
+    ``exit_after_ondemand_checkpoint=True``), or one ``Config``: ``initialize_easyckpt(config)`` or
+    ``initialize_easyckpt(config=config)``."""
+    if isinstance(save_dir, Config):
+        config, save_dir = save_dir, None
+    _default.start(adapter_config("initialize_easyckpt", NAMING, config, dict(
+        save_dir=save_dir, save_mem_interval=save_mem_interval, save_storage_interval=save_storage_interval,
+        max_ckpt_num=max_ckpt_num, log_file_path=log_file_path), advanced))
 
 
 def save_checkpoint_if_needed(iteration: int, model: torch.nn.Module, optimizer=None, lr_scheduler=None,
                               extra: Optional[Dict[str, Any]] = None) -> None:
     """Call once per iteration, after the optimizer step; ``iteration`` counts completed iterations."""
-    engine = _slot.require()
-    engine.maybe_save(iteration, lambda: _shards(engine, iteration, model, optimizer, lr_scheduler, extra),
-                      optimizer=optimizer)
+    ckpt = _default.require()
+    ckpt.save(iteration, PytorchState(ckpt, model, optimizer, lr_scheduler, iteration, extra),
+              optimizer=optimizer)
 
 
 def load_checkpoint(model: torch.nn.Module, optimizer=None, lr_scheduler=None) -> Tuple[int, Optional[Dict[str, Any]]]:
     """Restore the newest complete state; returns ``(iteration, extra)``, or ``(0, None)`` when there is none."""
-    engine = _slot.require()
-
-    def needed(manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
-        files = [(MODEL, False)]
-        if optimizer is not None or lr_scheduler is not None:
-            files.append((OPTIM, False))
-        # a rank that did not exist when the checkpoint was written has no RNG state to restore
-        files.append((_rank_file(engine.rank), engine.rank >= manifest.get("world_size", 1)))
-        return files
-
-    loaded = engine.load(needed)
-    if loaded is None:
-        engine.log.emit("load", step=0, rank=engine.rank, source="none",
-                        message="no checkpoint found: starting from scratch")
-        return 0, None
-    trees = loaded.trees
-    _unwrap(model).load_state_dict(trees[MODEL])
-    if optimizer is not None or lr_scheduler is not None:
-        state = trees[OPTIM]
-        if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
-        if lr_scheduler is not None:
-            lr_scheduler.load_state_dict(state["lr_scheduler"])
-    per_rank = trees.get(_rank_file(engine.rank))
-    if per_rank is None:
-        engine.log.emit("warning", rank=engine.rank, message="no RNG state saved for this rank")
-        return loaded.step, None
-    rng.restore(per_rank["rng"])
-    return int(per_rank["iteration"]), per_rank["extra"]
+    ckpt = _default.require()
+    restored = ckpt.load(PytorchState(ckpt, model, optimizer, lr_scheduler))
+    return (0, None) if restored is None else restored
 
 
 def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:
     """Make the newest state durable (persisted and committed), then release shared memory.
 
     Returns the committed step (None if nothing was ever saved)."""
-    return _slot.finalize(timeout)
+    return _default.finalize(timeout)

@@ -16,7 +16,7 @@ What the wrapper changes, and what it keeps:
   the newest committed ``checkpoint-N`` whose manifest verifies (damaged or incomplete ones are skipped
   loudly) — is fed to the Trainer's own resume path (data skipping, RNG, trainer state, callbacks) through
   its load hooks, so nothing is read twice. A checkpoint written by a plain Trainer (no manifest) takes part
-  as well (engine/adopt.py): it is read the same way, through easyckpt's safe loader, when every file this
+  as well (trainer/adopt.py): it is read the same way, through easyckpt's safe loader, when every file this
   process needs loads; one that does not (an interrupted save) is passed over, on the console. Nothing at
   all: a log line, and training starts from scratch, so the first launch and every relaunch use the same
   command.
@@ -36,17 +36,18 @@ import json
 import os
 import random
 import re
-import shutil
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
-from easyckpt import deepspeed as ds
-from easyckpt.config import NAMINGS, Config, check_advanced, log_setting
-from easyckpt.formats import manifest as mf
-from easyckpt.storage import retention
-from easyckpt.trainer.session import Engine
+from easyckpt.config import NAMINGS, Config, adapter_config
+from easyckpt.errors import CheckpointError, ConfigError
+from easyckpt.trainer import deepspeed_state as ds
+from easyckpt.trainer import scratch, universal
+from easyckpt.trainer.foreign import newest_plain_checkpoint
+from easyckpt.trainer.checkpointer import Checkpointer
+from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
 
 # the Trainer keeps no tracker file: it finds checkpoints by their names
@@ -60,15 +61,21 @@ class TrainerWrapper:
 
     ``save_mem_interval``: every how many optimizer steps the state is copied to memory (default 1).
     ``log_file_path``: easyckpt's audit log. ``advanced``: see easyckpt.config.ADVANCED (job_name,
-    exit_after_ondemand_checkpoint, grace_deadline, ...).
+    exit_after_ondemand_checkpoint, grace_deadline, ...). Or ``config=Config(...)`` instead of those
+    keywords; its save_dir must be the Trainer's output_dir, and the Trainer's own arguments decide
+    what reaches storage and how much stays (save_steps, save_total_limit). ``engine``: the Checkpointer
+    while ``train`` runs, else None.
     """
 
     def __init__(self, trainer: Any, save_mem_interval: int = 1, log_file_path: Union[str, bool, None] = None,
-                 **advanced: Any):
-        check_advanced("TrainerWrapper", advanced)
+                 *, config: Optional[Config] = None, **advanced: Any):
+        # checked now (unknown keywords, config with keywords); the save dir is known only at train time
+        settings: Dict[str, Any] = dict(save_mem_interval=save_mem_interval, log_file_path=log_file_path)
+        base = adapter_config("TrainerWrapper", NAMING, config,
+                              settings if config is not None else dict(settings, save_dir="."), advanced)
         object.__setattr__(self, "_trainer", trainer)
-        object.__setattr__(self, "_opts", dict(save_mem_interval=save_mem_interval, log_file_path=log_setting(log_file_path),
-                                               **advanced))
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_config_given", config is not None)
         object.__setattr__(self, "engine", None)
 
     def __getattr__(self, name: str) -> Any:
@@ -87,10 +94,14 @@ class TrainerWrapper:
         trainer = self._trainer
         args = trainer.args
         limit = args.save_total_limit if args.save_total_limit and args.save_total_limit > 0 else None
-        # the Trainer's save points decide what is persisted (persist_now); the engine's own storage
+        base = self._base
+        if self._config_given and os.path.realpath(base.save_dir) != os.path.realpath(str(args.output_dir)):
+            raise ConfigError(f"config.save_dir={base.save_dir!r} is not the Trainer's output_dir="
+                              f"{str(args.output_dir)!r}: checkpoint-N go to output_dir; use that")
+        # the Trainer's save points decide what is persisted (save_now); the checkpointer's own storage
         # interval goes unused and only has to be a multiple of the memory interval
-        engine = Engine(Config(save_dir=str(args.output_dir), save_storage_interval=self._opts["save_mem_interval"],
-                               max_ckpt_num=limit, naming=NAMING, **self._opts))
+        engine = Checkpointer(dataclasses.replace(base, save_dir=str(args.output_dir), max_ckpt_num=limit,
+                                                  save_storage_interval=base.save_mem_interval))
         object.__setattr__(self, "engine", engine)
         session = _Session(trainer, engine)
         finished = False
@@ -112,9 +123,10 @@ class TrainerWrapper:
 
 
 class _Session:
-    """One ``train`` call: the Trainer's hooks swapped for easyckpt's, and the state they share."""
+    """One ``train`` call: the Trainer's hooks swapped for easyckpt's, and the state they share; the
+    FrameworkState of this adapter (collect, needed, restore)."""
 
-    def __init__(self, trainer: Any, engine: Engine):
+    def __init__(self, trainer: Any, engine: Checkpointer):
         self.trainer, self.engine = trainer, engine
         self.trees: Optional[Dict[str, Any]] = None      # what a resume feeds the Trainer's load hooks
         self.loaded_manifest: Dict[str, Any] = {}
@@ -153,19 +165,11 @@ class _Session:
             out.append(("generation_config.json", gen.to_json_string(use_diff=True).encode()))
         processor = getattr(self.trainer, "processing_class", None)
         if processor is not None and hasattr(processor, "save_pretrained") and self.args.should_save:
-            tmp = os.path.join(self.args.output_dir, f".easyckpt-processor-{self.engine.cfg.job_id}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                processor.save_pretrained(tmp)
-                for name in sorted(os.listdir(tmp)):
-                    with open(os.path.join(tmp, name), "rb") as f:
-                        out.append((name, f.read()))
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            tmp = os.path.join(self.args.output_dir, f".easyckpt-processor-{self.engine.config.job_id}")
+            out.extend(scratch.files_written_by(processor.save_pretrained, tmp))
         if self.ds_engine is not None:
             from deepspeed.utils import zero_to_fp32
-            with open(zero_to_fp32.__file__, "rb") as f:
-                out.append(("zero_to_fp32.py", f.read()))
+            out.append(("zero_to_fp32.py", scratch.file_bytes(zero_to_fp32.__file__)))
         return out
 
     def _trainer_state_json(self) -> str:
@@ -254,10 +258,9 @@ class _Session:
             original(*args, **kwargs)
             step = self.trainer.state.global_step
             if step > 0 and not self.saved_now:
-                self.engine.maybe_save(step, self.collect, info=self.info(), persist=False,
-                                       optimizer=self.trainer.optimizer)
+                self.engine.save(step, self, info=self.info(), persist=False, optimizer=self.trainer.optimizer)
             elif step > 0:     # saved by the Trainer just now; still a safe point for a SIGTERM agreement
-                self.engine.safe_point(step, self.collect, info=self.info())
+                self.engine.safe_point(step, self, info=self.info())
         return wrapped
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -267,10 +270,9 @@ class _Session:
         run_dir = self.trainer._get_output_dir(trial=trial)
         if args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
             best = state.best_global_step
-            if best in self.requested or best == state.global_step or \
-                    mf.read(os.path.join(run_dir, NAMING.dir_name(best))) is not None:
+            if best in self.requested or best == state.global_step or self.engine.is_committed(best, run_dir):
                 state.best_model_checkpoint = os.path.join(run_dir, NAMING.dir_name(best))
-        self.engine.persist_now(state.global_step, self.collect, info=self.info(), fresh=True)
+        self.engine.save_now(state.global_step, self, info=self.info(), fresh=True)
         self.requested.add(state.global_step)
         self.saved_now = True
 
@@ -285,13 +287,12 @@ class _Session:
     # ---- resume -----------------------------------------------------------------------------------
 
     def resume_point(self) -> Optional[str]:
-        """Choose what to resume from; install the load hooks that feed it. None: from scratch."""
+        """Choose what to resume from (a plain Trainer's checkpoint-N included: source "adopted"); install
+        the load hooks that feed it. None: from scratch."""
+        return self.engine.load(self)
+
+    def restore(self, loaded: Loaded) -> str:
         engine = self.engine
-        loaded = engine.load(self._needed)     # a plain Trainer's checkpoint-N included (source "adopted")
-        if loaded is None:
-            engine.log.emit("load", step=0, rank=engine.rank, source="none",
-                            message="no checkpoint found: starting from scratch")
-            return None
         self.trees, self.loaded_path = loaded.trees, loaded.path
         self.loaded_manifest = loaded.manifest or {}
         t = self.trainer
@@ -302,14 +303,11 @@ class _Session:
         if loaded.path is not None:
             return loaded.path
         # from memory: the Trainer reads trainer_state.json by path; give it just that file
-        self.virtual_dir = os.path.join(self.args.output_dir, f".easyckpt-resume-{engine.cfg.job_id}-r{engine.rank}",
+        self.virtual_dir = os.path.join(self.args.output_dir, f".easyckpt-resume-{engine.config.job_id}-r{engine.rank}",
                                         NAMING.dir_name(loaded.step))
-        os.makedirs(self.virtual_dir, exist_ok=True)
-        with open(os.path.join(self.virtual_dir, STATE), "wb") as f:
-            f.write(loaded.trees[STATE])
-        return self.virtual_dir
+        return scratch.staged_file(self.virtual_dir, STATE, loaded.trees[STATE])
 
-    def _needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
         files = [(STATE, False), (self._rng_file(), True)]
         if not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
             files += [(MODEL, False), (OPTIM, False)]
@@ -326,8 +324,8 @@ class _Session:
         tied = {k for k in result.missing_keys if _is_tied(model, k)}
         missing = [k for k in result.missing_keys if k not in tied]
         if missing or result.unexpected_keys:
-            raise RuntimeError(f"checkpoint does not match the model: missing {missing}, "
-                               f"unexpected {result.unexpected_keys}")
+            raise CheckpointError(f"checkpoint does not match the model: missing {missing}, "
+                                  f"unexpected {result.unexpected_keys}")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str) -> None:
         t = self.trainer
@@ -344,7 +342,7 @@ class _Session:
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
         state = (self.trees or {}).get(self._rng_file())
         if state is None:
-            self.engine.log.emit("warning", rank=self.engine.rank, message="no RNG state saved for this process")
+            self.engine.emit("warning", message="no RNG state saved for this process")
             return
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
@@ -366,17 +364,16 @@ class _Session:
             if self.loaded_path is None or ds.same_layout(ds_engine, self.loaded_manifest):
                 ds.restore_native(ds_engine, self.trees, tag, prefix=tag + "/", **kwargs)
             else:
-                self.engine.log.emit("convert", step=step, rank=self.engine.rank, path=self.loaded_path,
-                                     message="data-parallel size changed: loading through DeepSpeed's "
-                                             "universal checkpoint")
+                self.engine.emit("convert", step=step, path=self.loaded_path,
+                                 message="data-parallel size changed: loading through DeepSpeed's universal checkpoint")
                 ds.restore_universal(ds_engine, os.path.join(self.loaded_path, tag), tag,
-                                     ds.universal_work_dir(self.engine.cfg), self.engine.rank,
+                                     universal.work_dir(self.engine.config), self.engine.rank,
                                      self.engine.world_size, **kwargs)
         return load
 
     def cleanup(self) -> None:
         if self.virtual_dir is not None:
-            shutil.rmtree(os.path.dirname(self.virtual_dir), ignore_errors=True)
+            scratch.remove(os.path.dirname(self.virtual_dir))
             self.virtual_dir = None
         self.trees = None
 
@@ -403,23 +400,6 @@ def _is_tied(model: Any, key: str) -> bool:
 def _step_of(path: Optional[str]) -> Optional[int]:
     m = re.search(r"checkpoint-(\d+)$", str(path).rstrip("/")) if path else None
     return int(m.group(1)) if m else None
-
-
-def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
-    """The newest ``checkpoint-N`` written by a plain Trainer (no easyckpt manifest) that looks complete
-    (its trainer_state.json is readable and of step N), if newer than ``above``. The wrapper no longer uses
-    it (the engine's loader adopts such checkpoints after loading every file); kept for callers."""
-    found = []
-    for step, path in retention.step_dirs(output_dir, NAMING):
-        if step <= above or mf.read(path) is not None:
-            continue
-        try:
-            with open(os.path.join(path, STATE)) as f:
-                if int(json.load(f)["global_step"]) == step:
-                    found.append((step, path))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return max(found)[1] if found else None
 
 
 __all__ = ["TrainerWrapper", "newest_plain_checkpoint", "NAMING"]

@@ -18,16 +18,13 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from easyckpt import faults
+from easyckpt.errors import SnapshotChanged
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import shm, slotmeta, slotread, torchzip
 from easyckpt.formats.paths import inside
 from easyckpt.formats.shardfile import encode_header, file_entries
 from easyckpt.storage.direct import SequentialWriter
 from easyckpt.storage.posix import fsync_dir
-
-
-class SnapshotChanged(RuntimeError):
-    pass
 
 
 def persist_slot(slot_path: str, generation: int, staging: str, rank: int,

@@ -23,17 +23,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.config import NAMINGS, Naming
-from easyckpt.errors import ManifestError
+from easyckpt.errors import CatalogError, ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.storage import retention
 from easyckpt.storage.commit import STAGING_PREFIX
 
 FRAMEWORKS = sorted(NAMINGS)
 DAMAGED_MANIFEST = "bad manifest"      # how an entry's ``why`` starts when its manifest cannot be trusted
-
-
-class CatalogError(ValueError):
-    """A path that is not a directory, or a directory that holds no checkpoint: exit status 2."""
 
 
 def naming(framework: str) -> Naming:

@@ -56,6 +56,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.progress import Progress
 from easyckpt.storage import commit
@@ -89,8 +90,8 @@ def to_safetensors(step_dir: str, output: str, progress: Optional[ProgressFactor
         man = mf.load(step_dir)
     except (OSError, ValueError) as exc:
         why = f"{mf.MANIFEST_NAME} is missing" if isinstance(exc, FileNotFoundError) else str(exc)
-        raise ValueError(f"{step_dir} is not a committed easyckpt checkpoint: {why} (a save that did not finish "
-                         f"leaves none); pick a committed step (`easyckpt ls SAVE_DIR`)") from None
+        raise CheckpointError(f"{step_dir} is not a committed easyckpt checkpoint: {why} (a save that did not finish "
+                              f"leaves none); pick a committed step (`easyckpt ls SAVE_DIR`)") from None
     reader = _Reader(step_dir, man)
     plan = _plan(reader)
     inside = _relpath_inside(step_dir, output)
@@ -98,7 +99,7 @@ def to_safetensors(step_dir: str, output: str, progress: Optional[ProgressFactor
         _refuse_replacing_the_checkpoint(inside, man, output)
     problems = mf.check_sizes(step_dir, man, plan.files)
     if problems:
-        raise ValueError(_damaged(step_dir, problems))
+        raise CheckpointError(_damaged(step_dir, problems))
     with _bar(progress, sum(man["files"][rel]["size"] for rel in plan.files), "read") as bar:
         reader.bar = bar
         kind, weights = _load(plan, reader)
@@ -180,9 +181,9 @@ class _Reader:
         try:
             data = mf.read_verified(self.step_dir, rel, self.manifest)
         except OSError as exc:
-            raise ValueError(_damaged(self.step_dir, [f"{rel}: unreadable ({exc})"])) from exc
+            raise CheckpointError(_damaged(self.step_dir, [f"{rel}: unreadable ({exc})"])) from exc
         except ValueError as exc:
-            raise ValueError(_damaged(self.step_dir, [str(exc)])) from exc
+            raise CheckpointError(_damaged(self.step_dir, [str(exc)])) from exc
         if self.bar is not None:
             self.bar.update(len(data))
         return data
@@ -430,7 +431,7 @@ def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600, 
     try:
         man = mf.load(step_dir)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{step_dir}: no valid manifest ({exc})") from None
+        raise CheckpointError(f"{step_dir}: no valid manifest ({exc})") from None
     staged = os.path.join(work_dir, "input", tag)
     os.makedirs(staged)
     for rel in sorted(man["files"]):
@@ -440,9 +441,9 @@ def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600, 
         try:
             data = mf.read_verified(step_dir, rel, man)
         except OSError as exc:
-            raise ValueError(_damaged(step_dir, [f"{rel}: unreadable ({exc})"])) from exc
+            raise CheckpointError(_damaged(step_dir, [f"{rel}: unreadable ({exc})"])) from exc
         except ValueError as exc:
-            raise ValueError(_damaged(step_dir, [str(exc)])) from exc
+            raise CheckpointError(_damaged(step_dir, [str(exc)])) from exc
         fd = os.open(os.path.join(staged, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             write_all(fd, data)

@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.megatron.state import assemble
 from easyckpt.storage import commit
@@ -53,7 +54,7 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
     try:
         man = mf.load(step_dir)      # its file names are checked: each shard is read inside the step only
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{step_dir} is not a committed easyckpt checkpoint (no valid manifest: {exc})") from None
+        raise CheckpointError(f"{step_dir} is not a committed easyckpt checkpoint (no valid manifest: {exc})") from None
     groups: Dict[str, List[str]] = {}
     for rel in man["files"]:
         m = _SHARD.match(rel)

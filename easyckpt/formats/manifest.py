@@ -25,7 +25,7 @@ import time
 import zlib
 from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional
 
-from easyckpt.errors import ManifestError
+from easyckpt.errors import CheckpointError, ManifestError
 from easyckpt.formats import paths
 from easyckpt.units import size_and_bytes
 
@@ -52,7 +52,7 @@ class Hasher:
         elif algo == "crc32":
             self._crc = 0
         else:
-            raise ValueError(f"unknown checksum algorithm {algo!r}")
+            raise CheckpointError(f"unknown checksum algorithm {algo!r}")
 
     def update(self, data) -> None:
         if self.algo == "xxh3_64":
@@ -252,11 +252,11 @@ def read_verified(step_dir: str, rel: str, manifest: Dict[str, Any]) -> bytes:
     """The bytes of one listed file, after checking its size and checksum; ValueError if damaged or not
     listed (ManifestError is a ValueError too: a path that leaves the step)."""
     if rel not in manifest["files"]:
-        raise ValueError(f"{rel}: not in the manifest; refusing to read a file that is not part of the checkpoint")
+        raise CheckpointError(f"{rel}: not in the manifest; refusing to read a file that is not part of the checkpoint")
     data = bytes(read_entry(step_dir, rel))
     problem = check_bytes(rel, data, manifest)
     if problem:
-        raise ValueError(problem)
+        raise CheckpointError(problem)
     return data
 
 

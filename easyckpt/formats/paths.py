@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 
+from easyckpt.errors import UnsafePath
+
 MAX_RELPATH = 1024
-
-
-class UnsafePath(ValueError):
-    pass
 
 
 def check_relpath(rel: object) -> str:

@@ -40,13 +40,11 @@ import struct
 import typing
 from typing import Any, ClassVar, Dict, Iterator, NamedTuple, Optional, Type, Union
 
+from easyckpt.errors import BadMessage
+
 MAX_LINE = 1 << 16          # no valid message comes close; a longer line is an attack or a bug
 MAX_INT = 2 ** 62
 MAX_TEXT = 4096
-
-
-class BadMessage(ValueError):
-    """A line that is not a valid message; the text names the bad field."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import json
 import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from easyckpt.errors import CheckpointError
 from easyckpt.storage.direct import BLOCK
 
 SKELETON_KEY = "easyckpt.skeleton"
@@ -57,10 +58,10 @@ def parse(buf: bytes) -> Tuple[Any, List[Tuple[str, str, List[int], int, int]]]:
     a whole shard held in ``buf``. Every range is checked to lie inside ``buf``; turning entries into
     tensors is the trainer's part (trainer/shardload.py)."""
     if len(buf) < 8:
-        raise ValueError("shard is shorter than its 8-byte header length")
+        raise CheckpointError("shard is shorter than its 8-byte header length")
     (n,) = struct.unpack_from("<Q", buf, 0)
     if n > len(buf) - 8:
-        raise ValueError(f"shard header length {n} exceeds the file size {len(buf)}")
+        raise CheckpointError(f"shard header length {n} exceeds the file size {len(buf)}")
     header = json.loads(bytes(buf[8:8 + n]))
     meta = header.pop("__metadata__", {}) or {}
     base = 8 + n
@@ -68,9 +69,9 @@ def parse(buf: bytes) -> Tuple[Any, List[Tuple[str, str, List[int], int, int]]]:
     for key, info in header.items():
         begin, end = info["data_offsets"]
         if info["dtype"] not in NAME_DTYPES:
-            raise ValueError(f"unknown tensor dtype {info['dtype']!r} in shard")
+            raise CheckpointError(f"unknown tensor dtype {info['dtype']!r} in shard")
         if base + end > len(buf) or begin > end:
-            raise ValueError(f"tensor {key} lies outside the shard")
+            raise CheckpointError(f"tensor {key} lies outside the shard")
         entries.append((key, info["dtype"], info["shape"], base + begin, base + end))
     skeleton = json.loads(meta[SKELETON_KEY]) if SKELETON_KEY in meta else {k: {"__t": k} for k in header}
     return skeleton, entries

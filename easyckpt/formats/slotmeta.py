@@ -13,16 +13,13 @@ import binascii
 import json
 from typing import Any, Dict, List
 
-from easyckpt.formats.paths import UnsafePath, check_relpath
+from easyckpt.errors import BadSlotMeta, UnsafePath
+from easyckpt.formats.paths import check_relpath
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
             "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
 FORMATS = ("safetensors", "torch", "raw")
 MAX_DIMS = 64
-
-
-class BadSlotMeta(ValueError):
-    pass
 
 
 def _int(value: Any, what: str, low: int = 0) -> int:

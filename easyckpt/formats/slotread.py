@@ -19,13 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from easyckpt.errors import CheckpointError
+from easyckpt.errors import SlotNotComplete
 from easyckpt.formats import shm, slotmeta
-
-
-class SlotNotComplete(CheckpointError, ValueError):
-    """A slot holds no usable snapshot: empty, being written, torn, changed while read, or not the
-    step / generation asked for. Its message says which."""
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,17 @@ current layout is refused with a message that names concat=True.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-from easyckpt.config import Config, check_advanced, log_setting
+from easyckpt.config import Config, adapter_config
 from easyckpt.errors import ConfigError
 from easyckpt.megatron import state as _state
-from easyckpt.trainer.session import EngineSlot
+from easyckpt.trainer.checkpointer import DefaultCheckpointer
+from easyckpt.trainer.load import Loaded
+from easyckpt.trainer.snapshot import ShardSpec
 
-_slot = EngineSlot("easyckpt.megatron")
+_default = DefaultCheckpointer("easyckpt.megatron")
 _args: Any = None
 
 
@@ -32,40 +35,66 @@ def _megatron_args() -> Any:
         return None
 
 
-def initialize_easyckpt(save_mem_interval: int = 1, save_storage_interval: int = 5, max_ckpt_num: Optional[int] = 5,
-                        log_file_path: Union[str, bool, None] = None, *, save_dir: Optional[str] = None, args: Any = None,
+@dataclass
+class MegatronState:
+    """Megatron's model chunks, optimizer and scheduler on one rank (the FrameworkState of this adapter)."""
+
+    model: Any
+    optimizer: Any
+    opt_param_scheduler: Any
+    iteration: int = 0
+    flops: Optional[float] = None
+    strict: bool = True
+    concat: bool = False
+
+    def collect(self) -> List[ShardSpec]:
+        # everything happens here: an iteration that takes no snapshot pays for nothing
+        return _state.collect(self.iteration, self.model, self.optimizer, self.opt_param_scheduler,
+                              self.flops or 0, _args, _state.parallel())
+
+    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+        return _state.needed(_state.parallel(), self.optimizer, manifest, self.concat)
+
+    def restore(self, loaded: Loaded) -> Tuple[int, float]:
+        saved = _state.restore(loaded.trees, _state.parallel(), self.model, self.optimizer,
+                               self.opt_param_scheduler, self.strict, self.concat)
+        iteration = int(saved["iteration"])
+        _restore_training_counters(saved, iteration)
+        return iteration, saved.get("num_floating_point_operations_so_far", 0) or 0
+
+
+def initialize_easyckpt(save_mem_interval: Union[int, Config] = 1, save_storage_interval: int = 5,
+                        max_ckpt_num: Optional[int] = 5, log_file_path: Union[str, bool, None] = None, *,
+                        save_dir: Optional[str] = None, args: Any = None, config: Optional[Config] = None,
                         **advanced: Any) -> None:
-    """Attach this rank to easyckpt. ``save_dir`` defaults to Megatron's ``args.save``."""
+    """Attach this rank to easyckpt. ``save_dir`` defaults to Megatron's ``args.save``. Or one ``Config``
+    instead of the settings: ``initialize_easyckpt(config)`` / ``initialize_easyckpt(config=config, args=args)``."""
     global _args
-    check_advanced("initialize_easyckpt", advanced)
+    if isinstance(save_mem_interval, Config):
+        config, save_mem_interval = save_mem_interval, 1
     _args = args if args is not None else _megatron_args()
-    save_dir = save_dir or getattr(_args, "save", None)
-    if not save_dir:
-        raise ConfigError("no save directory: pass save_dir=... or run under Megatron-LM with --save")
-    _slot.start(Config(save_dir=str(save_dir), save_mem_interval=save_mem_interval,
-                            save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
-                            log_file_path=log_setting(log_file_path), naming=_state.NAMING, **advanced))
-
-
-def _collector(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any, flops: Optional[float]):
-    # everything happens inside the callable: an iteration that takes no snapshot pays for nothing
-    return lambda: _state.collect(iteration, model, optimizer, opt_param_scheduler, flops or 0, _args,
-                                  _state.parallel())
+    if config is None:
+        save_dir = save_dir or getattr(_args, "save", None)
+        if not save_dir:
+            raise ConfigError("no save directory: pass save_dir=... or run under Megatron-LM with --save")
+    _default.start(adapter_config("initialize_easyckpt", _state.NAMING, config, dict(
+        save_dir=save_dir, save_mem_interval=save_mem_interval, save_storage_interval=save_storage_interval,
+        max_ckpt_num=max_ckpt_num, log_file_path=log_file_path), advanced))
 
 
 def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
                               num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Call every iteration after the optimizer step; snapshots and persists on the configured intervals."""
-    _slot.require().maybe_save(iteration, _collector(iteration, model, optimizer, opt_param_scheduler,
-                                                num_floating_point_operations_so_far), optimizer=optimizer)
+    _default.require().save(iteration, MegatronState(model, optimizer, opt_param_scheduler, iteration,
+                                                     num_floating_point_operations_so_far), optimizer=optimizer)
 
 
 def save_checkpoint_now(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
                         num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Snapshot ``iteration`` (unless it already is) and have it persisted, without waiting for storage:
     what Megatron's own save points (--save-interval, exit signal, end of training) map to."""
-    _slot.require().persist_now(iteration, _collector(iteration, model, optimizer, opt_param_scheduler,
-                                                 num_floating_point_operations_so_far))
+    _default.require().save_now(iteration, MegatronState(model, optimizer, opt_param_scheduler, iteration,
+                                                         num_floating_point_operations_so_far))
 
 
 def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
@@ -78,17 +107,9 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
 def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                     strict: bool = True, concat: bool = False, **kwargs: Any) -> Tuple[int, float]:
     """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``."""
-    engine = _slot.require()
-    where = _state.parallel()
-    loaded = engine.load(lambda manifest: _state.needed(where, optimizer, manifest, concat))
-    if loaded is None:
-        engine.log.emit("load", step=0, rank=where.rank, source="none",
-                        message="no checkpoint found: starting from scratch")
-        return 0, 0
-    saved = _state.restore(loaded.trees, where, model, optimizer, opt_param_scheduler, strict, concat)
-    iteration = int(saved["iteration"])
-    _restore_training_counters(saved, iteration)
-    return iteration, saved.get("num_floating_point_operations_so_far", 0) or 0
+    restored = _default.require().load(MegatronState(model, optimizer, opt_param_scheduler, strict=strict,
+                                                     concat=concat))
+    return (0, 0) if restored is None else restored
 
 
 def _restore_training_counters(saved: dict, iteration: int) -> None:
@@ -111,8 +132,8 @@ def _restore_training_counters(saved: dict, iteration: int) -> None:
 
 def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:
     """Persist and commit the newest state, then release shared memory. Returns the committed iteration."""
-    return _slot.finalize(timeout)
+    return _default.finalize(timeout)
 
 
 __all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "save_checkpoint_now", "save_checkpoint",
-           "load_checkpoint", "finalize_easyckpt"]
+           "load_checkpoint", "finalize_easyckpt", "MegatronState"]

@@ -5,7 +5,7 @@ training.py imports the names at import time):
 
 - ``load_checkpoint``            → ``easyckpt.megatron.load_checkpoint``: the newest complete state from
                                    memory or ``--save``, Megatron's own ``--ckpt-format torch`` checkpoints
-                                   there included (engine/adopt.py); when easyckpt finds nothing and
+                                   there included (trainer/adopt.py); when easyckpt finds nothing and
                                    ``--load`` names another directory, Megatron's own loader reads that one
                                    (fine-tuning from a native checkpoint keeps working), and likewise when
                                    the iteration Megatron's tracker names in ``--load`` is in a format
@@ -111,20 +111,11 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
 
 def _megatron_only(load_dir: str) -> bool:
     """Whether the iteration Megatron's tracker names in ``load_dir`` is Megatron's own checkpoint in a
-    format only Megatron reads (a distributed-checkpoint format: no mp_rank_* directories). A damaged
-    ``--ckpt-format torch`` one is not handed over: easyckpt rejected it, and Megatron would crash on it."""
-    from easyckpt.formats import manifest as mf
+    format only Megatron reads (trainer/foreign.py); the console says so."""
     from easyckpt.megatron.state import NAMING
-    from easyckpt.trainer.adopt import tracker_step
-    step = tracker_step(load_dir, NAMING)
-    if step is None:
-        return False
-    step_dir = os.path.join(load_dir, NAMING.dir_name(step))
-    try:
-        names = os.listdir(step_dir)
-    except OSError:
-        return False
-    if mf.MANIFEST_NAME in names or any(n.startswith("mp_rank_") for n in names):
+    from easyckpt.trainer.foreign import megatron_only_step
+    step_dir = megatron_only_step(load_dir, NAMING)
+    if step_dir is None:
         return False
     if _rank() == 0:
         print(f"easyckpt: {os.path.basename(step_dir)} is Megatron's own checkpoint in a format easyckpt does not "

@@ -8,7 +8,7 @@ Per rank at (tp, pp, dp), for iteration N (directory ``iter_{N:07d}``):
         the fp32 main params and Adam moments (per DP rank, so no gather stalls the save; Megatron's own
         single-file ``distrib_optim.pt`` is produced by the converter, easyckpt.cli.convert)
 
-A checkpoint Megatron wrote itself (adopted, engine/adopt.py) has ``distrib_optim.pt`` (DP rank 0's gathered
+A checkpoint Megatron wrote itself (adopted, trainer/adopt.py) has ``distrib_optim.pt`` (DP rank 0's gathered
 "dp_zero" state) and no per-DP shards: DP rank 0 reads it and megatron-core's own
 ``load_parameter_state_from_dp_zero`` scatters it, so any data-parallel size resumes from it without concat.
     easyckpt_rng/rank_{r:05d}.safetensors             every rank's own RNG states (Megatron keeps DP rank 0's)
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from easyckpt.config import NAMINGS
+from easyckpt.errors import CheckpointError
 from easyckpt.trainer.snapshot import ShardSpec
 
 NAMING = NAMINGS["megatron"]
@@ -159,11 +160,11 @@ def distopt_restore_concat(opt: Any, shards: List[Dict[str, Any]], names: Dict[A
     for _, model_param, ranges in _distopt_params(opt):
         name = names[model_param]
         if name not in full:
-            raise ValueError(f"the checkpoint has no optimizer state for parameter {name}")
+            raise CheckpointError(f"the checkpoint has no optimizer state for parameter {name}")
         sub = ranges["param"]
         tensors = {k: (v if v.dim() == 0 else v[sub.start:sub.end]) for k, v in full[name].items()}
         if any(v.dim() and torch.isnan(v).any() for v in tensors.values()):
-            raise ValueError(f"the saved shards do not cover parameter {name} entirely")
+            raise CheckpointError(f"the saved shards do not cover parameter {name} entirely")
         _ensure_adam_state(opt, model_param, tensors)
         opt._set_main_param_and_optimizer_states(model_param, tensors)
 
@@ -172,8 +173,8 @@ def distopt_restore(opt: Any, state: Dict[str, Any]) -> None:
     mine = list(_distopt_params(opt))
     saved = state["params"]
     if len(saved) != len(mine) or state["per_bucket_numel_unpadded"] != opt.per_bucket_numel_unpadded:
-        raise ValueError("the distributed-optimizer shard does not match this run's parameter layout; "
-                         "resuming on another data-parallel size needs load_checkpoint(..., concat=True)")
+        raise CheckpointError("the distributed-optimizer shard does not match this run's parameter layout; "
+                              "resuming on another data-parallel size needs load_checkpoint(..., concat=True)")
     for entry, (_, model_param, _) in zip(saved, mine):
         tensors = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
         _ensure_adam_state(opt, model_param, tensors)
@@ -259,7 +260,7 @@ def needed(where: Parallel, optimizer: Any, manifest: Dict[str, Any], concat: bo
             prefix = f"{where.mp_dir}/distrib_optim_dp"
             shards = sorted(r for r in manifest["files"] if r.startswith(prefix))
             if not shards:
-                raise ValueError(f"no distributed-optimizer shards under {where.mp_dir} in the checkpoint")
+                raise CheckpointError(f"no distributed-optimizer shards under {where.mp_dir} in the checkpoint")
             files.extend((r, False) for r in shards)
         else:
             files.append((where.distopt_file, False))

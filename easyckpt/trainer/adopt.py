@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.config import Naming
+from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.progress import Progress
 from easyckpt.trainer import shardload
@@ -199,24 +200,24 @@ def _missing_problem(rel: str, inv: Dict[str, Any]) -> str:
 
 def _read_inside(step_dir: str, rel: str, size: int, on_bytes: Optional[Callable[[int], None]]) -> bytearray:
     if os.path.isabs(rel) or ".." in rel.split("/"):
-        raise ValueError("path leaves the step directory")
+        raise CheckpointError("path leaves the step directory")
     path = os.path.join(step_dir, rel)
     real_dir = os.path.realpath(step_dir)
     if not os.path.realpath(path).startswith(real_dir + os.sep):
-        raise ValueError("path resolves outside the step directory (a symlink?)")
+        raise CheckpointError("path resolves outside the step directory (a symlink?)")
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
+            raise CheckpointError("not a regular file")
         if st.st_size != size:
-            raise ValueError(f"size {st.st_size} != {size} when listed (still being written?)")
+            raise CheckpointError(f"size {st.st_size} != {size} when listed (still being written?)")
         buf = bytearray(size)
         view, got = memoryview(buf), 0
         while got < size:
             n = os.readv(fd, [view[got:got + (64 << 20)]])
             if not n:
-                raise ValueError("file shrank while being read")
+                raise CheckpointError("file shrank while being read")
             got += n
             if on_bytes is not None:
                 on_bytes(n)

@@ -37,13 +37,9 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
-from easyckpt.errors import EasyCkptError
+from easyckpt.errors import PreemptionError
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.trainer import loader_workers
-
-
-class PreemptionError(EasyCkptError):
-    pass
 
 
 def _default_store() -> Any:

@@ -10,8 +10,8 @@ SIGTERM (preempt.py): ``maybe_save`` is the safe point. Once every rank agreed o
 snapshotted (even off-interval), persisted and committed before ``maybe_save`` returns; then the process
 exits with status 0 if ``exit_after_ondemand_checkpoint`` is set, else training goes on.
 
-Adapters supply ``collect`` (their framework's state as ShardSpecs) and the Naming of their native
-layout; they hold no file I/O, no threads, and no knowledge of slots or agents.
+Adapters reach it through checkpointer.py (Checkpointer, the public object, and the FrameworkState
+protocol they implement); they hold no file I/O, no threads, and no knowledge of slots or agents.
 """
 from __future__ import annotations
 
@@ -364,29 +364,3 @@ def _failed_steps(status: Dict[str, Any]) -> Dict[int, str]:
     failed = status.get("failed_steps")
     return {int(k): str(v) for k, v in failed.items() if str(k).isdigit()} if isinstance(failed, dict) else {}
 
-
-class EngineSlot:
-    """The one engine behind an adapter's module-level verbs (initialize → save/load → finalize)."""
-
-    def __init__(self, verbs: str):
-        self.verbs = verbs            # e.g. "easyckpt" or "easyckpt.megatron", for messages
-        self.engine: Optional[Engine] = None
-
-    def start(self, cfg: Config) -> Engine:
-        if self.engine is not None:
-            raise EasyCkptError(f"{self.verbs}.initialize_easyckpt was already called in this process; call "
-                                f"{self.verbs}.finalize_easyckpt() first to start another job")
-        self.engine = Engine(cfg)
-        return self.engine
-
-    def require(self) -> Engine:
-        if self.engine is None:
-            raise EasyCkptError(f"call {self.verbs}.initialize_easyckpt(...) before saving or loading")
-        return self.engine
-
-    def finalize(self, timeout: Optional[float] = None) -> Optional[int]:
-        engine = self.require()
-        try:
-            return engine.finalize(timeout)
-        finally:
-            self.engine = None

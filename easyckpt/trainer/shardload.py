@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 
+from easyckpt.errors import CheckpointError
 from easyckpt.formats import shardfile
 
 Entry = Tuple[str, str, Sequence[int], int, int]     # key, dtype name, shape, begin, end
@@ -19,7 +20,7 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return getattr(torch, shardfile.NAME_DTYPES[name])
     except KeyError:
-        raise ValueError(f"unknown tensor dtype {name!r} in shard") from None
+        raise CheckpointError(f"unknown tensor dtype {name!r} in shard") from None
 
 
 def views(base: torch.Tensor, entries: Iterable[Entry]) -> List[torch.Tensor]:

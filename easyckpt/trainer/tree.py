@@ -12,6 +12,8 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 
+from easyckpt.errors import CheckpointError
+
 try:
     import numpy as np
 except ImportError:  # numpy is optional for the engine
@@ -290,9 +292,9 @@ def _allow(names: Iterable[str]) -> List[Any]:
     for name in names:
         obj = _allowed(name)
         if obj is None:
-            raise ValueError(f"refusing to load: the file references {name}, which is not on easyckpt's "
-                             f"allow-list (tensors, containers, argparse.Namespace, framework enums, "
-                             f"DeepSpeed's loss scaler and fragment addresses, numpy arrays)")
+            raise CheckpointError(f"refusing to load: the file references {name}, which is not on easyckpt's "
+                                  f"allow-list (tensors, containers, argparse.Namespace, framework enums, "
+                                  f"DeepSpeed's loss scaler and fragment addresses, numpy arrays)")
         allowed.extend(obj if isinstance(obj, list) else [obj])
     return allowed
 

@@ -1,0 +1,138 @@
+"""The one public object: a job's checkpoints in this training process, built from a Config.
+
+    ckpt = Checkpointer(config)      validate the settings, attach to (or start) this node's agent
+    ckpt.save(step, state)           every iteration: a snapshot on save_mem_interval, persisted on
+                                     save_storage_interval; never waits for storage
+    ckpt.save_now(step, state)       a framework's own save point: this step is snapshotted and persisted
+    ckpt.load(state)                 the newest complete state (memory or storage, agreed by all ranks)
+                                     restored through ``state``; None when there is none
+    ckpt.finalize()                  the newest state is committed when it returns; slots released
+
+``state`` is what an adapter knows of its framework on this rank, the one protocol every adapter
+implements (FrameworkState): collect this rank's state, say which files a restore reads, restore.
+Adapters hold no file I/O, no threads and no knowledge of slots or agents; each adapter's module-level
+verbs are a DefaultCheckpointer, a thin default instance over this object.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar, runtime_checkable
+
+from easyckpt.config import Config
+from easyckpt.errors import EasyCkptError
+from easyckpt.formats import manifest as mf
+from easyckpt.trainer.load import Loaded
+from easyckpt.trainer.session import Engine, Info
+from easyckpt.trainer.snapshot import ShardSpec, SnapshotResult
+
+R = TypeVar("R", covariant=True)
+
+
+@runtime_checkable
+class FrameworkState(Protocol[R]):
+    """One adapter's view of its framework's live objects on this rank (model, optimizer, engine, ...)."""
+
+    def collect(self) -> Sequence[ShardSpec]:
+        """This rank's state now, as the files of the framework's native layout. Tensors stay tensors
+        (the snapshot copies them); called only when a snapshot is taken."""
+
+    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+        """The files this rank reads to restore the checkpoint ``manifest`` describes, as (relative
+        path, optional). A CheckpointError when it cannot be restored into this job."""
+
+    def restore(self, loaded: Loaded) -> R:
+        """Put ``loaded.trees`` back into the live objects; returns what the adapter's load verb returns."""
+
+
+class Checkpointer:
+    """Checkpoints of one job in this process; see the module docstring for the call order."""
+
+    def __init__(self, config: Config):
+        self.engine = Engine(config)
+
+    @property
+    def config(self) -> Config:
+        return self.engine.cfg
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    def save(self, step: int, state: FrameworkState[Any], *, info: Info = None, persist: Optional[bool] = None,
+             optimizer: Any = None) -> Optional[SnapshotResult]:
+        """Call once per step, after the optimizer step. ``persist``: None = on save_storage_interval,
+        False when the framework decides what is persisted (it calls save_now at its save points).
+        ``optimizer``: the one whose next step changes the parameters (the snapshot may overlap until then).
+        ``info``: recorded in the manifest (e.g. ``{"protect": [best step]}``)."""
+        return self.engine.maybe_save(step, state.collect, info=info, persist=persist, optimizer=optimizer)
+
+    def save_now(self, step: int, state: FrameworkState[Any], *, info: Info = None, fresh: bool = False,
+                 timeout: Optional[float] = None) -> SnapshotResult:
+        """Snapshot ``step`` (unless it already is; ``fresh``: again, the state changed without the step
+        changing) and hand it to the agent; waits only for a free slot, never for storage."""
+        return self.engine.persist_now(step, state.collect, timeout=timeout, info=info, fresh=fresh)
+
+    def safe_point(self, step: int, state: FrameworkState[Any], *, info: Info = None) -> bool:
+        """For a step the framework already saved: still the point where a SIGTERM agreement is kept."""
+        return self.engine.safe_point(step, state.collect, info)
+
+    def load(self, state: FrameworkState[R]) -> Optional[R]:
+        """Restore the newest complete state through ``state``; None (logged) when there is nothing."""
+        loaded = self.engine.load(state.needed)
+        if loaded is None:
+            self.engine.log.emit("load", step=0, rank=self.rank, source="none",
+                                 message="no checkpoint found: starting from scratch")
+            return None
+        return state.restore(loaded)
+
+    def is_committed(self, step: int, directory: Optional[str] = None) -> bool:
+        """Whether ``step`` is committed (its manifest verifies) in ``directory`` (default: save_dir)."""
+        where = directory if directory is not None else self.config.save_dir
+        return mf.read(os.path.join(where, self.config.naming.dir_name(step))) is not None
+
+    def wait_committed(self, step: int, timeout: Optional[float] = None) -> None:
+        """Block until ``step``, already handed to the agent, is committed (AgentError after ``timeout``)."""
+        self.engine.wait_committed(step, timeout)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """A line of the audit log (and the console, for warnings and errors) from this rank."""
+        self.engine.log.emit(event, rank=self.rank, **fields)
+
+    def finalize(self, timeout: Optional[float] = None, persist: bool = True) -> Optional[int]:
+        """Persist and commit the newest state, wait for the commit, release the slots; returns its step.
+        ``persist=False``: only release (the framework was told not to save)."""
+        return self.engine.finalize(timeout, persist=persist)
+
+
+class DefaultCheckpointer:
+    """The checkpointer behind an adapter's module-level verbs (initialize → save/load → finalize)."""
+
+    def __init__(self, verbs: str):
+        self.verbs = verbs            # e.g. "easyckpt" or "easyckpt.megatron", for messages
+        self.current: Optional[Checkpointer] = None
+
+    def start(self, config: Config) -> Checkpointer:
+        if self.current is not None:
+            raise EasyCkptError(f"{self.verbs}.initialize_easyckpt was already called in this process; call "
+                                f"{self.verbs}.finalize_easyckpt() first to start another job")
+        self.current = Checkpointer(config)
+        return self.current
+
+    def require(self) -> Checkpointer:
+        if self.current is None:
+            raise EasyCkptError(f"call {self.verbs}.initialize_easyckpt(...) before saving or loading")
+        return self.current
+
+    def finalize(self, timeout: Optional[float] = None) -> Optional[int]:
+        ckpt = self.require()
+        try:
+            return ckpt.finalize(timeout)
+        finally:
+            self.current = None
+
+
+__all__ = ["Checkpointer", "DefaultCheckpointer", "FrameworkState"]
