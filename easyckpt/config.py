@@ -108,7 +108,7 @@ class Config:
     autocheckpoint_on_sigterm: bool = True
     exit_after_ondemand_checkpoint: bool = False
     grace_deadline: float = 300.0
-    # copy the tensors the optimizer owns while the next forward/backward runs (engine/overlap.py);
+    # copy the tensors the optimizer owns while the next forward/backward runs (trainer/overlap.py);
     # None = auto: when they are on a GPU, or when the CPU has a core the training does not compute on
     snapshot_overlap: Optional[bool] = None
     # the agent writes checkpoint files with O_DIRECT (around the page cache) where the file system
