@@ -213,7 +213,7 @@ def restore_universal(engine: Any, tag_dir: str, tag: str, work_dir: str, rank: 
         os.makedirs(work_dir)
         # only the files the manifest lists, verified, unpickled safely (the converter itself would glob the
         # directory and torch.load whatever it finds there with weights_only=False)
-        from easyckpt.cli.consolidate import to_universal
+        from easyckpt.cli.universal import to_universal
         from easyckpt.formats.manifest import MANIFEST_NAME
         # the manifest sits in the step directory: tag_dir itself (plain engine), or its parent (the
         # Trainer's checkpoint-N/global_stepN)

@@ -44,8 +44,9 @@ import torch
 
 from easyckpt import deepspeed as ds
 from easyckpt.config import NAMINGS, Config, check_advanced, log_setting
+from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.formats import manifest as mf
-from easyckpt.storage import retention
+from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer.session import Engine
 from easyckpt.trainer.snapshot import ShardSpec
 
@@ -203,7 +204,7 @@ class _Session:
             shards.append(ShardSpec(MODEL, self._model_state(), persist=writer))
             shards.append(ShardSpec(OPTIM, trainer.optimizer.state_dict(), persist=writer, fmt="torch"))
         else:
-            tag = f"global_step{dse.global_steps}"
+            tag = deepspeed_tag(dse.global_steps)
             if not dse.zero_optimization_partition_weights():
                 shards.append(ShardSpec(MODEL, self._model_state(), persist=writer))
             shards.extend(ds.native_shards(dse, tag, prefix=tag + "/"))
@@ -314,7 +315,7 @@ class _Session:
         if not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
             files += [(MODEL, False), (OPTIM, False)]
         else:
-            tag = f"global_step{manifest['step']}"
+            tag = deepspeed_tag(manifest["step"])
             files += ds.needed_files(tag + "/", self.args.process_index, self.args.world_size, manifest)
         for optional in (SCHED, SCALER):
             files.append((optional, True))
@@ -360,7 +361,7 @@ class _Session:
             if self.trees is None:          # an explicit path or a plain Trainer's checkpoint
                 return original(ds_engine, checkpoint_path, load_module_strict=load_module_strict)
             step = int(json.loads(self.trees[STATE])["global_step"])
-            tag = f"global_step{step}"
+            tag = deepspeed_tag(step)
             kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=True,
                           load_lr_scheduler_states=True)
             if self.loaded_path is None or ds.same_layout(ds_engine, self.loaded_manifest):
@@ -410,7 +411,7 @@ def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
     (its trainer_state.json is readable and of step N), if newer than ``above``. The wrapper no longer uses
     it (the engine's loader adopts such checkpoints after loading every file); kept for callers."""
     found = []
-    for step, path in retention.step_dirs(output_dir, NAMING):
+    for step, path in SaveDir(output_dir, NAMING).step_dirs():
         if step <= above or mf.read(path) is not None:
             continue
         try:

@@ -39,9 +39,10 @@ from easyckpt.agent.persist import persist_slot
 from easyckpt.config import Config
 from easyckpt.formats import jobkey, protocol, shm
 from easyckpt.formats.reap import reap_dead_jobs
-from easyckpt.storage import commit, retention
+from easyckpt.storage import retention
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.joblock import JobLock
+from easyckpt.storage.savedir import SaveDir
 
 HELLO_WAIT = 10.0   # seconds a new agent waits for its first trainer before it leaves
 
@@ -73,6 +74,7 @@ class Agent:
         self.cfg = cfg
         self.job_id = cfg.job_id
         self.log = AuditLog(cfg.audit_log, "agent")
+        self.savedir = SaveDir(cfg.save_dir, cfg.naming, self.job_id)
         self.key = jobkey.read(self.job_id)    # the spawning trainer created it; refused if planted
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -167,7 +169,7 @@ class Agent:
         self.log.close()
 
     def _clean_leftovers(self) -> None:
-        commit.remove_staging(self.cfg.save_dir, self.job_id, self.log)
+        self.savedir.remove_staging(self.log)
         reap_dead_jobs(self.log, keep=self.job_id)
 
     # ---- messages -------------------------------------------------------------------------
@@ -431,15 +433,14 @@ class Agent:
 
     def _persist_from_slots(self, step: int, per_rank: Dict[int, Dict[int, Tuple[int, int]]], reason: str) -> bool:
         """Persist ``step`` of every rank in ``per_rank`` unless storage already has it; True if it had to."""
-        done = retention.committed(self.cfg.save_dir, self.cfg.naming)
+        done = self.savedir.committed()
         if done and done[0][0] >= step:
             return False
         event = "persist_after_death" if reason == "trainer died" else "deadline_fallback"
         self.log.emit(event, step=step, ranks=sorted(per_rank))
         for rank, steps in per_rank.items():
             slot, gen = steps[step]
-            if self.done.get((rank, step), "not done") is None and os.path.isdir(commit.staging_dir(
-                    self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))):
+            if self.done.get((rank, step), "not done") is None and os.path.isdir(self.savedir.staging_path(step)):
                 continue
             self._enqueue(_Job("persist", step, rank, slot, gen, reason=reason))
         return True
@@ -496,9 +497,9 @@ class Agent:
                 self.term_at, self.term_step = None, None
 
     def _abandon_all(self, why: str) -> None:
-        for path in commit.staging_dirs(self.cfg.save_dir, self.job_id):
+        for path in self.savedir.staging_dirs():
             self.log.emit("abandon", path=path, message=why)
-            commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=path)
+            self.savedir.remove_staging(self.log, only=path)
         self.log.emit("deadline_exit", message=why, outstanding=self.outstanding)
 
     def _abandon_other_steps(self, keep: Optional[int]) -> None:
@@ -513,13 +514,12 @@ class Agent:
         self._enqueue(_Job("abandon", -1 if keep is None else keep))
 
     def _remove_abandoned_staging(self, keep: int) -> None:
-        keep_dir = None if keep < 0 else commit.staging_dir(self.cfg.save_dir, self.job_id,
-                                                              self.cfg.naming.dir_name(keep))
-        for path in commit.staging_dirs(self.cfg.save_dir, self.job_id):
+        keep_dir = None if keep < 0 else self.savedir.staging_path(keep)
+        for path in self.savedir.staging_dirs():
             if path != keep_dir:
                 self.log.emit("abandon", path=path, message="its trainers died before every rank's shard of "
                                                             "this step was written; a restarted job redoes it")
-                commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=path)
+                self.savedir.remove_staging(self.log, only=path)
 
     # ---- worker: the disk work ------------------------------------------------------------
 
@@ -535,10 +535,9 @@ class Agent:
                     err = self._remove_abandoned_staging(job.step)
                 elif job.kind == "damaged":
                     err = None
-                    commit.mark_damaged(self.cfg.save_dir, self.cfg.naming.dir_name(job.step), job.reason, self.log)
+                    self.savedir.mark_damaged(job.step, job.reason, self.log)
                 elif job.kind == "drop":
-                    commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=commit.staging_dir(
-                        self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(job.step)))
+                    self.savedir.remove_staging(self.log, step=job.step)
                 else:
                     raise ValueError(f"unknown job kind {job.kind!r}")
             except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
@@ -554,15 +553,16 @@ class Agent:
     def _persist(self, job: _Job) -> Optional[str]:
         path = shm.slot_path(self.job_id, job.rank, job.slot)
         view = self._view(job.rank, job.slot)
-        staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(job.step))
+        staging = self.savedir.staging_path(job.step)
         view.set(busy=job.generation)
         try:
             faults.inject("agent.before_persist", job.rank)
             step, files, nbytes, seconds, info = persist_slot(path, job.generation, staging, job.rank,
-                                                                 direct_io=self.cfg.direct_io)
+                                                                 direct_io=self.cfg.direct_io,
+                                                                 storage=self.savedir.storage)
             if step != job.step:
                 raise RuntimeError(f"slot holds step {step}, expected {job.step}")
-            commit.write_shard_marker(staging, job.rank, job.step, files, info)
+            self.savedir.write_marker(job.step, job.rank, files, info)
             faults.inject("agent.after_marker", job.rank)
         finally:
             view.set(busy=0, released=job.generation)
@@ -574,26 +574,23 @@ class Agent:
         return None
 
     def _commit(self, step: int, quiet: bool = False, epoch: int = 0) -> Optional[str]:
-        staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
         current = epoch == self.epoch     # a commit for trainers that are gone decides nothing for new ones
         if current and step < self.newest_committed:   # see _supersede: its last shard came after a newer commit
             self.results.put((_Job("wait_commit", step, epoch=epoch), None))
             return None
-        markers = commit.read_markers(staging)
+        markers = self.savedir.read_markers(step)
         if self.world_size is None or len(markers) < self.world_size:
             if quiet:
                 self.results.put((_Job("wait_commit", step, epoch=epoch), None))
                 return None
             return "not ready"
         t0 = time.perf_counter()
-        final, nbytes = commit.commit(self.cfg.save_dir, self.job_id, step, self.world_size, self.cfg.naming,
-                                      self.log)
+        final, nbytes = self.savedir.commit(step, self.world_size, self.log)
         if current:
             self.newest_committed = max(self.newest_committed, step)
         self.log.emit("commit", step=step, path=final, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
         self.results.put((_Job("committed", step, epoch=epoch), None))
-        retention.prune(self.cfg.save_dir, self.cfg.naming, self.job_id,
-                        retention.KeepLast(self.cfg.max_ckpt_num, retention.protected(final)), self.log)
+        self.savedir.prune(retention.KeepLast(self.cfg.max_ckpt_num, retention.protected(final)), self.log)
         return None
 
     # ---- results, flushes, commit deadlines (event loop) ---------------------------------------
@@ -638,10 +635,10 @@ class Agent:
         it later would also move the tracker backwards. Drop it instead of waiting for commit_timeout
         (which kept the agent, and the shared memory, alive for that long)."""
         self.pending_commits.pop(step, None)
-        staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
+        staging = self.savedir.staging_path(step)
         if not os.path.isdir(staging):
             return       # committed meanwhile (a commit job queued twice): nothing to drop
-        missing = sorted(set(range(self.world_size or 0)) - set(commit.read_markers(staging)))
+        missing = sorted(set(range(self.world_size or 0)) - set(self.savedir.read_markers(step)))
         self.log.emit("abandon", step=step, message=f"superseded by the commit of step {self.newest_committed} "
                                                     f"before ranks {missing} handed over their shards of it")
         self._enqueue(_Job("drop", step))
@@ -649,8 +646,7 @@ class Agent:
     def _check_commits(self) -> None:
         now = time.monotonic()
         for step, deadline in list(self.pending_commits.items()):
-            staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
-            markers = commit.read_markers(staging)
+            markers = self.savedir.read_markers(step)
             if self.world_size is not None and len(markers) >= self.world_size:
                 if not any(j == step for j in self._queued_commits()):
                     self._enqueue(_Job("commit", step))
@@ -680,5 +676,4 @@ class Agent:
             if key[1] == step and done is None:
                 self.done[key] = f"step {step} failed: {self.failed[step]}"
         self._answer_flushes()
-        staging = commit.staging_dir(self.cfg.save_dir, self.job_id, self.cfg.naming.dir_name(step))
-        commit.remove_staging(self.cfg.save_dir, self.job_id, self.log, only=staging)
+        self.savedir.remove_staging(self.log, step=step)
