@@ -56,7 +56,7 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     try:
         sd.write_manifest(staging, manifest)
         faults.inject("agent.after_manifest")
-        for rank in markers:
+        for rank in sorted(markers):
             sd.storage.delete(os.path.join(staging, layout.marker_name(rank)))
         sd.storage.sync_dir(staging)
         faults.inject("agent.before_rename")
