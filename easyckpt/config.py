@@ -14,35 +14,9 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Mapping, Optional, Type, TypeVar, Union
 
 from easyckpt.errors import ConfigError, UnknownSettingError
+# the save-dir names (formats/layout.py); re-exported: adapters and settings name them from here
+from easyckpt.formats.layout import NAMINGS, Naming  # noqa: F401
 from easyckpt.storage.posix import probe_writable
-
-
-@dataclass(frozen=True)
-class Naming:
-    """How a framework names its step directories and tracker file (supplied by the adapter)."""
-
-    dir_format: str = "step_{:08d}"          # str.format(step)
-    dir_regex: str = r"^step_(\d{8})$"       # group 1 = step; what pruning and loading recognise
-    tracker: Optional[str] = "latest"        # file name in save_dir, updated after each commit (None: none)
-    tracker_format: str = "step_{:08d}"      # its content, str.format(step)
-    framework: str = "pytorch"
-
-    def dir_name(self, step: int) -> str:
-        return self.dir_format.format(step)
-
-
-# Each framework's native step-directory names, here (torch-free) so that the operator tools list and
-# verify checkpoints without importing torch or the frameworks; the adapters take theirs from this table.
-NAMINGS: Dict[str, Naming] = {
-    "pytorch": Naming(dir_format="step_{:08d}", dir_regex=r"^step_(\d{8})$", tracker="latest",
-                      tracker_format="step_{:08d}", framework="pytorch"),
-    "megatron": Naming(dir_format="iter_{:07d}", dir_regex=r"^iter_(\d{7})$",
-                       tracker="latest_checkpointed_iteration.txt", tracker_format="{}", framework="megatron"),
-    "deepspeed": Naming(dir_format="global_step{}", dir_regex=r"^global_step(\d+)$", tracker="latest",
-                        tracker_format="global_step{}", framework="deepspeed"),
-    "transformers": Naming(dir_format="checkpoint-{}", dir_regex=r"^checkpoint-(\d+)$", tracker=None,
-                           tracker_format="checkpoint-{}", framework="transformers"),
-}
 
 
 DEFAULT_LOG_NAME = "easyckpt.log"

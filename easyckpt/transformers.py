@@ -43,6 +43,7 @@ import torch
 
 from easyckpt.config import NAMINGS, Config, adapter_config
 from easyckpt.errors import CheckpointError, ConfigError
+from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.trainer import deepspeed_state as ds
 from easyckpt.trainer import scratch, universal
 from easyckpt.trainer.foreign import newest_plain_checkpoint
@@ -165,7 +166,7 @@ class _Session:
             out.append(("generation_config.json", gen.to_json_string(use_diff=True).encode()))
         processor = getattr(self.trainer, "processing_class", None)
         if processor is not None and hasattr(processor, "save_pretrained") and self.args.should_save:
-            tmp = os.path.join(self.args.output_dir, f".easyckpt-processor-{self.engine.config.job_id}")
+            tmp = scratch.path(self.args.output_dir, "processor", self.engine.config.job_id)
             out.extend(scratch.files_written_by(processor.save_pretrained, tmp))
         if self.ds_engine is not None:
             from deepspeed.utils import zero_to_fp32
@@ -207,7 +208,7 @@ class _Session:
             shards.append(ShardSpec(MODEL, self._model_state(), persist=writer))
             shards.append(ShardSpec(OPTIM, trainer.optimizer.state_dict(), persist=writer, fmt="torch"))
         else:
-            tag = f"global_step{dse.global_steps}"
+            tag = deepspeed_tag(dse.global_steps)
             if not dse.zero_optimization_partition_weights():
                 shards.append(ShardSpec(MODEL, self._model_state(), persist=writer))
             shards.extend(ds.native_shards(dse, tag, prefix=tag + "/"))
@@ -303,7 +304,7 @@ class _Session:
         if loaded.path is not None:
             return loaded.path
         # from memory: the Trainer reads trainer_state.json by path; give it just that file
-        self.virtual_dir = os.path.join(self.args.output_dir, f".easyckpt-resume-{engine.config.job_id}-r{engine.rank}",
+        self.virtual_dir = os.path.join(scratch.path(self.args.output_dir, "resume", engine.config.job_id, engine.rank),
                                         NAMING.dir_name(loaded.step))
         return scratch.staged_file(self.virtual_dir, STATE, loaded.trees[STATE])
 
@@ -312,7 +313,7 @@ class _Session:
         if not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
             files += [(MODEL, False), (OPTIM, False)]
         else:
-            tag = f"global_step{manifest['step']}"
+            tag = deepspeed_tag(manifest["step"])
             files += ds.needed_files(tag + "/", self.args.process_index, self.args.world_size, manifest)
         for optional in (SCHED, SCALER):
             files.append((optional, True))
@@ -358,7 +359,7 @@ class _Session:
             if self.trees is None:          # an explicit path or a plain Trainer's checkpoint
                 return original(ds_engine, checkpoint_path, load_module_strict=load_module_strict)
             step = int(json.loads(self.trees[STATE])["global_step"])
-            tag = f"global_step{step}"
+            tag = deepspeed_tag(step)
             kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=True,
                           load_lr_scheduler_states=True)
             if self.loaded_path is None or ds.same_layout(ds_engine, self.loaded_manifest):

@@ -202,8 +202,9 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
     max_ckpt_num remain after a prune, no half-written step is visible, foreign files are untouched."""
     from easyckpt.formats import manifest as mf
     from easyckpt.pytorch import NAMING
-    from easyckpt.storage import commit, retention
+    from easyckpt.storage import retention
     from easyckpt.storage.auditlog import AuditLog
+    from easyckpt.storage.savedir import SaveDir
     rnd = random.Random(SEED)
     log = AuditLog(None, "test")
     points = ["agent.after_manifest", "agent.before_rename", "agent.after_rename", "agent.before_tracker"]
@@ -211,28 +212,29 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
         d = tmp_path / f"t{trial}"
         d.mkdir()
         job, n_keep, step = f"{trial:012x}", rnd.randint(1, 4), 0
+        sd = SaveDir(str(d), NAMING, job)
         foreign = {}
 
         def stage(s: int, complete: bool = True) -> None:
-            staging = Path(commit.staging_dir(str(d), job, NAMING.dir_name(s)))
+            staging = Path(sd.staging_path(s))
             staging.mkdir()
             data = rnd.randbytes(rnd.randint(1, 300))
             (staging / "model.bin").write_bytes(data if complete else data[:1])
             if complete:
-                commit.write_shard_marker(str(staging), 0, s, {"model.bin": {
+                sd.write_marker(s, 0, {"model.bin": {
                     "size": len(data), "checksum": mf.checksum(data)}})
 
         def save(s: int) -> None:
             stage(s)
             try:
-                final, _ = commit.commit(str(d), job, s, 1, NAMING, log)
+                final, _ = sd.commit(s, 1, log)
             except FileExistsError:     # another job's directory of that name: refused, as the agent does
-                commit.remove_staging(str(d), job, log, only=commit.staging_dir(str(d), job, NAMING.dir_name(s)))
+                sd.remove_staging(log, step=s)
                 return
-            retention.prune(str(d), NAMING, job, retention.KeepLast(n_keep, retention.protected(final)), log)
+            sd.prune(retention.KeepLast(n_keep, retention.protected(final)), log)
 
         for _ in range(30):
-            newest_before = retention.committed(str(d), NAMING, job)[:1]
+            newest_before = sd.committed(own=True)[:1]
             op = rnd.choice(["save", "save", "save", "fail", "kill", "crash", "restart", "prune", "foreign"])
             if op == "save":
                 step += rnd.randint(1, 3)
@@ -240,7 +242,7 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
             elif op == "fail":            # e.g. disk full while writing: the agent removes the staging dir
                 step += 1
                 stage(step, complete=False)
-                commit.remove_staging(str(d), job, log, only=commit.staging_dir(str(d), job, NAMING.dir_name(step)))
+                sd.remove_staging(log, step=step)
             elif op == "kill":            # the agent died while writing: staging stays until the next start
                 step += 1
                 stage(step, complete=False)
@@ -253,12 +255,11 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
                     assert "injected fault" in str(exc)
                 monkeypatch.delenv("EASYCKPT_FAULTS")
             elif op == "restart":         # the next agent's start
-                commit.remove_staging(str(d), job, log)
+                sd.remove_staging(log)
             elif op == "prune":
-                committed = retention.committed(str(d), NAMING, job)
+                committed = sd.committed(own=True)
                 if committed:
-                    retention.prune(str(d), NAMING, job, retention.KeepLast(
-                        n_keep, retention.protected(committed[0][1])), log)
+                    sd.prune(retention.KeepLast(n_keep, retention.protected(committed[0][1])), log)
             else:                         # another job's checkpoint and staging, an unrelated file
                 other = d / NAMING.dir_name(rnd.randint(1, 200))
                 made = [d / f"notes-{rnd.randint(0, 9)}.txt",
@@ -273,7 +274,7 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
                     p.parent.mkdir(exist_ok=True)
                     p.write_bytes(rnd.randbytes(8))
                 foreign.update({p: p.read_bytes() for p in made})
-            committed = retention.committed(str(d), NAMING, job)
+            committed = sd.committed(own=True)
             steps = [s for s, _ in committed]
             what = f"trial {trial}, op {op}, keep {n_keep}, committed {steps}"
             if newest_before:   # only a newer commit may retire the newest one
@@ -284,7 +285,7 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
                 assert len(steps) <= n_keep, what
             for path, data in foreign.items():
                 assert path.exists() and path.read_bytes() == data, f"{what}: foreign {path} touched"
-            for s, path in retention.step_dirs(str(d), NAMING):
+            for s, path in sd.step_dirs():
                 man = mf.read(path)
                 assert man is not None, f"{what}: {path} is visible without a manifest"
                 if man.get("job_id") == job:

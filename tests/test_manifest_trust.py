@@ -149,7 +149,7 @@ def _negative_step(m):
 def test_a_malformed_manifest_is_rejected_logged_and_the_job_starts_from_the_previous_step(ckpt, tmp_path,
                                                                                            damage, field):
     from easyckpt.config import NAMINGS
-    from easyckpt.storage import retention
+    from easyckpt.storage.savedir import SaveDir
     newest = step_dir(ckpt, 4)
     if damage == "invalid-json":
         (newest / MANIFEST_NAME).write_text('{"format_version": 1, "step": 4, "files": {')
@@ -158,7 +158,7 @@ def test_a_malformed_manifest_is_rejected_logged_and_the_job_starts_from_the_pre
     with pytest.raises(ManifestError, match=field):
         mf.load(str(newest))
     assert mf.read(str(newest)) is None
-    assert [s for s, _ in retention.committed(str(ckpt), NAMINGS["pytorch"])] == [2]
+    assert [s for s, _ in SaveDir(str(ckpt), NAMINGS["pytorch"]).committed()] == [2]
 
     step, ev = probe(ckpt, tmp_path)
     assert step == 2, "the 2-rank job must start from the intact older step"

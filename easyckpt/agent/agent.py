@@ -8,7 +8,7 @@ wired here; the loop thread owns all their state, and the persist worker thread 
   persister.py    the worker thread: persist, commit, prune, remove staging — one job at a time
   grace.py        the SIGTERM clock: when to save on the trainers' behalf, when to leave
   recovery.py     what to persist after the trainers died or at the grace deadline
-  slots.py        the agent's reads and writes of the shm slots; savedir.py its calls into storage
+  slots.py        the agent's reads and writes of the shm slots; jobdir.py its calls into storage
 
 One turn of the loop: wait for a message or a worker result (at most 50 ms) → each message goes to
 its handler below, which tells the coordinator → each result goes to the coordinator → the
@@ -37,7 +37,7 @@ from easyckpt.agent.jobs import PersistJob
 from easyckpt.agent.persister import Persister, disk_work
 from easyckpt.agent.grace import Grace
 from easyckpt.agent.recovery import Recovery
-from easyckpt.agent.savedir import JobDir
+from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.server import Client, Server
 from easyckpt.config import Config
 from easyckpt.formats import jobkey, protocol, shm

@@ -1,13 +1,14 @@
 """Write one rank's snapshot from its shared-memory slot into a step's staging directory.
 
 Runs in the node agent, never in a trainer. Each shard file is a small JSON header followed by the
-tensor bytes, which go from the slot to the disk with O_DIRECT and no copy (storage/direct.py); a
-thread checksums the same bytes from the mapping meanwhile. Framework-native torch.save files go
-are assembled from the trainer's pickle and the slot's bytes (torchzip.py): the agent never unpickles.
-Every file name comes from the slot's checked metadata (slotmeta.py) and stays inside the staging
-directory (paths.py); files are created exclusively, never through a symlink. After the last byte the slot's generation is checked again:
-if the trainer had started to overwrite the slot, the shard is discarded (promise 3: the values
-persisted for step S are the values of step S).
+tensor bytes, which go from the slot to the disk with O_DIRECT and no copy (the Storage interface's
+Writer: storage/direct.py on POSIX); a thread checksums the same bytes from the mapping meanwhile.
+Framework-native torch.save files are assembled from the trainer's pickle and the slot's bytes
+(torchzip.py): the agent never unpickles. Every file name comes from the slot's checked metadata
+(slotmeta.py) and stays inside the staging directory (paths.py); files are created exclusively, never
+through a symlink. After the last byte the slot's generation is checked again: if the trainer had
+started to overwrite the slot, the shard is discarded (promise 3: the values persisted for step S are
+the values of step S).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import base64
 import os
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt import faults
 from easyckpt.errors import SnapshotChanged
@@ -23,16 +24,18 @@ from easyckpt.formats import manifest as mf
 from easyckpt.formats import shm, slotmeta, slotread, torchzip
 from easyckpt.formats.paths import inside
 from easyckpt.formats.shardfile import encode_header, file_entries
-from easyckpt.storage.direct import SequentialWriter
-from easyckpt.storage.posix import fsync_dir
+from easyckpt.storage.base import Storage, Writer
+from easyckpt.storage.posix import PosixStorage
 
 
-def persist_slot(slot_path: str, generation: int, staging: str, rank: int,
-                 direct_io: bool = True) -> Tuple[int, Dict[str, Any], int, float, Dict[str, Any]]:
+def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direct_io: bool = True,
+                 storage: Optional[Storage] = None) -> Tuple[int, Dict[str, Any], int, float, Dict[str, Any]]:
     """Persist the snapshot ``generation`` held in ``slot_path``;
     return (step, files, bytes, seconds, the adapter's info for the manifest).
-    ``direct_io``: write around the page cache where the file system allows it."""
+    ``direct_io``: write around the page cache where the file system allows it. ``storage``: the save
+    dir's back-end (the SaveDir's; POSIX by default)."""
     t0 = time.perf_counter()
+    storage = storage if storage is not None else PosixStorage()
     slot = shm.Slot(slot_path, writable=False)
     try:
         try:
@@ -43,8 +46,8 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int,
         files: Dict[str, Any] = {}
         total = 0
         made_dirs = {staging}
-        os.makedirs(staging, exist_ok=True)
-        written: List[SequentialWriter] = []
+        storage.makedirs(staging)
+        written: List[Writer] = []
         try:
             with memoryview(slot.mm) as view:
                 for f in meta["files"]:
@@ -53,10 +56,10 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int,
                     rel = f["relpath"]
                     parent = os.path.dirname(os.path.join(staging, rel))
                     if parent not in made_dirs:
-                        os.makedirs(parent, exist_ok=True)
+                        storage.makedirs(parent)
                         made_dirs.add(parent)
                     path = inside(staging, rel)     # after makedirs: no directory on the way is a symlink out
-                    out = SequentialWriter(path, direct=direct_io)
+                    out = storage.open_writer(path, direct=direct_io)
                     written.append(out)
                     fmt = f.get("fmt", "safetensors")
                     if fmt == "torch":
@@ -77,12 +80,12 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int,
             # fsync once every file is written: where O_DIRECT was refused, the kernel writes the first
             # files back while the later ones are copied, instead of the copy waiting for each flush
             for out in written:
-                os.fsync(out.fd)
+                out.sync()
         finally:
             for out in written:
                 out.close()
         for d in sorted(made_dirs, key=len, reverse=True):
-            fsync_dir(d)
+            storage.sync_dir(d)
         if slot.state() != (shm.COMPLETE, generation):
             raise SnapshotChanged(f"slot {slot_path} was overwritten while it was persisted")
         return hdr.step, files, total, time.perf_counter() - t0, meta.get("info") or {}
@@ -90,7 +93,7 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int,
         slot.close()
 
 
-def _write_shard(out: SequentialWriter, header: bytes, view: memoryview, start: int, end: int) -> str:
+def _write_shard(out: Writer, header: bytes, view: memoryview, start: int, end: int) -> str:
     hasher = mf.Hasher()
     hasher.update(header)
     worker = threading.Thread(target=hasher.update, args=(view[start:end],), daemon=True)
@@ -103,7 +106,7 @@ def _write_shard(out: SequentialWriter, header: bytes, view: memoryview, start: 
     return hasher.hexdigest()
 
 
-def _write_torch(out: SequentialWriter, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]) -> str:
+def _write_torch(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]) -> str:
     """A framework-native torch.save file from the trainer's pickle and the tensor bytes in the slot."""
     ranges = slotmeta.tensor_ranges(f)
     storages = [tuple(ranges[key]) for key in skeleton["storages"]]

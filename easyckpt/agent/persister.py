@@ -27,7 +27,7 @@ from easyckpt import faults
 from easyckpt.agent import slots
 from easyckpt.agent.jobs import AbandonJob, CommitJob, DamagedJob, DropJob, Job, PersistJob, Result
 from easyckpt.agent.persist import persist_slot
-from easyckpt.agent.savedir import JobDir
+from easyckpt.agent.jobdir import JobDir
 from easyckpt.storage.auditlog import AuditLog
 
 ABANDON_WHY = "its trainers died before every rank's shard of this step was written; a restarted job redoes it"
@@ -105,7 +105,7 @@ def disk_work(job_id: str, jobdir: JobDir, log: AuditLog, direct_io: bool) -> Ca
         with slots.reserved(job_id, job.rank, job.slot, job.generation) as path:
             faults.inject("agent.before_persist", job.rank)
             step, files, nbytes, seconds, info = persist_slot(path, job.generation, jobdir.staging(job.step),
-                                                              job.rank, direct_io=direct_io)
+                                                              job.rank, direct_io=direct_io, storage=jobdir.storage)
             if step != job.step:
                 raise RuntimeError(f"slot holds step {step}, expected {job.step}")
             jobdir.write_marker(job.step, job.rank, files, info)

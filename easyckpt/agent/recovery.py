@@ -17,7 +17,7 @@ from typing import Iterable
 
 from easyckpt.agent import slots
 from easyckpt.agent.coordinator import Coordinator
-from easyckpt.agent.savedir import JobDir
+from easyckpt.agent.jobdir import JobDir
 from easyckpt.storage.auditlog import AuditLog
 
 

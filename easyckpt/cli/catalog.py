@@ -22,11 +22,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from easyckpt.config import NAMINGS, Naming
 from easyckpt.errors import CatalogError, ManifestError
 from easyckpt.formats import manifest as mf
-from easyckpt.storage import retention
-from easyckpt.storage.commit import STAGING_PREFIX
+from easyckpt.formats.layout import NAMINGS, Naming
+from easyckpt.storage.savedir import SaveDir
 
 FRAMEWORKS = sorted(NAMINGS)
 DAMAGED_MANIFEST = "bad manifest"      # how an entry's ``why`` starts when its manifest cannot be trusted
@@ -40,7 +39,7 @@ def detect(save_dir: str) -> Tuple[str, Naming]:
     """The framework whose step-directory naming matches the most entries of ``save_dir``."""
     best: Tuple[str, Optional[Naming], int] = ("pytorch", None, -1)
     for name, nm in sorted(NAMINGS.items()):
-        n = len(retention.step_dirs(save_dir, nm))
+        n = len(SaveDir(save_dir, nm).step_dirs())
         if n > best[2]:
             best = (name, nm, n)
     return best[0], best[1] or naming("pytorch")
@@ -107,8 +106,9 @@ def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False
         framework, nm = detect(save_dir)
     else:
         nm = naming(framework)
-    entries = [_entry(step, path, framework) for step, path in retention.step_dirs(save_dir, nm)]
-    entries += _staging(save_dir, nm, framework)
+    sd = SaveDir(save_dir, nm)
+    entries = [_entry(step, path, framework) for step, path in sd.step_dirs()]
+    entries += _staging(sd, framework)
     entries.sort(key=lambda e: (e.step, not e.staging), reverse=True)
     if checksums:
         for e in entries:
@@ -199,20 +199,12 @@ def _trainer_step(path: str) -> Optional[int]:
         return None
 
 
-def _staging(save_dir: str, nm: Naming, framework: str) -> List[Entry]:
+def _staging(sd: SaveDir, framework: str) -> List[Entry]:
     out = []
-    pattern = re.compile(nm.dir_regex)
-    for name in sorted(os.listdir(save_dir)):
-        if not name.startswith(STAGING_PREFIX):
-            continue
-        # .easyckpt-staging-<job id>-<final name>
-        job, _, final = name[len(STAGING_PREFIX):].partition("-")
-        m = pattern.match(final)
-        path = os.path.join(save_dir, name)
-        if m and os.path.isdir(path):
-            nbytes, nfiles = _disk_usage(path)
-            out.append(Entry(int(m.group(1)), path, False, "being written (staging), or left by a crash",
-                             framework, os.path.getmtime(path), nbytes, nfiles, {}, job, staging=True))
+    for step, job, path in sd.staging_entries():
+        nbytes, nfiles = _disk_usage(path)
+        out.append(Entry(step, path, False, "being written (staging), or left by a crash",
+                         framework, os.path.getmtime(path), nbytes, nfiles, {}, job, staging=True))
     return out
 
 

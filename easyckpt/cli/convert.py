@@ -18,8 +18,9 @@ import torch
 
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
+from easyckpt.formats.layout import NAMINGS
 from easyckpt.megatron.state import assemble
-from easyckpt.storage import commit
+from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer.tree import safe_torch_load
 
 _SHARD = re.compile(r"^(mp_rank_[0-9_]+)/distrib_optim_dp(\d{3})\.pt$")
@@ -63,6 +64,7 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
     if not groups:
         raise ValueError(f"{step_dir} holds no distributed-optimizer shards (distrib_optim_dp*.pt)")
     written, entries = [], {}
+    sd = SaveDir(os.path.dirname(step_dir), NAMINGS["megatron"])
     for mp_dir, rels in sorted(groups.items()):
         shard_lists = []
         for rel in sorted(rels):
@@ -74,7 +76,7 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
         torch.save(dp_zero_state([s[0] for s in shard_lists]), buf)
         rel = f"{mp_dir}/distrib_optim.pt"
         entries[rel] = {"size": buf.getbuffer().nbytes, "checksum": mf.checksum(buf.getbuffer()), "format": "torch"}
-        commit.add_file(step_dir, rel, buf.getvalue())
+        sd.add_file(step_dir, rel, buf.getvalue())
         written.append(os.path.join(step_dir, rel))
-    commit.add_to_manifest(step_dir, entries)
+    sd.add_to_manifest(step_dir, entries)
     return written

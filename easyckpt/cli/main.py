@@ -30,6 +30,7 @@ from easyckpt.cli.catalog import FRAMEWORKS, CatalogError
 from easyckpt.errors import EasyCkptError
 from easyckpt.formats import manifest as mf
 from easyckpt.storage import retention
+from easyckpt.storage.savedir import SaveDir
 from easyckpt.units import human
 
 _stdout = sys.stdout
@@ -173,7 +174,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print(f"easyckpt prune: no checkpoint of job {args.job_id} in {args.dir} (jobs: {', '.join(jobs) or 'none'})",
               file=sys.stderr)
         return 2
-    committed = retention.committed(args.dir, naming, job)
+    sd = SaveDir(args.dir, naming, job)
+    committed = sd.committed(own=True)
     policy = retention.KeepLast(args.keep, retention.protected(committed[0][1]))
     doomed = policy.to_delete(committed)
     others = [j for j in jobs if j != job]
@@ -190,7 +192,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             return 1
         log = AuditLog(args.log_file or os.path.join(args.dir, "easyckpt-prune.log"), "cli")
         try:
-            report["deleted"] = retention.prune(args.dir, naming, job, policy, log)
+            report["deleted"] = sd.prune(policy, log)
         finally:
             log.close()
             lock.release()
@@ -228,7 +230,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             entry.update(step=done.step, bytes=done.header.data_capacity, complete=True,
                          world_size=done.header.world_size)
         snapshots.append(entry)
-    committed = retention.committed(args.dir, naming)
+    committed = SaveDir(args.dir, naming).committed()
     newest = None
     if committed:
         step, path = committed[0]

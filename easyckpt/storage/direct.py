@@ -29,7 +29,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class SequentialWriter:
-    """Writes one new file front to back. ``finish()`` must be called; fsync stays the caller's."""
+    """Writes one new file front to back (storage.base.Writer). ``finish()`` must be called; ``sync()``
+    (fsync) stays the caller's, so that it can sync many files after writing them all."""
 
     def __init__(self, path: str, direct: bool = True, mode: int = 0o644):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -106,6 +107,9 @@ class SequentialWriter:
         elif self._fill:
             self._flush_bounce()
         self._release()
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
 
     def close(self) -> None:
         self._release()

@@ -1,4 +1,5 @@
-"""POSIX durability primitives: fsync discipline, no-replace rename, atomic small-file writes.
+"""POSIX storage: the Storage interface (base.py) for local and network file systems, and its primitives:
+fsync discipline, no-replace rename, atomic small-file writes.
 
 Everything that makes bytes durable or visible on disk goes through these few functions, so the rules
 of the durable sequence (RELIABILITY.md) are enforced in one place:
@@ -11,8 +12,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import shutil
+import stat
 from pathlib import Path
-from typing import Union
+from typing import List, Union
+
+from easyckpt.storage.base import Buffer
+from easyckpt.storage.direct import SequentialWriter
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -100,3 +106,65 @@ def _unlink_quiet(path: PathLike) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class PosixStorage:
+    """storage.base.Storage on a POSIX file system; files stream through direct.SequentialWriter
+    (O_DIRECT where the file system allows it, the same bytes either way)."""
+
+    has_rename = True
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def open_writer(self, path: str, direct: bool = True) -> SequentialWriter:
+        return SequentialWriter(path, direct=direct)
+
+    def write_atomic(self, path: str, data: Buffer) -> None:
+        atomic_write(path, data)
+
+    def sync_dir(self, path: str) -> None:
+        fsync_dir(path)
+
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        rename_noreplace(src, dst)
+
+    def listdir(self, path: str) -> List[str]:
+        return os.listdir(path)
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def delete(self, path: str) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            # a tree half removed (EIO, a file another user owns) goes on the next start of its job:
+            # only names in trash or staging are ever deleted this way
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _unlink_quiet(path)
+
+    def read(self, path: str, offset: int = 0, length: int = -1) -> bytes:
+        # O_NONBLOCK: a FIFO planted under a tracker's or marker's name must not hang the reader
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            if length < 0:
+                length = max(0, st.st_size - offset)
+            out = bytearray()
+            while len(out) < length:
+                chunk = os.pread(fd, length - len(out), offset + len(out))
+                if not chunk:
+                    break
+                out += chunk
+            return bytes(out)
+        finally:
+            os.close(fd)

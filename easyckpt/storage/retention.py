@@ -1,54 +1,30 @@
-"""Which committed checkpoints stay: pruning after a successful commit.
+"""Which committed checkpoints stay: pruning after a successful commit (SaveDir.prune runs it).
 
 Rules (promise 4): only directories that match the framework's naming AND carry a manifest of this
 job; never the newest committed one; every delete is logged before it happens; a checkpoint the
-loader rejected (commit.mark_damaged) never counts towards the ones kept, and goes once a newer
-verified one exists, so a verified checkpoint is never deleted while a damaged one stays (promise 10); a directory is first
-renamed out of sight (atomic) and then removed, so a crash mid-delete never leaves a half-deleted
-directory under a checkpoint's name.
+loader rejected (SaveDir.mark_damaged) never counts towards the ones kept, and goes once a newer
+verified one exists, so a verified checkpoint is never deleted while a damaged one stays (promise 10).
+Each delete is SaveDir.delete_dir: renamed out of sight (atomic), then removed, so a crash mid-delete
+never leaves a half-deleted directory under a checkpoint's name.
+
+What to keep is a policy object with one verb (``to_delete``); the rules above bind every policy.
 """
 from __future__ import annotations
 
 import os
-import re
-import shutil
-from typing import Iterable, List, Optional, Protocol, Set, Tuple
+from typing import TYPE_CHECKING, Iterable, List, Optional, Protocol, Set, Tuple
 
-from easyckpt.config import Naming
 from easyckpt.formats import manifest as mf
 from easyckpt.storage.auditlog import AuditLog
-from easyckpt.storage.commit import read_damaged, trash_path
-from easyckpt.storage.posix import fsync_dir
 
+if TYPE_CHECKING:
+    from easyckpt.storage.savedir import SaveDir
 
-def step_dirs(save_dir: str, naming: Naming) -> List[Tuple[int, str]]:
-    """(step, path) of every directory named like a step directory, newest first."""
-    pattern = re.compile(naming.dir_regex)
-    out = []
-    try:
-        names = os.listdir(save_dir)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        m = pattern.match(name)
-        path = os.path.join(save_dir, name)
-        if m and os.path.isdir(path):
-            out.append((int(m.group(1)), path))
-    return sorted(out, reverse=True)
-
-
-def committed(save_dir: str, naming: Naming, job_id: Optional[str] = None) -> List[Tuple[int, str]]:
-    """Step directories with a valid manifest of the same step (of one job if given), newest first."""
-    out = []
-    for step, path in step_dirs(save_dir, naming):
-        man = mf.read(path)
-        if man is not None and man["step"] == step and (job_id is None or man.get("job_id") == job_id):
-            out.append((step, path))
-    return out
+Committed = List[Tuple[int, str]]     # (step, path), newest first
 
 
 class RetentionPolicy(Protocol):
-    def to_delete(self, committed_newest_first: List[Tuple[int, str]]) -> List[Tuple[int, str]]: ...
+    def to_delete(self, committed_newest_first: Committed) -> Committed: ...
 
 
 def protected(step_dir: str) -> Set[int]:
@@ -65,7 +41,7 @@ class KeepLast:
     def __init__(self, n: Optional[int], protect: Iterable[int] = ()):
         self.n, self.protect = n, set(protect)
 
-    def to_delete(self, committed_newest_first):
+    def to_delete(self, committed_newest_first: Committed) -> Committed:
         if self.n is None or not committed_newest_first:
             return []
         keep = {committed_newest_first[0][0]} | (self.protect & {s for s, _ in committed_newest_first})
@@ -81,19 +57,15 @@ class KeepLast:
         return out
 
 
-def prune(save_dir: str, naming: Naming, job_id: str, policy: RetentionPolicy, log: AuditLog) -> List[int]:
+def prune(sd: "SaveDir", policy: RetentionPolicy, log: AuditLog) -> List[int]:
     deleted = []
-    ours = committed(save_dir, naming, job_id)
-    damaged = read_damaged(save_dir)
+    ours = sd.committed(own=True)
+    damaged = sd.read_damaged()
     verified = [(s, p) for s, p in ours if os.path.basename(p) not in damaged]
     victims = [(s, p, "retention") for s, p in policy.to_delete(verified)]
     victims += [(s, p, f"damaged ({damaged[os.path.basename(p)]})") for s, p in ours[1:]
                 if os.path.basename(p) in damaged and any(v > s for v, _ in verified)]
     for step, path, why in sorted(victims, reverse=True):
-        log.emit("delete", step=step, path=path, reason=why)
-        trash = trash_path(save_dir, job_id, path)
-        os.rename(path, trash)
-        fsync_dir(save_dir)
-        shutil.rmtree(trash, ignore_errors=True)
+        sd.delete_dir(path, log, why, step=step)
         deleted.append(step)
     return deleted

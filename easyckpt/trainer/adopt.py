@@ -5,11 +5,11 @@ Trainer run) has the framework's own step directories in the save dir. Ignoring 
 training from step 1; replacing them would destroy the user's work. The loader therefore weighs them
 beside easyckpt's committed steps and picks the newest complete one, saying which on the console.
 
-easyckpt writes the frameworks' native layouts (config.NAMINGS), so a native step directory is read
+easyckpt writes the frameworks' native layouts (formats/layout.py's NAMINGS), so a native step directory is read
 with the adapter's own ``needed`` list. In place of a manifest, ``needed`` gets an *inventory* built
 from the directory itself, with the keys adapters read from a manifest:
 
-    step       the number in the directory's name (the framework's naming, config.NAMINGS)
+    step       the number in the directory's name (the framework's naming, layout.NAMINGS)
     files      every regular file under the step dir (symlinks are neither listed nor followed):
                {relpath: {"size": bytes on disk, "format": how easyckpt decodes it}}; the format comes
                from the name: ``*.safetensors`` -> safetensors, ``*.pt|*.pth|*.bin`` -> torch (read only
@@ -54,6 +54,7 @@ from easyckpt.config import Naming
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.progress import Progress
+from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer import shardload
 from easyckpt.trainer.tree import safe_torch_load, unflatten
 
@@ -83,43 +84,23 @@ def candidates(save_dir: str, naming: Naming, say: Callable[[str], None]) -> Lis
     every directory passed over (a newer one than the tracker)."""
     if not adoptable(naming):
         return []
-    pattern = re.compile(naming.dir_regex)
-    try:
-        names = os.listdir(save_dir)
-    except OSError:
-        return []
-    bound = tracker_step(save_dir, naming)
+    sd = SaveDir(save_dir, naming)
+    bound = sd.tracker_step()
     out = []
-    for name in names:
-        m = pattern.match(name)
-        path = os.path.join(save_dir, name)
-        if not m or not _is_real_dir(path) or os.path.lexists(os.path.join(path, mf.MANIFEST_NAME)):
+    for step, path in sd.step_dirs():
+        if not _is_real_dir(path) or os.path.lexists(os.path.join(path, mf.MANIFEST_NAME)):
             continue
-        step = int(m.group(1))
         if bound is not None and step > bound:
             say(f"{describe(naming, path)} is newer than the step {naming.tracker} names ({bound}): an "
                 f"interrupted save, not adopted")
             continue
         out.append(Candidate(step, path, naming))   # listed only when tried: most never are
-    return sorted(out, key=lambda c: c.step, reverse=True)
+    return out
 
 
 def tracker_step(save_dir: str, naming: Naming) -> Optional[int]:
     """The step the framework's tracker file names, or None (no tracker, unreadable, ``release``)."""
-    if not naming.tracker:
-        return None
-    path = os.path.join(save_dir, naming.tracker)
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return None
-        with open(path, "rb") as f:
-            text = f.read(256).decode("ascii", "replace").strip()
-    except OSError:
-        return None
-    m = re.match(naming.dir_regex, text)
-    if m:
-        return int(m.group(1))
-    return int(text) if text.isdigit() else None
+    return SaveDir(save_dir, naming).tracker_step()
 
 
 def inventory(step_dir: str, step: int, naming: Naming) -> Dict[str, Any]:

@@ -18,8 +18,9 @@ from typing import Any, Dict, Optional, Union
 from easyckpt.config import Config
 from easyckpt.errors import AgentError, ConfigError
 from easyckpt.formats import jobkey, protocol, shm
+from easyckpt.formats.layout import agent_log_name
 from easyckpt.storage.auditlog import AuditLog
-
+from easyckpt.storage.savedir import SaveDir
 
 Request = Union[protocol.Message, Dict[str, Any]]
 
@@ -104,11 +105,10 @@ class AgentClient:
         self._connect()
 
     def _agent_log(self) -> str:
-        return os.path.join(self.cfg.save_dir, f".easyckpt-agent-{socket.gethostname()}.log")
+        return os.path.join(self.cfg.save_dir, agent_log_name(socket.gethostname()))
 
     def _spawn(self) -> None:
-        # never through a symlink planted in the save dir (promise 9)
-        fd = os.open(self._agent_log(), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        _, fd = SaveDir(self.cfg.save_dir, self.cfg.naming, self.cfg.job_id).open_agent_log(socket.gethostname())
         try:
             self._spawned = subprocess.Popen(
                 [sys.executable, "-m", "easyckpt.agent", json.dumps(self.cfg.to_json())],

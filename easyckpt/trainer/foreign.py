@@ -13,7 +13,7 @@ from typing import Optional
 
 from easyckpt.config import NAMINGS, Naming
 from easyckpt.formats import manifest as mf
-from easyckpt.storage import retention
+from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer.adopt import tracker_step
 
 
@@ -22,7 +22,7 @@ def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
     (its trainer_state.json is readable and of step N), if newer than ``above``. The Trainer's adapter no
     longer uses it (the loader adopts such checkpoints after loading every file); kept for callers."""
     found = []
-    for step, path in retention.step_dirs(output_dir, NAMINGS["transformers"]):
+    for step, path in SaveDir(output_dir, NAMINGS["transformers"]).step_dirs():
         if step <= above or mf.read(path) is not None:
             continue
         try:

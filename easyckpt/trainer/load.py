@@ -26,8 +26,8 @@ from easyckpt.config import Config
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.progress import Progress
-from easyckpt.storage import retention
 from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer import adopt, shardload, snapshot
 from easyckpt.trainer.dist import all_gather
 from easyckpt.trainer.tree import safe_torch_load, unflatten
@@ -53,8 +53,9 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     """``on_rejected(step, why)``: called on rank 0 for each committed step rejected as damaged."""
     # a snapshot taken with another world size holds another layout's shards: storage has to serve that
     mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.world_size == world_size]
-    stored = retention.committed(cfg.save_dir, cfg.naming)
-    _log_invalid_manifests(cfg, {s for s, _ in stored}, log)
+    sd = SaveDir(cfg.save_dir, cfg.naming, cfg.job_id)
+    stored = sd.committed()
+    _log_invalid_manifests(sd, {s for s, _ in stored}, log)
     native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own
     views = all_gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native]), world_size)
     common_mem = set.intersection(*(set(m) for m, _, _ in views))
@@ -99,10 +100,10 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     return None
 
 
-def _log_invalid_manifests(cfg: Config, valid: Set[int], log: AuditLog) -> None:
+def _log_invalid_manifests(sd: SaveDir, valid: Set[int], log: AuditLog) -> None:
     """Step directories that hold a manifest the loader cannot trust: each one said in the audit log (they
     are skipped, not fatal: an older intact step still serves)."""
-    for step, path in retention.step_dirs(cfg.save_dir, cfg.naming):
+    for step, path in sd.step_dirs():
         if step in valid or not os.path.lexists(os.path.join(path, mf.MANIFEST_NAME)):
             continue          # no manifest at all: an interrupted save or a framework's own, not damage
         try:

@@ -2,30 +2,35 @@
 
 The Hugging Face Trainer's tokenizer or processor can only save itself into a directory, its resume path
 reads ``trainer_state.json`` from one, and DeepSpeed ships a helper script as a file of its package.
-Adapters hold no file I/O (DESIGN.md), so they come here. A scratch directory is named after the job and,
-where ranks differ, the rank, so that two jobs or ranks on one output directory never share one; whoever
+Adapters hold no file I/O (DESIGN.md), so they come here. A scratch directory is named by
+formats/layout.py's ``scratch_name`` (job and, where ranks differ, rank: two jobs or ranks on one output
+directory never share one); it is created, written and removed through the Storage interface, and whoever
 made it removes it.
 """
 from __future__ import annotations
 
 import os
-import shutil
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
+
+from easyckpt.formats.layout import scratch_name
+from easyckpt.storage.posix import PosixStorage
+
+_storage = PosixStorage()
+
+
+def path(save_dir: str, kind: str, job_id: str, rank: Optional[int] = None) -> str:
+    return os.path.join(save_dir, scratch_name(kind, job_id, rank))
 
 
 def files_written_by(save: Callable[[str], None], scratch: str) -> List[Tuple[str, bytes]]:
     """The files ``save(directory)`` writes (top level, sorted by name), read back from the scratch
     directory ``scratch``, which is emptied first and removed after."""
-    shutil.rmtree(scratch, ignore_errors=True)
+    _storage.delete(scratch)
     try:
         save(scratch)
-        out = []
-        for name in sorted(os.listdir(scratch)):
-            with open(os.path.join(scratch, name), "rb") as f:
-                out.append((name, f.read()))
-        return out
+        return [(name, _storage.read(os.path.join(scratch, name))) for name in sorted(_storage.listdir(scratch))]
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        _storage.delete(scratch)
 
 
 def file_bytes(path: str) -> bytes:
@@ -36,11 +41,17 @@ def file_bytes(path: str) -> bytes:
 
 def staged_file(directory: str, name: str, data: bytes) -> str:
     """``directory`` holding one file ``name`` with ``data`` (for a loader that reads it by path)."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, name), "wb") as f:
-        f.write(data)
+    _storage.makedirs(directory)
+    _storage.write_atomic(os.path.join(directory, name), data)
+    return directory
+
+
+def fresh(directory: str) -> str:
+    """``directory`` empty (what an earlier run left there removed)."""
+    _storage.delete(directory)
+    _storage.makedirs(directory)
     return directory
 
 
 def remove(directory: str) -> None:
-    shutil.rmtree(directory, ignore_errors=True)
+    _storage.delete(directory)

@@ -21,10 +21,9 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from easyckpt.config import Config, validate
 from easyckpt.errors import AgentError, EasyCkptError
-from easyckpt.formats import manifest as mf
 from easyckpt.formats.reap import reap_dead_jobs
-from easyckpt.storage import commit
 from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer import runlog
 from easyckpt.trainer.client import AgentClient, one_shot
 from easyckpt.trainer.dist import any_rank, placement
@@ -49,6 +48,7 @@ class Engine:
         where = placement()
         self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
         self.log = AuditLog(cfg.audit_log, f"rank{self.rank}")
+        self.savedir = SaveDir(cfg.save_dir, cfg.naming, cfg.job_id)   # read only: the agent writes there
         reap_dead_jobs(self.log, keep=cfg.job_id)
         self.snapshotter = Snapshotter(cfg.job_id, self.rank, self.world_size)
         self.client = AgentClient(cfg, self.rank, self.local_rank, self.world_size, self.log)
@@ -323,16 +323,13 @@ class Engine:
     def wait_committed(self, step: int, timeout: Optional[float] = None) -> None:
         """Block until ``step`` (already handed to the agent) is committed, or raise after ``timeout``."""
         timeout = self.cfg.commit_timeout if timeout is None else timeout
-        final = os.path.join(self.cfg.save_dir, self.cfg.naming.dir_name(step))
         deadline = time.monotonic() + timeout
-        staging = commit.staging_dir(self.cfg.save_dir, self.cfg.job_id, self.cfg.naming.dir_name(step))
         # the ranks whose shard was there, as last seen while waiting: the coordinator's agent gives up at
         # about the same moment and removes the staging directory, which would hide who was missing
         seen: Optional[set] = None
         next_check = time.monotonic() + 0.25
         while True:
-            done = mf.read(final)
-            if done is not None and done["step"] == step:
+            if self.savedir.is_committed(step):
                 return
             if time.monotonic() > next_check:     # fail at once, not at the deadline (promise 10)
                 next_check = time.monotonic() + 0.25
@@ -343,10 +340,9 @@ class Engine:
                     self.client.reattach(f"it died before step {step} was committed")
                     if self.last is not None and self.last.step == step:
                         self._request_persist(self.last)
-            if os.path.isdir(staging):
-                now = set(commit.read_markers(staging))
-                if seen is None or len(now) >= len(seen):    # markers only go while the dir is removed
-                    seen = now
+            now = self.savedir.ready_ranks(step)
+            if now is not None and (seen is None or len(now) >= len(seen)):   # markers only go with the dir
+                seen = now
             if time.monotonic() > deadline:
                 raise AgentError(f"rank {self.rank}: step {step} was not committed within {timeout:g}s: "
                                  f"{self._missing_shards(step, seen)}")

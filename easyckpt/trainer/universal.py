@@ -9,7 +9,6 @@ The adapter only calls DeepSpeed's loader on the directory this module hands it.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from contextlib import contextmanager
 from typing import Iterator
@@ -18,11 +17,13 @@ from easyckpt.config import Config
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import MANIFEST_NAME
 from easyckpt.trainer.dist import all_gather
+from easyckpt.trainer.scratch import fresh, remove
+from easyckpt.trainer.scratch import path as scratch_path
 
 
 def work_dir(cfg: Config) -> str:
     """The job's scratch directory for the converted copy (one per job: two jobs never share it)."""
-    return os.path.join(cfg.save_dir, f".easyckpt-universal-{cfg.job_id}")
+    return scratch_path(cfg.save_dir, "universal", cfg.job_id)
 
 
 @contextmanager
@@ -32,9 +33,8 @@ def converted(tag_dir: str, tag: str, scratch: str, rank: int, world_size: int) 
     A conversion that fails raises CheckpointError on every rank."""
     error = None
     if rank == 0:
-        shutil.rmtree(scratch, ignore_errors=True)
-        os.makedirs(scratch)
-        from easyckpt.cli.consolidate import to_universal
+        fresh(scratch)
+        from easyckpt.cli.universal import to_universal
         # the manifest sits in the step directory: tag_dir itself (plain engine), or its parent (the
         # Trainer's checkpoint-N/global_stepN)
         nested = not os.path.lexists(os.path.join(tag_dir, MANIFEST_NAME))
@@ -51,4 +51,4 @@ def converted(tag_dir: str, tag: str, scratch: str, rank: int, world_size: int) 
     finally:
         all_gather(None, world_size)          # nobody removes the copy while another rank still reads it
         if rank == 0:
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove(scratch)

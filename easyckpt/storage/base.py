@@ -1,0 +1,108 @@
+"""The Storage interface: the few verbs the save directory needs from a back-end.
+
+Everything easyckpt writes, renames or deletes in a save directory goes through one ``Storage`` (owned by
+a ``SaveDir``, storage/savedir.py, which alone knows the names). posix.py implements it for local and
+network file systems (O_DIRECT streaming from direct.py); an object store is meant to be the second.
+
+The order of calls a back-end sees for one checkpoint of step S (``stg`` = the staging dir of S,
+``final`` = the step dir of S; the order IS the design, see storage/commit.py for why each step is there):
+
+    every rank r, in its node's agent (agent/persist.py):
+      1) makedirs(stg), makedirs(stg/<sub dirs>)
+      2) open_writer(stg/<file>) per file → Writer.write / write_mapped ... → Writer.finish
+      3) Writer.sync() for each file, then sync_dir() of every directory made in 1) (deepest first)
+      4) write_atomic(stg/<marker of r>)                           rank r's files are durable
+    coordinator (the agent of global rank 0), once every rank's marker is there (SaveDir.commit):
+      5) listdir(stg), read(stg/<marker>) per rank                 IMPORTANT: commit only after all ranks
+      6) write_atomic(stg/<manifest>)                              the manifest lists every file, last
+      7) delete(stg/<marker>) per rank, sync_dir(stg)
+      8) rename_noreplace(stg, final)                              the step becomes visible, atomically
+      9) sync_dir(save_dir)                                        ... and durably
+     10) write_atomic(save_dir/<tracker>)                          a hint for the frameworks' own loaders
+    then, only after a successful commit (SaveDir.prune), per step to delete:
+     11) rename_noreplace(<step dir>, <trash dir>), sync_dir(save_dir), delete(<trash dir>)
+    on a failed step, and at every agent start: delete(<staging or trash dir of this job>)
+
+Reads (loader, operator tools): listdir, is_dir, exists, read (whole files or ranges).
+
+A store without rename (S3, GCS) implements the same verbs differently and says so with
+``has_rename = False``: there the commit is the manifest written last (Orbax's "commit file"), so the
+writer writes the files under the final prefix directly (no staging), ``rename_noreplace`` is never called,
+``write_atomic`` is a plain PUT (objects appear whole), ``sync``/``sync_dir`` are no-ops (a finished upload is
+durable), ``delete`` of a tree deletes every object under the prefix, manifest FIRST so that a half-deleted
+step is never mistaken for a checkpoint; a listing counts a step only when its manifest object exists, which
+is already the loader's rule here. (SaveDir implements the POSIX flavour today; has_rename is the switch.)
+"""
+from __future__ import annotations
+
+from typing import List, Protocol, Union, runtime_checkable
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """One new file, written front to back (a multipart upload for an object store)."""
+
+    size: int          # bytes handed over so far: the file's final size
+
+    def write(self, data: Buffer) -> int: ...
+
+    def write_mapped(self, view: memoryview, start: int, end: int) -> None:
+        """Append ``view[start:end]`` of a page-aligned mapping: the zero-copy path (O_DIRECT on POSIX)."""
+        ...
+
+    def finish(self) -> None:
+        """Everything handed over is written (not yet durable)."""
+        ...
+
+    def sync(self) -> None:
+        """The file's bytes are durable (its name only after ``sync_dir`` of its directory)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Storage(Protocol):
+    has_rename: bool          # False: an object store; the commit is the manifest written last
+
+    def makedirs(self, path: str) -> None:
+        """``path`` and its parents exist as directories (no-op for an object store)."""
+        ...
+
+    def open_writer(self, path: str, direct: bool = True) -> Writer:
+        """A new file, created exclusively (FileExistsError if it exists), never through a symlink.
+        ``direct``: around the page cache where the back-end can."""
+        ...
+
+    def write_atomic(self, path: str, data: Buffer) -> None:
+        """Create or replace a small file so that readers see the old content or the new, never a mix, and
+        the new one is durable (name included) when this returns."""
+        ...
+
+    def sync_dir(self, path: str) -> None:
+        """The names in directory ``path`` (files created or renamed into it) are durable."""
+        ...
+
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        """Rename directory ``src`` to ``dst`` atomically; FileExistsError if ``dst`` exists (never replaced)."""
+        ...
+
+    def listdir(self, path: str) -> List[str]:
+        """Entry names of a directory; FileNotFoundError when there is none."""
+        ...
+
+    def is_dir(self, path: str) -> bool: ...
+
+    def exists(self, path: str) -> bool:
+        """Anything under that name (a dangling symlink too: a name that is taken)."""
+        ...
+
+    def delete(self, path: str) -> None:
+        """Remove a file or a whole tree; a missing one is no error."""
+        ...
+
+    def read(self, path: str, offset: int = 0, length: int = -1) -> bytes:
+        """``length`` bytes from ``offset`` (-1: to the end), never through a symlink as the last component."""
+        ...

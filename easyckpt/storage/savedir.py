@@ -1,0 +1,245 @@
+"""One save directory: the only owner of what is in it, over a Storage back-end (base.py).
+
+Names come from formats/layout.py, paths are made here; every write, rename and delete in the save
+directory goes through ``self.storage``. What each verb does to disk, in order, is base.py's docstring;
+why that order, commit.py's; what may be deleted, retention.py's.
+
+    names       step_path(step), staging_path(step), marker name, tracker, trash, damaged record
+    listing     step_dirs() (named like a step), committed() (with a manifest of that step),
+                staging_dirs() (this job's), staging_entries() (every job's, for the operator tools)
+    per rank    write_marker(step, rank, ...), read_markers(step), ready_ranks(step)
+    commit      commit(step, world_size, log)   (commit.py: markers → manifest → rename → fsync → tracker)
+    deletes     prune(policy, log)              (retention.py) and remove_staging(log): both through
+                delete_dir(), the one trash-then-delete
+    damaged     mark_damaged(step, why, log), read_damaged()
+    derived     add_file(step_dir, rel, data), add_to_manifest(step_dir, entries) (converters' outputs)
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from easyckpt.formats import layout
+from easyckpt.formats import manifest as mf
+from easyckpt.formats.layout import Naming
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.base import Storage
+from easyckpt.storage.posix import PosixStorage
+
+if TYPE_CHECKING:
+    from easyckpt.storage.retention import RetentionPolicy
+
+_MAX_RECORD_BYTES = 1 << 20     # markers and the damaged record are small JSON; a larger one is not ours
+
+
+class SaveDir:
+    """``job_id`` None: a reader that does not belong to a job (``easyckpt ls``): it may list, not write."""
+
+    def __init__(self, save_dir: str, naming: Naming, job_id: Optional[str] = None,
+                 storage: Optional[Storage] = None):
+        self.root = str(save_dir)
+        self.naming = naming
+        self.job_id = job_id
+        self.storage: Storage = storage if storage is not None else PosixStorage()
+
+    def _job(self) -> str:
+        if self.job_id is None:
+            raise ValueError(f"{self.root}: a SaveDir without a job id only reads")
+        return self.job_id
+
+    # ---- names --------------------------------------------------------------------------------------
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def step_path(self, step: int) -> str:
+        return self.path(self.naming.dir_name(step))
+
+    def staging_path(self, step: int) -> str:
+        return self.path(layout.staging_name(self._job(), self.naming.dir_name(step)))
+
+    def trash_path(self, victim: str) -> str:
+        """Where a directory goes before it is deleted (a rename is atomic, a tree delete is not); named after
+        the job, so that a restart of this job finishes only its own deletions."""
+        return self.path(layout.trash_name(self._job(), os.path.basename(victim), os.getpid()))
+
+    # ---- listing ------------------------------------------------------------------------------------
+
+    def _names(self) -> List[str]:
+        try:
+            return self.storage.listdir(self.root)
+        except FileNotFoundError:
+            return []
+
+    def step_dirs(self) -> List[Tuple[int, str]]:
+        """(step, path) of every directory named like a step directory, newest first."""
+        out = []
+        for name in self._names():
+            step = self.naming.parse(name)
+            if step is not None and self.storage.is_dir(self.path(name)):
+                out.append((step, self.path(name)))
+        return sorted(out, reverse=True)
+
+    def committed(self, own: bool = False) -> List[Tuple[int, str]]:
+        """Step directories with a valid manifest of the same step (only this job's if ``own``), newest first."""
+        job = self._job() if own else None
+        out = []
+        for step, path in self.step_dirs():
+            man = mf.read(path)
+            if man is not None and man["step"] == step and (job is None or man.get("job_id") == job):
+                out.append((step, path))
+        return out
+
+    def is_committed(self, step: int) -> bool:
+        man = mf.read(self.step_path(step))
+        return man is not None and man["step"] == step
+
+    def staging_dirs(self) -> List[str]:
+        """This job's staging directories."""
+        prefix = layout.own_prefixes(self._job())[0]
+        return sorted(self.path(n) for n in self._names() if n.startswith(prefix))
+
+    def staging_entries(self) -> List[Tuple[int, str, str]]:
+        """(step, job id, path) of every job's staging directory of this naming."""
+        out = []
+        for name in sorted(self._names()):
+            parsed = layout.parse_staging(name)
+            step = None if parsed is None else self.naming.parse(parsed[1])
+            if step is not None and self.storage.is_dir(self.path(name)):
+                out.append((step, parsed[0], self.path(name)))
+        return out
+
+    def tracker_step(self) -> Optional[int]:
+        """The step the framework's tracker names, or None (no tracker, unreadable, not a regular file)."""
+        if not self.naming.tracker:
+            return None
+        try:
+            text = self.storage.read(self.path(self.naming.tracker), 0, 256)
+        except OSError:
+            return None
+        return self.naming.parse_tracker(text.decode("ascii", "replace"))
+
+    def open_agent_log(self, host: str) -> Tuple[str, int]:
+        """(path, an append-only fd) of the node agent's console log, never opened through a symlink planted
+        in the save dir (promise 9); the caller hands the fd to the agent's process and closes it."""
+        path = self.path(layout.agent_log_name(host))
+        return path, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+
+    # ---- per-rank markers -----------------------------------------------------------------------------
+
+    def write_marker(self, step: int, rank: int, files: Dict[str, Dict[str, Any]],
+                     info: Optional[Dict[str, Any]] = None) -> None:
+        """Rank ``rank``'s files of ``step`` are durable in its staging dir (written after they are)."""
+        self.storage.write_atomic(os.path.join(self.staging_path(step), layout.marker_name(rank)), json.dumps(
+            {"rank": rank, "step": step, "files": files, "info": info or {}}).encode())
+
+    def read_markers(self, step: int) -> Dict[int, Dict[str, Any]]:
+        """rank -> its marker, for every valid marker in ``step``'s staging dir (none when it is gone)."""
+        staging = self.staging_path(step)
+        try:
+            names = self.storage.listdir(staging)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        out = {}
+        for name in names:
+            if layout.parse_marker(name) is None:
+                continue
+            try:
+                marker = json.loads(self.storage.read(os.path.join(staging, name), 0, _MAX_RECORD_BYTES))
+                out[int(marker["rank"])] = marker
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def ready_ranks(self, step: int) -> Optional[Set[int]]:
+        """The ranks whose shard of ``step`` is durable, or None when its staging dir is not there (never
+        made, failed and removed, or committed)."""
+        if not self.storage.is_dir(self.staging_path(step)):
+            return None
+        return set(self.read_markers(step))
+
+    # ---- commit and deletes ----------------------------------------------------------------------------
+
+    def commit(self, step: int, world_size: int, log: AuditLog,
+               extra: Optional[Dict[str, Any]] = None) -> Tuple[str, int]:
+        """Make ``step`` a committed checkpoint (commit.py); returns its directory and the bytes it holds."""
+        from easyckpt.storage.commit import commit
+        return commit(self, step, world_size, log, extra)
+
+    def prune(self, policy: "RetentionPolicy", log: AuditLog) -> List[int]:
+        """Delete what ``policy`` and the damaged record say of this job's committed steps (retention.py)."""
+        from easyckpt.storage.retention import prune
+        return prune(self, policy, log)
+
+    def delete_dir(self, path: str, log: AuditLog, reason: str, **fields: Any) -> None:
+        """Trash-then-delete, logged first: a crash mid-delete never leaves a half-deleted directory under a
+        checkpoint's name (the rename is atomic; the trash goes at this job's next start if not now)."""
+        log.emit("delete", path=path, reason=reason, **fields)
+        trash = self.trash_path(path)
+        self.storage.rename_noreplace(path, trash)
+        self.storage.sync_dir(self.root)
+        self.storage.delete(trash)
+
+    def remove_staging(self, log: AuditLog, step: Optional[int] = None, only: Optional[str] = None) -> None:
+        """Remove this job's staging (and trash) leftovers, or only those of ``step`` / at path ``only``;
+        never anything without this job's prefix."""
+        if step is not None:
+            only = self.staging_path(step)
+        for name in self._names():
+            path = self.path(name)
+            if not name.startswith(layout.own_prefixes(self._job())) or (only is not None and path != only):
+                continue
+            log.emit("delete", path=path, reason="staging leftover")
+            self.storage.delete(path)
+
+    # ---- the damaged record ----------------------------------------------------------------------------
+
+    def mark_damaged(self, step: int, reason: str, log: AuditLog) -> None:
+        """Record that the loader rejected committed step ``step`` (retention then never keeps it in place of
+        a verified one). The record survives restarts; it is a hint, trusted only to order deletions."""
+        name = self.naming.dir_name(step)
+        record = self.read_damaged()
+        record[name] = reason[:500]
+        log.emit("damaged", path=self.path(name), reason=reason[:500])
+        self._write_damaged(record)
+
+    def read_damaged(self) -> Dict[str, str]:
+        """{step directory name: why the loader rejected it}; empty when there is no valid record."""
+        try:
+            data = json.loads(self.storage.read(self.path(layout.DAMAGED_NAME), 0, _MAX_RECORD_BYTES) or b"{}")
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+
+    def clear_damaged(self, name: str) -> None:
+        """A new commit under a name the loader once rejected is a new, verified checkpoint."""
+        record = self.read_damaged()
+        if record.pop(name, None) is not None:
+            self._write_damaged(record)
+
+    def _write_damaged(self, record: Dict[str, str]) -> None:
+        self.storage.write_atomic(self.path(layout.DAMAGED_NAME),
+                                  json.dumps(record, indent=1, sort_keys=True).encode())
+
+    # ---- derived files (converters) ----------------------------------------------------------------------
+
+    def add_file(self, step_dir: str, rel: str, data: bytes) -> None:
+        """Add a derived file (a converter's output) to a committed step: durable before it is listed."""
+        path = os.path.join(step_dir, rel)
+        self.storage.makedirs(os.path.dirname(path))
+        self.storage.write_atomic(path, data)
+
+    def add_to_manifest(self, step_dir: str, entries: Dict[str, Dict[str, Any]]) -> None:
+        """List files already written by add_file in the step's manifest (rewritten atomically)."""
+        man = mf.read(step_dir)
+        if man is None:
+            raise ValueError(f"{step_dir} has no valid manifest")
+        man["files"].update(entries)
+        man["files"] = dict(sorted(man["files"].items()))
+        self.write_manifest(step_dir, man)
+
+    def write_manifest(self, step_dir: str, man: Dict[str, Any]) -> None:
+        self.storage.write_atomic(os.path.join(step_dir, mf.MANIFEST_NAME), json.dumps(man, indent=1).encode())

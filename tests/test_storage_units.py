@@ -1,0 +1,318 @@
+"""In-process unit tests of the save-dir layer: names (formats/layout.py), SaveDir's commit and prune over
+a faulty Storage (fails the Nth write, an fsync, a rename), and retention as a state machine over a
+sequence of commits. Fast, no subprocess, no torch."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import pytest
+
+from easyckpt.formats import layout
+from easyckpt.formats import manifest as mf
+from easyckpt.formats.layout import NAMINGS
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.base import Storage, Writer
+from easyckpt.storage.posix import PosixStorage
+from easyckpt.storage.retention import KeepLast
+from easyckpt.storage.savedir import SaveDir
+
+JOB, OTHER_JOB = "0123456789ab", "ffffffffffff"
+LOG = AuditLog(None, "test")
+
+
+class FaultyStorage:
+    """The POSIX storage with faults on demand: the Nth write (atomic writes and streamed files counted
+    together), every fsync, every rename. Records each mutating call, in order."""
+
+    has_rename = True
+
+    def __init__(self) -> None:
+        self.inner = PosixStorage()
+        self.fail_write_at: Optional[int] = None
+        self.fail_sync = self.fail_rename = False
+        self.writes = 0
+        self.calls: List[Tuple[str, str]] = []
+
+    def arm(self, write_at: Optional[int] = None, sync: bool = False, rename: bool = False) -> None:
+        self.writes, self.calls = 0, []
+        self.fail_write_at, self.fail_sync, self.fail_rename = write_at, sync, rename
+
+    def _write(self, path: str) -> None:
+        self.writes += 1
+        if self.writes == self.fail_write_at:
+            raise OSError(errno.ENOSPC, f"injected: write #{self.writes} failed", path)
+
+    def __getattr__(self, name: str) -> Any:       # listdir, is_dir, exists, read
+        return getattr(self.inner, name)
+
+    def makedirs(self, path: str) -> None:
+        self.calls.append(("makedirs", os.path.basename(path)))
+        self.inner.makedirs(path)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self.calls.append(("write_atomic", os.path.basename(path)))
+        self._write(path)
+        self.inner.write_atomic(path, data)
+
+    def open_writer(self, path: str, direct: bool = True) -> "FaultyWriter":
+        self.calls.append(("open_writer", os.path.basename(path)))
+        return FaultyWriter(self, self.inner.open_writer(path, direct), path)
+
+    def sync_dir(self, path: str) -> None:
+        self.calls.append(("sync_dir", os.path.basename(path)))
+        if self.fail_sync:
+            raise OSError(errno.EIO, "injected: fsync failed", path)
+        self.inner.sync_dir(path)
+
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        self.calls.append(("rename_noreplace", os.path.basename(dst)))
+        if self.fail_rename:
+            raise OSError(errno.EXDEV, "injected: rename failed", src)
+        self.inner.rename_noreplace(src, dst)
+
+    def delete(self, path: str) -> None:
+        self.calls.append(("delete", os.path.basename(path)))
+        self.inner.delete(path)
+
+
+class FaultyWriter:
+    def __init__(self, storage: FaultyStorage, inner: Writer, path: str):
+        self.storage, self.inner, self.path = storage, inner, path
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def write(self, data: bytes) -> int:
+        self.storage._write(self.path)
+        return self.inner.write(data)
+
+    def write_mapped(self, view: memoryview, start: int, end: int) -> None:
+        self.storage._write(self.path)
+        self.inner.write_mapped(view, start, end)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def sync(self) -> None:
+        if self.storage.fail_sync:
+            raise OSError(errno.EIO, "injected: fsync failed", self.path)
+        self.inner.sync()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def stage(sd: SaveDir, step: int, world: int = 1) -> Dict[str, bytes]:
+    """What the agents do for ``step``: every rank's file streamed into staging, synced, then its marker."""
+    staging = sd.staging_path(step)
+    sd.storage.makedirs(staging)
+    written = {}
+    for rank in range(world):
+        rel, data = f"rank{rank}.bin", os.urandom(100 + rank)
+        out = sd.storage.open_writer(os.path.join(staging, rel), direct=False)
+        try:
+            out.write(data)
+            out.finish()
+            out.sync()
+        finally:
+            out.close()
+        sd.storage.sync_dir(staging)
+        sd.write_marker(step, rank, {rel: {"size": len(data), "checksum": mf.checksum(data)}})
+        written[rel] = data
+    return written
+
+
+def intact(sd: SaveDir, step: int) -> bool:
+    man = mf.read(sd.step_path(step))
+    return man is not None and man["step"] == step and mf.check_sizes(sd.step_path(step), man) == [] and all(
+        mf.verify_file(sd.step_path(step), rel, man) is None for rel in man["files"])
+
+
+@pytest.fixture
+def sd(tmp_path) -> SaveDir:
+    return SaveDir(str(tmp_path), NAMINGS["deepspeed"], JOB, FaultyStorage())
+
+
+# ---- names ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("framework", sorted(NAMINGS))
+def test_names_round_trip_for_every_framework(framework):
+    naming = NAMINGS[framework]
+    for step in (0, 1, 7, 100, 1234567):
+        assert naming.parse(naming.dir_name(step)) == step
+        assert naming.parse_tracker(naming.tracker_text(step)) == step
+        assert layout.parse_staging(layout.staging_name(JOB, naming.dir_name(step))) == (JOB, naming.dir_name(step))
+    for rank in (0, 3, 99999):
+        assert layout.parse_marker(layout.marker_name(rank)) == rank
+    assert layout.deepspeed_tag(12) == NAMINGS["deepspeed"].dir_name(12) == "global_step12"
+
+
+@pytest.mark.parametrize("framework", sorted(NAMINGS))
+def test_foreign_names_are_ignored(tmp_path, framework):
+    naming = NAMINGS[framework]
+    others = {n.dir_name(5) for n in NAMINGS.values() if n.dir_name(5) != naming.dir_name(5)}
+    for name in others | {"notes", "step_5", naming.dir_name(5) + ".bak", layout.staging_name(JOB, "other")}:
+        assert naming.parse(name) is None, name
+        (tmp_path / name).mkdir()
+    (tmp_path / naming.dir_name(6)).write_bytes(b"a file, not a step directory")
+    (tmp_path / naming.dir_name(7)).mkdir()
+    assert SaveDir(str(tmp_path), naming).step_dirs() == [(7, str(tmp_path / naming.dir_name(7)))]
+    for bad in ("release", "", "garbage", "step_x"):
+        assert naming.parse_tracker(bad) is None
+    for bad in (".easyckpt-staging-", ".easyckpt-staging-nothex-step_00000001", ".easyckpt-trash-x"):
+        assert layout.parse_staging(bad) is None
+    for bad in (".easyckpt-done-rank-1.json", ".easyckpt-done-rank-00001.json.tmp", "easyckpt_manifest.json"):
+        assert layout.parse_marker(bad) is None
+
+
+def test_posix_storage_is_a_storage():
+    assert isinstance(PosixStorage(), Storage)
+    assert isinstance(FaultyStorage(), Storage)
+
+
+# ---- commit -------------------------------------------------------------------------------------------
+
+def test_a_commit_makes_the_calls_in_the_documented_order(sd):
+    stage(sd, 1, world=2)
+    sd.storage.arm()
+    final, nbytes = sd.commit(1, 2, LOG)
+    assert final == sd.step_path(1) and nbytes == 100 + 101 and intact(sd, 1)
+    stg = os.path.basename(sd.staging_path(1))
+    assert sd.storage.calls == [
+        ("write_atomic", mf.MANIFEST_NAME),
+        ("delete", layout.marker_name(0)), ("delete", layout.marker_name(1)),
+        ("sync_dir", stg),
+        ("rename_noreplace", "global_step1"),
+        ("sync_dir", os.path.basename(sd.root)),
+        ("write_atomic", "latest"),
+    ]
+    assert sd.tracker_step() == 1 and sd.committed(own=True) == [(1, final)] and sd.staging_dirs() == []
+
+
+@pytest.mark.parametrize("fault", ["manifest write", "staging fsync", "rename"])
+def test_a_failed_commit_shows_nothing_keeps_the_previous_step_and_cleans_its_staging(sd, fault):
+    stage(sd, 1)
+    sd.commit(1, 1, LOG)
+    stage(sd, 2)
+    sd.storage.arm(write_at=1 if fault == "manifest write" else None, sync=fault == "staging fsync",
+                   rename=fault == "rename")
+    with pytest.raises(OSError, match="injected"):
+        sd.commit(2, 1, LOG)
+    assert not os.path.lexists(sd.step_path(2)), "a half-committed step is visible"
+    assert sd.committed(own=True) == [(1, sd.step_path(1))] and intact(sd, 1)
+    assert sd.staging_dirs() == [], "the failed step's staging dir stays"
+    assert sd.tracker_step() == 1
+
+
+def test_a_failed_tracker_write_leaves_a_complete_step_the_loader_trusts(sd):
+    stage(sd, 1)
+    sd.storage.arm(write_at=2)          # 1: the manifest, 2: the tracker
+    with pytest.raises(OSError, match="injected"):
+        sd.commit(1, 1, LOG)
+    assert intact(sd, 1) and sd.committed(own=True) == [(1, sd.step_path(1))] and sd.tracker_step() is None
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_failed_shard_write_never_gets_a_marker_so_it_cannot_commit(sd, n):
+    sd.storage.arm(write_at=n)           # 1: rank 0's file, 2: rank 0's marker
+    with pytest.raises(OSError, match="injected"):
+        stage(sd, 1)
+    assert sd.ready_ranks(1) == set()
+    with pytest.raises(RuntimeError, match="refusing to commit step 1"):
+        sd.commit(1, 1, LOG)
+    assert not os.path.lexists(sd.step_path(1))
+    sd.remove_staging(LOG, step=1)       # what the agent does with a failed step
+    assert sd.staging_dirs() == [] and sd.ready_ranks(1) is None
+
+
+def test_a_commit_never_replaces_another_jobs_step(sd, tmp_path):
+    other = SaveDir(sd.root, sd.naming, OTHER_JOB)
+    stage(other, 3)
+    other.commit(3, 1, LOG)
+    stage(sd, 3)
+    with pytest.raises(FileExistsError, match="another job"):
+        sd.commit(3, 1, LOG)
+    assert mf.read(sd.step_path(3))["job_id"] == OTHER_JOB and intact(sd, 3) and sd.staging_dirs() == []
+
+
+def test_remove_staging_removes_only_this_jobs_leftovers(sd):
+    stage(sd, 1)
+    other = SaveDir(sd.root, sd.naming, OTHER_JOB)
+    stage(other, 1)
+    sd.remove_staging(LOG)
+    assert sd.staging_dirs() == [] and other.staging_dirs() == [other.staging_path(1)]
+
+
+# ---- prune --------------------------------------------------------------------------------------------
+
+def test_a_failed_prune_leaves_every_checkpoint_whole(sd):
+    for step in (1, 2, 3):
+        stage(sd, step)
+        sd.commit(step, 1, LOG)
+    sd.storage.arm(rename=True)
+    with pytest.raises(OSError, match="injected"):
+        sd.prune(KeepLast(1), LOG)
+    assert [s for s, _ in sd.committed(own=True)] == [3, 2, 1] and all(intact(sd, s) for s in (1, 2, 3))
+    sd.storage.arm()
+    assert sd.prune(KeepLast(1), LOG) == [2, 1]
+    assert [c[0] for c in sd.storage.calls] == ["rename_noreplace", "sync_dir", "delete"] * 2
+    assert [s for s, _ in sd.committed(own=True)] == [3] and intact(sd, 3)
+    assert not [n for n in os.listdir(sd.root) if n.startswith(layout.TRASH_PREFIX)]
+
+
+def _expected(state: List[int], damaged: Set[int], keep: int, protect: Set[int]) -> List[int]:
+    """The retention rules, stated independently of retention.py: the newest verified ones up to ``keep``
+    (protected ones kept and counted), the newest step always; a damaged one goes once a newer verified
+    one exists."""
+    newest_first = sorted(state, reverse=True)
+    verified = [s for s in newest_first if s not in damaged]
+    kept_v = set(verified[:1]) | (protect & set(verified))
+    for s in verified:
+        if len(kept_v) >= max(keep, len(kept_v)):
+            break
+        kept_v.add(s)
+    kept_d = {s for s in newest_first if s in damaged and (s == newest_first[0] or not any(v > s for v in verified))}
+    return sorted(kept_v | kept_d, reverse=True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_retention_over_a_sequence_of_commits_keeps_the_newest_the_protected_and_verified_over_damaged(
+        tmp_path, seed):
+    rnd = random.Random(seed)
+    sd = SaveDir(str(tmp_path), NAMINGS["pytorch"], JOB, FaultyStorage())
+    other = SaveDir(str(tmp_path), NAMINGS["pytorch"], OTHER_JOB)
+    stage(other, 1000)
+    other.commit(1000, 1, LOG)                  # another job's, newer than all of ours: never touched
+    keep, step = rnd.randint(1, 3), 0
+    state: List[int] = []
+    for _ in range(25):
+        step += rnd.randint(1, 3)
+        stage(sd, step)
+        final, _ = sd.commit(step, 1, LOG)
+        state.append(step)
+        if len(state) > 1 and rnd.random() < 0.3:        # the loader rejected an older one
+            sd.mark_damaged(rnd.choice(state[:-1]), "checksum mismatch", LOG)
+        protect = {rnd.choice(state)} if rnd.random() < 0.3 else set()
+        damaged = {NAMINGS["pytorch"].parse(n) for n in sd.read_damaged()}
+        want = _expected(state, damaged, keep, protect)
+        sd.prune(KeepLast(keep, protect), LOG)
+        state = [s for s, _ in sd.committed(own=True)]
+        assert state == want, f"seed {seed}, keep {keep}, protect {protect}, damaged {sorted(damaged)}"
+        assert state[0] == step, "the newest committed step was deleted"
+        verified = [s for s in state if s not in damaged]
+        assert not (damaged & set(state)) or verified, "a verified step was deleted while a damaged one stays"
+        assert intact(other, 1000)
+
+
+def test_a_new_commit_under_a_damaged_name_is_verified_again(sd):
+    stage(sd, 1)
+    sd.commit(1, 1, LOG)
+    sd.mark_damaged(1, "torn", LOG)
+    assert sd.read_damaged() == {"global_step1": "torn"}
+    stage(sd, 1)
+    sd.commit(1, 1, LOG)                          # the same step redone (a resumed run reached it again)
+    assert sd.read_damaged() == {} and intact(sd, 1)
