@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Mapping, Optional, Type, TypeVar, Union
 
 from easyckpt.errors import ConfigError, UnknownSettingError
+
 # the save-dir names (formats/layout.py); re-exported: adapters and settings name them from here
 from easyckpt.formats.layout import NAMINGS, Naming  # noqa: F401
 from easyckpt.storage.posix import probe_writable
-
 
 DEFAULT_LOG_NAME = "easyckpt.log"
 

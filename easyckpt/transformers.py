@@ -46,8 +46,8 @@ from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.trainer import deepspeed_state as ds
 from easyckpt.trainer import scratch, universal
-from easyckpt.trainer.foreign import newest_plain_checkpoint
 from easyckpt.trainer.checkpointer import Checkpointer
+from easyckpt.trainer.foreign import newest_plain_checkpoint
 from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
 

@@ -8,7 +8,16 @@ from typing import Dict, List, Optional, Set
 
 import pytest
 
-from easyckpt.agent.coordinator import Answer, Cancel, Committed, Coordinator, Error, Log, RemoveStaging, Submit
+from easyckpt.agent.coordinator import (
+    Answer,
+    Cancel,
+    Committed,
+    Coordinator,
+    Error,
+    Log,
+    RemoveStaging,
+    Submit,
+)
 from easyckpt.agent.grace import Grace
 from easyckpt.agent.jobs import AbandonJob, CommitJob, DropJob, PersistJob, Result
 from easyckpt.formats import protocol

@@ -144,12 +144,12 @@ def test_every_exception_type_lives_in_errors_and_derives_from_one_base():
 
 
 def test_a_damaged_shard_or_an_unlisted_file_raises_the_checkpoint_error(tmp_path):
-    from easyckpt.formats import manifest as mf
+    from easyckpt.storage import stepfiles
     from easyckpt.trainer import shardload
     with pytest.raises(CheckpointError, match="shorter than its 8-byte header"):
         shardload.decode(bytearray(b"abc"))
     with pytest.raises(CheckpointError, match="not in the manifest"):
-        mf.read_verified(str(tmp_path), "model.safetensors", {"files": {}})
+        stepfiles.read_verified(str(tmp_path), "model.safetensors", {"files": {}})
     assert issubclass(CheckpointError, ValueError) and issubclass(CheckpointError, RuntimeError)
 
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from harness import EXAMPLE, assert_losses_equal, losses, run, starts, train_cmd, wait_no_agent
+from harness import (
+    EXAMPLE,
+    assert_losses_equal,
+    losses,
+    run,
+    starts,
+    train_cmd,
+    wait_no_agent,
+)
 
 
 def test_the_example_resumes_where_it_stopped_with_the_losses_of_the_test_worker(tmp_path):

@@ -202,7 +202,7 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
     max_ckpt_num remain after a prune, no half-written step is visible, foreign files are untouched."""
     from easyckpt.formats import manifest as mf
     from easyckpt.pytorch import NAMING
-    from easyckpt.storage import retention
+    from easyckpt.storage import retention, stepfiles
     from easyckpt.storage.auditlog import AuditLog
     from easyckpt.storage.savedir import SaveDir
     rnd = random.Random(SEED)
@@ -286,7 +286,7 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
             for path, data in foreign.items():
                 assert path.exists() and path.read_bytes() == data, f"{what}: foreign {path} touched"
             for s, path in sd.step_dirs():
-                man = mf.read(path)
+                man = stepfiles.read(path)
                 assert man is not None, f"{what}: {path} is visible without a manifest"
                 if man.get("job_id") == job:
-                    assert mf.check_sizes(path, man) == [], f"{what}: {path} incomplete"
+                    assert stepfiles.check_sizes(path, man) == [], f"{what}: {path} incomplete"

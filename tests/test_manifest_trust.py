@@ -23,6 +23,7 @@ from harness import ROOT, cli, events, run, script_cmd, train_cmd, wait_no_agent
 from easyckpt.errors import EasyCkptError, ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.manifest import MANIFEST_NAME
+from easyckpt.storage import stepfiles
 
 FAST = ["--idle-timeout", "1"]
 
@@ -72,7 +73,7 @@ def probe(ckpt: Path, tmp: Path, nproc: int = 2):
                                  "a\x00b", "a/"])
 def test_a_manifest_path_that_could_leave_the_step_is_refused(tmp_path, rel):
     with pytest.raises(ManifestError):
-        mf.entry_path(str(tmp_path), rel)
+        stepfiles.entry_path(str(tmp_path), rel)
 
 
 def test_a_listed_symlink_out_of_the_step_is_refused_and_not_followed(tmp_path):
@@ -83,12 +84,12 @@ def test_a_listed_symlink_out_of_the_step_is_refused_and_not_followed(tmp_path):
     (step / "sub" / "ok.json").write_text("{}")
     os.symlink(outside, step / "link.json")
     os.symlink(tmp_path, step / "dirlink")
-    assert mf.entry_path(str(step), "sub/ok.json") == os.path.join(os.path.realpath(step), "sub", "ok.json")
+    assert stepfiles.entry_path(str(step), "sub/ok.json") == os.path.join(os.path.realpath(step), "sub", "ok.json")
     for rel in ("link.json", "dirlink/secret.json"):
         with pytest.raises(ManifestError, match="outside the step"):
-            mf.entry_path(str(step), rel)
+            stepfiles.entry_path(str(step), rel)
         with pytest.raises(ManifestError):
-            mf.read_entry(str(step), rel)
+            stepfiles.read_entry(str(step), rel)
 
 
 def test_ls_verify_inspect_and_the_loader_never_read_what_a_manifest_names_outside_the_step(ckpt, tmp_path):
@@ -156,8 +157,8 @@ def test_a_malformed_manifest_is_rejected_logged_and_the_job_starts_from_the_pre
     else:
         rewrite(newest, damage)
     with pytest.raises(ManifestError, match=field):
-        mf.load(str(newest))
-    assert mf.read(str(newest)) is None
+        stepfiles.load(str(newest))
+    assert stepfiles.read(str(newest)) is None
     assert [s for s, _ in SaveDir(str(ckpt), NAMINGS["pytorch"]).committed()] == [2]
 
     step, ev = probe(ckpt, tmp_path)
@@ -180,11 +181,11 @@ def test_size_and_checksum_messages_say_exactly_what_differs_in_readable_units(t
     (tmp_path / "b.bin").write_bytes(data[:-1] + b"\x00")
     man = mf.build(1, "job", "pytorch", 1, {"a.bin": {"size": len(data), "checksum": mf.checksum(data)},
                                              "b.bin": {"size": len(data), "checksum": mf.checksum(data)}})
-    size_msg = mf.verify_file(str(tmp_path), "a.bin", man)
+    size_msg = stepfiles.verify_file(str(tmp_path), "a.bin", man)
     assert "4.6 KiB (4676 bytes)" in size_msg and "4.8 KiB (4864 bytes)" in size_msg, size_msg
     assert "188 bytes short" in size_msg, size_msg
-    assert mf.check_sizes(str(tmp_path), man, ["a.bin"]) == [size_msg]
-    sum_msg = mf.verify_file(str(tmp_path), "b.bin", man)
+    assert stepfiles.check_sizes(str(tmp_path), man, ["a.bin"]) == [size_msg]
+    sum_msg = stepfiles.verify_file(str(tmp_path), "b.bin", man)
     assert mf.checksum(data[:-1] + b"\x00") in sum_msg and mf.checksum(data) in sum_msg, sum_msg
     assert "corrupted" in sum_msg and "4864 bytes" in sum_msg
     # a size recorded as a string used to print "size 4864 != 4864": now the manifest itself is refused

@@ -26,9 +26,9 @@ from harness import (
 from safetensors.torch import load_file
 
 from easyckpt.formats import shm
-from easyckpt.formats.manifest import read_entry
-from easyckpt.trainer.shardload import decode
+from easyckpt.storage.stepfiles import read_entry
 from easyckpt.trainer.overlap import OptimizerWatch
+from easyckpt.trainer.shardload import decode
 from easyckpt.trainer.snapshot import (
     PendingSnapshot,
     ShardSpec,

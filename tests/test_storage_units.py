@@ -13,6 +13,7 @@ import pytest
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS
+from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage, Writer
 from easyckpt.storage.posix import PosixStorage
@@ -127,9 +128,9 @@ def stage(sd: SaveDir, step: int, world: int = 1) -> Dict[str, bytes]:
 
 
 def intact(sd: SaveDir, step: int) -> bool:
-    man = mf.read(sd.step_path(step))
-    return man is not None and man["step"] == step and mf.check_sizes(sd.step_path(step), man) == [] and all(
-        mf.verify_file(sd.step_path(step), rel, man) is None for rel in man["files"])
+    man = stepfiles.read(sd.step_path(step))
+    return man is not None and man["step"] == step and stepfiles.check_sizes(sd.step_path(step), man) == [] and all(
+        stepfiles.verify_file(sd.step_path(step), rel, man) is None for rel in man["files"])
 
 
 @pytest.fixture
@@ -236,7 +237,7 @@ def test_a_commit_never_replaces_another_jobs_step(sd, tmp_path):
     stage(sd, 3)
     with pytest.raises(FileExistsError, match="another job"):
         sd.commit(3, 1, LOG)
-    assert mf.read(sd.step_path(3))["job_id"] == OTHER_JOB and intact(sd, 3) and sd.staging_dirs() == []
+    assert stepfiles.read(sd.step_path(3))["job_id"] == OTHER_JOB and intact(sd, 3) and sd.staging_dirs() == []
 
 
 def test_remove_staging_removes_only_this_jobs_leftovers(sd):

@@ -31,13 +31,22 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from easyckpt.agent import slots
-from easyckpt.agent.coordinator import Action, Answer, Cancel, Committed, Coordinator, Error, Log, RemoveStaging, \
-    Submit
+from easyckpt.agent.coordinator import (
+    Action,
+    Answer,
+    Cancel,
+    Committed,
+    Coordinator,
+    Error,
+    Log,
+    RemoveStaging,
+    Submit,
+)
+from easyckpt.agent.grace import Grace
+from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.jobs import PersistJob
 from easyckpt.agent.persister import Persister, disk_work
-from easyckpt.agent.grace import Grace
 from easyckpt.agent.recovery import Recovery
-from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.server import Client, Server
 from easyckpt.config import Config
 from easyckpt.formats import jobkey, protocol, shm

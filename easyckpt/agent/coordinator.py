@@ -26,7 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
-from easyckpt.agent.jobs import AbandonJob, CommitJob, DamagedJob, DropJob, Job, PersistJob, Result
+from easyckpt.agent.jobs import (
+    AbandonJob,
+    CommitJob,
+    DamagedJob,
+    DropJob,
+    Job,
+    PersistJob,
+    Result,
+)
 
 
 @dataclass(frozen=True)

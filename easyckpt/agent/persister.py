@@ -25,9 +25,17 @@ from typing import Callable, Deque, List
 
 from easyckpt import faults
 from easyckpt.agent import slots
-from easyckpt.agent.jobs import AbandonJob, CommitJob, DamagedJob, DropJob, Job, PersistJob, Result
-from easyckpt.agent.persist import persist_slot
 from easyckpt.agent.jobdir import JobDir
+from easyckpt.agent.jobs import (
+    AbandonJob,
+    CommitJob,
+    DamagedJob,
+    DropJob,
+    Job,
+    PersistJob,
+    Result,
+)
+from easyckpt.agent.persist import persist_slot
 from easyckpt.storage.auditlog import AuditLog
 
 ABANDON_WHY = "its trainers died before every rank's shard of this step was written; a restarted job redoes it"

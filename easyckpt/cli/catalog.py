@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from easyckpt.errors import CatalogError, ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS, Naming
+from easyckpt.storage import stepfiles
 from easyckpt.storage.savedir import SaveDir
 
 FRAMEWORKS = sorted(NAMINGS)
@@ -133,7 +134,7 @@ def verify(entry: Entry, on_bytes: Optional[Callable[[int], None]] = None) -> Li
         return [why or f"{mf.MANIFEST_NAME}: {entry.why}"]
     problems = [f"{mf.MANIFEST_NAME}: of step {man['step']}, not {entry.step}"] if man["step"] != entry.step else []
     for rel in man["files"]:
-        problem = mf.verify_file(entry.path, rel, man, on_bytes)
+        problem = stepfiles.verify_file(entry.path, rel, man, on_bytes)
         if problem:
             problems.append(problem)
     return problems
@@ -171,7 +172,7 @@ def _entry(step: int, path: str, framework: str) -> Entry:
     if man["step"] != step:
         why = f"manifest is of step {man['step']}, not {step}"
     else:
-        problems = mf.check_sizes(path, man)
+        problems = stepfiles.check_sizes(path, man)
         if problems:
             why = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
     return Entry(step, path, why is None, why, man.get("framework", framework), float(man.get("created") or 0),
@@ -182,7 +183,7 @@ def _entry(step: int, path: str, framework: str) -> Entry:
 def _manifest(path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """(manifest, None) when valid; (None, None) when there is none; (None, why) when it is damaged."""
     try:
-        return mf.load(path), None
+        return stepfiles.load(path), None
     except FileNotFoundError:
         return None, None
     except ManifestError as exc:

@@ -54,6 +54,7 @@ from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS, Naming
 from easyckpt.progress import Progress
+from easyckpt.storage import stepfiles
 from easyckpt.storage.posix import PosixStorage
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer.tree import safe_torch_load
@@ -81,7 +82,7 @@ def to_safetensors(step_dir: str, output: str, progress: Optional[ProgressFactor
     replace a file of the checkpoint."""
     step_dir = os.path.abspath(step_dir)
     try:
-        man = mf.load(step_dir)
+        man = stepfiles.load(step_dir)
     except (OSError, ValueError) as exc:
         why = f"{mf.MANIFEST_NAME} is missing" if isinstance(exc, FileNotFoundError) else str(exc)
         raise CheckpointError(f"{step_dir} is not a committed easyckpt checkpoint: {why} (a save that did not finish "
@@ -91,7 +92,7 @@ def to_safetensors(step_dir: str, output: str, progress: Optional[ProgressFactor
     inside = _relpath_inside(step_dir, output)
     if inside is not None:
         _refuse_replacing_the_checkpoint(inside, man, output)
-    problems = mf.check_sizes(step_dir, man, plan.files)
+    problems = stepfiles.check_sizes(step_dir, man, plan.files)
     if problems:
         raise CheckpointError(_damaged(step_dir, problems))
     with _bar(progress, sum(man["files"][rel]["size"] for rel in plan.files), "read") as bar:
@@ -174,7 +175,7 @@ class _Reader:
             raise ValueError(f"{rel} is not listed in the manifest of {self.step_dir}: refusing to read a file "
                              f"that is not part of the committed checkpoint")
         try:
-            data = mf.read_verified(self.step_dir, rel, self.manifest)
+            data = stepfiles.read_verified(self.step_dir, rel, self.manifest)
         except OSError as exc:
             raise CheckpointError(_damaged(self.step_dir, [f"{rel}: unreadable ({exc})"])) from exc
         except ValueError as exc:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from easyckpt.cli.catalog import Entry
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.shardfile import DTYPE_NAMES
+from easyckpt.storage import stepfiles
 
 GROUPS = ("model", "optimizer", "other")
 _MODEL_KEYS = ("model", "module")
@@ -42,7 +43,7 @@ ProgressFactory = Callable[[int, str], Any]
 def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[str, Any]:
     """Everything ``easyckpt inspect`` shows about one step, as plain JSON-able data."""
     try:
-        man: Optional[Dict[str, Any]] = mf.load(entry.path)
+        man: Optional[Dict[str, Any]] = stepfiles.load(entry.path)
         files = _files(entry.path, man)
     except FileNotFoundError:
         man = None
@@ -132,7 +133,7 @@ def _format_of(rel: str) -> str:
 
 
 def _safetensors_tensors(step_dir: str, rel: str) -> Iterator[Tuple[str, str, List[int], int]]:
-    with mf.open_entry(step_dir, rel) as f:
+    with stepfiles.open_entry(step_dir, rel) as f:
         head = f.read(8)
         if len(head) < 8:
             raise ValueError("shorter than a safetensors header")
@@ -150,7 +151,7 @@ def _torch_tensors(step_dir: str, rel: str, args: Dict[str, Any], metadata: Dict
     import torch
 
     from easyckpt.trainer.tree import safe_torch_load
-    tree = safe_torch_load(bytes(mf.read_entry(step_dir, rel)))
+    tree = safe_torch_load(bytes(stepfiles.read_entry(step_dir, rel)))
     found = [(key, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size())
              for key, t in _walk(tree, "") if isinstance(t, torch.Tensor)]
     if isinstance(tree, dict):
@@ -164,7 +165,7 @@ def _torch_tensors(step_dir: str, rel: str, args: Dict[str, Any], metadata: Dict
 
 
 def _json_metadata(step_dir: str, rel: str, args: Dict[str, Any], metadata: Dict[str, Any]) -> None:
-    data = json.loads(bytes(mf.read_entry(step_dir, rel)))
+    data = json.loads(bytes(stepfiles.read_entry(step_dir, rel)))
     if os.path.basename(rel) == "trainer_state.json" and isinstance(data, dict):
         args["trainer_state"] = {k: v for k, v in data.items() if k != "log_history"}
         args["trainer_state"]["log_history_entries"] = len(data.get("log_history") or [])

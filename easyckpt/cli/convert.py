@@ -20,6 +20,7 @@ from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS
 from easyckpt.megatron.state import assemble
+from easyckpt.storage import stepfiles
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer.tree import safe_torch_load
 
@@ -53,7 +54,7 @@ def dp_zero_state(shards: List[Dict[str, Any]]) -> Dict[Any, Any]:
 def to_megatron_distrib_optim(step_dir: str) -> List[str]:
     """Write ``mp_rank_*/distrib_optim.pt`` for every (tp, pp) of a committed step; returns their paths."""
     try:
-        man = mf.load(step_dir)      # its file names are checked: each shard is read inside the step only
+        man = stepfiles.load(step_dir)      # its file names are checked: each shard is read inside the step only
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{step_dir} is not a committed easyckpt checkpoint (no valid manifest: {exc})") from None
     groups: Dict[str, List[str]] = {}
@@ -68,7 +69,7 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
     for mp_dir, rels in sorted(groups.items()):
         shard_lists = []
         for rel in sorted(rels):
-            data = mf.read_verified(step_dir, rel, man)
+            data = stepfiles.read_verified(step_dir, rel, man)
             shard_lists.append(safe_torch_load(data))
         if len(shard_lists[0]) != 1:
             raise ValueError("only a single DistributedOptimizer (not a ChainedOptimizer) can be converted")

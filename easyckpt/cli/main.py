@@ -29,7 +29,7 @@ from easyckpt.cli import catalog
 from easyckpt.cli.catalog import FRAMEWORKS, CatalogError
 from easyckpt.errors import EasyCkptError
 from easyckpt.formats import manifest as mf
-from easyckpt.storage import retention
+from easyckpt.storage import retention, stepfiles
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.units import human
 
@@ -234,7 +234,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     newest = None
     if committed:
         step, path = committed[0]
-        man = mf.read(path) or {}
+        man = stepfiles.read(path) or {}
         newest = {"step": step, "path": path, "bytes": sum(e["size"] for e in man.get("files", {}).values()),
                   "committed_at": os.path.getmtime(os.path.join(path, mf.MANIFEST_NAME))}
     st = os.statvfs(shm.SHM_DIR)

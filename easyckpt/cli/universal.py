@@ -20,7 +20,7 @@ import torch
 
 from easyckpt.cli.consolidate import _MODEL_STATES, _OPTIM_STATES, _damaged
 from easyckpt.errors import CheckpointError
-from easyckpt.formats import manifest as mf
+from easyckpt.storage import stepfiles
 from easyckpt.storage.posix import PosixStorage
 from easyckpt.trainer.tree import safe_torch_load
 
@@ -32,7 +32,7 @@ def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600, 
     ValueError naming the file when one is damaged or not plain data; nothing of the step directory is read
     but its listed files."""
     try:
-        man = mf.load(step_dir)
+        man = stepfiles.load(step_dir)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{step_dir}: no valid manifest ({exc})") from None
     staged = os.path.join(work_dir, "input", tag)
@@ -43,7 +43,7 @@ def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600, 
         if not rel.startswith(prefix) or "/" in name or not (_MODEL_STATES.match(name) or _OPTIM_STATES.match(name)):
             continue                        # easyckpt's own files (RNG, derived outputs) are no input of it
         try:
-            data = mf.read_verified(step_dir, rel, man)
+            data = stepfiles.read_verified(step_dir, rel, man)
         except OSError as exc:
             raise CheckpointError(_damaged(step_dir, [f"{rel}: unreadable ({exc})"])) from exc
         except ValueError as exc:

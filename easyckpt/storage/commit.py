@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 from easyckpt import faults
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
+from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
 def _retire_existing(sd: "SaveDir", final: str, log: AuditLog) -> None:
     """A step directory of the same name exists (a run resumed from an older step reached it again).
     Replace it only if it is a checkpoint of this job: a foreign directory is never touched (promise 4)."""
-    man = mf.read(final)
+    man = stepfiles.read(final)
     if man is None and sd.storage.listdir(final):
         raise FileExistsError(f"{final} exists and is not an easyckpt checkpoint; refusing to replace it")
     if man is not None and man.get("job_id") != sd.job_id:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Iterable, List, Optional, Protocol, Set, Tuple
 
-from easyckpt.formats import manifest as mf
+from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class RetentionPolicy(Protocol):
 def protected(step_dir: str) -> Set[int]:
     """Steps the adapter asked to keep whatever their age (the HF Trainer's best checkpoint), as recorded
     in the manifest of the newest commit."""
-    man = mf.read(step_dir) or {}
+    man = stepfiles.read(step_dir) or {}
     return {int(s) for s in (man.get("info") or {}).get("protect", [])}
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import Naming
+from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
 from easyckpt.storage.posix import PosixStorage
@@ -86,13 +87,13 @@ class SaveDir:
         job = self._job() if own else None
         out = []
         for step, path in self.step_dirs():
-            man = mf.read(path)
+            man = stepfiles.read(path)
             if man is not None and man["step"] == step and (job is None or man.get("job_id") == job):
                 out.append((step, path))
         return out
 
     def is_committed(self, step: int) -> bool:
-        man = mf.read(self.step_path(step))
+        man = stepfiles.read(self.step_path(step))
         return man is not None and man["step"] == step
 
     def staging_dirs(self) -> List[str]:
@@ -234,7 +235,7 @@ class SaveDir:
 
     def add_to_manifest(self, step_dir: str, entries: Dict[str, Dict[str, Any]]) -> None:
         """List files already written by add_file in the step's manifest (rewritten atomically)."""
-        man = mf.read(step_dir)
+        man = stepfiles.read(step_dir)
         if man is None:
             raise ValueError(f"{step_dir} has no valid manifest")
         man["files"].update(entries)

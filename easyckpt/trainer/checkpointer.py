@@ -16,11 +16,21 @@ verbs are a DefaultCheckpointer, a thin default instance over this object.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar, runtime_checkable
+from typing import (
+    Any,
+    Dict,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    TypeVar,
+    runtime_checkable,
+)
 
 from easyckpt.config import Config
 from easyckpt.errors import EasyCkptError
-from easyckpt.formats import manifest as mf
+from easyckpt.storage import stepfiles
 from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.session import Engine, Info
 from easyckpt.trainer.snapshot import ShardSpec, SnapshotResult
@@ -92,7 +102,7 @@ class Checkpointer:
     def is_committed(self, step: int, directory: Optional[str] = None) -> bool:
         """Whether ``step`` is committed (its manifest verifies) in ``directory`` (default: save_dir)."""
         where = directory if directory is not None else self.config.save_dir
-        return mf.read(os.path.join(where, self.config.naming.dir_name(step))) is not None
+        return stepfiles.read(os.path.join(where, self.config.naming.dir_name(step))) is not None
 
     def wait_committed(self, step: int, timeout: Optional[float] = None) -> None:
         """Block until ``step``, already handed to the agent, is committed (AgentError after ``timeout``)."""

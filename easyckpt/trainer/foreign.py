@@ -13,6 +13,7 @@ from typing import Optional
 
 from easyckpt.config import NAMINGS, Naming
 from easyckpt.formats import manifest as mf
+from easyckpt.storage import stepfiles
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer.adopt import tracker_step
 
@@ -23,7 +24,7 @@ def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
     longer uses it (the loader adopts such checkpoints after loading every file); kept for callers."""
     found = []
     for step, path in SaveDir(output_dir, NAMINGS["transformers"]).step_dirs():
-        if step <= above or mf.read(path) is not None:
+        if step <= above or stepfiles.read(path) is not None:
             continue
         try:
             with open(os.path.join(path, "trainer_state.json")) as f:

@@ -26,6 +26,7 @@ from easyckpt.config import Config
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.progress import Progress
+from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer import adopt, shardload, snapshot
@@ -107,7 +108,7 @@ def _log_invalid_manifests(sd: SaveDir, valid: Set[int], log: AuditLog) -> None:
         if step in valid or not os.path.lexists(os.path.join(path, mf.MANIFEST_NAME)):
             continue          # no manifest at all: an interrupted save or a framework's own, not damage
         try:
-            man = mf.load(path)
+            man = stepfiles.load(path)
         except ManifestError as exc:
             reason = str(exc)
         except OSError as exc:
@@ -154,7 +155,7 @@ def _console(rank: int, log: AuditLog) -> Callable[[str], None]:
 def _read_step(step_dir: str, needed: Needed, progress: bool = False
                ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Optional[Dict[str, Any]]]:
     try:
-        man = mf.load(step_dir)
+        man = stepfiles.load(step_dir)
     except ManifestError as exc:
         return None, str(exc), 0, None
     except OSError as exc:
@@ -179,11 +180,11 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[str, bool
             if optional:
                 continue
             return None, f"{rel}: not in the manifest", 0, man
-        problems = mf.check_sizes(step_dir, man, [rel])
+        problems = stepfiles.check_sizes(step_dir, man, [rel])
         if problems:
             return None, problems[0], 0, man
         try:
-            buf = mf.read_entry(step_dir, rel, on_bytes)
+            buf = stepfiles.read_entry(step_dir, rel, on_bytes)
         except ManifestError as exc:
             return None, str(exc), 0, man
         except OSError as exc:
