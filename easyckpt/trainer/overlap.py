@@ -60,8 +60,8 @@ def auto_overlap(optimizer: Any, ranks_on_node: int) -> Tuple[bool, str]:
 
     Device tensors: the copy is DMA on a side stream and the host has nothing else to do. Host tensors:
     the copy thread needs a core of its own; when the training's threads already use every core
-    (torch threads x ranks on the node), it would slow each step by more than the synchronous copy
-    costs (measured on 2 cores: +15 % per step against +5 %), so the copy stays synchronous."""
+    (torch threads x ranks on the node), it competes with them for cores and slows each step by more
+    than the synchronous copy costs, so the copy stays synchronous (the benchmark's loop rows compare both)."""
     for opt in torch_optimizers(optimizer):
         if any(p.is_cuda for group in opt.param_groups for p in group["params"]):
             return True, "the optimizer's tensors are on the GPU"

@@ -266,7 +266,7 @@ def _copy_async(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]):
 def _copy_single_threaded(dst: torch.Tensor, src: torch.Tensor) -> None:
     """A copy on this thread alone, with the GIL released. torch's copy_ would start an OpenMP team
     for this thread, whose workers spin after each copy and take the cores the training's own
-    team computes on (measured: steps up to 3x slower while the background copy ran)."""
+    team computes on, slowing every step while the background copy runs."""
     if src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and src.device.type == "cpu":
         n = src.numel() * src.element_size()
         if n:
