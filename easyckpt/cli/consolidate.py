@@ -41,7 +41,6 @@ import contextlib
 import fnmatch
 import json
 import os
-import re
 import sys
 import threading
 from collections import Counter
@@ -52,11 +51,12 @@ import torch
 
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
-from easyckpt.formats.layout import NAMINGS, Naming
+from easyckpt.formats.layout import DS_MODEL_STATES, DS_OPTIM_STATES, NAMINGS, Naming
 from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles
 from easyckpt.storage.posix import PosixStorage
 from easyckpt.storage.savedir import SaveDir
+from easyckpt.storage.stepfiles import damaged_message
 from easyckpt.trainer.tree import safe_torch_load
 
 Weights = Dict[str, torch.Tensor]
@@ -64,8 +64,6 @@ ProgressFactory = Callable[[int, str], Progress]
 
 # DeepSpeed's file names, as easyckpt's DeepSpeed adapter writes them (optionally under global_stepN/,
 # which is where the Trainer puts them inside checkpoint-N)
-_MODEL_STATES = re.compile(r"^(?:(?P<dir>global_step\d+)/)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
-_OPTIM_STATES = re.compile(r"^(?:global_step\d+/)?(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 _HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _HF_SINGLE = ("model.safetensors", "pytorch_model.bin")
 DERIVED_BY = "easyckpt.cli.consolidate"        # marks our own output in a manifest: the only file we replace
@@ -94,7 +92,7 @@ def to_safetensors(step_dir: str, output: str, progress: Optional[ProgressFactor
         _refuse_replacing_the_checkpoint(inside, man, output)
     problems = stepfiles.check_sizes(step_dir, man, plan.files)
     if problems:
-        raise CheckpointError(_damaged(step_dir, problems))
+        raise CheckpointError(damaged_message(step_dir, problems))
     with _bar(progress, sum(man["files"][rel]["size"] for rel in plan.files), "read") as bar:
         reader.bar = bar
         kind, weights = _load(plan, reader)
@@ -124,13 +122,13 @@ class _Plan:
 
 def _plan(reader: _Reader) -> _Plan:
     listed = sorted(reader.manifest["files"])
-    ds_dirs = sorted({m.group("dir") or "" for rel in listed for m in [_MODEL_STATES.match(rel)] if m})
+    ds_dirs = sorted({m.group("dir") or "" for rel in listed for m in [DS_MODEL_STATES.match(rel)] if m})
     if len(ds_dirs) > 1:
         raise ValueError(f"{reader.step_dir} holds DeepSpeed files of several tags ({', '.join(ds_dirs)}); "
                          f"expected one")
     if ds_dirs:
         ds_dir = ds_dirs[0]
-        files = [rel for rel in listed if (_MODEL_STATES.match(rel) or _OPTIM_STATES.match(rel))
+        files = [rel for rel in listed if (DS_MODEL_STATES.match(rel) or DS_OPTIM_STATES.match(rel))
                  and os.path.dirname(rel) == ds_dir]
         return _Plan("hf" if ds_dir else "deepspeed", files, ds_dir=ds_dir)
     for index_name in _HF_INDEXES:
@@ -177,9 +175,9 @@ class _Reader:
         try:
             data = stepfiles.read_verified(self.step_dir, rel, self.manifest)
         except OSError as exc:
-            raise CheckpointError(_damaged(self.step_dir, [f"{rel}: unreadable ({exc})"])) from exc
+            raise CheckpointError(damaged_message(self.step_dir, [f"{rel}: unreadable ({exc})"])) from exc
         except ValueError as exc:
-            raise CheckpointError(_damaged(self.step_dir, [str(exc)])) from exc
+            raise CheckpointError(damaged_message(self.step_dir, [str(exc)])) from exc
         if self.bar is not None:
             self.bar.update(len(data))
         return data
@@ -195,11 +193,6 @@ class _Reader:
         return os.path.relpath(os.path.realpath(path), os.path.realpath(self.step_dir))
 
 
-def _damaged(step_dir: str, problems: List[str]) -> str:
-    return (f"{step_dir} is damaged: {'; '.join(problems)}. Nothing was written; convert an older committed "
-            f"step (`easyckpt verify SAVE_DIR` shows which are intact)")
-
-
 # ---- merging ------------------------------------------------------------------------------------------
 
 def _load(plan: _Plan, reader: _Reader) -> Tuple[str, Weights]:
@@ -211,7 +204,7 @@ def _load(plan: _Plan, reader: _Reader) -> Tuple[str, Weights]:
 
 def _deepspeed_weights(plan: _Plan, reader: _Reader) -> Tuple[int, Weights]:
     prefix = f"{plan.ds_dir}/" if plan.ds_dir else ""
-    if not any(_OPTIM_STATES.match(rel) for rel in plan.files):
+    if not any(DS_OPTIM_STATES.match(rel) for rel in plan.files):
         # ZeRO-0: no optimizer partitions; the module's state dict is complete in the model-states file
         model = prefix + "mp_rank_00_model_states.pt"
         if model not in plan.files:

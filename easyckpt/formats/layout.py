@@ -79,6 +79,12 @@ def deepspeed_tag(step: int) -> str:
     return NAMINGS["deepspeed"].dir_name(step)
 
 
+# DeepSpeed's own file names inside a tag directory (global_stepN/), for the tools that pick its files out of
+# a manifest: the model states of a pipeline/tensor rank, and a ZeRO partition's optimizer states
+DS_MODEL_STATES = re.compile(r"^(?:(?P<dir>global_step\d+)/)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
+DS_OPTIM_STATES = re.compile(r"^(?:global_step\d+/)?(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
+
+
 def staging_name(job_id: str, final_name: str) -> str:
     return f"{STAGING_PREFIX}{job_id}-{final_name}"
 

@@ -171,3 +171,9 @@ def verify_file(step_dir: str, rel: str, manifest: Dict[str, Any],
     except OSError as exc:
         return f"{rel}: unreadable ({exc.strerror or exc})"
     return mf.compare(rel, size, h.hexdigest, entry, h.algo)
+
+
+def damaged_message(step_dir: str, problems: List[str]) -> str:
+    """What a tool that reads a committed step says when listed files fail their checks."""
+    return (f"{step_dir} is damaged: {'; '.join(problems)}. Nothing was written; convert an older committed "
+            f"step (`easyckpt verify SAVE_DIR` shows which are intact)")

@@ -34,7 +34,7 @@ def converted(tag_dir: str, tag: str, scratch: str, rank: int, world_size: int) 
     error = None
     if rank == 0:
         fresh(scratch)
-        from easyckpt.cli.universal import to_universal
+        from easyckpt.trainer.ds_convert import to_universal
         # the manifest sits in the step directory: tag_dir itself (plain engine), or its parent (the
         # Trainer's checkpoint-N/global_stepN)
         nested = not os.path.lexists(os.path.join(tag_dir, MANIFEST_NAME))

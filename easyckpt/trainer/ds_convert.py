@@ -1,5 +1,5 @@
-"""DeepSpeed's universal checkpoint (the resume on another data-parallel size), from listed and verified
-files only.
+"""DeepSpeed's universal-checkpoint converter, run on listed and verified files only (universal.py runs it
+when a job resumes on another data-parallel size).
 
 DeepSpeed's universal-checkpoint converter (``ds_to_universal``, run when a job resumes on another
 data-parallel size) gets the same treatment, in ``to_universal``: it globs its input folder and
@@ -18,10 +18,11 @@ from typing import Any, List
 
 import torch
 
-from easyckpt.cli.consolidate import _MODEL_STATES, _OPTIM_STATES, _damaged
 from easyckpt.errors import CheckpointError
+from easyckpt.formats.layout import DS_MODEL_STATES, DS_OPTIM_STATES
 from easyckpt.storage import stepfiles
 from easyckpt.storage.posix import PosixStorage
+from easyckpt.storage.stepfiles import damaged_message
 from easyckpt.trainer.tree import safe_torch_load
 
 
@@ -40,19 +41,19 @@ def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600, 
     storage.makedirs(staged)
     for rel in sorted(man["files"]):
         name = rel[len(prefix):]
-        if not rel.startswith(prefix) or "/" in name or not (_MODEL_STATES.match(name) or _OPTIM_STATES.match(name)):
+        if not rel.startswith(prefix) or "/" in name or not (DS_MODEL_STATES.match(name) or DS_OPTIM_STATES.match(name)):
             continue                        # easyckpt's own files (RNG, derived outputs) are no input of it
         try:
             data = stepfiles.read_verified(step_dir, rel, man)
         except OSError as exc:
-            raise CheckpointError(_damaged(step_dir, [f"{rel}: unreadable ({exc})"])) from exc
+            raise CheckpointError(damaged_message(step_dir, [f"{rel}: unreadable ({exc})"])) from exc
         except ValueError as exc:
-            raise CheckpointError(_damaged(step_dir, [str(exc)])) from exc
+            raise CheckpointError(damaged_message(step_dir, [str(exc)])) from exc
         with storage.open_writer(os.path.join(staged, name), direct=False) as out:
             out.write(data)
             out.finish()
     output = os.path.join(work_dir, tag)
-    cmd = [sys.executable, "-m", "easyckpt.cli.universal", "ds-to-universal", "--input_folder", staged,
+    cmd = [sys.executable, "-m", "easyckpt.trainer.ds_convert", "ds-to-universal", "--input_folder", staged,
            "--output_folder", output, "--num_extract_workers", "1", "--num_merge_workers", "1",
            "--inject_missing_state"]
     import subprocess
@@ -119,5 +120,5 @@ __all__ = ["to_universal"]
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["ds-to-universal"]:
-        sys.exit("usage: python -m easyckpt.cli.universal ds-to-universal --input_folder ... --output_folder ...")
+        sys.exit("usage: python -m easyckpt.trainer.ds_convert ds-to-universal --input_folder ... --output_folder ...")
     sys.exit(_ds_to_universal_main(sys.argv[2:]))
