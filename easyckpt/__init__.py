@@ -1,6 +1,6 @@
 """easyckpt: near-free checkpoints through host shared memory, persisted in the background.
 
-Public names only; see DESIGN.md for the map of the engine. ``Checkpointer(config)`` is the one
+Public names only; docs/architecture.md is the map of the package. ``Checkpointer(config)`` is the one
 object behind every adapter; the plain-PyTorch verbs below are its default instance. They are resolved
 lazily so that the node agent (``python -m easyckpt.agent``), which only moves bytes, never imports torch.
 """
