@@ -469,6 +469,20 @@ def test_a_step_that_cannot_commit_fails_at_once_and_later_steps_still_commit(tm
     assert "step 5 was not committed" in res.stderr and "not an easyckpt checkpoint" in res.stderr, res.stderr[-3000:]
 
 
+def test_a_step_that_fails_after_the_last_snapshot_is_still_said_at_finalize(tmp_path):
+    """The same failure, known only after the trainer's last status check (a slow persist: every snapshot
+    through step 10 is taken before step 5's commit fails): finalize says it on the console."""
+    save = tmp_path / "ckpt"
+    foreign = save / "step_00000005"
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("someone else's")
+    env = {"EASYCKPT_FAULTS": "agent.before_persist=sleep:0.8"}
+    res = run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--step-sleep", "0.05"), extra_env=env)
+    wait_no_agent(save, timeout=30)
+    assert (foreign / "notes.txt").read_text() == "someone else's"
+    assert "step 5 was not committed" in res.stderr, res.stderr[-3000:]
+
+
 def test_the_audit_log_is_on_by_default_inside_the_save_dir_and_can_be_turned_off(tmp_path):
     """Item 8: with no log_file_path every save, commit and delete is recorded in SAVE_DIR/easyckpt.log;
     log_file_path=False turns it off."""

@@ -312,6 +312,8 @@ class Engine:
             if not reply.get("ok"):
                 raise AgentError(f"rank {self.rank}: persisting step {step} failed: {reply.get('error')}")
             self.wait_committed(step, timeout)
+        # an earlier step that failed after the last storage interval's status is said now, not never
+        self._report_failures(self.failed_steps())
         if self.preempt is not None:
             self.preempt.uninstall()
         self.client.send({"op": "bye", "rank": self.rank})
