@@ -168,6 +168,32 @@ def test_the_trainers_death_abandons_other_steps_and_cancels_their_queued_persis
     assert commit.step == 10
 
 
+def test_a_step_whose_last_shard_was_being_written_when_the_trainers_died_still_commits_before_the_abandon():
+    """The trainers die while the worker writes the last shard of step 10: every shard of 10 becomes
+    durable, so 10 commits, and only then does the other steps' staging go (the abandon must not remove
+    10's staging under the persist)."""
+    node = Node(world_size=1)
+    writing = node.persist(0, 10)
+    node.co.trainers_died(keep=12)
+    out = node.take()
+    assert not [j for j in node.jobs(out) if isinstance(j, AbandonJob)], "staging removed under a persist in flight"
+    node.co.cancelled([])                            # it was running, not queued: nothing came off the queue
+    assert not [j for j in node.jobs(node.take()) if isinstance(j, AbandonJob)]
+    commit, abandon = node.jobs(node.persisted(writing))
+    assert isinstance(commit, CommitJob) and commit.step == 10 and abandon == AbandonJob(12)
+    assert Committed(10) in node.committed(commit)
+
+
+def test_a_step_the_dead_trainers_left_incomplete_is_abandoned_once_its_persist_in_flight_ends():
+    node = Node(world_size=2)
+    writing = node.persist(0, 10)                    # rank 1's shard of 10 never comes
+    node.co.trainers_died(keep=None)
+    node.take()
+    node.co.cancelled([])
+    out = node.persisted(writing)
+    assert node.jobs(out) == [AbandonJob(None)]
+
+
 def test_cancelled_persists_are_no_longer_outstanding():
     node = Node(world_size=1)
     job = node.persist(0, 5)

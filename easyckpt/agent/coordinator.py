@@ -106,6 +106,8 @@ class Coordinator:
         self.failed: Dict[int, str] = {}      # step -> why (trainers waiting for it ask status)
         self.last_error: Optional[str] = None
         self.waiters: List[Tuple[Any, int, int]] = []          # flushes: (handle, rank, step)
+        self.persisting: Dict[Tuple[int, int], int] = {}        # (epoch, step) -> persists without a result
+        self.abandon_due = False              # the trainers died: their other steps' staging goes next
         self._out: List[Action] = []
 
     def take(self) -> List[Action]:
@@ -169,8 +171,16 @@ class Coordinator:
         for step in sorted(set(self.pending) - {keep}):
             self.pending.pop(step)
         self._out.append(Cancel(keep, self.epoch))
-        # the staging dirs go in the persist thread, after whatever it is writing now
-        self._submit(AbandonJob(keep))
+        # the staging dirs go in the persist thread once the persist it is writing now has its result: a
+        # step whose last shard that persist writes is complete, and commits first (_persisted)
+        self.abandon_due = True
+        self._maybe_abandon()
+
+    def _maybe_abandon(self) -> None:
+        if self.abandon_due and not any(n for (epoch, step), n in self.persisting.items()
+                                        if epoch < self.abandon_epoch and step != self.death_step):
+            self.abandon_due = False
+            self._submit(AbandonJob(self.death_step))
 
     # ---- what the persist worker did --------------------------------------------------------
 
@@ -178,13 +188,17 @@ class Coordinator:
         """Persists taken off the queue (Cancel): they will never have a result."""
         for job in jobs:
             self.outstanding -= 1
+            self._persist_ended(job)
             self.queued.discard((job.rank, job.step))
+        self._maybe_abandon()
 
     def on_result(self, result: Result) -> None:
         self.outstanding -= 1
         job, err = result.job, result.error
         if isinstance(job, PersistJob):
+            self._persist_ended(job)
             self._persisted(job, err)
+            self._maybe_abandon()      # after the commit _persisted may have submitted: it runs first
         elif isinstance(job, CommitJob):
             self._committed(job, err)
         elif err is not None:
@@ -196,7 +210,11 @@ class Coordinator:
         stale = job.epoch < self.epoch and job.step != self.death_step
         if err is None and self.commits:
             if stale and job.epoch < self.abandon_epoch:
-                pass    # its trainers died after it was asked for: its staging dir goes (AbandonJob)
+                # its trainers died while it was being written: a step it completes still commits (every
+                # shard is durable and of one set of trainers); any other goes with its staging (AbandonJob)
+                if self._complete(job.step) and self._may_commit(job.step):
+                    self._submit(CommitJob(job.step, self.world_size or 0, job.epoch, job.rank))
+                    return
             elif job.epoch == self.epoch and job.step < self.newest_committed:
                 self._supersede(job.step)
             elif self._complete(job.step) and self._may_commit(job.step):
@@ -245,9 +263,18 @@ class Coordinator:
 
     def _submit(self, job: Job) -> None:
         self.outstanding += 1
+        if isinstance(job, PersistJob):
+            key = (job.epoch, job.step)
+            self.persisting[key] = self.persisting.get(key, 0) + 1
         if isinstance(job, CommitJob):
             self.committing.add(job.step)
         self._out.append(Submit(job))
+
+    def _persist_ended(self, job: PersistJob) -> None:
+        key = (job.epoch, job.step)
+        self.persisting[key] -= 1
+        if not self.persisting[key]:
+            del self.persisting[key]
 
     def _complete(self, step: int) -> bool:
         shards = self.shards(step)
