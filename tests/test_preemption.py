@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -79,6 +80,10 @@ def sigterm_run(workdir: Path, seed: int, mode: str, reference) -> int:
     assert committed_steps(ckpt)[-1] == agreed, f"{what}: step {agreed} not committed"
     reached = max(last_iteration(loss, r) for r in (0, 1))
     assert reached == agreed, f"{what}: trained to {reached}, saved {agreed}: iterations lost"
+    said = (workdir / "first.out").read_text()
+    assert said.count(f"easyckpt: SIGTERM: saving step {agreed} on all 2 ranks\n") == 1, f"{what}: {said[-3000:]}"
+    assert re.search(rf"^easyckpt: SIGTERM: step {agreed} committed \d+\.\d\d s after this rank reached it; "
+                     rf"exiting$", said, re.M), f"{what}: {said[-3000:]}"
     run(cmd)
     assert starts(loss)[-1] == agreed, f"{what}: resumed from {starts(loss)[-1]}, not {agreed}"
     for rank in (0, 1):

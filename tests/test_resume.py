@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 from harness import (
@@ -57,10 +58,16 @@ def test_kill9_of_both_ranks_resumes_from_memory_losing_at_most_mem_interval(tmp
     wait_for_iteration(loss, kill_at, proc)
     kill_group(proc)
     reached = last_iteration(loss)
-    run(cmd)
+    out = run(cmd)
     resumed = starts(loss)[-1]
     assert reached - resumed <= MEM, f"killed after iteration {reached}, resumed from {resumed}"
     assert load_event(log)["source"] == "memory"
+    # the console: one line per notable event, on rank 0 only (its prefix has no rank), readable
+    said = out.stdout + out.stderr
+    assert said.count("easyckpt: resumed step") == 1 and \
+        f"easyckpt: resumed step {resumed} from memory (the snapshot that outlived the last run): " in said, said
+    assert re.search(rf"^easyckpt: step_{N:08d} committed \(\d+\.\d KiB, written in \d+\.\d\d s\)$", said, re.M), said
+    assert "easyckpt [rank 1]" not in said and "{'" not in said, said
     assert_same_losses(loss, reference)
     wait_no_agent(ckpt)
 
@@ -87,11 +94,13 @@ def test_exception_in_one_rank_is_persisted_by_the_agent_and_resumed_from_storag
     assert first.returncode != 0 and "injected crash" in first.stderr + first.stdout
     wait_no_agent(ckpt)   # the agent persisted the newest snapshot, then released memory and left
     reached = last_iteration(loss)
-    run(cmd)
+    resumed_run = run(cmd)
     resumed = starts(loss)[-1]
     assert reached - resumed <= MEM, f"crashed after iteration {reached}, resumed from {resumed}"
     ev = load_event(log)
     assert ev["source"] == "storage" and ev["step"] == resumed
+    assert f"easyckpt: resumed step {resumed} from storage ({ckpt / f'step_{resumed:08d}'}, verified): " in \
+        resumed_run.stdout + resumed_run.stderr
     assert any(e["event"] == "persist_after_death" for e in events(log))
     assert_same_losses(loss, reference)
     wait_no_agent(ckpt)

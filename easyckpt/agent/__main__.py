@@ -7,6 +7,7 @@ import os
 import sys
 from typing import List
 
+from easyckpt import console
 from easyckpt.agent.agent import Agent
 from easyckpt.config import Config
 from easyckpt.errors import EasyCkptError
@@ -16,6 +17,7 @@ AGENT_NICE = 10
 
 def main(argv: List[str]) -> int:
     cfg = Config.from_json(json.loads(argv[0]))
+    console.install(0, speaker="easyckpt agent")   # its stderr is the agent log (storage/savedir.py)
     # training comes first: the persist (kernel copies, checksums) yields the CPU to the trainers when
     # both want it, and still gets all of it while they wait (a SIGTERM save, a final flush)
     try:

@@ -23,12 +23,12 @@ trainers (their next flush and status).
 """
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
-import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Deque, Dict, List, Optional, Set
 
 from easyckpt.agent import slots
 from easyckpt.agent.coordinator import (
@@ -44,10 +44,11 @@ from easyckpt.agent.coordinator import (
 )
 from easyckpt.agent.grace import Grace
 from easyckpt.agent.jobdir import JobDir
-from easyckpt.agent.jobs import PersistJob
+from easyckpt.agent.jobs import CommitJob, PersistJob
 from easyckpt.agent.persister import Persister, disk_work
 from easyckpt.agent.recovery import Recovery
 from easyckpt.agent.server import Client, Server
+from easyckpt import console
 from easyckpt.config import Config
 from easyckpt.formats import jobkey, protocol, shm
 from easyckpt.storage.auditlog import AuditLog
@@ -77,6 +78,9 @@ class Agent:
         self.refused: List[str] = []            # hellos refused (another world size, a second job): said to
                                                 # the running trainers through status, so not only in a log
         self.got_sigterm = False
+        # for the trainers' console ("checkpoint-15 committed (1.2 GiB, 0.4 s ...)"), through status
+        self.asked: Dict[int, float] = {}       # step -> when a trainer first asked to persist it
+        self.commits: Deque[List[Any]] = collections.deque(maxlen=8)   # [step, bytes, seconds]
         self._handlers: Dict[type, Callable[[socket.socket, Client, Any], None]] = {
             protocol.Hello: self._hello, protocol.Persist: self._persist, protocol.Flush: self._flush,
             protocol.Bye: self._bye, protocol.Term: self._term, protocol.TermStep: self._term_step,
@@ -93,6 +97,13 @@ class Agent:
             for result in self.persister.results():
                 if isinstance(result.job, PersistJob) and result.error is None:
                     self.grace.wrote(result.seconds)
+                if isinstance(result.job, CommitJob) and result.error is None:
+                    step = result.job.step
+                    asked = self.asked.pop(step, None)
+                    self.commits.append([step, result.nbytes,
+                                         0.0 if asked is None else round(time.monotonic() - asked, 3)])
+                    for older in [s for s in self.asked if s < step]:
+                        del self.asked[older]     # superseded or failed: never committed now
                 self.coordinator.on_result(result)
             self.coordinator.tick()
             self._execute()
@@ -169,11 +180,8 @@ class Agent:
             self.log.emit(action.event, **action.fields)
         elif isinstance(action, Error):
             where = {} if action.step is None else {"step": action.step}
-            self.log.emit("error", **where, rank=action.rank, message=action.error)
-            try:
-                print(f"easyckpt agent: {action.what}: {action.error}", file=sys.stderr, flush=True)
-            except OSError:
-                pass     # the agent's log may sit on the very disk that is full
+            self.log.record("error", **where, rank=action.rank, message=action.error)
+            console.error(f"{action.what}: {action.error}")
         elif isinstance(action, RemoveStaging):
             self.jobdir.drop(action.step)
         elif isinstance(action, Committed):
@@ -250,9 +258,11 @@ class Agent:
         return None
 
     def _persist(self, conn: socket.socket, client: Client, msg: protocol.Persist) -> None:
+        self.asked.setdefault(msg.step, time.monotonic())
         self.coordinator.persist(msg.rank, msg.slot, msg.generation, msg.step)
 
     def _flush(self, conn: socket.socket, client: Client, msg: protocol.Flush) -> None:
+        self.asked.setdefault(msg.step, time.monotonic())
         self.coordinator.flush(conn, msg.rank, msg.step, msg.slot, msg.generation)
 
     def _bye(self, conn: socket.socket, client: Client, msg: protocol.Bye) -> None:
@@ -276,4 +286,5 @@ class Agent:
             "dead_ranks": sorted(self.dead_ranks), "pending_commits": sorted(co.pending),
             "outstanding": co.outstanding, "last_error": co.last_error, "leaving": self.grace.leaving,
             "failed_steps": {str(k): v for k, v in sorted(co.failed.items())[-16:]},
-            "refused": len(self.refused), "last_refused": self.refused[-4:], "sigterm": self.grace.status()})
+            "refused": len(self.refused), "last_refused": self.refused[-4:], "sigterm": self.grace.status(),
+            "commits": list(self.commits)})

@@ -43,12 +43,14 @@ class JobDir:
     def write_marker(self, step: int, rank: int, files: Dict[str, Any], info: Dict[str, Any]) -> None:
         self.sd.write_marker(step, rank, files, info)
 
-    def commit(self, step: int, world_size: int) -> None:
-        """Commit ``step`` (storage/commit.py's durable sequence), then prune older steps of this job."""
+    def commit(self, step: int, world_size: int) -> int:
+        """Commit ``step`` (storage/commit.py's durable sequence), then prune older steps of this job.
+        Returns the bytes the step holds."""
         t0 = time.perf_counter()
         final, nbytes = self.sd.commit(step, world_size, self.log)
         self.log.emit("commit", step=step, path=final, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
         self.sd.prune(retention.KeepLast(self.cfg.max_ckpt_num, retention.protected(final)), self.log)
+        return nbytes
 
     def newest_committed(self) -> Optional[int]:
         """The newest step committed in the directory (by any job), or None."""

@@ -59,3 +59,4 @@ class Result:
     job: Job
     error: Optional[str] = None     # None: done
     seconds: float = 0.0            # a persist's write time (the grace clock's reserve)
+    nbytes: int = 0                 # a commit's: the bytes the committed step holds

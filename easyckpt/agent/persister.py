@@ -126,8 +126,8 @@ def disk_work(job_id: str, jobdir: JobDir, log: AuditLog, direct_io: bool) -> Ca
         if isinstance(job, PersistJob):
             return persist(job)
         if isinstance(job, CommitJob):
-            jobdir.commit(job.step, job.world_size)
-        elif isinstance(job, AbandonJob):
+            return Result(job, nbytes=jobdir.commit(job.step, job.world_size))
+        if isinstance(job, AbandonJob):
             jobdir.drop_all_but(job.keep, ABANDON_WHY)
         elif isinstance(job, DropJob):
             jobdir.drop(job.step)

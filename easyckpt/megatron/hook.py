@@ -45,6 +45,7 @@ except ImportError as exc:   # pragma: no cover - exercised only without Megatro
         "of the megatron-core wheel: run it from a Megatron-LM checkout (PYTHONPATH=<Megatron-LM>), or use "
         "easyckpt.megatron's functions directly in your own loop") from exc
 
+from easyckpt import console
 from easyckpt import megatron as _em
 
 _orig_load = _ckpt.load_checkpoint
@@ -118,9 +119,9 @@ def _megatron_only(load_dir: str) -> bool:
     if step_dir is None:
         return False
     if _rank() == 0:
-        print(f"easyckpt: {os.path.basename(step_dir)} is Megatron's own checkpoint in a format easyckpt does not "
-              f"read ({getattr(get_args(), 'ckpt_format', 'torch_dist')}): Megatron's own loader resumes from it",
-              flush=True)
+        console.info(f"{os.path.basename(step_dir)} is Megatron's own checkpoint in a format easyckpt does not "
+                     f"read ({getattr(get_args(), 'ckpt_format', 'torch_dist')}): Megatron's own loader resumes "
+                     f"from it")
     return True
 
 

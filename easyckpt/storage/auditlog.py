@@ -1,18 +1,21 @@
 """The audit log: one JSON line per event (snapshot, persist, commit, load, delete, error, ...).
 
 Trainers and the agent append to the same file; each line is one ``write`` on an O_APPEND
-descriptor, so lines from different processes never interleave.
+descriptor, so lines from different processes never interleave. ``emit`` also says warnings and errors
+on the console (console.py), as one readable line; every event goes to the ``easyckpt.audit`` logger at
+DEBUG. ``record`` writes the file only, for callers that word the console line themselves.
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import time
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
-logger = logging.getLogger("easyckpt")
+from easyckpt import console
+
+WARNINGS = ("warning", "skip")
 
 
 class AuditLog:
@@ -25,18 +28,32 @@ class AuditLog:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
 
     def emit(self, event: str, **fields: Any) -> None:
+        self.record(event, **fields)
+        if event == "error":
+            console.error(readable(event, fields))
+        elif event in WARNINGS:
+            console.warning(readable(event, fields))
+
+    def record(self, event: str, **fields: Any) -> None:
         record = {"time": round(time.time(), 6), "event": event, "source": self.source,
                   "host": socket.gethostname(), "pid": os.getpid(), **fields}
-        level = logging.ERROR if event == "error" else logging.WARNING if event in ("warning", "skip") \
-            else logging.DEBUG
-        logger.log(level, "%s %s", event, fields)
+        line = json.dumps(record, default=str)
+        console.audit_logger.debug("%s", line)
         if self._fd is not None:
             try:
-                os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
+                os.write(self._fd, (line + "\n").encode())
             except OSError as exc:  # the log must never take training down
-                logger.warning("easyckpt: cannot write audit log %s: %s", self.path, exc)
+                console.warning(f"cannot write the audit log {self.path}: {exc}")
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def readable(event: str, fields: Dict[str, Any]) -> str:
+    """An event as a console line: its message, else its fields as ``key=value``."""
+    message = fields.get("message")
+    if isinstance(message, str) and message:
+        return message
+    return f"{event}: " + ", ".join(f"{k}={v}" for k, v in fields.items())

@@ -20,6 +20,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
+from easyckpt.errors import CheckpointError
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import Naming
@@ -237,7 +238,7 @@ class SaveDir:
         """List files already written by add_file in the step's manifest (rewritten atomically)."""
         man = stepfiles.read(step_dir)
         if man is None:
-            raise ValueError(f"{step_dir} has no valid manifest")
+            raise CheckpointError(f"{step_dir} has no valid manifest")
         man["files"].update(entries)
         man["files"] = dict(sorted(man["files"].items()))
         self.write_manifest(step_dir, man)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from easyckpt import console
 from easyckpt.config import Config
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
@@ -130,16 +131,14 @@ def _adopt(cand: adopt.Candidate, cfg: Config, rank: int, world_size: int, neede
     bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
     if bad:
         message = "; ".join(f"rank {r}: {v}" for r, v in bad)
-        log.emit("error", step=cand.step, path=cand.path, message=f"{what} not adopted: {message}")
-        if rank == 0:
-            print(f"easyckpt: {what} is incomplete or unreadable ({message}): trying the previous checkpoint",
-                  flush=True)
+        log.record("error", step=cand.step, path=cand.path, message=f"{what} not adopted: {message}")
+        if rank == 0:    # the same verdicts on every rank: one console line
+            console.warning(f"{what} is incomplete or unreadable ({message}): trying the previous checkpoint")
         return None
     log.emit("adopt", step=cand.step, rank=rank, path=cand.path, bytes=nbytes,
              message=f"{what}: no easyckpt manifest, so no checksums to verify; every file this rank needs "
                      f"exists with its size on disk and loads")
-    if rank == 0:   # (the audit line above reaches the "easyckpt" logger at DEBUG: one console line, here)
-        print(f"easyckpt: resuming from {what} (no easyckpt manifest)", flush=True)
+    console.info(f"resuming from {what} (no easyckpt manifest)")
     return Loaded(cand.step, "adopted", cand.path, trees, nbytes, time.perf_counter() - t0, inv)
 
 
@@ -148,7 +147,7 @@ def _console(rank: int, log: AuditLog) -> Callable[[str], None]:
     def say(text: str) -> None:
         log.emit("not_adopted", message=text)
         if rank == 0:
-            print(f"easyckpt: {text}", flush=True)
+            console.warning(text)
     return say
 
 

@@ -19,6 +19,7 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
+from easyckpt import console
 from easyckpt.config import Config, validate
 from easyckpt.errors import AgentError, EasyCkptError
 from easyckpt.formats.reap import reap_dead_jobs
@@ -30,12 +31,14 @@ from easyckpt.trainer.dist import any_rank, placement
 from easyckpt.trainer.load import Loaded, Needed, load_newest
 from easyckpt.trainer.overlap import OptimizerWatch, auto_overlap
 from easyckpt.trainer.preempt import Preemption
+from easyckpt.trainer.reports import StatusReports, failed_steps
 from easyckpt.trainer.snapshot import (
     PendingSnapshot,
     ShardSpec,
     SnapshotResult,
     Snapshotter,
 )
+from easyckpt.units import human
 
 Collect = Callable[[], Sequence[ShardSpec]]
 # what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})
@@ -47,6 +50,7 @@ class Engine:
         self.cfg = validate(cfg)
         where = placement()
         self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
+        console.install(self.rank, to_stdout=cfg.naming.framework == "megatron")   # as print_rank_0
         self.log = AuditLog(cfg.audit_log, f"rank{self.rank}")
         self.savedir = SaveDir(cfg.save_dir, cfg.naming, cfg.job_id)   # read only: the agent writes there
         reap_dead_jobs(self.log, keep=cfg.job_id)
@@ -56,8 +60,8 @@ class Engine:
         self.last_persisted_step: Optional[int] = None
         self.last_step: Optional[int] = None
         self.last_complete_step: Optional[int] = None   # newest snapshot a crash would resume from
-        self.reported_failures: set = set()
-        self.reported_refusals = 0
+        self.reports = StatusReports(self.rank, cfg.naming, self.log)
+        self._next_status = 0.0        # rank 0 asks the agent for new commits now and then
         self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
@@ -87,6 +91,7 @@ class Engine:
         taken synchronously (None when skipped, or still being copied: see ``settle``)."""
         if self.safe_point(step, collect, info):
             return self.last
+        self._poll_commits()
         if step % self.cfg.save_mem_interval:
             return None
         if persist is None:
@@ -184,6 +189,7 @@ class Engine:
         assert pre is not None
         t0 = time.time()
         since = pre.signalled_at
+        console.info(f"SIGTERM: saving step {step}" + (f" on all {self.world_size} ranks" if self.world_size > 1 else ""))
         try:
             self.client.send({"op": "term_step", "rank": self.rank, "step": step})
             self.persist_now(step, collect, max(1.0, pre.deadline_left()), info)
@@ -198,6 +204,8 @@ class Engine:
                       since_signal=None if since is None else round(time.time() - since, 6),
                       exit=self.cfg.exit_after_ondemand_checkpoint)
         pre.done()
+        console.info(f"SIGTERM: step {step} committed {time.time() - t0:.2f} s after this rank reached it; "
+                     + ("exiting" if self.cfg.exit_after_ondemand_checkpoint else "training goes on"))
         if self.rank == 0:
             runlog.record("sigterm_save", step=step, exit=self.cfg.exit_after_ondemand_checkpoint)
         if self.cfg.exit_after_ondemand_checkpoint:
@@ -209,36 +217,28 @@ class Engine:
             self.client.send({"op": "persist", "rank": self.rank, "slot": result.slot,
                               "generation": result.generation, "step": result.step})
             self.last_persisted_step = result.step
+            self.reports.requested(result.step)
         except AgentError as exc:   # never take training down for a failed persist (promise 2)
             self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
+        self.status()
+
+    def status(self) -> Dict[str, Any]:
+        """The agent's status ({} when none answers); what is new in it is said on the console."""
         status = one_shot(self.cfg.job_id, {"op": "status"}) or {}
-        self._report_failures(_failed_steps(status))
-        self._report_refusals(status)
+        self.reports.take(status)
+        self._next_status = time.monotonic() + 0.25
+        return status
 
     def failed_steps(self) -> Dict[int, str]:
         """Steps the agent could not persist or commit, with why (from its status)."""
-        return _failed_steps(one_shot(self.cfg.job_id, {"op": "status"}) or {})
+        return failed_steps(self.status())
 
-    def _report_refusals(self, status: Dict[str, Any]) -> None:
-        """A trainer the agent refused (another world size or job on this save_dir) is said on rank 0's
-        console too, not only to the refused process."""
-        count, last = status.get("refused"), status.get("last_refused")
-        if not isinstance(count, int) or not isinstance(last, list) or count <= self.reported_refusals:
-            return
-        for text in last[-(count - self.reported_refusals):]:
-            if self.rank == 0:
-                self.log.emit("error", rank=self.rank, message=f"easyckpt agent: {text}")
-        self.reported_refusals = count
-
-    def _report_failures(self, failed: Dict[int, str]) -> None:
-        """A step that cannot be committed is said on the console once (rank 0), while training goes on
-        and later steps still commit (promise 2)."""
-        for step in sorted(set(failed) - self.reported_failures):
-            self.reported_failures.add(step)
-            if self.rank == 0:
-                self.log.emit("error", step=step, rank=self.rank,
-                              message=f"easyckpt: step {step} was not committed: {failed[step]}; training goes on "
-                                      f"and later steps are still saved")
+    def _poll_commits(self) -> None:
+        # one socket round trip every 0.25 s at most, and only while a commit is awaited: training pays nothing
+        # else for the "committed" line
+        if (self.last_persisted_step is not None and self.reports.waiting(self.last_persisted_step)
+                and time.monotonic() >= self._next_status):
+            self.status()
 
     def persist_now(self, step: int, collect: Collect, timeout: Optional[float] = None, info: Info = None,
                     fresh: bool = False) -> SnapshotResult:
@@ -287,6 +287,7 @@ class Engine:
                           bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
             self.last_step = loaded.step
             self.progress.mark(loaded.step)
+        console.info(_resumed(loaded, self.cfg.save_dir, self.world_size))
         if self.rank == 0:
             runlog.record("resume", step=loaded.step if loaded else 0, source=loaded.source if loaded else "none",
                           seconds=round(loaded.seconds, 6) if loaded else 0.0)
@@ -312,8 +313,9 @@ class Engine:
             if not reply.get("ok"):
                 raise AgentError(f"rank {self.rank}: persisting step {step} failed: {reply.get('error')}")
             self.wait_committed(step, timeout)
-        # an earlier step that failed after the last storage interval's status is said now, not never
-        self._report_failures(self.failed_steps())
+        # an earlier step that failed after the last storage interval's status is said now, not never; and
+        # the commit finalize waited for
+        self.status()
         if self.preempt is not None:
             self.preempt.uninstall()
         self.client.send({"op": "bye", "rank": self.rank})
@@ -358,7 +360,10 @@ class Engine:
                 else "every shard is there; the coordinator's agent did not commit (see its log)")
 
 
-def _failed_steps(status: Dict[str, Any]) -> Dict[int, str]:
-    failed = status.get("failed_steps")
-    return {int(k): str(v) for k, v in failed.items() if str(k).isdigit()} if isinstance(failed, dict) else {}
-
+def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int) -> str:
+    if loaded is None:
+        return f"nothing to resume from in {save_dir}: training starts from the beginning"
+    where = {"memory": "memory (the snapshot that outlived the last run)",
+             "storage": f"storage ({loaded.path}, verified)"}.get(loaded.source, f"{loaded.path} ({loaded.source})")
+    size = human(loaded.nbytes) + (" on rank 0" if world_size > 1 else "")
+    return f"resumed step {loaded.step} from {where}: {size} in {loaded.seconds:.2f} s"

@@ -1,0 +1,81 @@
+"""What the agent's status tells rank 0's console: each commit, each step that cannot be committed, each
+trainer the agent refused; every one said once, when the trainer first sees it in a status reply.
+
+Status replies are read as untrusted input: a field of the wrong shape is ignored, never an exception in
+training.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Set, Tuple
+
+from easyckpt import console
+from easyckpt.formats.layout import Naming
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.units import human
+
+
+def failed_steps(status: Dict[str, Any]) -> Dict[int, str]:
+    """Steps the agent could not persist or commit, with why."""
+    failed = status.get("failed_steps")
+    return {int(k): str(v) for k, v in failed.items() if str(k).isdigit()} if isinstance(failed, dict) else {}
+
+
+def commits(status: Dict[str, Any]) -> List[Tuple[int, int, float]]:
+    """The agent's recent commits: (step, bytes, seconds from the first persist request to the commit)."""
+    out = []
+    for item in status.get("commits") or []:
+        if (isinstance(item, list) and len(item) == 3 and all(isinstance(x, int) for x in item[:2])
+                and isinstance(item[2], (int, float)) and item[0] >= 0 and item[1] >= 0):
+            out.append((item[0], item[1], float(item[2])))
+    return out
+
+
+class StatusReports:
+    def __init__(self, rank: int, naming: Naming, log: AuditLog):
+        self.rank, self.naming, self.log = rank, naming, log
+        self.failures: Set[int] = set()
+        self.refusals = 0
+        self.said_commit = -1          # the newest step whose commit was said
+        self.started_at = -1           # commits of steps before this run's first request are not ours
+
+    def requested(self, step: int) -> None:
+        if self.started_at < 0:
+            self.started_at = step
+
+    def waiting(self, newest_requested: int) -> bool:
+        """A commit not yet said may be on its way (rank 0 asks the agent about it now and then)."""
+        return self.rank == 0 and newest_requested > self.said_commit
+
+    def take(self, status: Dict[str, Any]) -> None:
+        self._commits(status)
+        self._failures(failed_steps(status))
+        self._refusals(status)
+
+    def _commits(self, status: Dict[str, Any]) -> None:
+        if self.rank != 0 or self.started_at < 0:
+            return
+        for step, nbytes, seconds in sorted(commits(status)):
+            if step > self.said_commit and step >= self.started_at:
+                self.said_commit = step
+                console.info(f"{self.naming.dir_name(step)} committed ({human(nbytes)}, written in {seconds:.2f} s)")
+
+    def _failures(self, failed: Dict[int, str]) -> None:
+        """A step that cannot be committed is said on the console once (rank 0), while training goes on
+        and later steps still commit (promise 2)."""
+        for step in sorted(set(failed) - self.failures):
+            self.failures.add(step)
+            if self.rank == 0:
+                self.log.emit("error", step=step, rank=self.rank,
+                              message=f"step {step} was not committed: {failed[step]}; training goes on "
+                                      f"and later steps are still saved")
+
+    def _refusals(self, status: Dict[str, Any]) -> None:
+        """A trainer the agent refused (another world size or job on this save_dir) is said on rank 0's
+        console too, not only to the refused process."""
+        count, last = status.get("refused"), status.get("last_refused")
+        if not isinstance(count, int) or not isinstance(last, list) or count <= self.refusals:
+            return
+        for text in last[-(count - self.refusals):]:
+            if self.rank == 0 and isinstance(text, str):
+                self.log.emit("error", rank=self.rank, message=f"easyckpt agent: {text}")
+        self.refusals = count

@@ -1,0 +1,126 @@
+"""The console lines (easyckpt/console.py, trainer/reports.py, the audit log's warnings), in process.
+What a real run prints is checked in test_resume.py, test_preemption.py and the framework tests."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from easyckpt import console
+from easyckpt.formats.layout import NAMINGS
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.trainer.reports import StatusReports
+
+
+@pytest.fixture(autouse=True)
+def fresh_logger():
+    """Each test starts with the logger as a new process has it, and leaves it so."""
+    saved = (list(console.logger.handlers), console.logger.level, console.logger.propagate, console._rank)
+    console.logger.handlers.clear()
+    console.logger.setLevel(logging.NOTSET)
+    console.logger.propagate = True
+    yield
+    console.logger.handlers[:] = saved[0]
+    console.logger.setLevel(saved[1])
+    console.logger.propagate = saved[2]
+    console._rank = saved[3]
+
+
+def test_rank_0_says_events_and_every_rank_its_warnings(capsys):
+    console.install(0)
+    console.info("resumed step 12 from memory")
+    console.warning("easyckpt: a warning")
+    assert capsys.readouterr().err == "easyckpt: resumed step 12 from memory\neasyckpt: a warning\n"
+    console.install(3)          # a second engine in the process adds no second handler
+    assert len(console.logger.handlers) == 1
+    console.logger.handlers.clear()
+    console.install(3)
+    console.info("resumed step 12 from memory")
+    console.error("step 5 was not committed")
+    assert capsys.readouterr().err == "easyckpt [rank 3]: step 5 was not committed\n"
+
+
+def test_megatron_lines_go_to_stdout_as_print_rank_0(capsys):
+    console.install(0, to_stdout=True)
+    console.info("iter_0000005 committed")
+    out = capsys.readouterr()
+    assert out.out == "easyckpt: iter_0000005 committed\n" and out.err == ""
+
+
+def test_the_user_sets_the_level_and_routes_the_lines(capsys):
+    console.logger.setLevel(logging.WARNING)
+    console.install(0)
+    console.info("not shown")
+    console.warning("shown")
+    assert capsys.readouterr().err == "easyckpt: shown\n"
+
+    console.logger.handlers.clear()
+    console.logger.setLevel(logging.NOTSET)
+    seen = []
+
+    class Mine(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append((record.levelname, record.getMessage()))
+
+    console.logger.addHandler(Mine())
+    console.install(0)       # the application's handler is kept, and none added
+    console.info("resumed step 3 from storage")
+    assert seen == [("INFO", "resumed step 3 from storage")] and len(console.logger.handlers) == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_a_line_said_while_a_progress_bar_is_drawn_does_not_tear_it(capsys):
+    tqdm = pytest.importorskip("tqdm", reason="tqdm is not installed (it comes with transformers)")
+    console.install(0)
+    bar = tqdm.tqdm(total=10, desc="train", file=None, ascii=True)     # file=None: sys.stderr
+    try:
+        bar.update(3)
+        console.info("checkpoint-3 committed")
+        bar.update(1)
+    finally:
+        bar.close()
+    err = capsys.readouterr().err
+    # tqdm.write clears the bar's line first, so the message starts a line of its own
+    assert "\neasyckpt: checkpoint-3 committed\n" in "\n" + err.replace("\r", "\n"), repr(err)
+    assert "3/10" in err and "4/10" in err
+
+
+def test_audit_warnings_and_errors_are_readable_lines_and_the_rest_is_debug(tmp_path, capsys):
+    console.install(0)
+    log = AuditLog(str(tmp_path / "audit.jsonl"), "rank0")
+    log.emit("snapshot", step=4, bytes=100)
+    log.emit("skip", step=5, message="rank 0: snapshot of step 5 skipped: both slots are busy")
+    log.emit("error", step=6, rank=0, message="easyckpt: step 6 was not committed: disk full")
+    log.emit("error", step=7)
+    log.record("error", step=8, message="said by the caller in its own words")
+    assert capsys.readouterr().err == ("easyckpt: rank 0: snapshot of step 5 skipped: both slots are busy\n"
+                                       "easyckpt: step 6 was not committed: disk full\n"
+                                       "easyckpt: error: step=7\n")
+    console.logger.setLevel(logging.DEBUG)      # DEBUG: every event, as its JSON line
+    log.emit("snapshot", step=9, bytes=100)
+    log.close()
+    assert capsys.readouterr().err.count('"event": "snapshot", "source": "rank0"') == 1
+    assert len((tmp_path / "audit.jsonl").read_text().splitlines()) == 6
+
+
+def test_status_reports_say_each_commit_once_and_ignore_what_is_malformed(tmp_path, capsys):
+    console.install(0)
+    log = AuditLog(None, "rank0")
+    reports = StatusReports(0, NAMINGS["transformers"], log)
+    reports.take({"commits": [[5, 1024, 0.5]]})
+    assert capsys.readouterr().err == ""              # no request of this run yet: an earlier run's commit
+    reports.requested(10)
+    assert reports.waiting(10)
+    bad = [[10, "x", 0.1], [11, -1, 0.1], ["12", 1, 0.1], [13, 1], "14", [15, 2048, None]]
+    reports.take({"commits": [[5, 1024, 0.5], [10, 1536, 0.25]] + bad, "failed_steps": {"9": "disk full", "x": 1}})
+    reports.take({"commits": [[10, 1536, 0.25]], "failed_steps": {"9": "disk full"}})
+    assert capsys.readouterr().err == ("easyckpt: checkpoint-10 committed (1.5 KiB, written in 0.25 s)\n"
+                                       "easyckpt: step 9 was not committed: disk full; training goes on and "
+                                       "later steps are still saved\n")
+    assert not reports.waiting(10)
+    reports.take({"commits": "garbage", "failed_steps": ["9"], "refused": 2, "last_refused": [3, "rank 2 was refused"]})
+    assert capsys.readouterr().err == "easyckpt: agent: rank 2 was refused\n"
+    other = StatusReports(1, NAMINGS["transformers"], log)
+    other.requested(10)
+    other.take({"commits": [[10, 1536, 0.25]], "failed_steps": {"9": "disk full"}})
+    assert capsys.readouterr().err == "" and not other.waiting(10)
