@@ -211,10 +211,11 @@ def shm_segments() -> List[str]:
 
 
 def interrupted_runs(cmd: Sequence[str], loss: Path, workdir: Path, interrupts: Sequence[tuple],
-                     timeout: float = 300, rank: int = 0) -> None:
+                     timeout: float = 300, rank: int = 0) -> subprocess.CompletedProcess:
     """Launch ``cmd``; at each (iteration, signal) interrupt it once the loss file shows that iteration
     (SIGKILL: every trainer at once, the agent spared; SIGTERM: to the launcher, which forwards it to its
-    workers; neither lets the trainers save), relaunch the same command; finally run it to the end."""
+    workers; neither lets the trainers save), relaunch the same command; finally run it to the end (its
+    output is returned; the interrupted runs' are in ``workdir/interrupted<i>.out``)."""
     for i, (at, sig) in enumerate(interrupts):
         proc = start(cmd, log=workdir / f"interrupted{i}.out")
         try:
@@ -226,7 +227,7 @@ def interrupted_runs(cmd: Sequence[str], loss: Path, workdir: Path, interrupts: 
         else:
             proc.send_signal(sig)
             proc.wait(timeout=120)
-    run(cmd, timeout=timeout)
+    return run(cmd, timeout=timeout)
 
 
 def assert_losses_equal(got: Dict[int, str], reference: Dict[int, str], n: int, what: str = "") -> None:

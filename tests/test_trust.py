@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -467,6 +468,11 @@ def test_a_step_that_cannot_commit_fails_at_once_and_later_steps_still_commit(tm
     assert (foreign / "notes.txt").read_text() == "someone else's" and sorted(os.listdir(foreign)) == ["notes.txt"]
     assert json.loads((save / "step_00000010" / "easyckpt_manifest.json").read_text())["step"] == 10
     assert "step 5 was not committed" in res.stderr and "not an easyckpt checkpoint" in res.stderr, res.stderr[-3000:]
+    # said once, as a sentence (not the audit record's dict), and step 10's commit is said too
+    assert re.search(r"^easyckpt: step 5 was not committed: .*not an easyckpt checkpoint.*; training goes on and "
+                     r"later steps are still saved$", res.stderr, re.M), res.stderr[-3000:]
+    assert res.stderr.count("step 5 was not committed") == 1 and "{'" not in res.stderr, res.stderr[-3000:]
+    assert re.search(r"^easyckpt: step_00000010 committed \(", res.stderr, re.M), res.stderr[-3000:]
 
 
 def test_a_step_that_fails_after_the_last_snapshot_is_still_said_at_finalize(tmp_path):

@@ -204,6 +204,7 @@ class Engine:
                       since_signal=None if since is None else round(time.time() - since, 6),
                       exit=self.cfg.exit_after_ondemand_checkpoint)
         pre.done()
+        self._say_committed(step)    # its "committed" line first, then the one that says what happens now
         console.info(f"SIGTERM: step {step} committed {time.time() - t0:.2f} s after this rank reached it; "
                      + ("exiting" if self.cfg.exit_after_ondemand_checkpoint else "training goes on"))
         if self.rank == 0:
@@ -232,6 +233,15 @@ class Engine:
     def failed_steps(self) -> Dict[int, str]:
         """Steps the agent could not persist or commit, with why (from its status)."""
         return failed_steps(self.status())
+
+    def _say_committed(self, step: int, wait: float = 1.0) -> None:
+        """After the commit of ``step`` was seen in the save dir: its console line. The agent records it
+        once its prune is done too, a moment later; rank 0 asks again until then, for ``wait`` s at most."""
+        deadline = time.monotonic() + wait
+        while self.reports.waiting(step) and time.monotonic() < deadline:
+            self.status()
+            if self.reports.waiting(step):
+                time.sleep(0.02)
 
     def _poll_commits(self) -> None:
         # one socket round trip every 0.25 s at most, and only while a commit is awaited: training pays nothing
@@ -313,6 +323,7 @@ class Engine:
             if not reply.get("ok"):
                 raise AgentError(f"rank {self.rank}: persisting step {step} failed: {reply.get('error')}")
             self.wait_committed(step, timeout)
+            self._say_committed(step)
         # an earlier step that failed after the last storage interval's status is said now, not never; and
         # the commit finalize waited for
         self.status()
