@@ -44,6 +44,7 @@ from easyckpt.errors import EasyCkptError
 logger = logging.getLogger("easyckpt")
 
 _applied = False
+_advised = False
 
 
 def deepspeed_on_cpu() -> bool:
@@ -68,6 +69,20 @@ def deepspeed_on_cpu() -> bool:
 def applied() -> bool:
     """Whether ``deepspeed_on_cpu()`` changed DeepSpeed in this process."""
     return _applied
+
+
+def advise() -> None:
+    """Say once, on a machine without CUDA, that ``deepspeed_on_cpu()`` was not called: the adapters call
+    it when they meet a DeepSpeed engine, which is after DeepSpeed started (too late to apply it), so the
+    next start knows which line to add."""
+    global _advised
+    if _applied or _advised or torch.cuda.is_available():
+        return
+    _advised = True
+    logger.warning("easyckpt: DeepSpeed runs without CUDA here; call easyckpt.cpu.deepspeed_on_cpu() before "
+                   "deepspeed.initialize (or before building TrainingArguments): it skips the build of an op "
+                   "torchrun never uses and turns a lock left by an interrupted build, on which DeepSpeed "
+                   "would wait silently for ever, into an error")
 
 
 def _no_shm_op() -> None:
