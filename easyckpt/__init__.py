@@ -4,7 +4,7 @@ Public names only; docs/architecture.md is the map of the package. ``Checkpointe
 object behind every adapter; the plain-PyTorch verbs below are its default instance. They are resolved
 lazily so that the node agent (``python -m easyckpt.agent``), which only moves bytes, never imports torch.
 """
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from easyckpt.config import Config
 from easyckpt.errors import (
@@ -14,6 +14,15 @@ from easyckpt.errors import (
     EasyCkptError,
     ShmCapacityError,
 )
+
+if TYPE_CHECKING:   # what __getattr__ below resolves, for type checkers and IDEs
+    from easyckpt.pytorch import (
+        finalize_easyckpt,
+        initialize_easyckpt,
+        load_checkpoint,
+        save_checkpoint_if_needed,
+    )
+    from easyckpt.trainer.checkpointer import Checkpointer, FrameworkState
 
 __all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt",
            "Checkpointer", "FrameworkState", "Config", "EasyCkptError", "ConfigError", "ShmCapacityError",

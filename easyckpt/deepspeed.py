@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
+from easyckpt import cpu
 from easyckpt.config import NAMINGS, Config, adapter_config
 from easyckpt.trainer import rng, universal
 from easyckpt.trainer.checkpointer import Checkpointer, DefaultCheckpointer
@@ -43,6 +44,9 @@ from easyckpt.trainer.deepspeed_state import (
 from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
 NAMING = NAMINGS["deepspeed"]
 RNG_DIR = "easyckpt_rng/"
 
@@ -58,7 +62,7 @@ class DeepSpeedState:
     """A DeepSpeed engine on one rank (the FrameworkState of this adapter); the step is its global_steps."""
 
     ckpt: Checkpointer
-    engine: Any
+    engine: "DeepSpeedEngine"
     client_state: Optional[Dict[str, Any]] = None
     load_kwargs: Optional[Dict[str, Any]] = None
     step: int = field(init=False, default=0)
@@ -108,12 +112,13 @@ def initialize_easyckpt(save_dir: Union[str, Config, None] = None, save_mem_inte
     ``Config`` instead of the keywords: ``initialize_easyckpt(config)`` / ``initialize_easyckpt(config=config)``."""
     if isinstance(save_dir, Config):
         config, save_dir = save_dir, None
+    cpu.advise()
     _default.start(adapter_config("initialize_easyckpt", NAMING, config, dict(
         save_dir=save_dir, save_mem_interval=save_mem_interval, save_storage_interval=save_storage_interval,
         max_ckpt_num=max_ckpt_num, log_file_path=log_file_path), advanced))
 
 
-def save_checkpoint_if_needed(ds_engine: Any, client_state: Optional[Dict[str, Any]] = None) -> None:
+def save_checkpoint_if_needed(ds_engine: "DeepSpeedEngine", client_state: Optional[Dict[str, Any]] = None) -> None:
     """Call after every ``engine.step()``; the step is ``engine.global_steps``. ``client_state`` is
     stored as DeepSpeed stores it (in the model-states file) and returned by load_checkpoint."""
     ckpt = _default.require()
@@ -121,14 +126,14 @@ def save_checkpoint_if_needed(ds_engine: Any, client_state: Optional[Dict[str, A
     ckpt.save(state.step, state, info=state.info(), optimizer=ds_engine.optimizer)
 
 
-def save_checkpoint_now(ds_engine: Any, client_state: Optional[Dict[str, Any]] = None) -> None:
+def save_checkpoint_now(ds_engine: "DeepSpeedEngine", client_state: Optional[Dict[str, Any]] = None) -> None:
     """Snapshot the current step (unless it already is) and have it persisted, without waiting for storage."""
     ckpt = _default.require()
     state = DeepSpeedState(ckpt, ds_engine, client_state)
     ckpt.save_now(state.step, state, info=state.info())
 
 
-def load_checkpoint(ds_engine: Any, load_module_strict: bool = True, load_optimizer_states: bool = True,
+def load_checkpoint(ds_engine: "DeepSpeedEngine", load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     """Restore the newest complete state (memory or storage) into ``ds_engine``; DeepSpeed's return
     value: ``(load_path, client_state)``, ``(None, None)`` when there is nothing to resume from."""

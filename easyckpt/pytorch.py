@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from easyckpt.config import NAMINGS, Config, adapter_config
 from easyckpt.trainer import rng
@@ -45,8 +46,8 @@ class PytorchState:
 
     ckpt: Checkpointer
     model: torch.nn.Module
-    optimizer: Any = None
-    lr_scheduler: Any = None
+    optimizer: Optional[torch.optim.Optimizer] = None
+    lr_scheduler: Optional[LRScheduler] = None
     iteration: int = 0
     extra: Optional[Dict[str, Any]] = None
 
@@ -107,7 +108,8 @@ def initialize_easyckpt(save_dir: Union[str, Config, None] = None, save_mem_inte
         max_ckpt_num=max_ckpt_num, log_file_path=log_file_path), advanced))
 
 
-def save_checkpoint_if_needed(iteration: int, model: torch.nn.Module, optimizer=None, lr_scheduler=None,
+def save_checkpoint_if_needed(iteration: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                              lr_scheduler: Optional[LRScheduler] = None,
                               extra: Optional[Dict[str, Any]] = None) -> None:
     """Call once per iteration, after the optimizer step; ``iteration`` counts completed iterations."""
     ckpt = _default.require()
@@ -115,7 +117,8 @@ def save_checkpoint_if_needed(iteration: int, model: torch.nn.Module, optimizer=
               optimizer=optimizer)
 
 
-def load_checkpoint(model: torch.nn.Module, optimizer=None, lr_scheduler=None) -> Tuple[int, Optional[Dict[str, Any]]]:
+def load_checkpoint(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                    lr_scheduler: Optional[LRScheduler] = None) -> Tuple[int, Optional[Dict[str, Any]]]:
     """Restore the newest complete state; returns ``(iteration, extra)``, or ``(0, None)`` when there is none."""
     ckpt = _default.require()
     restored = ckpt.load(PytorchState(ckpt, model, optimizer, lr_scheduler))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
+import sys
 
 import pytest
 from harness import (
@@ -30,6 +32,8 @@ from harness import (
 
 TRAIN = ROOT / "examples" / "deepspeed" / "train.py"
 CHECK = ROOT / "tests" / "deepspeed_native_check.py"
+HF = ROOT / "examples" / "deepspeed" / "hf_train.py"
+PROBE = ROOT / "tests" / "deepspeed_cpu_probe.py"
 ITERS = 20
 SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
@@ -123,3 +127,43 @@ def test_finalize_when_one_rank_skipped_the_last_snapshot_does_not_hang_in_zero3
     assert (ckpt / "latest").read_text() == f"global_step{iters}"
     cli("verify", ckpt, str(iters))
     wait_no_agent(ckpt)
+
+
+def _stale_build_locks(root):
+    """What a DeepSpeed op build killed mid-way leaves: its lock file, held by no process."""
+    for op in ("deepspeed_shm_comm", "fused_adam"):
+        (root / op).mkdir(parents=True)
+        (root / op / "lock").touch()
+    return {"TORCH_EXTENSIONS_DIR": str(root)}
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_deepspeed_on_cpu_lets_a_plain_trainer_under_zero2_start_and_train_despite_a_dead_build_lock(tmp_path):
+    """The example calls easyckpt.cpu.deepspeed_on_cpu() before TrainingArguments: a plain Trainer under
+    ZeRO-2 starts and trains although the shared-memory op's build directory holds a lock left by a killed
+    build, on which DeepSpeed alone waits for ever (the slow test below shows where)."""
+    loss = tmp_path / "loss"
+    run(script_cmd(HF, 1, "--output-dir", str(tmp_path / "out"), "--zero", "2", "--plain", "--resume", "none",
+                   "--max-steps", "2", "--save-strategy", "no", "--loss-file", str(loss), torchrun=True),
+        timeout=180, extra_env=_stale_build_locks(tmp_path / "torch_extensions"))
+    assert sorted(losses(loss)) == [1, 2]
+
+
+@pytest.mark.slow   # waits 15 s on purpose
+def test_without_the_switch_deepspeed_waits_on_a_dead_build_lock_and_with_it_the_lock_is_an_error(tmp_path):
+    extra = _stale_build_locks(tmp_path / "torch_extensions")
+    bare = run([sys.executable, str(PROBE), "bare", "15", _free_port()], extra_env=extra, timeout=120, check=False)
+    out = bare.stdout + bare.stderr
+    assert "init_distributed returned" not in out
+    assert "Timeout" in out and "file_baton.py" in out and "build_shm_op" in out, out[-3000:]
+    switched = run([sys.executable, str(PROBE), "switch", "60", _free_port()], extra_env=extra, timeout=120)
+    assert "init_distributed returned" in switched.stdout
+    lock = tmp_path / "torch_extensions" / "fused_adam" / "lock"
+    assert "EasyCkptError: DeepSpeed's build of its C++ op 'fused_adam' was interrupted" in switched.stdout
+    assert f"rm {lock}" in switched.stdout, switched.stdout
+

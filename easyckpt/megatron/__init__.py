@@ -13,8 +13,11 @@ current layout is refused with a message that names concat=True.
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
 
 from easyckpt.config import Config, adapter_config
 from easyckpt.errors import ConfigError
@@ -23,11 +26,20 @@ from easyckpt.trainer.checkpointer import DefaultCheckpointer
 from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
 
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+# Megatron's model: its list of model chunks (one per virtual pipeline stage), or one module
+Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+Optimizer = Optional["MegatronOptimizer"]
+Scheduler = Optional["OptimizerParamScheduler"]
+
 _default = DefaultCheckpointer("easyckpt.megatron")
-_args: Any = None
+_args: Optional[argparse.Namespace] = None
 
 
-def _megatron_args() -> Any:
+def _megatron_args() -> Optional[argparse.Namespace]:
     try:
         from megatron.training.global_vars import get_args
         return get_args()
@@ -39,9 +51,9 @@ def _megatron_args() -> Any:
 class MegatronState:
     """Megatron's model chunks, optimizer and scheduler on one rank (the FrameworkState of this adapter)."""
 
-    model: Any
-    optimizer: Any
-    opt_param_scheduler: Any
+    model: Model
+    optimizer: Optimizer
+    opt_param_scheduler: Scheduler
     iteration: int = 0
     flops: Optional[float] = None
     strict: bool = True
@@ -65,8 +77,8 @@ class MegatronState:
 
 def initialize_easyckpt(save_mem_interval: Union[int, Config] = 1, save_storage_interval: int = 5,
                         max_ckpt_num: Optional[int] = 5, log_file_path: Union[str, bool, None] = None, *,
-                        save_dir: Optional[str] = None, args: Any = None, config: Optional[Config] = None,
-                        **advanced: Any) -> None:
+                        save_dir: Optional[str] = None, args: Optional[argparse.Namespace] = None,
+                        config: Optional[Config] = None, **advanced: Any) -> None:
     """Attach this rank to easyckpt. ``save_dir`` defaults to Megatron's ``args.save``. Or one ``Config``
     instead of the settings: ``initialize_easyckpt(config)`` / ``initialize_easyckpt(config=config, args=args)``."""
     global _args
@@ -82,14 +94,14 @@ def initialize_easyckpt(save_mem_interval: Union[int, Config] = 1, save_storage_
         max_ckpt_num=max_ckpt_num, log_file_path=log_file_path), advanced))
 
 
-def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+def save_checkpoint_if_needed(iteration: int, model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler,
                               num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Call every iteration after the optimizer step; snapshots and persists on the configured intervals."""
     _default.require().save(iteration, MegatronState(model, optimizer, opt_param_scheduler, iteration,
                                                      num_floating_point_operations_so_far), optimizer=optimizer)
 
 
-def save_checkpoint_now(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+def save_checkpoint_now(iteration: int, model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler,
                         num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Snapshot ``iteration`` (unless it already is) and have it persisted, without waiting for storage:
     what Megatron's own save points (--save-interval, exit signal, end of training) map to."""
@@ -97,14 +109,14 @@ def save_checkpoint_now(iteration: int, model: Any, optimizer: Any, opt_param_sc
                                                          num_floating_point_operations_so_far))
 
 
-def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+def save_checkpoint(iteration: int, model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler,
                     num_floating_point_operations_so_far: float = 0, checkpointing_context: Any = None,
                     *args: Any, **kwargs: Any) -> None:
     """Megatron's ``save_checkpoint`` signature, easyckpt's behaviour: snapshot + background persist."""
     save_checkpoint_now(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
 
 
-def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
+def load_checkpoint(model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler, load_arg: str = "load",
                     strict: bool = True, concat: bool = False, **kwargs: Any) -> Tuple[int, float]:
     """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``."""
     restored = _default.require().load(MegatronState(model, optimizer, opt_param_scheduler, strict=strict,
@@ -112,7 +124,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     return (0, 0) if restored is None else restored
 
 
-def _restore_training_counters(saved: dict, iteration: int) -> None:
+def _restore_training_counters(saved: Dict[str, Any], iteration: int) -> None:
     """What Megatron-LM's loader does besides tensors: sample counters, microbatch schedule, version."""
     args, ckpt_args = _megatron_args(), saved.get("args")
     if args is None:

@@ -33,7 +33,8 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from typing import Any
+from types import TracebackType
+from typing import Any, Callable, Optional, Tuple, Type
 
 try:
     from megatron.training import checkpointing as _ckpt
@@ -87,8 +88,11 @@ def _finalize_at_exit() -> None:
         _em.finalize_easyckpt()
 
 
-def _note_crash(excepthook):
-    def hook(*exc_info):
+ExceptHook = Callable[[Type[BaseException], BaseException, Optional[TracebackType]], Any]
+
+
+def _note_crash(excepthook: ExceptHook) -> ExceptHook:
+    def hook(*exc_info: Any) -> None:
         _state["crashed"] = True
         excepthook(*exc_info)
     return hook
@@ -97,8 +101,8 @@ def _note_crash(excepthook):
 sys.excepthook = _note_crash(sys.excepthook)
 
 
-def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
-                    strict: bool = True, **kwargs: Any):
+def load_checkpoint(model: _em.Model, optimizer: _em.Optimizer, opt_param_scheduler: _em.Scheduler,
+                    load_arg: str = "load", strict: bool = True, **kwargs: Any) -> Tuple[int, float]:
     args = get_args()
     if not _ensure_initialized():
         return _orig_load(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, **kwargs)
@@ -130,7 +134,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+def save_checkpoint(iteration: int, model: _em.Model, optimizer: _em.Optimizer, opt_param_scheduler: _em.Scheduler,
                     num_floating_point_operations_so_far: float, *args: Any, **kwargs: Any) -> None:
     if not _ensure_initialized():
         return _orig_save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
@@ -138,7 +142,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     _em.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
 
 
-def checkpoint_and_decide_exit(model: Any, optimizer: Any, opt_param_scheduler: Any, iteration: int,
+def checkpoint_and_decide_exit(model: _em.Model, optimizer: _em.Optimizer, opt_param_scheduler: _em.Scheduler,
+                               iteration: int,
                                num_floating_point_operations_so_far: float, *args: Any, **kwargs: Any) -> bool:
     if _ensure_initialized():
         _em.save_checkpoint_if_needed(iteration, model, optimizer, opt_param_scheduler,

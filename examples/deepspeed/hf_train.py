@@ -17,8 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cpu_switch  # noqa: E402
+from easyckpt.cpu import deepspeed_on_cpu
 
 
 def parse() -> argparse.Namespace:
@@ -91,7 +90,7 @@ def main() -> int:
 
     extra = {}
     if args.zero is not None:
-        cpu_switch.enable()
+        deepspeed_on_cpu()   # no-op with CUDA
         if not torch.cuda.is_available():
             # accelerate picks no backend for DeepSpeed on CPU: every rank would think it is alone
             from accelerate import PartialState

@@ -11,7 +11,6 @@ Runs on GPUs as is, and on CPU (gloo) when CUDA is absent. Each iteration's loss
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -19,10 +18,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cpu_switch  # noqa: E402
+from easyckpt.cpu import deepspeed_on_cpu
 
-import easyckpt.deepspeed as eds  # noqa: E402
+import easyckpt.deepspeed as eds
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -51,7 +49,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def build(args: argparse.Namespace):
     """The DeepSpeed engine of this example (also used by the tests to build a second, fresh one)."""
-    cpu_switch.enable()
+    deepspeed_on_cpu()   # no-op with CUDA
     import deepspeed
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
