@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -72,12 +73,22 @@ def test_kill9_and_sigterm_resume_with_equal_losses_and_deepspeed_reads_the_chec
     kill_at, term_at = rnd.randint(3, 8), rnd.randint(11, 16)
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
     cmd = ds(ckpt, loss, "--zero", zero, "--step-sleep", "0.1", log=log)
-    interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    last = interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
     for rank in (0, 1):
         assert_losses_equal(losses(loss, rank), reference[rank], ITERS, f"ZeRO-{zero} rank {rank}")
     resumed = starts(loss)[1:]
     assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at - 1, resumed
     assert any(e["event"] == "load" and e.get("source") == "memory" for e in events(log))
+    # the console, once for the job (rank 0, as DeepSpeed's log_dist(ranks=[0])): resume, commits, SIGTERM
+    said = (tmp_path / "interrupted1.out").read_text()
+    assert said.count("easyckpt: resumed step") == 1 and \
+        f"easyckpt: resumed step {resumed[0]} from memory (the snapshot that outlived the last run): " in said, said
+    assert f"easyckpt: SIGTERM: saving step {resumed[1]} on all 2 ranks\n" in said, said
+    assert re.search(rf"^easyckpt: global_step{resumed[1]} committed \(\d+ KiB, written in \d+\.\d\d s\)$",
+                     said, re.M), said
+    said = last.stdout + last.stderr
+    assert re.search(rf"^easyckpt: global_step{ITERS} committed \(", said, re.M), said[-3000:]
+    assert "easyckpt [rank 1]" not in said, said[-3000:]
     wait_no_agent(ckpt)
     assert (ckpt / "latest").read_text() == f"global_step{ITERS}"
     out = run(script_cmd(CHECK, 2, str(ckpt), zero), timeout=300)
