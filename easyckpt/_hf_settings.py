@@ -135,5 +135,6 @@ def resolve(s: Settings, args: "TrainingArguments") -> Config:
 
 
 def signature_keywords(local: Dict[str, Any]) -> Dict[str, Any]:
-    """An adapter constructor's own parameters out of its ``locals()``, so that the signature is written once."""
+    """A constructor's own parameters out of its ``locals()``: each is listed only in its signature (the two
+    signatures, TrainerWrapper's and EasyCkptCallback's, are held equal by a test)."""
     return {k: v for k, v in local.items() if k not in ("self", "trainer", "config", "unknown", "__class__")}
