@@ -158,8 +158,8 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def validate(cfg: Config) -> Config:
-    """Check every setting and prepare the save directory; raise ConfigError naming the fix."""
+def check_values(cfg: Config) -> None:
+    """validate() without the file system: the types and ranges of every setting but save_dir."""
     mem = _positive_int("save_mem_interval", cfg.save_mem_interval)
     sto = _positive_int("save_storage_interval", cfg.save_storage_interval)
     if sto % mem:
@@ -181,6 +181,14 @@ def validate(cfg: Config) -> Config:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive number of seconds")
+    if cfg.log_file_path is not None and not isinstance(cfg.log_file_path, (bool, str)):
+        raise ConfigError(f"log_file_path={cfg.log_file_path!r} must be a path, None (SAVE_DIR/{DEFAULT_LOG_NAME}) "
+                          f"or False (no audit log)")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every setting and prepare the save directory; raise ConfigError naming the fix."""
+    check_values(cfg)
     if not cfg.save_dir or not isinstance(cfg.save_dir, (str, os.PathLike)):
         raise ConfigError(f"save_dir={cfg.save_dir!r} must be a directory path")
     save_dir = Path(cfg.save_dir)
@@ -196,9 +204,6 @@ def validate(cfg: Config) -> Config:
     except OSError as exc:
         raise ConfigError(f"save_dir={str(save_dir)!r} is not writable ({exc.strerror}); "
                           f"fix its permissions or mount, or choose another save_dir") from exc
-    if cfg.log_file_path is not None and not isinstance(cfg.log_file_path, (bool, str)):
-        raise ConfigError(f"log_file_path={cfg.log_file_path!r} must be a path, None (SAVE_DIR/{DEFAULT_LOG_NAME}) "
-                          f"or False (no audit log)")
     if cfg.audit_log is not None:
         log = Path(cfg.audit_log)
         try:

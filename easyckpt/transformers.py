@@ -1,6 +1,9 @@
-"""The Hugging Face Trainer (with or without DeepSpeed): ``TrainerWrapper(trainer).train(resume_from_checkpoint=True)``.
+"""The Hugging Face Trainer (with or without DeepSpeed), in either of two forms that run the same engine:
 
-What the wrapper changes, and what it keeps:
+    trainer = Trainer(..., callbacks=[EasyCkptCallback()]);  trainer.train(resume_from_checkpoint=True)
+    TrainerWrapper(Trainer(...)).train(resume_from_checkpoint=True)
+
+What easyckpt changes, and what it keeps (easyckpt/_hf_session.py holds the code):
 - Memory snapshots: after each optimizer step's logging/evaluation/saving (the Trainer's
   ``_maybe_log_save_evaluate``), every ``save_mem_interval`` steps, the whole training state goes into
   shared memory: the same content the Trainer would write to ``checkpoint-N/``.
@@ -8,6 +11,8 @@ What the wrapper changes, and what it keeps:
   ``save_steps``); its ``_save_checkpoint`` is replaced by "snapshot now, let the node agent write it in the
   background". ``save_total_limit`` becomes ``max_ckpt_num`` and the best checkpoint (``load_best_model_at_end``,
   ``metric_for_best_model``) is never pruned: the Trainer's own rule, applied by the agent after each commit.
+  The keywords ``save_dir``, ``save_storage_interval`` and ``max_ckpt_num`` are accepted where they agree with
+  ``output_dir``, ``save_steps`` and ``save_total_limit`` and refused where not (easyckpt/_hf_settings.py).
 - Layout: the Trainer's native ``checkpoint-N/`` (model.safetensors, config.json, optimizer.pt,
   scheduler.pt, rng_state[_R].pth, trainer_state.json, training_args.bin; with DeepSpeed
   ``global_stepN/`` + ``latest`` + zero_to_fp32.py instead of optimizer.pt), plus easyckpt_manifest.json.
@@ -23,87 +28,84 @@ What the wrapper changes, and what it keeps:
   With DeepSpeed on another data-parallel size, the step goes through DeepSpeed's universal checkpoint.
 - An explicit ``resume_from_checkpoint="path"`` is handed to the Trainer unchanged.
 
+Why the callback is more than a callback: the Trainer's events alone cannot give these guarantees (read in
+transformers' trainer.py / trainer_callback.py). No event carries the Trainer itself (only args, state,
+control, model, optimizer, scheduler, dataloaders); ``train()`` picks and loads the checkpoint
+(``get_last_checkpoint`` by directory name, ``_load_from_checkpoint``, ``deepspeed_load_checkpoint``,
+``trainer_state.json`` by path) before the first training event, ``on_train_begin``, so a memory snapshot
+or a verified checkpoint could not be chosen; ``on_step_end``, the last event of every step, comes before
+that step's logging, evaluation and save (a snapshot there misses the step's log entry, the best metric
+and the RNG draws of evaluation, so a resume would not be exact); ``save_strategy="best"`` decides to save
+after every event of the step; ``on_save`` comes after the Trainer has written ``checkpoint-N`` itself,
+synchronously. So EasyCkptCallback uses one event, ``on_init_end`` (the end of ``Trainer.__init__``,
+before any ``train()``): it finds its Trainer on the call stack and routes that Trainer's ``train`` through
+the same engine path as TrainerWrapper. Every guarantee of the wrapper holds; the one thing it needs is to
+be given to ``Trainer(callbacks=[...])``: added later with ``trainer.add_callback`` it would miss
+``on_init_end``, and ``train()`` refuses to start without it.
+
 Decision: with ZeRO-3 no consolidated ``model.safetensors`` is written (it would need a gather of every
 parameter at every snapshot); ``global_stepN/`` holds the weights, as with the Trainer when
 ``stage3_gather_16bit_weights_on_model_save`` is false.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import io
-import json
+import functools
+import inspect
 import os
-import random
-import re
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
-import numpy as np
-import torch
+from transformers import TrainerCallback
 
-from easyckpt.config import NAMINGS, Config, adapter_config
-from easyckpt.errors import CheckpointError, ConfigError
-from easyckpt.formats.layout import deepspeed_tag
-from easyckpt.trainer import deepspeed_state as ds
-from easyckpt.trainer import scratch, universal
+from easyckpt._hf_session import NAMING, _Session
+from easyckpt._hf_settings import (
+    DEFAULT,
+    FROM_TRAINER,
+    FromTrainer,
+    Settings,
+    resolve,
+    settings,
+    signature_keywords,
+)
+from easyckpt.config import Config
+from easyckpt.errors import ConfigError, EasyCkptError
 from easyckpt.trainer.checkpointer import Checkpointer
 from easyckpt.trainer.foreign import newest_plain_checkpoint
-from easyckpt.trainer.load import Loaded
-from easyckpt.trainer.snapshot import ShardSpec
 
-# the Trainer keeps no tracker file: it finds checkpoints by their names
-NAMING = NAMINGS["transformers"]
-STATE, ARGS, MODEL, OPTIM, SCHED, SCALER = ("trainer_state.json", "training_args.bin", "model.safetensors",
-                                            "optimizer.pt", "scheduler.pt", "scaler.pt")
+if TYPE_CHECKING:
+    import optuna
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_utils import TrainOutput
+
+Trial = Union["optuna.Trial", Dict[str, Any], None]
+PathLike = Union[str, "os.PathLike[str]"]
+# set on a Trainer whose train() an EasyCkptCallback routes through easyckpt
+_ATTACHED = "_easyckpt_attached"
 
 
-class TrainerWrapper:
-    """Behaves as the wrapped ``transformers.Trainer``; ``train`` adds easyckpt's snapshots and resume.
+class _Attached:
+    """easyckpt on one Trainer: its settings, and the one engine path both forms run ``train()`` through."""
 
-    ``save_mem_interval``: every how many optimizer steps the state is copied to memory (default 1).
-    ``log_file_path``: easyckpt's audit log. ``advanced``: see easyckpt.config.ADVANCED (job_name,
-    exit_after_ondemand_checkpoint, grace_deadline, ...). Or ``config=Config(...)`` instead of those
-    keywords; its save_dir must be the Trainer's output_dir, and the Trainer's own arguments decide
-    what reaches storage and how much stays (save_steps, save_total_limit). ``engine``: the Checkpointer
-    while ``train`` runs, else None.
-    """
+    def __init__(self, trainer: "Trainer", given: Settings):
+        if isinstance(trainer, TrainerWrapper):
+            raise ConfigError(f"{given.verb}: the trainer is already a TrainerWrapper; wrap the Trainer once, with "
+                              f"all settings in that one call: TrainerWrapper(trainer, ...)")
+        if getattr(trainer, _ATTACHED, None) is not None:
+            raise ConfigError(f"{given.verb}: this Trainer already has an EasyCkptCallback, which checkpoints every "
+                              f"trainer.train(...); drop the {given.verb} (or the callback), not both")
+        self.trainer, self.settings = trainer, given
+        self.engine: Optional[Checkpointer] = None
+        resolve(given, trainer.args)        # every conflict with the TrainingArguments, now rather than at train()
 
-    def __init__(self, trainer: Any, save_mem_interval: int = 1, log_file_path: Union[str, bool, None] = None,
-                 *, config: Optional[Config] = None, **advanced: Any):
-        # checked now (unknown keywords, config with keywords); the save dir is known only at train time
-        settings: Dict[str, Any] = dict(save_mem_interval=save_mem_interval, log_file_path=log_file_path)
-        base = adapter_config("TrainerWrapper", NAMING, config,
-                              settings if config is not None else dict(settings, save_dir="."), advanced)
-        object.__setattr__(self, "_trainer", trainer)
-        object.__setattr__(self, "_base", base)
-        object.__setattr__(self, "_config_given", config is not None)
-        object.__setattr__(self, "engine", None)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._trainer, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._trainer, name, value)
-
-    def __dir__(self) -> List[str]:
-        return sorted(set(dir(self._trainer)) | {"engine", "train"})
-
-    # ---- train ------------------------------------------------------------------------------------
-
-    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None,
-              **kwargs: Any) -> Any:
-        trainer = self._trainer
+    def train(self, train: Callable[..., "TrainOutput"], resume_from_checkpoint: Union[str, bool, None],
+              trial: Trial, ignore_keys_for_eval: Optional[List[str]], **kwargs: Any) -> "TrainOutput":
+        if self.engine is not None:
+            # two engines of one job in one process would share its shared-memory slots
+            raise EasyCkptError(f"{self.settings.verb}: train() was entered again while easyckpt runs this Trainer's "
+                                f"train(); easyckpt checkpoints one train() at a time")
+        trainer = self.trainer
         args = trainer.args
-        limit = args.save_total_limit if args.save_total_limit and args.save_total_limit > 0 else None
-        base = self._base
-        if self._config_given and os.path.realpath(base.save_dir) != os.path.realpath(str(args.output_dir)):
-            raise ConfigError(f"config.save_dir={base.save_dir!r} is not the Trainer's output_dir="
-                              f"{str(args.output_dir)!r}: checkpoint-N go to output_dir; use that")
-        # the Trainer's save points decide what is persisted (save_now); the checkpointer's own storage
-        # interval goes unused and only has to be a multiple of the memory interval
-        engine = Checkpointer(dataclasses.replace(base, save_dir=str(args.output_dir), max_ckpt_num=limit,
-                                                  save_storage_interval=base.save_mem_interval))
-        object.__setattr__(self, "engine", engine)
+        engine = Checkpointer(resolve(self.settings, args))
+        self.engine = engine
         session = _Session(trainer, engine)
         finished = False
         try:
@@ -112,295 +114,158 @@ class TrainerWrapper:
                     resume_from_checkpoint = session.resume_point()
                 elif resume_from_checkpoint is False:
                     resume_from_checkpoint = None
-                output = trainer.train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+                output = train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                               ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             finished = True
             return output
         finally:
             session.cleanup()
-            if finished:   # after an exception the process is usually on its way out: the agent persists
-                engine.finalize(persist=args.save_strategy != "no")
-            object.__setattr__(self, "engine", None)
+            try:
+                if finished:   # after an exception the process is usually on its way out: the agent persists
+                    engine.finalize(persist=args.save_strategy != "no")
+            finally:
+                self.engine = None
 
 
-class _Session:
-    """One ``train`` call: the Trainer's hooks swapped for easyckpt's, and the state they share; the
-    FrameworkState of this adapter (collect, needed, restore)."""
+class TrainerWrapper:
+    """Behaves as the wrapped ``transformers.Trainer`` (attributes, methods, ``isinstance``); ``train`` adds
+    easyckpt's snapshots and resume.
 
-    def __init__(self, trainer: Any, engine: Checkpointer):
-        self.trainer, self.engine = trainer, engine
-        self.trees: Optional[Dict[str, Any]] = None      # what a resume feeds the Trainer's load hooks
-        self.loaded_manifest: Dict[str, Any] = {}
-        self.loaded_path: Optional[str] = None
-        self.virtual_dir: Optional[str] = None
-        self.saved_now = False
-        self.requested: set = set()                     # steps handed to the agent in this run
-        self.static = self._static_files()
+    ``save_mem_interval``: every how many optimizer steps the state is copied to memory (default 1).
+    ``log_file_path``: easyckpt's audit log (None: OUTPUT_DIR/easyckpt.log, False: off).
+    ``save_dir``, ``save_storage_interval``, ``max_ckpt_num``: by default the Trainer's ``output_dir``,
+    ``save_steps`` and ``save_total_limit``; a value given must agree with them (a ConfigError names the
+    TrainingArguments field to set otherwise). The SIGTERM and agent settings are easyckpt.Config's.
+    Or ``config=Config(...)`` instead of the keywords. Everything is checked here, not at ``train``.
+    ``engine``: the Checkpointer while ``train`` runs, else None.
+    """
 
-    # ---- what goes into checkpoint-N --------------------------------------------------------------
+    def __init__(self, trainer: "Trainer", save_mem_interval: int = DEFAULT.save_mem_interval,
+                 log_file_path: Union[PathLike, bool, None] = DEFAULT.log_file_path, *,
+                 save_dir: Union[PathLike, FromTrainer] = FROM_TRAINER,
+                 save_storage_interval: Union[int, FromTrainer] = FROM_TRAINER,
+                 max_ckpt_num: Union[int, None, FromTrainer] = FROM_TRAINER,
+                 autocheckpoint_on_sigterm: bool = DEFAULT.autocheckpoint_on_sigterm,
+                 exit_after_ondemand_checkpoint: bool = DEFAULT.exit_after_ondemand_checkpoint,
+                 grace_deadline: float = DEFAULT.grace_deadline,
+                 job_name: Optional[str] = DEFAULT.job_name,
+                 commit_timeout: float = DEFAULT.commit_timeout,
+                 agent_idle_timeout: float = DEFAULT.agent_idle_timeout,
+                 agent_start_timeout: float = DEFAULT.agent_start_timeout,
+                 snapshot_overlap: Optional[bool] = DEFAULT.snapshot_overlap,
+                 direct_io: bool = DEFAULT.direct_io,
+                 config: Optional[Config] = None, **unknown: Any) -> None:
+        given = settings("TrainerWrapper", config, unknown, **signature_keywords(locals()))
+        object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "_attached", _Attached(trainer, given))
 
     @property
-    def args(self) -> Any:
-        return self.trainer.args
+    def engine(self) -> Optional[Checkpointer]:
+        return self._attached.engine
+
+    # isinstance(wrapper, Trainer) holds, as for unittest.mock's spec objects; type() still tells them apart
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:   # type: ignore[override]
+        return type(self._trainer)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_trainer":        # not set yet (copy, unpickling): no forwarding, no recursion
+            raise AttributeError(name)
+        return getattr(self._trainer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._trainer, name, value)
+
+    def __dir__(self) -> List[str]:
+        return sorted(set(dir(self._trainer)) | {"engine", "train"})
+
+    def __reduce_ex__(self, protocol: Any) -> Tuple[Any, ...]:
+        # copy and pickle build a TrainerWrapper again, not the Trainer that __class__ names
+        return object.__new__, (TrainerWrapper,), dict(self.__dict__)
+
+    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, trial: Trial = None,
+              ignore_keys_for_eval: Optional[List[str]] = None, **kwargs: Any) -> "TrainOutput":
+        """``Trainer.train``; ``resume_from_checkpoint=True``: the newest complete state, memory or storage,
+        or from scratch when there is none."""
+        return self._attached.train(self._trainer.train, resume_from_checkpoint, trial, ignore_keys_for_eval,
+                                    **kwargs)
+
+
+class EasyCkptCallback(TrainerCallback):
+    """easyckpt as a Trainer callback: ``Trainer(..., callbacks=[EasyCkptCallback()])``, then
+    ``trainer.train(resume_from_checkpoint=True)`` as every launch's line. The same keywords and guarantees
+    as TrainerWrapper (the module docstring says how, and why it must be given at construction).
+    ``engine``: the Checkpointer while ``train`` runs, else None."""
+
+    def __init__(self, save_mem_interval: int = DEFAULT.save_mem_interval,
+                 log_file_path: Union[PathLike, bool, None] = DEFAULT.log_file_path, *,
+                 save_dir: Union[PathLike, FromTrainer] = FROM_TRAINER,
+                 save_storage_interval: Union[int, FromTrainer] = FROM_TRAINER,
+                 max_ckpt_num: Union[int, None, FromTrainer] = FROM_TRAINER,
+                 autocheckpoint_on_sigterm: bool = DEFAULT.autocheckpoint_on_sigterm,
+                 exit_after_ondemand_checkpoint: bool = DEFAULT.exit_after_ondemand_checkpoint,
+                 grace_deadline: float = DEFAULT.grace_deadline,
+                 job_name: Optional[str] = DEFAULT.job_name,
+                 commit_timeout: float = DEFAULT.commit_timeout,
+                 agent_idle_timeout: float = DEFAULT.agent_idle_timeout,
+                 agent_start_timeout: float = DEFAULT.agent_start_timeout,
+                 snapshot_overlap: Optional[bool] = DEFAULT.snapshot_overlap,
+                 direct_io: bool = DEFAULT.direct_io,
+                 config: Optional[Config] = None, **unknown: Any) -> None:
+        self._settings = settings("EasyCkptCallback", config, unknown, **signature_keywords(locals()))
+        self._attached: Optional[_Attached] = None
 
     @property
-    def ds_engine(self) -> Any:
-        return self.trainer.model_wrapped if self.trainer.is_deepspeed_enabled else None
+    def engine(self) -> Optional[Checkpointer]:
+        return self._attached.engine if self._attached is not None else None
 
-    def _rng_file(self) -> str:
-        return "rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"
+    def on_init_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
+                    **kwargs: Any) -> None:
+        trainer = _calling_trainer(self)
+        if trainer is None:
+            raise ConfigError("EasyCkptCallback: on_init_end came from no Trainer holding this callback; pass it "
+                              "as Trainer(..., callbacks=[EasyCkptCallback(...)])")
+        if self._attached is not None:
+            raise ConfigError("EasyCkptCallback: this instance already serves another Trainer; give each Trainer "
+                              "its own EasyCkptCallback(...)")
+        attached = _Attached(trainer, self._settings)
+        original = trainer.train            # bound: a subclass's own train() included
 
-    def _static_files(self) -> List[Tuple[str, bytes]]:
-        """Files that do not change during training, serialised once: arguments, model config,
-        tokenizer/processor files."""
-        out: List[Tuple[str, bytes]] = []
-        buf = io.BytesIO()
-        torch.save(self.args, buf)
-        out.append((ARGS, buf.getvalue()))
-        model = self.trainer.model
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            out.append(("config.json", config.to_json_string(use_diff=True).encode()))
-        gen = getattr(model, "generation_config", None)
-        if gen is not None and hasattr(model, "can_generate") and model.can_generate():
-            out.append(("generation_config.json", gen.to_json_string(use_diff=True).encode()))
-        processor = getattr(self.trainer, "processing_class", None)
-        if processor is not None and hasattr(processor, "save_pretrained") and self.args.should_save:
-            tmp = scratch.path(self.args.output_dir, "processor", self.engine.config.job_id)
-            out.extend(scratch.files_written_by(processor.save_pretrained, tmp))
-        if self.ds_engine is not None:
-            from deepspeed.utils import zero_to_fp32
-            out.append(("zero_to_fp32.py", scratch.file_bytes(zero_to_fp32.__file__)))
-        return out
+        @functools.wraps(original)
+        def train(resume_from_checkpoint: Union[str, bool, None] = None, trial: Trial = None,
+                  ignore_keys_for_eval: Optional[List[str]] = None, **kw: Any) -> "TrainOutput":
+            return attached.train(original, resume_from_checkpoint, trial, ignore_keys_for_eval, **kw)
 
-    def _trainer_state_json(self) -> str:
-        """trainer_state.json as the Trainer's _save_checkpoint would write it now, without changing the
-        live state (the Trainer appends callback states only when it really saves)."""
-        from transformers.trainer_callback import ExportableState
-        state = self.trainer.state
-        data = dataclasses.asdict(state)
-        callbacks = dict(data.get("stateful_callbacks") or {})
-        for cb in self.trainer.callback_handler.callbacks + [self.trainer.control]:
-            if isinstance(cb, ExportableState):
-                name = cb.__class__.__name__
-                callbacks[name] = (list(callbacks[name]) + [cb.state()]) if isinstance(callbacks.get(name), list) \
-                    else cb.state()
-        data["stateful_callbacks"] = callbacks
-        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+        # an instance attribute: this Trainer's train() only, for every later call (the callback stays)
+        trainer.train = train  # type: ignore[method-assign]
+        setattr(trainer, _ATTACHED, attached)
+        self._attached = attached
 
-    def _model_state(self) -> Dict[str, torch.Tensor]:
-        """The model's weights without the duplicates of tied parameters (what save_pretrained keeps)."""
-        out, seen = {}, set()
-        for name, t in self.trainer.model.state_dict().items():
-            key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
-            if key is not None and key in seen:
-                continue
-            seen.add(key)
-            out[name] = t
-        return out
-
-    def collect(self) -> List[ShardSpec]:
-        trainer, args, writer = self.trainer, self.args, self.args.should_save
-        trainer.store_flos()          # as the Trainer does before each save (a sum across ranks)
-        shards: List[ShardSpec] = [ShardSpec(name, data, persist=writer, fmt="raw") for name, data in self.static]
-        dse = self.ds_engine
-        if dse is None:
-            shards.append(ShardSpec(MODEL, self._model_state(), persist=writer))
-            shards.append(ShardSpec(OPTIM, trainer.optimizer.state_dict(), persist=writer, fmt="torch"))
-        else:
-            tag = deepspeed_tag(dse.global_steps)
-            if not dse.zero_optimization_partition_weights():
-                shards.append(ShardSpec(MODEL, self._model_state(), persist=writer))
-            shards.extend(ds.native_shards(dse, tag, prefix=tag + "/"))
-            shards.append(ShardSpec("latest", tag, persist=writer, fmt="raw"))
-        if trainer.lr_scheduler is not None and not _is_ds_scheduler(trainer.lr_scheduler):
-            shards.append(ShardSpec(SCHED, trainer.lr_scheduler.state_dict(), persist=writer, fmt="torch"))
-        scaler = getattr(trainer.accelerator, "scaler", None)
-        if scaler is not None:
-            shards.append(ShardSpec(SCALER, scaler.state_dict(), persist=writer, fmt="torch"))
-        shards.append(ShardSpec(self._rng_file(), _rng_states(args), persist=True, fmt="torch"))
-        shards.append(ShardSpec(STATE, self._trainer_state_json(), persist=writer, fmt="raw"))
-        return shards
-
-    def info(self) -> Dict[str, Any]:
-        state = self.trainer.state
-        best = _step_of(state.best_model_checkpoint)
-        out: Dict[str, Any] = {"protect": [best] if best is not None else []}
-        if self.ds_engine is not None:
-            out["dp_world_size"] = ds.dp_size(self.ds_engine)
-        return out
-
-    # ---- the Trainer's hooks ----------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def hooks(self) -> Iterator[None]:
-        import transformers.trainer as trainer_module
-        t = self.trainer
-        t._maybe_log_save_evaluate = self._maybe_log_save_evaluate(t._maybe_log_save_evaluate)
-        t._save_checkpoint = self._save_checkpoint
-        t._load_best_model = self._load_best_model(t._load_best_model)
-        saved_limit = t.args.save_total_limit
-        # easyckpt prunes (logged, never the newest); the Trainer's end-of-training deletion must not
-        t.args.save_total_limit = None
-        ds_load = trainer_module.deepspeed_load_checkpoint
-        trainer_module.deepspeed_load_checkpoint = self._deepspeed_load(ds_load)
-        try:
-            yield
-        finally:
-            trainer_module.deepspeed_load_checkpoint = ds_load
-            t.args.save_total_limit = saved_limit
-            for name in ("_maybe_log_save_evaluate", "_save_checkpoint", "_load_best_model", "_load_from_checkpoint",
-                         "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state"):
-                t.__dict__.pop(name, None)
-
-    def _maybe_log_save_evaluate(self, original):
-        def wrapped(*args: Any, **kwargs: Any) -> None:
-            self.saved_now = False
-            original(*args, **kwargs)
-            step = self.trainer.state.global_step
-            if step > 0 and not self.saved_now:
-                self.engine.save(step, self, info=self.info(), persist=False, optimizer=self.trainer.optimizer)
-            elif step > 0:     # saved by the Trainer just now; still a safe point for a SIGTERM agreement
-                self.engine.safe_point(step, self, info=self.info())
-        return wrapped
-
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """The Trainer's save points: snapshot this step now (the state may have changed since the last
-        snapshot of the same step: evaluation, best metric) and hand it to the agent."""
-        state, args = self.trainer.state, self.args
-        run_dir = self.trainer._get_output_dir(trial=trial)
-        if args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
-            best = state.best_global_step
-            if best in self.requested or best == state.global_step or self.engine.is_committed(best, run_dir):
-                state.best_model_checkpoint = os.path.join(run_dir, NAMING.dir_name(best))
-        self.engine.save_now(state.global_step, self, info=self.info(), fresh=True)
-        self.requested.add(state.global_step)
-        self.saved_now = True
-
-    def _load_best_model(self, original):
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            best = _step_of(self.trainer.state.best_model_checkpoint)
-            if best is not None and best in self.requested:
-                self.engine.wait_committed(best)      # its persist may still be under way
-            return original(*args, **kwargs)
-        return wrapped
-
-    # ---- resume -----------------------------------------------------------------------------------
-
-    def resume_point(self) -> Optional[str]:
-        """Choose what to resume from (a plain Trainer's checkpoint-N included: source "adopted"); install
-        the load hooks that feed it. None: from scratch."""
-        return self.engine.load(self)
-
-    def restore(self, loaded: Loaded) -> str:
-        engine = self.engine
-        self.trees, self.loaded_path = loaded.trees, loaded.path
-        self.loaded_manifest = loaded.manifest or {}
-        t = self.trainer
-        t._load_from_checkpoint = self._load_model
-        t._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler
-        t._load_scaler = self._load_scaler
-        t._load_rng_state = self._load_rng_state
-        if loaded.path is not None:
-            return loaded.path
-        # from memory: the Trainer reads trainer_state.json by path; give it just that file
-        self.virtual_dir = os.path.join(scratch.path(self.args.output_dir, "resume", engine.config.job_id, engine.rank),
-                                        NAMING.dir_name(loaded.step))
-        return scratch.staged_file(self.virtual_dir, STATE, loaded.trees[STATE])
-
-    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
-        files = [(STATE, False), (self._rng_file(), True)]
-        if not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
-            files += [(MODEL, False), (OPTIM, False)]
-        else:
-            tag = deepspeed_tag(manifest["step"])
-            files += ds.needed_files(tag + "/", self.args.process_index, self.args.world_size, manifest)
-        for optional in (SCHED, SCALER):
-            files.append((optional, True))
-        return files
-
-    def _load_model(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        model = model if model is not None else self.trainer.model
-        result = model.load_state_dict(self.trees[MODEL], strict=False)
-        tied = {k for k in result.missing_keys if _is_tied(model, k)}
-        missing = [k for k in result.missing_keys if k not in tied]
-        if missing or result.unexpected_keys:
-            raise CheckpointError(f"checkpoint does not match the model: missing {missing}, "
-                                  f"unexpected {result.unexpected_keys}")
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str) -> None:
-        t = self.trainer
-        if self.ds_engine is None:
-            t.optimizer.load_state_dict(self.trees[OPTIM])
-        if SCHED in self.trees and not _is_ds_scheduler(t.lr_scheduler):
-            t.lr_scheduler.load_state_dict(self.trees[SCHED])
-
-    def _load_scaler(self, checkpoint: str) -> None:
-        scaler = getattr(self.trainer.accelerator, "scaler", None)
-        if scaler is not None and SCALER in self.trees:
-            scaler.load_state_dict(self.trees[SCALER])
-
-    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
-        state = (self.trees or {}).get(self._rng_file())
-        if state is None:
-            self.engine.emit("warning", message="no RNG state saved for this process")
-            return
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.random.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            if isinstance(state["cuda"], (list, tuple)):
-                torch.cuda.random.set_rng_state_all(state["cuda"])
-            else:
-                torch.cuda.random.set_rng_state(state["cuda"])
-
-    def _deepspeed_load(self, original):
-        def load(ds_engine: Any, checkpoint_path: str, load_module_strict: bool = True) -> None:
-            if self.trees is None:          # an explicit path or a plain Trainer's checkpoint
-                return original(ds_engine, checkpoint_path, load_module_strict=load_module_strict)
-            step = int(json.loads(self.trees[STATE])["global_step"])
-            tag = deepspeed_tag(step)
-            kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=True,
-                          load_lr_scheduler_states=True)
-            if self.loaded_path is None or ds.same_layout(ds_engine, self.loaded_manifest):
-                ds.restore_native(ds_engine, self.trees, tag, prefix=tag + "/", **kwargs)
-            else:
-                self.engine.emit("convert", step=step, path=self.loaded_path,
-                                 message="data-parallel size changed: loading through DeepSpeed's universal checkpoint")
-                ds.restore_universal(ds_engine, os.path.join(self.loaded_path, tag), tag,
-                                     universal.work_dir(self.engine.config), self.engine.rank,
-                                     self.engine.world_size, **kwargs)
-        return load
-
-    def cleanup(self) -> None:
-        if self.virtual_dir is not None:
-            scratch.remove(os.path.dirname(self.virtual_dir))
-            self.virtual_dir = None
-        self.trees = None
+    def on_train_begin(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
+                       **kwargs: Any) -> None:
+        if self._attached is None or self._attached.engine is None:
+            # the Trainer has already chosen and loaded its checkpoint by itself: say so rather than train on
+            raise ConfigError("EasyCkptCallback was not there when the Trainer was built (trainer.add_callback) "
+                              "or train() was called past it (Trainer.train(trainer)): pass it as "
+                              "Trainer(..., callbacks=[EasyCkptCallback(...)]) and call trainer.train(...)")
 
 
-def _rng_states(args: Any) -> Dict[str, Any]:
-    """The Trainer's rng_state file content (see Trainer._save_rng_state)."""
-    states: Dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                              "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = (torch.cuda.random.get_rng_state_all() if args.parallel_mode.value == "distributed"
-                          else torch.cuda.random.get_rng_state())
-    return states
+def _calling_trainer(callback: EasyCkptCallback) -> Optional["Trainer"]:
+    """The Trainer whose ``__init__`` is calling ``callback.on_init_end`` (no event hands callbacks the Trainer):
+    the nearest ``self`` up the stack whose callback handler holds this very callback."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            handler = owner.__dict__.get("callback_handler") if hasattr(owner, "__dict__") else None
+            if handler is not None and any(cb is callback for cb in getattr(handler, "callbacks", ())):
+                return owner
+        return None
+    finally:
+        del frame
 
 
-def _is_ds_scheduler(scheduler: Any) -> bool:
-    return type(scheduler).__name__ == "DeepSpeedSchedulerWrapper"
-
-
-def _is_tied(model: Any, key: str) -> bool:
-    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
-    return key in tied
-
-
-def _step_of(path: Optional[str]) -> Optional[int]:
-    m = re.search(r"checkpoint-(\d+)$", str(path).rstrip("/")) if path else None
-    return int(m.group(1)) if m else None
-
-
-__all__ = ["TrainerWrapper", "newest_plain_checkpoint", "NAMING"]
+__all__ = ["TrainerWrapper", "EasyCkptCallback", "FROM_TRAINER", "newest_plain_checkpoint", "NAMING"]

@@ -18,7 +18,8 @@ from easyckpt import CheckpointError, Config, ConfigError, EasyCkptError
 from easyckpt.errors import UnknownSettingError
 
 ROOT = Path(__file__).resolve().parent.parent
-ADAPTERS = ["easyckpt/pytorch.py", "easyckpt/deepspeed.py", "easyckpt/transformers.py",
+ADAPTERS = ["easyckpt/pytorch.py", "easyckpt/deepspeed.py", "easyckpt/transformers.py", "easyckpt/_hf_session.py",
+            "easyckpt/_hf_settings.py",
             *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "easyckpt" / "megatron").glob("*.py"))]
 
 
@@ -57,10 +58,11 @@ def test_config_together_with_a_keyword_names_the_keyword(tmp_path):
 def test_trainer_wrapper_takes_a_config_and_refuses_one_for_another_directory(tmp_path):
     from easyckpt.transformers import TrainerWrapper
     trainer = SimpleNamespace(args=SimpleNamespace(save_total_limit=None, output_dir=str(tmp_path / "out")))
-    wrapped = TrainerWrapper(trainer, config=Config(save_dir=str(tmp_path / "elsewhere"), save_mem_interval=2))
-    assert wrapped._base.save_mem_interval == 2 and wrapped._base.naming.framework == "transformers"
-    with pytest.raises(ConfigError, match="is not the Trainer's output_dir"):
-        wrapped.train()
+    wrapped = TrainerWrapper(trainer, config=Config(save_dir=str(tmp_path / "out"), save_mem_interval=2))
+    base = wrapped._attached.settings.base
+    assert base.save_mem_interval == 2 and base.naming.framework == "transformers"
+    with pytest.raises(ConfigError, match="is not the Trainer's output_dir"):     # when built, not at train()
+        TrainerWrapper(trainer, config=Config(save_dir=str(tmp_path / "elsewhere"), save_mem_interval=2))
     with pytest.raises(ConfigError, match=r"config= and also \['save_mem_interval'\]"):
         TrainerWrapper(trainer, save_mem_interval=3, config=Config(save_dir=str(tmp_path / "out")))
 

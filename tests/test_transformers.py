@@ -8,6 +8,7 @@ checkpoint included), and ZeRO-2 saved on 2 processes resumes on 1.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -107,6 +108,29 @@ def test_kill9_and_sigterm_resume_with_equal_losses(tmp_path, name, references):
         assert (newest / "latest").read_text() == f"global_step{step}"
         assert {"zero_to_fp32.py", f"global_step{step}"} <= names
         assert (name == "zero3") != ("model.safetensors" in names)
+
+
+def test_callback_form_resumes_after_kill9_and_sigterm_with_equal_losses(tmp_path, single_reference):
+    """Trainer(callbacks=[EasyCkptCallback(...)]) and trainer.train(resume_from_checkpoint=True) at every
+    launch: memory snapshots, the SIGTERM save, Trainer-decided checkpoint-N, an exact resume."""
+    rnd = random.Random(SEED + 7)
+    kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
+    out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmd = hf(out, loss, "--callback", "--step-sleep", "0.05", log=log)
+    interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    assert_losses_equal(losses(loss), single_reference, STEPS, "callback")
+    resumed = starts(loss)[1:]
+    assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at, \
+        f"resumed from {resumed} after kill -9 at {kill_at} and SIGTERM at {term_at}: progress was lost"
+    log_events = events(log)
+    assert [e["step"] for e in log_events if e["event"] == "sigterm_save"] == [resumed[1]]
+    loads = [(e["source"], e["step"]) for e in log_events if e["event"] == "load"]
+    assert loads[:2] == [("none", 0), ("memory", resumed[0])] and loads[2][1] == resumed[1], loads
+    wait_no_agent(out)
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert {5, 10, 15, 20, STEPS, resumed[1]} <= set(saved), saved
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "easyckpt_manifest.json"} <= \
+        set(os.listdir(out / f"checkpoint-{STEPS}"))
 
 
 def test_plain_trainer_and_wrapper_resume_from_each_others_checkpoints(tmp_path, single_reference):
@@ -231,3 +255,6 @@ def test_the_wrapper_behaves_as_the_trainer_it_wraps(tmp_path, monkeypatch):
     assert trainer.custom_flag == 7
     assert "train" in dir(wrapped) and "evaluate" in dir(wrapped) and wrapped.engine is None
     assert isinstance(wrapped.model, torch.nn.Module)
+    assert isinstance(wrapped, Trainer) and type(wrapped) is TrainerWrapper and isinstance(wrapped, TrainerWrapper)
+    copied = copy.copy(wrapped)          # copies stay wrappers, around the same Trainer
+    assert type(copied) is TrainerWrapper and copied._trainer is trainer

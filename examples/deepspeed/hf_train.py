@@ -4,8 +4,10 @@
 
 Relaunch the same command after an interruption: ``TrainerWrapper(trainer).train(resume_from_checkpoint=True)``
 resumes from the newest complete state (memory or storage) and starts from scratch when there is none.
-``--plain`` runs the unwrapped Trainer instead (``--resume PATH`` to resume it from a given checkpoint),
-to show that both read each other's ``checkpoint-N``. Runs on GPUs as is, and on CPU (gloo): the model is
+``--callback`` gives easyckpt to the Trainer as ``Trainer(callbacks=[EasyCkptCallback(...)])`` instead
+(``trainer.train(resume_from_checkpoint=True)`` resumes the same way). ``--plain`` runs the unwrapped
+Trainer instead (``--resume PATH`` to resume it from a given checkpoint), to show that both read each
+other's ``checkpoint-N``. Runs on GPUs as is, and on CPU (gloo): the model is
 a randomly initialised tiny GPT-2 and the data synthetic, so nothing is downloaded. Each step's loss goes
 to ``--loss-file`` (per process, exact float hex).
 """
@@ -33,6 +35,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--global-batch", type=int, default=8, help="kept fixed when the process count changes")
     p.add_argument("--plain", action="store_true", help="the Trainer alone, without easyckpt")
+    p.add_argument("--callback", action="store_true",
+                   help="easyckpt as Trainer(callbacks=[EasyCkptCallback(...)]) instead of TrainerWrapper")
     p.add_argument("--resume", default="true", help="true | none | a checkpoint path")
     p.add_argument("--log-file", default=None)
     p.add_argument("--loss-file", default=None, help="prefix; process r appends to PREFIX.rank{r}")
@@ -134,17 +138,21 @@ def main() -> int:
                 import time
                 time.sleep(args.step_sleep)
 
+    easyckpt_settings = dict(save_mem_interval=args.mem_interval, log_file_path=args.log_file,
+                             agent_idle_timeout=args.idle_timeout,
+                             exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
+    callbacks = [LossFile()]
+    if args.callback:
+        from easyckpt.transformers import EasyCkptCallback
+        callbacks.append(EasyCkptCallback(**easyckpt_settings))
     trainer = Trainer(model=model, args=targs, train_dataset=Tokens(64, seed=1),
-                      eval_dataset=Tokens(16, seed=2) if args.eval_best else None, callbacks=[LossFile()])
+                      eval_dataset=Tokens(16, seed=2) if args.eval_best else None, callbacks=callbacks)
     resume = {"true": True, "none": None}.get(args.resume, args.resume)
-    if args.plain:
+    if args.plain or args.callback:
         trainer.train(resume_from_checkpoint=resume)
     else:
         from easyckpt.transformers import TrainerWrapper
-        wrapped = TrainerWrapper(trainer, save_mem_interval=args.mem_interval, log_file_path=args.log_file,
-                                 agent_idle_timeout=args.idle_timeout,
-                                 exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
-        wrapped.train(resume_from_checkpoint=resume)
+        TrainerWrapper(trainer, **easyckpt_settings).train(resume_from_checkpoint=resume)
     if args.dump_weights:
         dump_weights(trainer, args.dump_weights, gather=args.zero == 3)
     if torch.distributed.is_initialized():

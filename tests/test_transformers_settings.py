@@ -1,0 +1,197 @@
+"""TrainerWrapper and EasyCkptCallback take every adapter's keywords, reconciled with the Trainer's own arguments,
+and refuse a wrong one when they are built (real Trainers around a tiny GPT-2; nothing is trained here but
+the one run that proves two wrappers of one Trainer train in turn). Wrapping twice fails when built."""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+from harness import events, run, wait_no_agent
+
+from easyckpt import Config, ConfigError
+from easyckpt.config import ADVANCED
+from easyckpt.errors import UnknownSettingError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64}
+
+
+def trainer(out, callbacks=None, **args):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    targs = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=4, **args)
+    return Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)), args=targs,
+                   train_dataset=Tokens(), eval_dataset=Tokens(), callbacks=callbacks)
+
+
+def build(form, out, easyckpt, **args):
+    """Attach easyckpt to a Trainer in ``form``; returns what was built (its errors come from this call)."""
+    from easyckpt.transformers import EasyCkptCallback, TrainerWrapper
+    if form == "wrapper":
+        return TrainerWrapper(trainer(out, **args), **easyckpt)
+    callback = EasyCkptCallback(**easyckpt)
+    trainer(out, callbacks=[callback], **args)
+    return callback
+
+
+FORMS = ["wrapper", "callback"]
+BEST = dict(save_strategy="best", eval_strategy="steps", eval_steps=2, metric_for_best_model="loss")
+
+AGREE = [
+    ({}, {}),
+    ({"save_steps": 7}, {"save_storage_interval": 7}),
+    ({"save_total_limit": 3}, {"max_ckpt_num": 3}),
+    ({}, {"max_ckpt_num": None}),                      # save_total_limit=None keeps every checkpoint
+    ({}, {"save_dir": "OUT"}),
+    ({"save_steps": 7, "save_total_limit": 2}, {"config": ("OUT", 7, 2)}),
+    ({"save_steps": 7}, {"config": ("OUT", 5, 5)}),    # a Config's defaults stand for "not given"
+]
+
+CONFLICT = [
+    ({"save_steps": 7}, {"save_storage_interval": 5},
+     r"save_storage_interval=5 but the Trainer's save_steps=7: .* set TrainingArguments\(save_steps=5\), or leave "
+     r"save_storage_interval out"),
+    ({"save_strategy": "epoch"}, {"save_storage_interval": 5},
+     r"save_storage_interval=5 has no equivalent with the Trainer's save_strategy='epoch' \(it saves at the end of "
+     r"each epoch\); to persist every 5 steps set TrainingArguments\(save_strategy='steps', save_steps=5\)"),
+    ({"save_strategy": "no"}, {"save_storage_interval": 5}, r"save_strategy='no' \(it saves nothing\)"),
+    (BEST, {"save_storage_interval": 2}, r"save_strategy='best' \(it saves when the evaluation metric improves\)"),
+    ({}, {"max_ckpt_num": 2}, r"max_ckpt_num=2 but the Trainer's save_total_limit=None \(keeps every checkpoint\): "
+                              r".* set TrainingArguments\(save_total_limit=2\), or leave max_ckpt_num out"),
+    ({"save_total_limit": 3}, {"max_ckpt_num": None}, r"set TrainingArguments\(save_total_limit=None\)"),
+    ({}, {"save_dir": "ELSEWHERE"}, r"save_dir='.*elsewhere' is not the Trainer's output_dir='.*out': .* set "
+                                    r"TrainingArguments\(output_dir='.*elsewhere'\), or leave save_dir out"),
+    ({"save_steps": 7}, {"config": ("OUT", 4, 5)}, r"config.save_storage_interval=4 but the Trainer's save_steps=7"),
+    ({}, {"config": ("ELSEWHERE", 5, 5)}, r"config.save_dir='.*elsewhere' is not the Trainer's output_dir"),
+]
+
+
+def keywords(tmp_path, easyckpt):
+    paths = {"OUT": str(tmp_path / "out"), "ELSEWHERE": str(tmp_path / "elsewhere")}
+    out = {k: paths.get(v, v) if isinstance(v, str) else v for k, v in easyckpt.items()}
+    if "config" in out:
+        save_dir, interval, limit = out["config"]
+        out["config"] = Config(save_dir=paths[save_dir], save_storage_interval=interval, max_ckpt_num=limit)
+    return out
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("args,easyckpt", AGREE)
+def test_keywords_that_agree_with_the_trainers_arguments_are_accepted(tmp_path, form, args, easyckpt):
+    built = build(form, tmp_path / "out", keywords(tmp_path, easyckpt), **args)
+    assert built.engine is None            # nothing starts before train()
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("args,easyckpt,message", CONFLICT)
+def test_a_keyword_that_conflicts_with_the_trainer_is_refused_when_built_naming_the_argument_to_set(
+        tmp_path, form, args, easyckpt, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        build(form, tmp_path / "out", keywords(tmp_path, easyckpt), **args)
+    assert str(err.value).startswith("TrainerWrapper: " if form == "wrapper" else "EasyCkptCallback: ")
+
+
+BAD = [
+    ({"save_mem_interval": 0}, r"save_mem_interval=0 must be at least 1"),
+    ({"save_mem_interval": "2"}, r"save_mem_interval='2' must be a positive integer"),
+    ({"save_storage_interval": -5}, r"save_storage_interval=-5 must be at least 1"),
+    ({"max_ckpt_num": 0}, r"max_ckpt_num=0 must be a positive integer"),
+    ({"grace_deadline": -1}, r"grace_deadline=-1 must be a positive number of seconds"),
+    ({"agent_idle_timeout": 0}, r"agent_idle_timeout=0 must be a positive number of seconds"),
+    ({"exit_after_ondemand_checkpoint": "yes"}, r"exit_after_ondemand_checkpoint='yes' must be True or False"),
+    ({"snapshot_overlap": 1}, r"snapshot_overlap=1 must be True, False or None"),
+    ({"config": "cfg"}, r"config='cfg' must be an easyckpt.Config"),
+    ({"config": "CONFIG", "grace_deadline": 5}, r"config= and also \['grace_deadline'\]"),
+]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("easyckpt,message", BAD)
+def test_a_wrong_value_is_refused_when_built(tmp_path, form, easyckpt, message):
+    from easyckpt.transformers import EasyCkptCallback, TrainerWrapper
+    if easyckpt.get("config") == "CONFIG":
+        easyckpt = dict(easyckpt, config=Config(save_dir=str(tmp_path / "out")))
+    t = trainer(tmp_path / "out")
+    with pytest.raises(ConfigError, match=message):
+        # the callback needs no Trainer to check its values: its own construction refuses them
+        TrainerWrapper(t, **easyckpt) if form == "wrapper" else EasyCkptCallback(**easyckpt)
+    with pytest.raises(UnknownSettingError, match=r"'save_dri' \(did you mean 'save_dir'\?\)"):
+        TrainerWrapper(t, save_dri=".") if form == "wrapper" else EasyCkptCallback(save_dri=".")
+
+
+def test_both_forms_take_every_setting_as_a_typed_keyword_with_its_default():
+    from easyckpt.transformers import FROM_TRAINER, EasyCkptCallback, TrainerWrapper
+    wrapper = dict(inspect.signature(TrainerWrapper).parameters)
+    callback = dict(inspect.signature(EasyCkptCallback).parameters)
+    assert list(wrapper)[0] == "trainer" and list(wrapper)[1:] == list(callback)
+    assert all(str(wrapper[n]) == str(callback[n]) for n in callback)
+    named = {n for n, p in callback.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(ADVANCED) | {"save_dir", "save_storage_interval", "max_ckpt_num", "config"} <= named
+    default = Config(save_dir=".")
+    for name in ADVANCED:
+        assert callback[name].default == getattr(default, name) and callback[name].annotation not in ("Any", "")
+    assert all(callback[n].default is FROM_TRAINER for n in ("save_dir", "save_storage_interval", "max_ckpt_num"))
+
+
+def test_wrapping_twice_is_refused_when_built(tmp_path):
+    from easyckpt.transformers import EasyCkptCallback, TrainerWrapper
+    with pytest.raises(ConfigError, match=r"already a TrainerWrapper; wrap the Trainer once"):
+        TrainerWrapper(TrainerWrapper(trainer(tmp_path / "a")))
+    with pytest.raises(ConfigError, match=r"already has an EasyCkptCallback"):
+        TrainerWrapper(trainer(tmp_path / "b", callbacks=[EasyCkptCallback()]))
+    shared = EasyCkptCallback()
+    trainer(tmp_path / "c", callbacks=[shared])
+    with pytest.raises(ConfigError, match=r"already serves another Trainer"):
+        trainer(tmp_path / "d", callbacks=[shared])
+
+
+def test_a_callback_added_after_the_trainer_was_built_refuses_to_train(tmp_path):
+    """add_callback misses on_init_end, so train() ran the Trainer's own resume: said, not trained past."""
+    from easyckpt.transformers import EasyCkptCallback
+    t = trainer(tmp_path / "out")
+    t.add_callback(EasyCkptCallback())
+    with pytest.raises(ConfigError, match=r"Trainer\(\.\.\., callbacks=\[EasyCkptCallback\(\.\.\.\)\]\)"):
+        t.train()
+    assert t.state.global_step == 0
+
+
+SEQUENTIAL = textwrap.dedent("""
+    import sys, torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from easyckpt.transformers import TrainerWrapper
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64}
+
+    args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to=[], max_steps=2, save_steps=1,
+                             per_device_train_batch_size=2, disable_tqdm=True)
+    t = Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)), args=args,
+                train_dataset=Tokens())
+    first, second = (TrainerWrapper(t, agent_idle_timeout=2) for _ in range(2))
+    first.train(resume_from_checkpoint=True)
+    t.args.max_steps = 3
+    second.train(resume_from_checkpoint=True)
+""")
+
+
+def test_two_wrappers_of_one_trainer_train_in_turn(tmp_path):
+    out = tmp_path / "out"
+    run([sys.executable, "-c", SEQUENTIAL, str(out)], extra_env={"HF_HUB_OFFLINE": "1"}, timeout=300)
+    wait_no_agent(out)
+    loads = [(e["source"], e["step"]) for e in events(out / "easyckpt.log") if e["event"] == "load"]
+    assert loads[0] == ("none", 0) and loads[1][1] == 2 and loads[1][0] in ("memory", "storage"), loads
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
