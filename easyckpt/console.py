@@ -19,6 +19,7 @@ every audit-log event (logger ``easyckpt.audit``).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Optional, TextIO
 
@@ -78,11 +79,20 @@ def info(text: str) -> None:
 
 
 def warning(text: str) -> None:
+    _ensure()
     logger.warning(_plain(text))
 
 
 def error(text: str) -> None:
+    _ensure()
     logger.error(_plain(text))
+
+
+def _ensure() -> None:
+    # a warning said before the engine started (the DeepSpeed CPU switch, a bad setting) reads as the rest
+    if not logger.handlers:
+        rank = os.environ.get("RANK", "0")      # torchrun's; the engine installs with its own later
+        install(int(rank) if rank.isdigit() else 0)
 
 
 def _plain(text: str) -> str:

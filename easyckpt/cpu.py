@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import os
 import time
 from typing import Any, Callable, Optional
 
 import torch
 
+from easyckpt import console
 from easyckpt.errors import EasyCkptError
-
-logger = logging.getLogger("easyckpt")
 
 _applied = False
 _advised = False
@@ -79,7 +77,7 @@ def advise() -> None:
     if _applied or _advised or torch.cuda.is_available():
         return
     _advised = True
-    logger.warning("easyckpt: DeepSpeed runs without CUDA here; call easyckpt.cpu.deepspeed_on_cpu() before "
+    console.warning("DeepSpeed runs without CUDA here; call easyckpt.cpu.deepspeed_on_cpu() before "
                    "deepspeed.initialize (or before building TrainingArguments): it skips the build of an op "
                    "torchrun never uses and turns a lock left by an interrupted build, on which DeepSpeed "
                    "would wait silently for ever, into an error")
@@ -100,11 +98,10 @@ def _guarded(jit_load: Callable[..., Any]) -> Callable[..., Any]:
                     f"DeepSpeed's build of its C++ op {self.name!r} was interrupted earlier and left the lock "
                     f"file {lock}: torch would wait on it for ever. Remove it (rm {lock}) and start again.")
             if not any(name.endswith(".so") for name in os.listdir(directory)):
-                logger.warning("easyckpt: DeepSpeed compiles its C++ op %r for this CPU now (once, a minute or "
-                               "more, cached in %s)%s",
-                               self.name, directory,
-                               ": '\"torch_adam\": true' in the optimizer's params avoids it" if "adam" in self.name
-                               else "")
+                console.warning(f"DeepSpeed compiles its C++ op {self.name!r} for this CPU now (once, a minute or "
+                                f"more, cached in {directory})"
+                                + (": '\"torch_adam\": true' in the optimizer's params avoids it" if "adam" in self.name
+                                   else ""))
         return jit_load(self, verbose)
     return announced_jit_load
 

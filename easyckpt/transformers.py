@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 
 from transformers import TrainerCallback
 
+from easyckpt import console, cpu
 from easyckpt._hf_session import NAMING, _Session
 from easyckpt._hf_settings import (
     DEFAULT,
@@ -95,6 +96,8 @@ class _Attached:
         self.trainer, self.settings = trainer, given
         self.engine: Optional[Checkpointer] = None
         resolve(given, trainer.args)        # every conflict with the TrainingArguments, now rather than at train()
+        if getattr(trainer.args, "deepspeed", None):
+            cpu.advise()                    # without CUDA: which call the next start needs
 
     def train(self, train: Callable[..., "TrainOutput"], resume_from_checkpoint: Union[str, bool, None],
               trial: Trial, ignore_keys_for_eval: Optional[List[str]], **kwargs: Any) -> "TrainOutput":
@@ -104,6 +107,9 @@ class _Attached:
                                 f"train(); easyckpt checkpoints one train() at a time")
         trainer = self.trainer
         args = trainer.args
+        # the Trainer's log_level / log_level_replica, when set, rule easyckpt's lines as they rule its own
+        if (args.log_level if args.should_log else args.log_level_replica) != "passive":
+            console.logger.setLevel(args.get_process_log_level())
         engine = Checkpointer(resolve(self.settings, args))
         self.engine = engine
         session = _Session(trainer, engine)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "tests" / "worker_pytorch.py"       # the example's training plus the flags only tests need
@@ -228,6 +229,29 @@ def interrupted_runs(cmd: Sequence[str], loss: Path, workdir: Path, interrupts: 
             proc.send_signal(sig)
             proc.wait(timeout=120)
     return run(cmd, timeout=timeout)
+
+
+def assert_console(workdir: Path, last: subprocess.CompletedProcess, resumed: Sequence[int], save_dir: Path,
+                   dir_name: Callable[[int], str], nproc: int) -> None:
+    """What rank 0 said (once for the job, as the frameworks' print_rank_0 / log_dist(ranks=[0])) in
+    interrupted_runs' kill -9 then SIGTERM: the run relaunched after kill -9 resumed ``resumed[0]`` from
+    memory and saved ``resumed[1]`` on SIGTERM (its commit line before the one saying it exits); the last
+    run resumed that from storage."""
+    said = (workdir / "interrupted1.out").read_text()
+    assert said.count("easyckpt: resumed step") == 1 and \
+        f"easyckpt: resumed step {resumed[0]} from memory (the snapshot that outlived the last run): " in said, said
+    agreed = resumed[1]
+    on_all = f" on all {nproc} ranks" if nproc > 1 else ""
+    assert f"easyckpt: SIGTERM: saving step {agreed}{on_all}\n" in said, said
+    committed = re.search(rf"^easyckpt: {dir_name(agreed)} committed \(\d+(\.\d)? [KM]iB, written in \d+\.\d\d s\)$",
+                          said, re.M)
+    sigterm = re.search(rf"^easyckpt: SIGTERM: step {agreed} committed \d+\.\d\d s after this rank reached it; "
+                        rf"exiting$", said, re.M)
+    assert committed and sigterm and committed.start() < sigterm.start(), said
+    said = last.stdout + last.stderr
+    assert said.count("easyckpt: resumed step") == 1 and \
+        f"easyckpt: resumed step {agreed} from storage ({save_dir / dir_name(agreed)}, verified): " in said, said
+    assert "easyckpt [rank " not in said and "{'" not in said, said[-3000:]
 
 
 def assert_losses_equal(got: Dict[int, str], reference: Dict[int, str], n: int, what: str = "") -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import signal
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 from harness import (
     ROOT,
+    assert_console,
     assert_losses_close,
     cli,
     cli_json,
@@ -76,19 +76,7 @@ def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_pat
     assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at - 1, \
         f"resumed from {resumed} after interrupts at {kill_at}, {term_at}: progress was lost"
     assert any(e["event"] == "load" and e.get("source") == "memory" for e in events(log))
-    # what the console said, on stdout as Megatron's print_rank_0, once (rank 0)
-    said = (tmp_path / "interrupted1.out").read_text()
-    assert said.count("easyckpt: resumed step") == 1 and \
-        f"easyckpt: resumed step {resumed[0]} from memory (the snapshot that outlived the last run): " in said, said
-    agreed = resumed[1]
-    committed = re.search(rf"^easyckpt: iter_{agreed:07d} committed \(\d+\.\d MiB, written in \d+\.\d\d s\)$",
-                          said, re.M)
-    sigterm = re.search(rf"^easyckpt: SIGTERM: step {agreed} committed \d+\.\d\d s after this rank reached it; "
-                        rf"exiting$", said, re.M)
-    assert committed and sigterm and committed.start() < sigterm.start(), said
-    assert f"easyckpt: SIGTERM: saving step {agreed} on all 2 ranks\n" in said, said
-    assert f"easyckpt: resumed step {agreed} from storage ({ckpt / f'iter_{agreed:07d}'}, verified): " in \
-        last.stdout, last.stdout[-3000:]
+    assert_console(tmp_path, last, resumed, ckpt, "iter_{:07d}".format, nproc=2)   # (stdout, as print_rank_0)
     assert loss_files(loss) == reference, "losses after the resumes differ from the uninterrupted run"
     wait_no_agent(ckpt)
     wait_no_agent(ref / "ckpt")

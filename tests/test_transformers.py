@@ -18,6 +18,7 @@ import pytest
 from harness import (
     ROOT,
     assert_losses_close,
+    assert_console,
     assert_losses_equal,
     cli,
     cli_json,
@@ -88,11 +89,12 @@ def test_kill9_and_sigterm_resume_with_equal_losses(tmp_path, name, references):
     kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
     out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
     cmd = hf(out, loss, *extra, "--step-sleep", "0.05", nproc=nproc, log=log)
-    interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    last = interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
     assert_losses_equal(losses(loss), ref, STEPS, name)
     resumed = starts(loss)[1:]
     assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at - 1, \
         f"resumed from {resumed} after interrupts at {kill_at}, {term_at}: progress was lost"
+    assert_console(tmp_path, last, resumed, out, "checkpoint-{}".format, nproc)
     assert any(e["event"] == "load" and e.get("source") == "memory" for e in events(log))
     wait_no_agent(out)
     # the Trainer's native layout, checkpoint by checkpoint
@@ -117,11 +119,12 @@ def test_callback_form_resumes_after_kill9_and_sigterm_with_equal_losses(tmp_pat
     kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
     out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
     cmd = hf(out, loss, "--callback", "--step-sleep", "0.05", log=log)
-    interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    last = interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
     assert_losses_equal(losses(loss), single_reference, STEPS, "callback")
     resumed = starts(loss)[1:]
     assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at, \
         f"resumed from {resumed} after kill -9 at {kill_at} and SIGTERM at {term_at}: progress was lost"
+    assert_console(tmp_path, last, resumed, out, "checkpoint-{}".format, nproc=1)
     log_events = events(log)
     assert [e["step"] for e in log_events if e["event"] == "sigterm_save"] == [resumed[1]]
     loads = [(e["source"], e["step"]) for e in log_events if e["event"] == "load"]
