@@ -300,8 +300,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from easyckpt import __version__
     parser = argparse.ArgumentParser(prog="easyckpt", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"easyckpt {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     def verb(name: str, fn: Callable[[argparse.Namespace], int], help: str, step: bool = False,
