@@ -30,7 +30,7 @@ def refuse_replacing(step_dir: str, man: Dict[str, Any], output: str) -> None:
     entry = man["files"].get(rel)
     if rel == mf.MANIFEST_NAME or rel == "." or (entry is not None and entry.get("derived_by") != DERIVED_BY):
         raise ValueError(f"{output} is a file of the checkpoint itself; refusing to replace it: choose another "
-                         f"--output (the default is a folder named consolidated in the step directory)")
+                         f"--output (the default is consolidated/ or consolidated.safetensors in the step directory)")
 
 
 def bar(progress: Optional[ProgressFactory], total: int, desc: str) -> Progress:
