@@ -1,11 +1,26 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+
+def _version() -> str:
+    # easyckpt.__version__ is the one place the version is written; importing the package here would
+    # need its dependencies before they are installed, so the assignment is read as text
+    text = (Path(__file__).parent / "easyckpt" / "__init__.py").read_text(encoding="utf-8")
+    found = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
+    if found is None:
+        raise RuntimeError("easyckpt/__init__.py has no line __version__ = \"...\"")
+    return found.group(1)
+
 
 setup(
     name="easyckpt",
-    version="0.1.0",
+    version=_version(),
     description="Near-free checkpoints for large PyTorch training: shared-memory snapshots, "
                 "background persistence, loss-free resume",
     packages=find_packages(include=["easyckpt", "easyckpt.*"]),
+    package_data={"easyckpt": ["py.typed"]},      # PEP 561: the package's own annotations are its types
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy", "safetensors>=0.4", "xxhash>=3"],
     extras_require={

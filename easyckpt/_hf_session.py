@@ -80,6 +80,8 @@ class _Session:
         model = self.trainer.model
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
+            # as save_pretrained writes it (it sets these on the live config at each Trainer save)
+            config.architectures, config.dtype = [type(model).__name__], getattr(model, "dtype", config.dtype)
             out.append(("config.json", config.to_json_string(use_diff=True).encode()))
         gen = getattr(model, "generation_config", None)
         if gen is not None and hasattr(model, "can_generate") and model.can_generate():

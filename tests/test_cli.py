@@ -200,3 +200,9 @@ def test_a_load_from_storage_draws_a_progress_bar_when_asked(ckpt, tmp_path):
                         "--job-name", "progress-probe"), extra_env={"EASYCKPT_PROGRESS": "1"}, timeout=120)
     assert f"load step_{steps[-1]:08d}" in out.stderr and "100%" in out.stderr, out.stderr[-2000:]
     wait_no_agent(ckpt, job_name="progress-probe")
+
+
+def test_version_prints_the_packages_version_and_exits_0():
+    import easyckpt
+    assert cli("--version").stdout.strip() == f"easyckpt {easyckpt.__version__}"
+    assert cli(expect=2).stderr, "no command is still a usage error"

@@ -1,4 +1,5 @@
-"""`easyckpt convert safetensors`: one committed step → one safetensors file of the full model weights.
+"""`easyckpt convert safetensors`: one committed step → one safetensors file of the full model weights, or for
+a Trainer checkpoint a folder that `AutoModelForCausalLM.from_pretrained` loads into the trained model.
 
 Real trainings write the checkpoints (the DeepSpeed engine on 2 ranks under torchrun, gloo; the Trainer under
 ZeRO-2 on 2 processes, and alone). Each also dumps the model's full weights as the framework itself sees them
@@ -36,6 +37,26 @@ def assert_weights_equal(path: Path, truth: Dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(truth)
     for key, want in truth.items():
         assert got[key].dtype == want.dtype and torch.equal(got[key], want), f"{key} differs from the ground truth"
+
+
+def assert_from_pretrained_loads(folder: Path, truth: Dict[str, torch.Tensor]) -> None:
+    """``AutoModelForCausalLM.from_pretrained(folder)`` gives the trained model: its weights equal the ground
+    truth's, and its logits equal those of a model built from the checkpoint's config with the truth loaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["dtype"] == "float32", config
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder))
+    assert type(loaded).__name__ == "GPT2LMHeadModel" and loaded.dtype == torch.float32
+    state = loaded.state_dict()
+    assert sorted(state) == sorted(truth)
+    for key, want in truth.items():
+        assert torch.equal(state[key], want), f"from_pretrained loaded {key} unlike the checkpoint"
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
+    reference.load_state_dict(truth)
+    ids = torch.arange(2 * 16).reshape(2, 16) % config["vocab_size"]
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, reference.eval()(ids).logits)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +110,9 @@ def test_deepspeed_checkpoint_consolidates_to_the_engines_full_fp32_weights(tmp_
     assert "read: 100%" in done.stderr and "write: 100%" in done.stderr, "no progress bars with --progress"
     assert_weights_equal(out, truth)
     assert (step_dir / MANIFEST).read_bytes() == manifest_before, "an output outside the step changed the checkpoint"
+    refused = convert(ckpt, "--output", str(tmp_path / "folder"))
+    assert refused.returncode == 1 and "no model config" in refused.stderr and ".safetensors" in refused.stderr
+    assert not (tmp_path / "folder").exists()
     # the layout is DeepSpeed's own: its tools read it too (our test's own files, so their unrestricted
     # torch.load is acceptable here) and agree
     if zero == "0":
@@ -116,6 +140,12 @@ def test_hf_trainer_under_zero2_consolidates_the_fp32_weights_tied_ones_included
     assert_weights_equal(out, truth)
     trainer_copy = load_file(str(out_dir / f"checkpoint-{STEPS}" / "model.safetensors"))
     assert all(torch.equal(truth[k], v) for k, v in trainer_copy.items())
+    # a folder: the fp32 masters as from_pretrained reads them, next to the Trainer's model files
+    folder = tmp_path / "pretrained"
+    done = convert(out_dir, "--output", str(folder), "--json")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert_from_pretrained_loads(folder, truth)
 
 
 def test_hf_trainer_checkpoint_consolidates_its_model_weights(tmp_path, hf_plain):
@@ -128,17 +158,31 @@ def test_hf_trainer_checkpoint_consolidates_its_model_weights(tmp_path, hf_plain
     assert_weights_equal(out, {k: v for k, v in truth.items() if k != "lm_head.weight"})
 
 
-def test_default_output_is_added_to_the_step_so_verify_covers_it_and_sources_are_never_replaced(hf_plain):
+def test_default_output_is_a_from_pretrained_folder_in_the_step_that_verify_covers_and_sources_are_never_replaced(
+        hf_plain):
     from easyckpt.cli.consolidate import to_safetensors
+    from easyckpt.cli.pretrained import to_pretrained
     out_dir, truth = hf_plain
     step_dir = out_dir / f"checkpoint-{STEPS}"
+    trainer_config = json.loads((step_dir / "config.json").read_text())
+    assert trainer_config["architectures"] == ["GPT2LMHeadModel"] and trainer_config["dtype"] == "float32", \
+        "TrainerWrapper's config.json lacks what save_pretrained writes"
     done = convert(out_dir, str(STEPS))
     assert done.returncode == 0, done.stderr
-    output = step_dir / "consolidated.safetensors"
-    to_safetensors(str(step_dir), str(output))       # a second conversion replaces its own earlier output
-    entry = json.loads((step_dir / MANIFEST).read_text())["files"]["consolidated.safetensors"]
-    assert entry["size"] == output.stat().st_size
-    assert_weights_equal(output, {k: v for k, v in truth.items() if k != "lm_head.weight"})
+    folder = step_dir / "consolidated"
+    assert f"from_pretrained({str(folder)!r})" in done.stdout, done.stdout
+    to_pretrained(str(step_dir))       # a second conversion replaces its own earlier output
+    files = json.loads((step_dir / MANIFEST).read_text())["files"]
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        entry = files[f"consolidated/{name}"]
+        assert entry["size"] == (folder / name).stat().st_size and entry["derived_by"]
+    assert (folder / "generation_config.json").read_bytes() == (step_dir / "generation_config.json").read_bytes()
+    assert_weights_equal(folder / "model.safetensors", {k: v for k, v in truth.items() if k != "lm_head.weight"})
+    assert_from_pretrained_loads(folder, truth)
+    output = step_dir / "consolidated.safetensors"       # the one-file form, inside the step too
+    to_safetensors(str(step_dir), str(output))
+    assert json.loads((step_dir / MANIFEST).read_text())["files"]["consolidated.safetensors"]["size"] == \
+        output.stat().st_size
     verify = run([sys.executable, "-m", "easyckpt.cli", "verify", str(out_dir), str(STEPS), "--framework",
                   "transformers"], timeout=60, check=False)
     assert verify.returncode == 0, verify.stdout + verify.stderr
@@ -147,6 +191,25 @@ def test_default_output_is_added_to_the_step_so_verify_covers_it_and_sources_are
     with pytest.raises(ValueError, match="refusing to replace"):
         to_safetensors(str(step_dir), str(model))
     assert model.read_bytes() == before
+
+
+def test_weights_above_the_shard_size_are_sharded_with_an_index_and_an_earlier_layout_is_replaced(tmp_path, hf_plain):
+    from easyckpt.cli.pretrained import to_pretrained
+    out_dir, truth = hf_plain
+    step_dir = out_dir / f"checkpoint-{STEPS}"
+    folder = tmp_path / "pretrained"
+    to_pretrained(str(step_dir), str(folder))
+    total = sum(t.nbytes for k, t in truth.items() if k != "lm_head.weight")
+    summary = to_pretrained(str(step_dir), str(folder), max_shard_bytes=total // 3)
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 3 and not (folder / "model.safetensors").exists(), "the single file of before remains"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == total == summary["bytes"]
+    assert sorted(set(index["weight_map"].values())) == [p.name for p in shards]
+    assert all(load_file(str(p)) for p in shards)
+    assert_from_pretrained_loads(folder, truth)
+    with pytest.raises(ValueError, match="checkpoint itself"):
+        to_pretrained(str(step_dir), str(step_dir))
 
 
 @pytest.mark.parametrize("layout", ["sharded-safetensors", "pytorch_model.bin"])

@@ -45,28 +45,25 @@ import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from easyckpt.cli import outputs
+from easyckpt.cli.outputs import ProgressFactory
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
-from easyckpt.formats.layout import DS_MODEL_STATES, DS_OPTIM_STATES, NAMINGS, Naming
-from easyckpt.progress import Progress
+from easyckpt.formats.layout import DS_MODEL_STATES, DS_OPTIM_STATES
 from easyckpt.storage import stepfiles
-from easyckpt.storage.posix import PosixStorage
-from easyckpt.storage.savedir import SaveDir
 from easyckpt.storage.stepfiles import damaged_message
 from easyckpt.trainer.tree import safe_torch_load
 
 Weights = Dict[str, torch.Tensor]
-ProgressFactory = Callable[[int, str], Progress]
 
 # DeepSpeed's file names, as easyckpt's DeepSpeed adapter writes them (optionally under global_stepN/,
 # which is where the Trainer puts them inside checkpoint-N)
 _HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _HF_SINGLE = ("model.safetensors", "pytorch_model.bin")
-DERIVED_BY = "easyckpt.cli.consolidate"        # marks our own output in a manifest: the only file we replace
 _ZERO_TO_FP32_LOCK = threading.Lock()
 
 
@@ -77,7 +74,46 @@ def to_safetensors(step_dir: str, output: str, progress: Optional[ProgressFactor
     ``deepspeed-zero{0,1,2,3}``, ``hf-deepspeed-zero{1,2,3}``, ``hf``. ``progress(total_bytes, description)``
     gives the bars drawn around reading and writing. ValueError, with what to do, when ``step_dir`` is not a
     committed checkpoint, holds no layout this converts, a file of it is damaged, or ``output`` would
-    replace a file of the checkpoint."""
+    replace a file of the checkpoint. pretrained.py writes the from_pretrained-ready folder instead."""
+    source = open_step(step_dir)
+    source.refuse_replacing(output)
+    kind, weights = source.merged(progress)
+    from safetensors.torch import save
+    data = save(weights, metadata={"format": "pt", "easyckpt_kind": kind, "easyckpt_step": str(source.step)})
+    source.write({output: data}, progress)
+    return {"output": output, "tensors": len(weights), "kind": kind,
+            "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+
+
+class Source:
+    """One committed step being converted: what to read (its plan), reading it verified, and writing outputs
+    that never replace a file of the checkpoint (those inside the step are listed in its manifest)."""
+
+    def __init__(self, step_dir: str, manifest: Dict[str, Any]):
+        self.step_dir, self.manifest = step_dir, manifest
+        self.step = manifest["step"]
+        self.reader = _Reader(step_dir, manifest)
+        self.plan = _plan(self.reader)
+
+    def refuse_replacing(self, output: str) -> None:
+        outputs.refuse_replacing(self.step_dir, self.manifest, output)
+
+    def merged(self, progress: Optional[ProgressFactory]) -> Tuple[str, Weights]:
+        """(kind, the full weights), each key with storage of its own."""
+        problems = stepfiles.check_sizes(self.step_dir, self.manifest, self.plan.files)
+        if problems:
+            raise CheckpointError(damaged_message(self.step_dir, problems))
+        with outputs.bar(progress, sum(self.manifest["files"][rel]["size"] for rel in self.plan.files), "read") as bar:
+            self.reader.bar = bar
+            kind, weights = _load(self.plan, self.reader)
+            self.reader.bar = None
+        return kind, _unshared(weights)
+
+    def write(self, files: Dict[str, bytes], progress: Optional[ProgressFactory], stale: Sequence[str] = ()) -> None:
+        outputs.write(self.step_dir, self.manifest, files, progress, stale)
+
+
+def open_step(step_dir: str) -> Source:
     step_dir = os.path.abspath(step_dir)
     try:
         man = stepfiles.load(step_dir)
@@ -85,29 +121,7 @@ def to_safetensors(step_dir: str, output: str, progress: Optional[ProgressFactor
         why = f"{mf.MANIFEST_NAME} is missing" if isinstance(exc, FileNotFoundError) else str(exc)
         raise CheckpointError(f"{step_dir} is not a committed easyckpt checkpoint: {why} (a save that did not finish "
                               f"leaves none); pick a committed step (`easyckpt ls SAVE_DIR`)") from None
-    reader = _Reader(step_dir, man)
-    plan = _plan(reader)
-    inside = _relpath_inside(step_dir, output)
-    if inside is not None:
-        _refuse_replacing_the_checkpoint(inside, man, output)
-    problems = stepfiles.check_sizes(step_dir, man, plan.files)
-    if problems:
-        raise CheckpointError(damaged_message(step_dir, problems))
-    with _bar(progress, sum(man["files"][rel]["size"] for rel in plan.files), "read") as bar:
-        reader.bar = bar
-        kind, weights = _load(plan, reader)
-        reader.bar = None
-    weights = _unshared(weights)
-    from safetensors.torch import save
-    data = save(weights, metadata={"format": "pt", "easyckpt_kind": kind, "easyckpt_step": str(man["step"])})
-    with _bar(progress, len(data), "write") as bar:
-        _write_atomically(output, data, bar)
-    if inside is not None:
-        sd = SaveDir(os.path.dirname(step_dir), NAMINGS.get(man["framework"], Naming()))
-        sd.add_to_manifest(step_dir, {inside: {"size": len(data), "checksum": mf.checksum(data),
-                                                   "format": "safetensors", "derived_by": DERIVED_BY}})
-    return {"output": output, "tensors": len(weights), "kind": kind,
-            "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+    return Source(step_dir, man)
 
 
 # ---- what to read -----------------------------------------------------------------------------------
@@ -166,7 +180,7 @@ class _Reader:
 
     def __init__(self, step_dir: str, manifest: Dict[str, Any]):
         self.step_dir, self.manifest = step_dir, manifest
-        self.bar: Optional[Progress] = None
+        self.bar: Optional[outputs.Progress] = None
 
     def bytes(self, rel: str) -> bytes:
         if rel not in self.manifest["files"]:
@@ -359,37 +373,6 @@ def _unshared(weights: Weights) -> Weights:
                  and t.untyped_storage().nbytes() == t.numel() * t.element_size())
         out[key] = t if alone else t.contiguous().clone()
     return out
-
-
-# ---- writing ------------------------------------------------------------------------------------------
-
-def _relpath_inside(step_dir: str, output: str) -> Optional[str]:
-    base, out = os.path.realpath(step_dir), os.path.realpath(output)
-    return os.path.relpath(out, base) if os.path.commonpath([base, out]) == base else None
-
-
-def _refuse_replacing_the_checkpoint(rel: str, man: Dict[str, Any], output: str) -> None:
-    entry = man["files"].get(rel)
-    if rel == mf.MANIFEST_NAME or rel == "." or (entry is not None and entry.get("derived_by") != DERIVED_BY):
-        raise ValueError(f"{output} is a file of the checkpoint itself; refusing to replace it: choose another "
-                         f"--output (the default is consolidated.safetensors in the step directory)")
-
-
-def _bar(progress: Optional[ProgressFactory], total: int, desc: str) -> Progress:
-    return progress(total, desc) if progress is not None else Progress(total, desc, force=False)
-
-
-def _write_atomically(path: str, data: bytes, bar: Progress) -> None:
-    """Readers see the previous file or the complete new one (Storage.write_atomic: temp, fsync, rename)."""
-    if os.path.isdir(path):
-        raise ValueError(f"{path} is a directory; give the output a file name (e.g. {path}/model.safetensors)")
-    storage = PosixStorage()      # the output may be anywhere (--output), so no SaveDir of its own
-    try:
-        storage.makedirs(os.path.dirname(os.path.abspath(path)))
-        storage.write_atomic(path, data)
-    except OSError as exc:
-        raise ValueError(f"cannot write {path}: {exc}") from exc
-    bar.update(len(data))
 
 
 __all__ = ["to_safetensors"]

@@ -6,7 +6,8 @@ convert, and run a job that restarts itself.
     easyckpt verify DIR [STEP]                      sizes and checksums; exit 1 on damage, naming the file
     easyckpt prune DIR --keep N [--dry-run]         automatic pruning's rules, every delete logged
     easyckpt convert megatron-distopt DIR [STEP]    Megatron's own distrib_optim.pt per (tp, pp)
-    easyckpt convert safetensors DIR [STEP]         consolidated weights of an HF / DeepSpeed ZeRO checkpoint
+    easyckpt convert safetensors DIR [STEP]         full weights of an HF / DeepSpeed ZeRO checkpoint (HF: a
+                                                    folder from_pretrained reads)
     easyckpt status DIR                             agent, snapshots in memory, newest checkpoint, /dev/shm
     easyckpt run [--max-restarts N] -- CMD          run CMD until it succeeds (launcher.py)
 
@@ -274,7 +275,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     framework = "megatron" if args.what == "megatron-distopt" else args.framework
-    entry = catalog.require(args.dir, framework).step(args.step)
+    cat = catalog.require(args.dir, framework)
+    entry = cat.step(args.step)
     if not entry.complete:
         print(f"easyckpt convert: step {entry.step} is not a complete checkpoint ({entry.why}); "
               f"`easyckpt ls {args.dir}` lists the complete ones", file=sys.stderr)
@@ -283,10 +285,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.what == "megatron-distopt":
             from easyckpt.cli.convert import to_megatron_distrib_optim
             summary: Dict[str, Any] = {"written": to_megatron_distrib_optim(entry.path)}
-        else:
+        elif (args.output or "").endswith(".safetensors") or (args.output is None and cat.framework != "transformers"):
             from easyckpt.cli.consolidate import to_safetensors
             output = args.output or os.path.join(entry.path, "consolidated.safetensors")
             summary = to_safetensors(entry.path, output, progress=_progress(args))
+        else:
+            from easyckpt.cli.pretrained import to_pretrained
+            summary = to_pretrained(entry.path, args.output, progress=_progress(args))
     except ValueError as exc:
         print(f"easyckpt convert: {exc}", file=sys.stderr)
         return 1
@@ -296,12 +301,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         for path in summary.get("written") or [summary["output"]]:
             say(f"wrote {path}")
+        if args.what == "safetensors" and summary.get("written"):
+            say(f"from_pretrained-ready: AutoModelForCausalLM.from_pretrained({summary['output']!r}) (or the "
+                f"AutoModel class of its task)")
     return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from easyckpt import __version__
     parser = argparse.ArgumentParser(prog="easyckpt", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"easyckpt {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     def verb(name: str, fn: Callable[[argparse.Namespace], int], help: str, step: bool = False,
@@ -334,8 +344,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     conv = verb("convert", cmd_convert, "megatron-distopt: per-DP optimizer shards -> Megatron's distrib_optim.pt; "
                                        "safetensors: an HF or DeepSpeed ZeRO checkpoint -> consolidated weights",
                 step=True, what=["megatron-distopt", "safetensors"])
-    conv.add_argument("--output", default=None, help="safetensors: the file to write "
-                                                     "(default: consolidated.safetensors in the step directory)")
+    conv.add_argument("--output", default=None,
+                      help="safetensors: a Trainer checkpoint becomes a from_pretrained-ready folder (default: "
+                           "consolidated/ in the step directory), a DeepSpeed one a file (default: "
+                           "consolidated.safetensors in the step directory); a name ending in .safetensors: "
+                           "that one file of weights, for either")
     from easyckpt.cli.launcher import add_parser as add_run
     add_run(sub)
     args = parser.parse_args(argv)

@@ -1,0 +1,123 @@
+"""A Hugging Face Trainer checkpoint → a folder that ``from_pretrained`` reads, as ``save_pretrained`` writes it.
+
+The weights are consolidate.py's (the Trainer's stored weights, or under DeepSpeed ZeRO the fp32 masters
+merged from every rank), written as ``model.safetensors``, or above ``max_shard_bytes`` as
+``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (save_pretrained's names and
+50 GB default). Next to them go the step's model files as the Trainer wrote them — config.json,
+generation_config.json, the tokenizer's or processor's files — but none of its training state (optimizer,
+scheduler, RNG, trainer_state, DeepSpeed's global_stepN/). config.json gets ``dtype`` = the dtype of the
+weights written (fp32 masters of a bf16 run load as fp32 with ``dtype="auto"``, as save_pretrained of that
+model would say); its ``architectures`` (the model class, which pipelines and the Hub read) is kept, and
+named in a warning when the checkpoint lacks it (TrainerWrapper writes it since 0.1.0's config.json fix).
+
+Readers: config.json is written last, so a folder with a config.json holds its weights; weight files of an
+earlier conversion that this one does not rewrite (another shard count) are removed, as save_pretrained does.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from easyckpt.cli.consolidate import Source, Weights, open_step
+from easyckpt.cli.outputs import ProgressFactory
+from easyckpt.formats import manifest as mf
+
+logger = logging.getLogger("easyckpt")
+MAX_SHARD_BYTES = 50 * 10 ** 9         # save_pretrained's default max_shard_size ("50GB")
+FOLDER = "consolidated"                # the default output, inside the step directory
+WEIGHTS, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
+_WEIGHT_FILE = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)")
+# the Trainer's training state and weights (rewritten here) at the top of checkpoint-N: not the model's files
+_NOT_MODEL = re.compile(r"(trainer_state\.json|training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt"
+                        r"|rng_state(_\d+)?\.pth|latest|zero_to_fp32\.py|(model|pytorch_model)\S*\.(safetensors|bin)"
+                        r"|\S+\.index\.json)")
+
+
+def to_pretrained(step_dir: str, output_dir: Optional[str] = None, progress: Optional[ProgressFactory] = None,
+                  max_shard_bytes: int = MAX_SHARD_BYTES) -> Dict[str, Any]:
+    """Write the committed Trainer step ``step_dir`` as a from_pretrained-ready folder ``output_dir``
+    (default: ``consolidated/`` inside the step, listed in its manifest). Returns ``{"output": folder,
+    "written": [paths], "tensors", "bytes", "kind"}``. ValueError, with what to do, when the step is not a
+    Trainer checkpoint with a config.json, or the folder is the step directory itself."""
+    source = open_step(step_dir)
+    if source.plan.framework != "hf":
+        raise ValueError(f"{source.step_dir} is a DeepSpeed engine checkpoint: it holds no model config, so there "
+                         f"is nothing from_pretrained could read; give --output a file name ending in .safetensors "
+                         f"(the default is consolidated.safetensors in the step directory)")
+    if CONFIG not in source.manifest["files"]:
+        raise ValueError(f"{source.step_dir} has no {CONFIG} (the model is not a transformers model): "
+                         f"from_pretrained cannot read it; give --output a file name ending in .safetensors")
+    folder = os.path.abspath(output_dir or os.path.join(source.step_dir, FOLDER))
+    if os.path.realpath(folder) == os.path.realpath(source.step_dir):
+        raise ValueError(f"{folder} is the checkpoint itself; choose another --output folder (the default is "
+                         f"{FOLDER}/ in the step directory)")
+    model_files = sorted(rel for rel in source.manifest["files"]
+                         if "/" not in rel and rel != mf.MANIFEST_NAME and not _NOT_MODEL.fullmatch(rel)
+                         and not source.manifest["files"][rel].get("derived_by"))
+    for rel in model_files + [WEIGHTS, INDEX]:
+        source.refuse_replacing(os.path.join(folder, rel))
+    kind, weights = source.merged(progress)
+    files = _weight_files(weights, folder, max_shard_bytes, {"format": "pt", "easyckpt_kind": kind,
+                                                             "easyckpt_step": str(source.step)})
+    for rel in model_files:
+        if rel != CONFIG:
+            files[os.path.join(folder, rel)] = source.reader.bytes(rel)
+    files[os.path.join(folder, CONFIG)] = _config(source.reader.bytes(CONFIG), weights, source.step_dir)
+    source.write(files, progress, _stale_weights(folder, files, source))
+    return {"output": folder, "written": list(files), "tensors": len(weights), "kind": kind,
+            "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+
+
+def _weight_files(weights: Weights, folder: str, max_shard_bytes: int, metadata: Dict[str, str]) -> Dict[str, bytes]:
+    from safetensors.torch import save
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in weights.items():        # in order, as save_pretrained fills its shards
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    if len(shards) == 1:
+        return {os.path.join(folder, WEIGHTS): save(weights, metadata=metadata)}
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = {os.path.join(folder, name): save(part, metadata=metadata) for name, part in zip(names, shards)}
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+             "weight_map": {key: name for name, part in zip(names, shards) for key in part}}
+    files[os.path.join(folder, INDEX)] = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    return files
+
+
+def _config(data: bytes, weights: Weights, step_dir: str) -> bytes:
+    try:
+        config = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f"{os.path.join(step_dir, CONFIG)} is not JSON ({exc})") from exc
+    floating = [t for t in weights.values() if t.is_floating_point()]
+    if floating:
+        by_dtype: Dict[torch.dtype, int] = {}
+        for t in floating:
+            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel() * t.element_size()
+        config["dtype"] = str(max(by_dtype, key=by_dtype.__getitem__)).removeprefix("torch.")
+        config.pop("torch_dtype", None)        # transformers 5's name is dtype; two would disagree
+    if not config.get("architectures"):
+        logger.warning("easyckpt: %s names no architectures (written before easyckpt recorded the model class): "
+                       "AutoModel* classes load the folder by its model_type; pipelines and the Hub want "
+                       "\"architectures\": [\"<ModelClass>\"] added to its config.json", step_dir)
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()    # to_json_string's format
+
+
+def _stale_weights(folder: str, files: Dict[str, bytes], source: Source) -> List[str]:
+    """Weight files of an earlier conversion into this folder that this one does not rewrite (another shard
+    count): from_pretrained would read them with the new ones. Inside a step, only our own outputs."""
+    stale = [os.path.join(folder, n) for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+             if _WEIGHT_FILE.fullmatch(n) and os.path.join(folder, n) not in files]
+    for path in stale:
+        source.refuse_replacing(path)
+    return stale
