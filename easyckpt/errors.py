@@ -48,6 +48,10 @@ class SnapshotChanged(AgentError):
     replaced it, or its metadata is damaged): that persist is abandoned, a newer one follows."""
 
 
+class TornSnapshot(EasyCkptError):
+    """A tensor copied in the background was changed in place before its copy ended (trainer/background.py)."""
+
+
 class PreemptionError(EasyCkptError):
     """After SIGTERM the ranks could not agree on a step to save (timeout, abort, or a rank past it)."""
 

@@ -276,12 +276,12 @@ def test_leftover_segments_of_a_dead_job_are_cleaned_on_next_start(tmp_path):
 
 MUTATE = textwrap.dedent("""
     import sys, torch, easyckpt
-    save_dir, expect = sys.argv[1], sys.argv[2]
+    save_dir, expect, overlap = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     easyckpt.initialize_easyckpt(save_dir, save_mem_interval=1, save_storage_interval=5, max_ckpt_num=None,
-                                 agent_idle_timeout=1)
+                                 agent_idle_timeout=1, snapshot_overlap=overlap)
     for it in range(1, 9):
         model(torch.randn(4, 64)).sum().backward(); opt.step(); opt.zero_grad()
         easyckpt.save_checkpoint_if_needed(it, model, opt)
@@ -295,15 +295,37 @@ MUTATE = textwrap.dedent("""
 
 
 def test_tensors_changed_after_save_returns_do_not_leak_into_the_persisted_step(tmp_path):
+    """Synchronous snapshots (what the README asks of loops that change parameters in place): the
+    persisted step holds the values at its save, however slow storage is."""
     script = tmp_path / "mutate.py"
     script.write_text(MUTATE)
     expect = tmp_path / "expect.pt"
-    run([sys.executable, str(script), str(tmp_path / "ckpt"), str(expect)],
+    run([sys.executable, str(script), str(tmp_path / "ckpt"), str(expect), "off"],
         extra_env={"EASYCKPT_FAULTS": "agent.before_persist=sleep:1.5"})   # slow storage
     from safetensors.torch import load_file
     saved = load_file(str(tmp_path / "ckpt" / "step_00000005" / "model.safetensors"))
     assert_state_equal(saved, torch.load(expect))
     wait_no_agent(tmp_path / "ckpt")
+
+
+def test_a_parameter_changed_in_place_during_the_background_copy_never_reaches_storage(tmp_path):
+    """The same loop with the overlap on (where auto turns it on when a core is free) and a slow background
+    copy: the in-place change lands while step 5's parameters are being copied. That snapshot mixes two
+    states, so it is dropped, said on the console, and the overlap is off from then on; step 5 never
+    reaches storage, and the final step is persisted with its own values."""
+    script = tmp_path / "mutate.py"
+    script.write_text(MUTATE)
+    expect, ckpt = tmp_path / "expect.pt", tmp_path / "ckpt"
+    res = run([sys.executable, str(script), str(ckpt), str(tmp_path / "unused.pt"), "on"],
+              extra_env={"EASYCKPT_FAULTS": "trainer.background_copy=sleep:1"})
+    wait_no_agent(ckpt)
+    said = res.stdout + res.stderr
+    assert said.count("were changed in place before the copy ended") == 1, said[-3000:]
+    assert "snapshot of step 5" in said and "snapshot_overlap is off from now on" in said, said[-3000:]
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000008"]
+    events_ = events(ckpt / "easyckpt.log")
+    assert [e["step"] for e in events_ if e["event"] == "snapshot"] == [1, 2, 3, 4, 6, 7, 8]
+    assert not any(e["event"] == "persist" and e["step"] == 5 for e in events_)
 
 
 # ---- row 15 ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from easyckpt import console
 from easyckpt.config import Config, validate
-from easyckpt.errors import AgentError, EasyCkptError
+from easyckpt.errors import AgentError, EasyCkptError, TornSnapshot
 from easyckpt.formats.reap import reap_dead_jobs
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
@@ -155,6 +155,11 @@ class Engine:
         self.pending = None
         try:
             result = pending.wait()
+        except TornSnapshot as exc:   # the loop changes what the overlap copies: copy synchronously from now on
+            self._overlap_on = False
+            self.watch.close()
+            self.log.emit("warning", step=pending.result.step, rank=self.rank, message=str(exc))
+            return
         except Exception as exc:   # noqa: BLE001 - the copy ran in another thread; report, keep training
             self.log.emit("error", step=pending.result.step, rank=self.rank,
                           message=f"background snapshot copy failed: {exc!r}")

@@ -12,10 +12,8 @@ rather than making training wait for storage.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from easyckpt.errors import ShmCapacityError
 from easyckpt.formats import shm, slotread
 from easyckpt.formats.shardfile import dtype_name
 from easyckpt.trainer import pinned, shardload
+from easyckpt.trainer.background import PendingSnapshot, copy_all
 from easyckpt.trainer.tree import FLATTEN, rebuild
 from easyckpt.units import human
 
@@ -200,15 +199,16 @@ class Snapshotter:
                          pid=0, rank=self.rank, world_size=self.world_size)
         result = SnapshotResult(step, i, self.generation, self.layout.data_bytes, 0.0)
         if defer is None:
-            _copy_all(dsts, srcs)
+            copy_all(dsts, srcs)
             slot.publish(hdr, meta)
             result.seconds = time.perf_counter() - t0
             return result
         now = [(d, s) for d, s in zip(dsts, srcs) if not defer(s)]
         later = [(d, s) for d, s in zip(dsts, srcs) if defer(s)]
         if now:
-            _copy_all(*zip(*now))
-        return PendingSnapshot(result, later, lambda: slot.publish(hdr, meta), t0, self.rank)
+            copy_all(*zip(*now))
+        return PendingSnapshot(result, later, lambda: slot.publish(hdr, meta),
+                               lambda: slot.begin_write(result.generation), t0, self.rank)
 
     def _pin_slots(self) -> None:
         """Page-lock both slots once, so device-to-host copies into them run asynchronously (DMA) on
@@ -232,124 +232,6 @@ class Snapshotter:
         if unlink:
             for path in self.paths:
                 shm.unlink_quiet(path)
-
-
-def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    event = _copy_async(dsts, srcs)
-    if event is not None:
-        event.synchronize()
-
-
-def _copy_async(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]):
-    """Copy host tensors now; start device tensors' copies on a side stream, after everything queued
-    so far on the current stream (the values of this step), and return the event that marks their end
-    (None when there are none). The side stream keeps the copies out of the way of the compute queued
-    next; record_stream keeps the caching allocator from reusing a source before its copy ran."""
-    side = None
-    for d, s in zip(dsts, srcs):
-        if not s.is_cuda:
-            d.copy_(s)
-            continue
-        if side is None:
-            side = _side_stream(s.device)
-            side.wait_stream(torch.cuda.current_stream(s.device))
-        with torch.cuda.stream(side):
-            d.copy_(s, non_blocking=True)
-        s.record_stream(side)
-    if side is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(side)
-    return event
-
-
-def _copy_single_threaded(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """A copy on this thread alone, with the GIL released. torch's copy_ would start an OpenMP team
-    for this thread, whose workers spin after each copy and take the cores the training's own
-    team computes on, slowing every step while the background copy runs."""
-    if src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and src.device.type == "cpu":
-        n = src.numel() * src.element_size()
-        if n:
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
-    else:
-        dst.copy_(src)
-
-
-_SIDE_STREAMS: Dict[Any, Any] = {}
-
-
-def _side_stream(device):
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[device]
-
-
-class PendingSnapshot:
-    """A snapshot whose optimizer-owned tensors are still being copied by a background thread.
-
-    The thread publishes the slot's header as soon as its copy ends, so the agent can persist the
-    snapshot even if the trainer never waits for it. ``wait`` is what the optimizer's step pre-hook
-    calls: for device tensors it only makes the current stream wait for the copy (no host stall)."""
-
-    def __init__(self, result: SnapshotResult, pairs: List[Tuple[torch.Tensor, torch.Tensor]],
-                 publish: Callable[[], None], t0: float, rank: int):
-        self.result, self._publish, self.rank = result, publish, rank
-        self.sync_seconds = time.perf_counter() - t0     # what maybe_save stalled for
-        self.copy_seconds = 0.0
-        self.waited = 0.0
-        self.error: Optional[BaseException] = None
-        self._done = threading.Event()
-        self._event = None
-        if any(s.is_cuda for _, s in pairs):
-            # queue the device copies now, from the training thread: their order on the streams is then
-            # fixed relative to the next step's kernels, whatever the background thread does
-            cuda = [(d, s) for d, s in pairs if s.is_cuda]
-            self._event = _copy_async(*zip(*cuda))
-            pairs = [(d, s) for d, s in pairs if not s.is_cuda]
-        self._host_pairs = bool(pairs)
-        # not a daemon: the interpreter joins it at exit, so a trainer that ends (or dies of an exception)
-        # right after maybe_save still completes the snapshot, and no copy is cut off inside torch
-        # (a daemon thread stopped inside a C++ frame at shutdown aborts the process)
-        self._thread = threading.Thread(target=self._run, args=(pairs,), name="easyckpt-snapshot", daemon=False)
-        self._thread.start()
-
-    def _run(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        t = time.perf_counter()
-        try:
-            faults.inject("trainer.background_copy", self.rank)
-            for d, s in pairs:
-                _copy_single_threaded(d, s)
-            if self._event is not None:
-                self._event.synchronize()
-            self.copy_seconds = time.perf_counter() - t
-            self._publish()
-        except BaseException as exc:   # reported by wait(); the slot stays unpublished (never half-valid)
-            self.error = exc
-        finally:
-            self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def order_on_device(self) -> bool:
-        """Before the optimizer changes what is being copied: when every deferred tensor is on the
-        device, make the current stream wait for the copies (no host stall) and return True; else the
-        caller must ``wait``."""
-        if self._event is not None and not self._host_pairs:
-            torch.cuda.current_stream().wait_event(self._event)
-            return True
-        return False
-
-    def wait(self) -> SnapshotResult:
-        if not self._done.is_set():
-            t = time.perf_counter()
-            self._done.wait()
-            self.waited += time.perf_counter() - t
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        self.result.seconds = self.sync_seconds + self.waited
-        return self.result
 
 
 def _file_size(path: str) -> int:
