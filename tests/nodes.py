@@ -81,6 +81,13 @@ def _children() -> Dict[int, List[int]]:
     return children()
 
 
+def _is_launcher(pid: int) -> bool:
+    try:
+        return b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 class NodeRun:
     """One life of a node: a PID/mount/UTS namespace running ``cmd``."""
 
@@ -89,6 +96,7 @@ class NodeRun:
         self.rc_file = log.with_suffix(".rc")
         self.rc_file.unlink(missing_ok=True)
         self._out = open(log, "w")
+        self._init: Optional[int] = None
         # ip netns exec execs unshare (no fork); unshare forks the node's init; --kill-child: if unshare
         # dies, so does the node
         self.proc = subprocess.Popen(
@@ -100,13 +108,15 @@ class NodeRun:
     def init_pid(self, timeout: float = 30) -> int:
         """The node's first process (pid 1 inside it), as the host sees it."""
         deadline = time.monotonic() + timeout
-        while True:
+        while self._init is None:
             kids = _children().get(self.proc.pid, [])
             if kids:
-                return kids[0]
+                self._init = kids[0]
+                break
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"node {self.node.index} did not start: {self.log.read_text()[-2000:]}")
             time.sleep(0.02)
+        return self._init
 
     def pids(self) -> List[int]:
         """Every process of the node but its init (host pids): those in its PID namespace, whoever started
@@ -140,10 +150,12 @@ class NodeRun:
         from harness import is_agent
         return [p for p in self.pids() if is_agent(p)]
 
-    def signal(self, sig: int) -> List[int]:
+    def signal(self, sig: int, launcher: bool = True) -> List[int]:
         """``sig`` to every process of the node at once, as a host's shutdown or a scheduler does (the init
-        is left out: it is the namespace, not a process of the job)."""
-        pids = self.pids()
+        is left out: it is the namespace, not a process of the job); ``launcher=False`` spares torchrun,
+        which exits 1 on a signal whatever its workers did and leaves the other nodes' torchrun waiting
+        in their exit barrier (300 s)."""
+        pids = [p for p in self.pids() if launcher or not _is_launcher(p)]
         for pid in pids:
             try:
                 os.kill(pid, sig)

@@ -100,8 +100,8 @@ def ranks_by_node(nnodes: int, nproc: int) -> Dict[int, str]:
 # ---- SIGTERM to one node -------------------------------------------------------------------------------
 
 def sigterm_one_node(tmp_path: Path, cluster, tmp_path_factory, nnodes: int, nproc: int, at: int) -> None:
-    """The usual maintenance event: every process of the last node (trainers, torchrun, its agent) gets
-    SIGTERM. All ranks on all nodes agree on a step, it commits (every rank's shard), no iteration is lost,
+    """The usual maintenance event: every process of the last node (its trainers and its agent; torchrun
+    is spared, see NodeRun.signal) gets SIGTERM. All ranks on all nodes agree on a step, it commits (every rank's shard), no iteration is lost,
     every node exits 0, and the resumed run's losses equal the uninterrupted run's."""
     world = nnodes * nproc
     ref = reference(tmp_path_factory, world)
@@ -111,7 +111,7 @@ def sigterm_one_node(tmp_path: Path, cluster, tmp_path_factory, nnodes: int, npr
     runs = c.launch(ckpt, nproc, *args)
     victim = runs[-1]
     wait_for_iteration(loss, at, victim.proc, TIMEOUT, rank=world - 1)
-    signalled = victim.signal(signal.SIGTERM)
+    signalled = victim.signal(signal.SIGTERM, launcher=False)
     rcs = c.wait(runs, TIMEOUT)
     what = f"SIGTERM to the {len(signalled)} processes of node {nnodes - 1} after iteration {at}\n{said(runs)}"
     assert rcs == [0] * nnodes, f"exit statuses {rcs}: {what}"
@@ -201,7 +201,7 @@ def test_the_fallback_step_is_complete_on_every_node_when_one_nodes_trainers_are
             for pid in r.trainers().values():
                 os.kill(pid, signal.SIGTERM)
     else:
-        runs[1].signal(signal.SIGTERM)
+        runs[1].signal(signal.SIGTERM, launcher=False)
     signalled_at = time.time()
     deadline = time.monotonic() + 10
     while 8 not in committed_steps(ckpt):
