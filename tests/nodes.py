@@ -341,14 +341,20 @@ def _init(hostname: str, rc_file: str, cmd: List[str]) -> int:
     socket.sethostname(hostname)
     child = subprocess.Popen(cmd)
     rc = 1
+    # until pid 1 is alone: when it exits, the kernel kills what is left of the node, and a process that
+    # ``enter`` started is not its child
     while True:
         try:
-            pid, status = os.waitpid(-1, 0)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            break
+            pid = 0
+            if not [p for p in os.listdir("/proc") if p.isdigit() and p != "1"]:
+                break
         if pid == child.pid:
             rc = os.waitstatus_to_exitcode(status)
             Path(rc_file).write_text(str(rc))
+        if not pid:
+            time.sleep(0.05)
     return rc if rc >= 0 else 128 - rc
 
 
