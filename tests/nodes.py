@@ -11,7 +11,10 @@ Killing a node kills its PID namespace's first process: every trainer, the agent
 go together, as on a lost host. A replacement node is a fresh PID/mount namespace in the same network
 namespace: the same address, an empty /dev/shm.
 
-Needs root and ``ip``, ``unshare``; ``Cluster`` removes every namespace, veth, process and mount it made
+A link can be shaped for network-aware tests with ``tc`` on the node's end (``ip netns exec <node.ns> tc qdisc
+add dev veth0 root tbf rate 1gbit burst 1mb latency 10ms``); nothing here does yet.
+
+Needs root and ``ip``, ``unshare``, ``nsenter``; ``Cluster`` removes every namespace, veth, process and mount it made
 on ``close()`` (the ``cluster`` fixture in test_many_nodes.py calls it in a ``finally``). Run as a script,
 this module is a node's first process (``init``): it mounts the tmpfs, sets the hostname, runs the
 node's command, records its exit status and reaps every process of the node (the agent outlives the
