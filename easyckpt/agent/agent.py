@@ -142,7 +142,11 @@ class Agent:
             self._execute()
         if due.leave:
             why = "the grace deadline after SIGTERM has passed"
-            self.jobdir.drop_all_but(None, why)
+            if self.coordinator.commits:
+                # staging dirs are the job's, shared by every node: only the coordinator, which commits or
+                # fails them, may remove one; another node's agent leaving at its own deadline would take
+                # the other nodes' shards (a fallback step being committed) with it
+                self.jobdir.drop_all_but(None, why)
             self.log.emit("deadline_exit", message=why, outstanding=self.coordinator.outstanding)
         return due.leave
 

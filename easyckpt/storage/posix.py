@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import secrets
 import shutil
 import stat
 from pathlib import Path
@@ -91,7 +92,9 @@ def write_all(fd: int, data) -> None:
 def probe_writable(directory: PathLike) -> None:
     """Create, fsync and remove a probe file: the only reliable test (os.access lies for root and
     for read-only mounts)."""
-    probe = Path(directory) / f".easyckpt-probe-{os.getpid()}"
+    # the pid alone is not unique: every node of a job probes the shared save dir, and pids repeat across
+    # hosts (in containers every rank's trainer is the same small pid)
+    probe = Path(directory) / f".easyckpt-probe-{os.getpid()}-{secrets.token_hex(8)}"
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, b"x")

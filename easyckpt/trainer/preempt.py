@@ -258,6 +258,7 @@ class Preemption:
             state = _Round(self._round)
         import torch.distributed as dist
         store = dist.PrefixStore(f"easyckpt/{self.job_id}/{state.round}/", base)
+        self._share_notice(store, state)
         if self._want_propose is not None and not state.tried:
             state.tried = True
             if store.add("proposals", 1) == 1:
@@ -285,6 +286,22 @@ class Preemption:
                     self._decision = decision
         return state
 
+    def _share_notice(self, store: Any, state: "_Round") -> None:
+        """A SIGTERM on some node starts every node's agent's grace clock, not only its own: a node whose
+        trainers are stuck cannot propose, and the agents of the other nodes must still persist their
+        shards of the fallback step (recovery.py), or the coordinator could never commit it."""
+        if self.signalled_at is not None:
+            if not state.noticed:
+                state.noticed = True
+                store.compare_set("term", "", repr(self.signalled_at))   # the first signal's time
+            return
+        if not self._told_agent and store.check(["term"]):
+            self._told_agent = True
+            try:
+                self.tell_agent(float(store.get("term").decode()))
+            except Exception as exc:  # noqa: BLE001 - the agent's own notice, or none
+                self.log.emit("warning", rank=self.rank, message=f"could not tell the agent of SIGTERM: {exc}")
+
     def _decide(self, store: Any, state: "_Round") -> None:
         if store.add("acks", 0) >= self.world_size:
             keys = [f"ack/{r}" for r in range(self.world_size)]
@@ -309,6 +326,6 @@ class Preemption:
 class _Round:
     def __init__(self, round_: int = 0):
         self.round = round_
-        self.tried = self.proposer = self.seen = self.acked = self.published = False
+        self.tried = self.proposer = self.seen = self.acked = self.published = self.noticed = False
         self.proposed_at = 0.0
         self.dead_checks = -1
