@@ -315,7 +315,7 @@ def test_a_parameter_changed_in_place_during_the_background_copy_never_reaches_s
     reaches storage, and the final step is persisted with its own values."""
     script = tmp_path / "mutate.py"
     script.write_text(MUTATE)
-    expect, ckpt = tmp_path / "expect.pt", tmp_path / "ckpt"
+    ckpt = tmp_path / "ckpt"
     res = run([sys.executable, str(script), str(ckpt), str(tmp_path / "unused.pt"), "on"],
               extra_env={"EASYCKPT_FAULTS": "trainer.background_copy=sleep:1"})
     wait_no_agent(ckpt)
