@@ -122,7 +122,11 @@ def descendants(root: int, kids: Optional[Dict[int, List[int]]] = None) -> List[
 def signal_every_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> List[int]:
     """What a scheduler does on cancel or preemption (Slurm's scancel, a node drain): ``sig`` to every
     process of the job at once, from outside it. Returns the pids signalled."""
-    pids = descendants(proc.pid)
+    return kill_all(descendants(proc.pid), sig)
+
+
+def kill_all(pids: List[int], sig: int) -> List[int]:
+    """``sig`` to each of ``pids``; one already gone is no error. Returns ``pids``."""
     for pid in pids:
         try:
             os.kill(pid, sig)

@@ -158,13 +158,8 @@ class NodeRun:
         is left out: it is the namespace, not a process of the job); ``launcher=False`` spares torchrun,
         which exits 1 on a signal whatever its workers did and leaves the other nodes' torchrun waiting
         in their exit barrier (300 s)."""
-        pids = [p for p in self.pids() if launcher or not _is_launcher(p)]
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        return pids
+        from harness import kill_all
+        return kill_all([p for p in self.pids() if launcher or not _is_launcher(p)], sig)
 
     def trainers(self) -> Dict[int, int]:
         """Global rank -> pid of the node's trainers (the processes torchrun gave a RANK)."""
