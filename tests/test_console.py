@@ -118,6 +118,11 @@ def test_status_reports_say_each_commit_once_and_ignore_what_is_malformed(tmp_pa
                                        "easyckpt: step 9 was not committed: disk full; training goes on and "
                                        "later steps are still saved\n")
     assert not reports.waiting(10)
+    reports.requested(15)
+    assert reports.waiting(15)
+    reports.take({"failed_steps": {"15": "disk full"}})      # a failed step is not polled for
+    assert not reports.waiting(15)
+    capsys.readouterr()
     reports.take({"commits": "garbage", "failed_steps": ["9"], "refused": 2, "last_refused": [3, "rank 2 was refused"]})
     assert capsys.readouterr().err == "easyckpt: agent: rank 2 was refused\n"
     other = StatusReports(1, NAMINGS["transformers"], log)

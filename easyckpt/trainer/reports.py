@@ -43,8 +43,9 @@ class StatusReports:
             self.started_at = step
 
     def waiting(self, newest_requested: int) -> bool:
-        """A commit not yet said may be on its way (rank 0 asks the agent about it now and then)."""
-        return self.rank == 0 and newest_requested > self.said_commit
+        """A commit not yet said may be on its way (rank 0 asks the agent about it now and then); a step the
+        agent failed will not commit, so nothing is awaited for it."""
+        return self.rank == 0 and newest_requested > self.said_commit and newest_requested not in self.failures
 
     def take(self, status: Dict[str, Any]) -> None:
         self._commits(status)
