@@ -88,6 +88,14 @@ class Config:
     # the agent writes checkpoint files with O_DIRECT (around the page cache) where the file system
     # allows it, plain writes elsewhere; False: always plain writes (storage/direct.py says why)
     direct_io: bool = True
+    # peer replicas (agent/replicas.py), in jobs of several nodes: each node's newest snapshot is also
+    # held in the memory of replication_factor - 1 other nodes (1: none), node i's on nodes i + jump,
+    # i + 2*jump, ...; every replica_interval-th snapshot is sent, at replica_bandwidth bytes/s at most
+    # (0: no cap), pausing while a snapshot is being copied
+    replication_factor: int = 2
+    replication_jump: int = 1
+    replica_interval: int = 1
+    replica_bandwidth: float = 1e9
     naming: Naming = field(default_factory=Naming)
 
     @property
@@ -120,7 +128,8 @@ class Config:
 # the keyword arguments every adapter's initialize_easyckpt accepts besides its own
 ADVANCED = ("job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout",
             "autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "grace_deadline",
-            "snapshot_overlap", "direct_io")
+            "snapshot_overlap", "direct_io", "replication_factor", "replication_jump", "replica_interval",
+            "replica_bandwidth")
 
 
 def check_advanced(verb: str, advanced: Mapping[str, Any]) -> None:
@@ -168,6 +177,14 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             f"save_storage_interval={sto} is not a multiple of save_mem_interval={mem}: only memory "
             f"snapshots can be persisted; use save_storage_interval={hint}")
+    for name in ("replication_factor", "replication_jump", "replica_interval"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be a positive integer"
+                              + (" (1: no replicas on other nodes)" if name == "replication_factor" else ""))
+    bw = cfg.replica_bandwidth
+    if isinstance(bw, bool) or not isinstance(bw, (int, float)) or bw < 0:
+        raise ConfigError(f"replica_bandwidth={bw!r} must be a number of bytes per second (0: no cap)")
     if cfg.max_ckpt_num is not None:
         if isinstance(cfg.max_ckpt_num, bool) or not isinstance(cfg.max_ckpt_num, int) or cfg.max_ckpt_num < 1:
             raise ConfigError(f"max_ckpt_num={cfg.max_ckpt_num!r} must be a positive integer "

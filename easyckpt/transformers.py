@@ -160,6 +160,10 @@ class TrainerWrapper:
                  agent_start_timeout: float = DEFAULT.agent_start_timeout,
                  snapshot_overlap: Optional[bool] = DEFAULT.snapshot_overlap,
                  direct_io: bool = DEFAULT.direct_io,
+                 replication_factor: int = DEFAULT.replication_factor,
+                 replication_jump: int = DEFAULT.replication_jump,
+                 replica_interval: int = DEFAULT.replica_interval,
+                 replica_bandwidth: float = DEFAULT.replica_bandwidth,
                  config: Optional[Config] = None, **unknown: Any) -> None:
         given = settings("TrainerWrapper", config, unknown, **signature_keywords(locals()))
         object.__setattr__(self, "_trainer", trainer)
@@ -217,6 +221,10 @@ class EasyCkptCallback(TrainerCallback):
                  agent_start_timeout: float = DEFAULT.agent_start_timeout,
                  snapshot_overlap: Optional[bool] = DEFAULT.snapshot_overlap,
                  direct_io: bool = DEFAULT.direct_io,
+                 replication_factor: int = DEFAULT.replication_factor,
+                 replication_jump: int = DEFAULT.replication_jump,
+                 replica_interval: int = DEFAULT.replica_interval,
+                 replica_bandwidth: float = DEFAULT.replica_bandwidth,
                  config: Optional[Config] = None, **unknown: Any) -> None:
         self._settings = settings("EasyCkptCallback", config, unknown, **signature_keywords(locals()))
         self._attached: Optional[_Attached] = None

@@ -299,12 +299,37 @@ EXAMPLES = [protocol.Hello(rank=1, world_size=4, local_rank=1, pid=4242),
             protocol.Term(rank=0, at=1712345678.25),
             protocol.TermStep(rank=0, step=120),
             protocol.Damaged(step=100, reason="manifest checksum mismatch"),
-            protocol.Status()]
+            protocol.Status(),
+            protocol.Listen(addr="10.213.77.2"),
+            protocol.Peers(node=1, nnodes=2, ranks_per_node=2, secret="ab" * 32,
+                           endpoints="0=10.213.77.1@40001,1=10.213.77.2@40002"),
+            protocol.ReplicaList(rank=3),
+            protocol.ReplicaFetch(rank=3, step=12)]
 
 
 def test_there_is_a_typed_message_for_each_of_the_protocols_operations():
     assert sorted(protocol.OPS) == sorted(type(m).op for m in EXAMPLES)
-    assert sorted(protocol.OPS) == ["bye", "damaged", "flush", "hello", "persist", "status", "term", "term_step"]
+    assert sorted(protocol.OPS) == ["bye", "damaged", "flush", "hello", "listen", "peers", "persist",
+                                    "replica_fetch", "replica_list", "status", "term", "term_step"]
+
+
+@pytest.mark.parametrize("fields, bad", [
+    ({"addr": "10.0.0.1; rm -rf /"}, "not an IP address"),
+    ({"endpoints": "0=10.0.0.1@1,0=10.0.0.2@2"}, "endpoint"),          # a node twice
+    ({"endpoints": "0=10.0.0.1@1,5=10.0.0.2@2"}, "endpoint"),          # a node that does not exist
+    ({"endpoints": "0=10.0.0.1@70000,1=10.0.0.2@2"}, "endpoint"),      # no such port
+    ({"endpoints": "0=host.example@1,1=10.0.0.2@2"}, "endpoint"),      # names are not resolved here
+    ({"secret": "short"}, "secret"),
+    ({"node": 2}, "node 2 of 2"),
+])
+def test_a_peers_or_listen_message_with_a_bad_field_is_refused_naming_it(fields, bad):
+    if "addr" in fields:
+        wire = {"op": "listen", **fields}
+    else:
+        wire = {"op": "peers", "node": 0, "nnodes": 2, "ranks_per_node": 1, "secret": "ab" * 32,
+                "endpoints": "0=10.0.0.1@1,1=10.0.0.2@2", **fields}
+    with pytest.raises(protocol.BadMessage, match=bad):
+        protocol.from_wire(wire)
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).op)

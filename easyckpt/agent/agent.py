@@ -9,6 +9,8 @@ wired here; the loop thread owns all their state, and the persist worker thread 
   grace.py        the SIGTERM clock: when to save on the trainers' behalf, when to leave
   recovery.py     what to persist after the trainers died or at the grace deadline
   slots.py        the agent's reads and writes of the shm slots; jobdir.py its calls into storage
+  replicas.py     peer replicas: this node's snapshots sent to other nodes' agents, theirs kept here
+                  (peerserve.py), a lost node's state pulled back — threads of their own, never the loop
 
 One turn of the loop: wait for a message or a worker result (at most 50 ms) → each message goes to
 its handler below, which tells the coordinator → each result goes to the coordinator → the
@@ -47,6 +49,7 @@ from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.jobs import CommitJob, PersistJob
 from easyckpt.agent.persister import Persister, disk_work
 from easyckpt.agent.recovery import Recovery
+from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.agent.server import Client, Server
 from easyckpt import console
 from easyckpt.config import Config
@@ -71,6 +74,8 @@ class Agent:
         self.recovery = Recovery(self.job_id, self.jobdir, self.coordinator, self.log)
         self.persister = Persister(disk_work(self.job_id, self.jobdir, self.log, cfg.direct_io))
         self.server.watch(self.persister.wake_fd())
+        self.replicas = Replicas(cfg, self.log)
+        self.server.watch(self.replicas.wake_fd())
         self.local_ranks: Set[int] = set()
         self.dead_ranks: Set[int] = set()
         self.ever_connected = False
@@ -84,7 +89,9 @@ class Agent:
         self._handlers: Dict[type, Callable[[socket.socket, Client, Any], None]] = {
             protocol.Hello: self._hello, protocol.Persist: self._persist, protocol.Flush: self._flush,
             protocol.Bye: self._bye, protocol.Term: self._term, protocol.TermStep: self._term_step,
-            protocol.Damaged: self._damaged, protocol.Status: self._status}
+            protocol.Damaged: self._damaged, protocol.Status: self._status, protocol.Listen: self._listen,
+            protocol.Peers: self._peers, protocol.ReplicaList: self._replica_list,
+            protocol.ReplicaFetch: self._replica_fetch}
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -94,6 +101,8 @@ class Agent:
         self.jobdir.clean_leftovers()
         while True:
             self.server.poll(POLL)
+            for conn, reply in self.replicas.replies():
+                self.server.send(conn, reply)
             for result in self.persister.results():
                 if isinstance(result.job, PersistJob) and result.error is None:
                     self.grace.wrote(result.seconds)
@@ -115,7 +124,7 @@ class Agent:
 
     def _busy(self) -> bool:
         # connections that never said hello (liveness probes) do not count
-        return bool(self.server.trainers()) or self.coordinator.busy()
+        return bool(self.server.trainers()) or self.coordinator.busy() or self.replicas.busy()
 
     def _should_exit(self) -> bool:
         if self._busy():
@@ -135,6 +144,8 @@ class Agent:
     def _serve_grace(self) -> bool:
         """Serve the grace deadline; True when the agent must leave now."""
         if self.got_sigterm:
+            if not self.grace.leaving:
+                self.replicas.kick()     # the node is being drained: its newest snapshot to a peer now
             self._notice(self.grace.own_sigterm())
         due = self.grace.due()
         if due.fallback:
@@ -156,6 +167,7 @@ class Agent:
 
     def _shutdown(self) -> None:
         self.server.close()
+        self.replicas.close()
         if not any(c.rank is not None and not c.said_bye for c in self.server.clients.values()):
             removed = [p for p in shm.segments_of(self.job_id) if shm.unlink_quiet(p)]
             if removed:
@@ -291,4 +303,24 @@ class Agent:
             "outstanding": co.outstanding, "last_error": co.last_error, "leaving": self.grace.leaving,
             "failed_steps": {str(k): v for k, v in sorted(co.failed.items())[-16:]},
             "refused": len(self.refused), "last_refused": self.refused[-4:], "sigterm": self.grace.status(),
-            "commits": list(self.commits)})
+            "commits": list(self.commits), "replicas": self.replicas.status()})
+
+    def _listen(self, conn: socket.socket, client: Client, msg: protocol.Listen) -> None:
+        try:
+            port = self.replicas.listen(msg.addr)
+        except OSError as exc:
+            self.server.send(conn, {"op": "listen", "ok": False, "error": f"cannot listen on {msg.addr}: {exc}"})
+            return
+        self.server.send(conn, {"op": "listen", "ok": True, "port": port})
+
+    def _peers(self, conn: socket.socket, client: Client, msg: protocol.Peers) -> None:
+        cfg = self.cfg
+        self.replicas.set_table(Table(msg.node, msg.nnodes, msg.ranks_per_node, msg.secret, msg.table(),
+                                      cfg.replication_factor, cfg.replication_jump))
+        self.server.send(conn, {"op": "peers", "ok": True})
+
+    def _replica_list(self, conn: socket.socket, client: Client, msg: protocol.ReplicaList) -> None:
+        self.replicas.call(conn, lambda: self.replicas.remote_steps(msg.rank))
+
+    def _replica_fetch(self, conn: socket.socket, client: Client, msg: protocol.ReplicaFetch) -> None:
+        self.replicas.call(conn, lambda: self.replicas.fetch(msg.rank, msg.step))

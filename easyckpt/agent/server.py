@@ -130,10 +130,11 @@ class Server:
             if not hmac.compare_digest((key or "").encode(), self.key):
                 raise protocol.BadMessage("the first message must carry the job's key")
             client.authed = True
-        if isinstance(msg, (protocol.Persist, protocol.Flush, protocol.Bye)):
+        if isinstance(msg, (protocol.Persist, protocol.Flush, protocol.Bye, protocol.ReplicaList,
+                            protocol.ReplicaFetch, protocol.Listen, protocol.Peers)):
             if client.rank is None:
                 raise protocol.BadMessage(f"{msg.op} before hello")
-            if msg.rank != client.rank:
+            if getattr(msg, "rank", client.rank) != client.rank:
                 raise protocol.BadMessage(f"{msg.op} for rank {msg.rank} on a connection that said hello as "
                                           f"rank {client.rank}")
         return msg

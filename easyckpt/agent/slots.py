@@ -7,6 +7,7 @@ between jobs, so a trainer's unlink at bye really frees the memory.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
 
@@ -16,19 +17,26 @@ from easyckpt.storage.auditlog import AuditLog
 PerRank = Dict[int, Dict[int, Tuple[int, int]]]    # rank -> {step: (slot, generation)}
 
 
-def _generation(job_id: str, rank: int, slot: int, log: AuditLog) -> int:
-    """The generation the slot holds or is being written with (0 when unknown, not there or not ours)."""
+def generation_of(path: str) -> int:
+    """The generation the slot at ``path`` holds or is being written with (0 when not there or empty);
+    UntrustedFileError for another user's file."""
     try:
-        opened = shm.Slot(shm.slot_path(job_id, rank, slot), writable=False)
+        opened = shm.Slot(path, writable=False)
     except FileNotFoundError:
-        return 0
-    except OSError as exc:     # UntrustedFileError included: never touch another user's file
-        log.emit("error", rank=rank, message=str(exc))
         return 0
     try:
         return opened.state()[1] if opened.mm is not None and opened.size >= shm.HEADER_BYTES else 0
     finally:
         opened.close()
+
+
+def _generation(job_id: str, rank: int, slot: int, log: AuditLog) -> int:
+    """generation_of a rank's slot (0 when unknown, not there or not ours)."""
+    try:
+        return generation_of(shm.slot_path(job_id, rank, slot))
+    except OSError as exc:     # UntrustedFileError included: never touch another user's file
+        log.emit("error", rank=rank, message=str(exc))
+        return 0
 
 
 def complete_snapshots(job_id: str, ranks: Iterable[int], log: AuditLog) -> PerRank:
@@ -69,17 +77,31 @@ def release_stale(job_id: str, rank: int, skip: Set[int], log: AuditLog) -> None
                 view.close()
 
 
+# The persist worker and the replica sender may read the same slot at once; the slot's one busy word says
+# "busy" until the last of them is done (a count per slot, shared by the agent's threads).
+_pins: Dict[str, int] = {}
+_pins_lock = threading.Lock()
+
+
 @contextmanager
-def reserved(job_id: str, rank: int, slot: int, generation: int) -> Iterator[str]:
-    """Mark the slot busy with ``generation`` while the body persists it (the trainer does not overwrite
-    a busy slot), then release that generation; yields the slot's path."""
+def reserved(job_id: str, rank: int, slot: int, generation: int, release: bool = True) -> Iterator[str]:
+    """Mark the slot busy with ``generation`` while the body reads it (the trainer does not overwrite a
+    busy slot); then, if ``release`` (a persist, not a replica send), mark that generation released: its
+    persist is done. Yields the slot's path."""
     path = shm.slot_path(job_id, rank, slot)
     view = shm.AgentView(path)
     try:
-        view.set(busy=generation)
+        with _pins_lock:
+            _pins[path] = _pins.get(path, 0) + 1
+            view.set(busy=generation)
         try:
             yield path
         finally:
-            view.set(busy=0, released=generation)
+            with _pins_lock:
+                _pins[path] -= 1
+                last = not _pins[path]
+                if last:
+                    del _pins[path]
+                view.set(busy=0 if last else None, released=generation if release else None)
     finally:
         view.close()

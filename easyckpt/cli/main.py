@@ -220,9 +220,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     framework, naming = cat.framework, catalog.naming(cat.framework)
     agent = one_shot(job_id, {"op": "status"})
     snapshots = []
-    for path, _job, rank, index in shm.list_segments(job_id):
+    for path, _job, rank, index, replica in shm.list_segments(job_id):
         entry = {"rank": rank, "slot": index, "path": path, "segment_bytes": os.path.getsize(path),
-                 "step": None, "bytes": None, "complete": False}
+                 "step": None, "bytes": None, "complete": False, "replica": replica}
         try:
             done = slotread.read_complete(path)
         except OSError:
@@ -260,9 +260,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             say(f"           last error: {agent['last_error']}")
     if not snapshots:
         say("memory     no snapshot of this job on this node")
-    for s in sorted(snapshots, key=lambda s: (s["rank"], s["slot"])):
+    for s in sorted(snapshots, key=lambda s: (s["replica"], s["rank"], s["slot"])):
         what = f"step {s['step']:>8}  {s['bytes']:>14,d} B" if s["complete"] else "(being written or torn)"
-        say(f"memory     rank {s['rank']:>4} slot {s['slot']}  {what}")
+        kind = "replica    rank" if s["replica"] else "memory     rank"     # a replica: another node's rank, held here
+        say(f"{kind} {s['rank']:>4} slot {s['slot']}  {what}")
+    _say_replicas((agent or {}).get("replicas"))
     if newest is None:
         say("storage    no committed checkpoint")
     else:
@@ -271,6 +273,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     say(f"/dev/shm   {human(dev_shm['used'])} of {human(dev_shm['total'])} used, this job "
           f"{human(dev_shm['this_job'])}, {human(dev_shm['free'])} free")
     return 0
+
+
+def _say_replicas(rep: Optional[Dict[str, Any]]) -> None:
+    """Where this node's snapshot is replicated, and whose replicas it holds (the agent's view)."""
+    if not isinstance(rep, dict) or rep.get("node") is None:
+        say("replicas   none: one node, replication_factor=1, or no trainer has introduced the agents yet")
+        return
+    say(f"replicas   this is node {rep['node']} of {rep['nnodes']} (replication_factor {rep['factor']}), "
+        f"listening on {rep['listening']}")
+    for node, where in sorted(rep.get("targets", {}).items()):
+        sent = rep.get("sent", {}).get(node)
+        got = (f"holds step {sent['step']} ({human(sent['bytes'])}, sent in {sent['seconds']:.2f} s)" if sent
+               else "holds nothing yet")
+        say(f"           own snapshot -> node {node} at {where}: {got}")
+    for h in rep.get("holds", []):
+        say(f"           holds rank {h['rank']} of node {h['from_node']}: step {h['step']} ({human(h['bytes'])})")
+    for err in rep.get("errors", []):
+        say(f"           {err}")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -22,6 +22,12 @@ Side channels, each on a connection of its own whose one message carries ``key``
   6. term_step TermStep(rank, step)    the step the trainers agreed to save for it
   7. damaged   Damaged(step, reason)   the loader rejected a committed step
   +  status    Status()                → the agent's state (a query, not a command)
+Peer replicas (agent/replicas.py), on the trainer's own connection, after hello:
+  listen        Listen(addr)                          → {ok, port}: the agent's TCP endpoint for its peers
+  peers         Peers(node, nnodes, ranks_per_node, secret, endpoints)   → {ok}: where every agent is
+  replica_list  ReplicaList(rank)                     → {ok, steps: [[step, world_size, node]]} held by peers
+  replica_fetch ReplicaFetch(rank, step)              → {ok, slot, bytes, seconds, node}: pulled into the
+                                                        rank's own slot on this node
 A connection that closes without bye is a trainer that died: the agent persists the newest complete
 snapshot of its dead ranks, keeps the slots for agent_idle_timeout so a restart can resume from
 memory, then removes them and exits.
@@ -33,12 +39,14 @@ different versions as long as the fields below stay.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
+import re
 import socket
 import struct
 import typing
-from typing import Any, ClassVar, Dict, Iterator, NamedTuple, Optional, Type, Union
+from typing import Any, ClassVar, Dict, Iterator, NamedTuple, Optional, Tuple, Type, Union
 
 from easyckpt.errors import BadMessage
 
@@ -137,9 +145,68 @@ class Status(_Message):
     op: ClassVar[str] = "status"
 
 
-Message = Union[Hello, Persist, Flush, Bye, Term, TermStep, Damaged, Status]
+@dataclasses.dataclass(frozen=True)
+class Listen(_Message):
+    op: ClassVar[str] = "listen"
+    addr: str
+
+    def _check(self) -> None:
+        try:
+            ipaddress.ip_address(self.addr)
+        except ValueError:
+            raise BadMessage(f"listen: field 'addr' = {self.addr[:60]!r} is not an IP address") from None
+
+
+_ENDPOINT = re.compile(r"^(\d{1,7})=([0-9a-fA-F.:]{2,45})@(\d{1,5})$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Peers(_Message):
+    op: ClassVar[str] = "peers"
+    node: int
+    nnodes: int
+    ranks_per_node: int
+    secret: str
+    endpoints: str       # "node=addr@port,..." for every node
+
+    def _check(self) -> None:
+        if not 0 <= self.node < self.nnodes or self.ranks_per_node < 1:
+            raise BadMessage(f"peers: node {self.node} of {self.nnodes}, {self.ranks_per_node} ranks per node")
+        if not re.fullmatch(r"[0-9a-f]{32,128}", self.secret):
+            raise BadMessage("peers: field 'secret' must be 32 to 128 hex digits")
+        self.table()
+
+    def table(self) -> Dict[int, Tuple[str, int]]:
+        """node -> (address, port), checked: every node once, real addresses, ports in range."""
+        out: Dict[int, Tuple[str, int]] = {}
+        for item in self.endpoints.split(","):
+            m = _ENDPOINT.match(item)
+            if not m or int(m.group(1)) >= self.nnodes or int(m.group(1)) in out or not 0 < int(m.group(3)) < 65536:
+                raise BadMessage(f"peers: endpoint {item[:60]!r} is not node=address@port of a node below {self.nnodes}")
+            try:
+                ipaddress.ip_address(m.group(2))
+            except ValueError:
+                raise BadMessage(f"peers: {m.group(2)!r} is not an IP address") from None
+            out[int(m.group(1))] = (m.group(2), int(m.group(3)))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaList(_Message):
+    op: ClassVar[str] = "replica_list"
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaFetch(_Message):
+    op: ClassVar[str] = "replica_fetch"
+    rank: int
+    step: int
+
+
+Message = Union[Hello, Persist, Flush, Bye, Term, TermStep, Damaged, Status, Listen, Peers, ReplicaList, ReplicaFetch]
 OPS: Dict[str, Type[_Message]] = {cls.op: cls for cls in (Hello, Persist, Flush, Bye, Term, TermStep, Damaged,
-                                                          Status)}
+                                                          Status, Listen, Peers, ReplicaList, ReplicaFetch)}
 _TYPES: Dict[type, Dict[str, type]] = {}
 
 
@@ -270,6 +337,6 @@ def same_user(sock: socket.socket) -> bool:
     return peer_uid(sock) == os.geteuid()
 
 
-__all__ = ["BadMessage", "Bye", "Damaged", "Flush", "Hello", "LineReader", "Message", "OPS", "Persist",
-           "Received", "Status", "Term", "TermStep", "address", "agent_listening", "encode", "encode_reply",
+__all__ = ["BadMessage", "Bye", "Damaged", "Flush", "Hello", "LineReader", "Listen", "Message", "OPS", "Peers",
+           "Persist", "Received", "ReplicaFetch", "ReplicaList", "Status", "Term", "TermStep", "address", "agent_listening", "encode", "encode_reply",
            "from_wire", "parse", "peer_uid", "recv_one", "same_user"]

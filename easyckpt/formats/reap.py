@@ -18,7 +18,7 @@ def reap_dead_jobs(log: AuditLog, keep: str) -> None:
     start on the node does this, so a killed job's memory does not wait for that same job to return
     (promise 6). Other users' files are never touched."""
     alive: Dict[str, bool] = {}
-    for path, job, _rank, _slot in shm.list_segments():
+    for path, job, *_ in shm.list_segments():
         if job == keep or not shm.owned_by_me(path):
             continue
         if job not in alive:

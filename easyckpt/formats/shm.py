@@ -24,7 +24,7 @@ import struct
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 from easyckpt.errors import ShmCapacityError, UntrustedFileError
 from easyckpt.units import human
@@ -44,15 +44,30 @@ _CRC_AT = _HDR.size
 _STATE_AT = 12
 _AGENT_AT = 2048
 _AGENT = struct.Struct("<QQ")
-_NAME = re.compile(r"^easyckpt-([0-9a-f]{12})-r(\d{5})-s([01])$")
+# "-s": a rank's own slots, written by its trainer (or restored into by the agent from a peer); "-p": the
+# replica slots of a rank of another node, written by this node's agent (agent/replicas.py)
+_NAME = re.compile(r"^easyckpt-([0-9a-f]{12})-r(\d{5})-([sp])([01])$")
 
 
 def slot_path(job_id: str, rank: int, slot: int) -> str:
     return os.path.join(SHM_DIR, f"{PREFIX}{job_id}-r{rank:05d}-s{slot}")
 
 
-def list_segments(job_id: Optional[str] = None) -> Iterator[Tuple[str, str, int, int]]:
-    """(path, job_id, rank, slot) of every easyckpt segment on this node (or of one job)."""
+def replica_path(job_id: str, rank: int, slot: int) -> str:
+    """Where this node holds replica slot ``slot`` (0 or 1) of ``rank``, a rank of another node."""
+    return os.path.join(SHM_DIR, f"{PREFIX}{job_id}-r{rank:05d}-p{slot}")
+
+
+class Segment(NamedTuple):
+    path: str
+    job_id: str
+    rank: int
+    slot: int
+    replica: bool       # a replica of another node's rank (replica_path), not a slot of this node's
+
+
+def list_segments(job_id: Optional[str] = None) -> Iterator[Segment]:
+    """Every easyckpt segment on this node (or of one job): own slots and replicas."""
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
@@ -60,7 +75,8 @@ def list_segments(job_id: Optional[str] = None) -> Iterator[Tuple[str, str, int,
     for name in sorted(names):
         m = _NAME.match(name)
         if m and (job_id is None or m.group(1) == job_id):
-            yield os.path.join(SHM_DIR, name), m.group(1), int(m.group(2)), int(m.group(3))
+            yield Segment(os.path.join(SHM_DIR, name), m.group(1), int(m.group(2)), int(m.group(4)),
+                          m.group(3) == "p")
 
 
 @dataclass
@@ -85,6 +101,15 @@ class Header:
 def _header_crc(raw: bytes) -> int:
     # the state word is excluded: it is flipped on its own as the publish/unpublish step
     return zlib.crc32(raw[:_STATE_AT] + raw[_STATE_AT + 4:_HDR.size])
+
+
+MIN_META_CAPACITY = 1 << 20
+
+
+def slot_size(data_bytes: int, meta_len: int) -> int:
+    """The size of a slot for ``data_bytes`` of tensors and metadata of ``meta_len`` bytes: room for the
+    metadata to grow (the step's digits, the adapter's info) without growing the slot every snapshot."""
+    return HEADER_BYTES + data_bytes + max(MIN_META_CAPACITY, 4 * meta_len)
 
 
 def free_bytes() -> int:
@@ -310,6 +335,23 @@ def segment_owner_pid(path: str) -> int:
     finally:
         os.close(fd)
     return _HDR.unpack_from(raw)[10] if len(raw) == _HDR.size and raw[:8] == MAGIC else 0
+
+
+def peek(path: str) -> Tuple[int, int]:
+    """(state, generation) of the slot at ``path``, (EMPTY, 0) when there is none: one small read, no mapping,
+    no check. Only for deciding whether to look closer (a new snapshot?) or to wait a moment (one being
+    copied); what is then read goes through slotread."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return EMPTY, 0
+    try:
+        raw = os.pread(fd, 32, 0)
+    finally:
+        os.close(fd)
+    if len(raw) < 32:
+        return EMPTY, 0
+    return struct.unpack_from("<I", raw, _STATE_AT)[0], struct.unpack_from("<Q", raw, 24)[0]
 
 
 def owned_by_me(path: str) -> bool:

@@ -3,7 +3,10 @@
 Order:
   1. every rank lists its complete shared-memory snapshots and the committed step directories;
   2. all ranks exchange them (one all_gather): memory candidates are the steps every rank holds;
-  3. a memory snapshot at least as new as the newest committed checkpoint wins (it is faster);
+  3. a memory snapshot at least as new as the newest committed checkpoint wins (it is faster); a rank
+     whose node lost its memory (a replacement node) takes that step from a peer node's replica of it
+     (trainer/peers.py), pulled into its own slot first; a step counts as in memory when every rank
+     has it on its node or on a peer;
   4. otherwise, newest committed step first: each rank reads the files it needs and checks sizes
      and checksums against the manifest; all ranks exchange the verdict; any failure anywhere
      rejects the step for everyone (loudly) and the next older one is tried.
@@ -32,6 +35,7 @@ from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer import adopt, shardload, snapshot
 from easyckpt.trainer.dist import all_gather
+from easyckpt.trainer.peers import Remote
 from easyckpt.trainer.tree import safe_torch_load, unflatten
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
@@ -42,43 +46,59 @@ Needed = Callable[[Dict[str, Any]], List[Tuple[str, bool]]]
 @dataclass
 class Loaded:
     step: int
-    source: str               # "memory", "storage" or "adopted" (the framework's own checkpoint, adopt.py)
+    source: str               # "memory", "peer" (a replica on another node), "storage" or "adopted" (the
+                              # framework's own checkpoint, adopt.py)
     path: Optional[str]
     trees: Dict[str, Any]
     nbytes: int
     seconds: float
     manifest: Optional[Dict[str, Any]] = None   # the committed step's manifest, or an adopted one's inventory
+    from_peers: Tuple[int, ...] = ()            # the ranks that pulled the step from a peer's replica
 
 
 def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog,
-                on_rejected: Optional[Callable[[int, str], None]] = None) -> Optional[Loaded]:
-    """``on_rejected(step, why)``: called on rank 0 for each committed step rejected as damaged."""
+                on_rejected: Optional[Callable[[int, str], None]] = None,
+                remote: Optional[Remote] = None) -> Optional[Loaded]:
+    """``on_rejected(step, why)``: called on rank 0 for each committed step rejected as damaged.
+    ``remote``: this rank's replicas on peer nodes (None: replicas are off)."""
     # a snapshot taken with another world size holds another layout's shards: storage has to serve that
     mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.world_size == world_size]
+    on_peer = sorted({s for s, w, _ in (remote.steps() if remote else []) if w == world_size}
+                     - {s.step for s in mem})
     sd = SaveDir(cfg.save_dir, cfg.naming, cfg.job_id)
     stored = sd.committed()
     _log_invalid_manifests(sd, {s for s, _ in stored}, log)
     native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own
-    views = all_gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native]), world_size)
-    common_mem = set.intersection(*(set(m) for m, _, _ in views))
-    common_nat = set.intersection(*(set(n) for _, _, n in views))
-    common_sto = sorted(set.intersection(*(set(s) for _, s, _ in views)) | common_nat, reverse=True)
+    views = all_gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native], on_peer),
+                       world_size)
+    common_mem = set.intersection(*(set(m) | set(p) for m, _, _, p in views))
+    common_nat = set.intersection(*(set(n) for _, _, n, _ in views))
+    common_sto = sorted(set.intersection(*(set(s) for _, s, _, _ in views)) | common_nat, reverse=True)
     best_mem = max(common_mem) if common_mem else None
+    _say_lost_memory(views, rank, log)
 
     if best_mem is not None and (not common_sto or best_mem >= common_sto[0]):
         t0 = time.perf_counter()
-        trees, err = None, None
+        trees, err, source = None, None, "memory"
         try:
-            info = next(s for s in mem if s.step == best_mem)
-            trees = snapshot.read_snapshot(cfg.job_id, rank, info.slot, best_mem)
+            info = next((s for s in mem if s.step == best_mem), None)
+            if info is None:
+                assert remote is not None
+                slot, source = remote.fetch(best_mem)["slot"], "peer"
+            trees = snapshot.read_snapshot(cfg.job_id, rank, info.slot if info else slot, best_mem)
         except Exception as exc:  # noqa: BLE001 - any failure means: use storage instead
             err = f"{type(exc).__name__}: {exc}"
-        verdicts = all_gather(err, world_size)
+        gathered = all_gather((err, source), world_size)
+        verdicts = [v for v, _ in gathered]
         if all(v is None for v in verdicts):
             nbytes = _nbytes(trees)
-            return Loaded(best_mem, "memory", None, trees, nbytes, time.perf_counter() - t0)
-        log.emit("warning", step=best_mem, message=f"memory snapshot unusable on some rank: {verdicts}; "
-                                                  f"falling back to storage")
+            pulled = tuple(r for r, (_, where) in enumerate(gathered) if where == "peer")
+            return Loaded(best_mem, source, None, trees, nbytes, time.perf_counter() - t0, from_peers=pulled)
+        bad = "; ".join(f"rank {r}: {v}" for r, v in enumerate(verdicts) if v is not None)
+        log.record("warning", step=best_mem, message=f"memory snapshot unusable on some rank: {bad}; "
+                                                    f"falling back to storage")
+        if rank == 0:
+            console.warning(f"step {best_mem} in memory is unusable ({bad}): resuming from storage instead")
 
     paths = dict(stored)
     foreign = {c.step: c for c in native if c.step in common_nat}
@@ -100,6 +120,19 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
             on_rejected(step, message)
         log.emit("warning", step=step, message="falling back to the previous committed checkpoint")
     return None
+
+
+def _say_lost_memory(views: List[Any], rank: int, log: AuditLog) -> None:
+    """Ranks with no snapshot in memory anywhere, while others have one: their node and every holder of its
+    replicas were lost (or replicas are off). Storage serves; said loudly, once."""
+    empty = [r for r, (m, _, _, p) in enumerate(views) if not m and not p]
+    if empty and len(empty) < len(views):
+        why = (f"rank(s) {empty} have no snapshot in memory, neither on their node nor on a peer node (their node "
+               f"and the holders of its replicas were lost, or replicas are off): resuming from storage, which "
+               f"may be older than the other ranks' memory")
+        log.record("warning", message=why)
+        if rank == 0:
+            console.warning(why)
 
 
 def _log_invalid_manifests(sd: SaveDir, valid: Set[int], log: AuditLog) -> None:

@@ -25,7 +25,7 @@ from easyckpt.errors import AgentError, EasyCkptError, TornSnapshot
 from easyckpt.formats.reap import reap_dead_jobs
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
-from easyckpt.trainer import runlog
+from easyckpt.trainer import peers, runlog
 from easyckpt.trainer.client import AgentClient, one_shot
 from easyckpt.trainer.dist import any_rank, placement
 from easyckpt.trainer.load import Loaded, Needed, load_newest
@@ -54,8 +54,11 @@ class Engine:
         self.log = AuditLog(cfg.audit_log, f"rank{self.rank}")
         self.savedir = SaveDir(cfg.save_dir, cfg.naming, cfg.job_id)   # read only: the agent writes there
         reap_dead_jobs(self.log, keep=cfg.job_id)
-        self.snapshotter = Snapshotter(cfg.job_id, self.rank, self.world_size)
+        self.snapshotter = Snapshotter(cfg.job_id, self.rank, self.world_size,
+                                       peers.replica_copies(cfg, self.world_size, self.rank))
         self.client = AgentClient(cfg, self.rank, self.local_rank, self.world_size, self.log)
+        self.remote: Optional[peers.Remote] = None      # this rank's replicas on peer nodes
+        self._introduced = False
         self.last: Optional[SnapshotResult] = None
         self.last_persisted_step: Optional[int] = None
         self.last_step: Optional[int] = None
@@ -110,9 +113,18 @@ class Engine:
             self.log.emit("overlap", rank=self.rank, on=self._overlap_on, message=why)
         return self._overlap_on
 
+    def _introduce(self) -> None:
+        """Introduce the nodes' agents to each other (peers.py), once, at the first load or snapshot: both
+        are reached by every rank together."""
+        if not self._introduced:
+            self._introduced = True
+            self.remote = peers.introduce(self.cfg, self.client, self.rank, self.world_size, self.local_rank,
+                                          self.log)
+
     def _snapshot(self, step: int, collect: Collect, persist: bool, quiet: bool = False,
                   info: Info = None, overlap: bool = False) -> Optional[SnapshotResult]:
         self.settle()
+        self._introduce()
         defer = self.watch.deferrable() if overlap else None
         shards = collect()
         result = self.snapshotter.snapshot(step, shards, persist, info, defer)
@@ -294,9 +306,12 @@ class Engine:
 
     def load(self, needed: Needed) -> Optional[Loaded]:
         self.settle()
+        self._introduce()
         loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log,
                              on_rejected=lambda step, why: one_shot(self.cfg.job_id, {
-                                 "op": "damaged", "step": step, "reason": why}))
+                                 "op": "damaged", "step": step, "reason": why}), remote=self.remote)
+        if loaded is not None and loaded.source == "peer":
+            self.snapshotter.rescan()    # the pulled slot carries the agent's generation count
         if loaded is not None:
             self.log.emit("load", step=loaded.step, rank=self.rank, source=loaded.source, path=loaded.path,
                           bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
@@ -380,6 +395,9 @@ def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int) -> str:
     if loaded is None:
         return f"nothing to resume from in {save_dir}: training starts from the beginning"
     where = {"memory": "memory (the snapshot that outlived the last run)",
+             "peer": "a peer node's memory (the replica of this node's snapshot)",
              "storage": f"storage ({loaded.path}, verified)"}.get(loaded.source, f"{loaded.path} ({loaded.source})")
     size = human(loaded.nbytes) + (" on rank 0" if world_size > 1 else "")
+    if loaded.from_peers and loaded.source != "peer":
+        where += f"; rank(s) {list(loaded.from_peers)} from a peer node's memory (the replicas of their lost node)"
     return f"resumed step {loaded.step} from {where}: {size} in {loaded.seconds:.2f} s"

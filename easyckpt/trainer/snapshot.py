@@ -31,7 +31,6 @@ from easyckpt.trainer.tree import FLATTEN, rebuild
 from easyckpt.units import human
 
 _ALIGN = 64
-MIN_META_CAPACITY = 1 << 20
 
 
 @dataclass
@@ -90,15 +89,22 @@ def encode_meta(layout: _Layout, step: int, skeletons: Dict[str, Any], info: Dic
 
 
 class Snapshotter:
-    def __init__(self, job_id: str, rank: int, world_size: int):
+    def __init__(self, job_id: str, rank: int, world_size: int, replica_copies: int = 0):
+        """``replica_copies``: how many other nodes' snapshots this node holds (peer replicas): their
+        room is part of the capacity check before the first snapshot."""
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.replica_copies = replica_copies
         self.paths = [shm.slot_path(job_id, rank, i) for i in (0, 1)]
         self.slots: List[Optional[shm.Slot]] = [None, None]
         self._pinned = [0, 0]    # address of each slot's mapping registered with CUDA, 0 if not
         self.layout: Optional[_Layout] = None
         self._views: List[Optional[List[torch.Tensor]]] = [None, None]
         self.generation = 0
-        for path in self.paths:   # a restarted trainer continues the generation count of its slots
+        self.rescan()
+
+    def rescan(self) -> None:
+        """Continue the generation count of the slots (a restarted trainer, a slot pulled from a peer)."""
+        for path in self.paths:
             try:
                 slot = shm.Slot(path, writable=False)
             except FileNotFoundError:
@@ -111,7 +117,7 @@ class Snapshotter:
 
     def _slot_size(self, meta_len: int) -> int:
         assert self.layout is not None
-        return shm.HEADER_BYTES + self.layout.data_bytes + max(MIN_META_CAPACITY, 4 * meta_len)
+        return shm.slot_size(self.layout.data_bytes, meta_len)
 
     def _ensure_slots(self, meta_len: int) -> None:
         """Allocate (or grow) both slots before the first copy, after checking /dev/shm has room."""
@@ -127,10 +133,14 @@ class Snapshotter:
                     self.slots[i] = shm.Slot(self.paths[i], writable=True)
             return
         free = shm.free_bytes()
-        if need > free:
+        replicas = 2 * size * self.replica_copies     # peers' snapshots, double-buffered like the slots
+        if need + replicas > free:
+            held = (f" and {human(replicas)} for the replicas of {self.replica_copies} other node(s)' "
+                    f"snapshots this node holds (replication_factor={self.replica_copies + 1}; "
+                    f"replication_factor=1 holds none)") if replicas else ""
             raise ShmCapacityError(
                 f"rank {self.rank} needs {human(need)} more in {shm.SHM_DIR} for its two snapshot "
-                f"slots ({human(size)} each) but only {human(free)} are free; every rank "
+                f"slots ({human(size)} each){held} but only {human(free)} are free; every rank "
                 f"on this node needs as much. To fix: {shm.shm_advice()}")
         for i, path in enumerate(self.paths):
             if self.slots[i] is not None:

@@ -1,0 +1,192 @@
+"""The agent's side of the peer wire (formats/peerwire.py): serving other nodes' agents, and moving one
+slot's bytes in either direction.
+
+Serving (``PeerServer``, a listener thread and one short-lived thread per connection): after the
+handshake, a ``put`` stores a replica of another node's rank in this node's replica slots
+(shm.replica_path), a ``list`` says which steps of a rank it holds, a ``get`` streams one back.
+
+A replica slot is double-buffered like a trainer's: a put is written into the one of the rank's two
+replica slots that does not hold its newest complete replica, under the same seqlock (state WRITING and a
+new generation first, the header last), so a put that breaks off never costs the last complete copy.
+Room is reserved (posix_fallocate) before the first byte: a node without room says so, naming the size
+and the setting that lowers it, and keeps what it holds.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+from easyckpt.agent import slots
+from easyckpt.errors import BadMessage, BadSlotMeta, ShmCapacityError, SlotNotComplete
+from easyckpt.formats import peerwire, shm, slotread
+from easyckpt.formats.peerwire import Conn, PeerError
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.units import human
+
+
+class PeerServer:
+    def __init__(self, job_id: str, addr: str, log: AuditLog, error: Callable[[str], None]):
+        self.job_id, self.addr, self.log, self.error = job_id, addr, log, error
+        self.secret: Optional[str] = None
+        self.sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((addr, 0))
+        self.sock.listen(16)
+        self.port: int = self.sock.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept_loop, daemon=True, name="easyckpt-peers").start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True, name="easyckpt-peer").start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        peerwire.low_priority(sock)
+        conn = Conn(sock)
+        node = None
+        try:
+            node = peerwire.serve_auth(conn, self.secret)
+            req = peerwire.request(conn.read_line())
+            if req["op"] == "put":
+                self._put(conn, node, req)
+            elif req["op"] == "list":
+                conn.send_line({"ok": True, "steps": [[d.step, d.header.world_size]
+                                                      for d in self._held(req["rank"]) if d is not None]})
+            else:
+                self._get(conn, req)
+        except (PeerError, BadMessage, OSError, SlotNotComplete, BadSlotMeta, ShmCapacityError) as exc:
+            who = "a peer" if node is None else f"node {node}"
+            self.error(f"replica request from {who} refused: {exc}")
+            try:
+                conn.send_line({"ok": False, "error": str(exc)[:2000]})
+            except OSError:
+                pass
+        finally:
+            conn.close()
+
+    def _paths(self, rank: int) -> List[str]:
+        return [shm.replica_path(self.job_id, rank, i) for i in (0, 1)]
+
+    def _held(self, rank: int) -> List[Optional[slotread.CompleteSlot]]:
+        return [slotread.read_complete(p) for p in self._paths(rank)]
+
+    def _put(self, conn: Conn, node: int, req: Dict[str, int]) -> None:
+        rank, step = req["rank"], req["step"]
+        if any(d is not None and d.step == step and d.header.world_size == req["world_size"]
+               for d in self._held(rank)):
+            conn.send_line({"ok": True, "want": False})
+            return
+        try:
+            index, nbytes = receive_slot(conn, self._paths(rank), rank, step, req, ask=True)
+        except ShmCapacityError as exc:
+            raise ShmCapacityError(f"cannot hold node {node}'s replica of rank {rank} ({human(req['data_len'])}): "
+                                   f"{exc}; set replication_factor=1 to keep no replicas") from None
+        conn.send_line({"ok": True})
+        self.log.emit("replica_received", rank=rank, step=step, node=node, slot=index, bytes=nbytes)
+
+    def _get(self, conn: Conn, req: Dict[str, int]) -> None:
+        rank, step = req["rank"], req["step"]
+        for path, done in zip(self._paths(rank), self._held(rank)):
+            if done is not None and done.step == step:
+                slot = shm.Slot(path, writable=False)
+                try:
+                    done = slotread.check(slot, expect_step=step)
+                    _send(conn, slot, done, peerwire.Pacer(0), head=True)   # recovery: training is not running
+                finally:
+                    slot.close()
+                return
+        raise PeerError(f"this node holds no replica of rank {rank} at step {step}")
+
+
+def send_slot(conn: Conn, job_id: str, rank: int, index: int, generation: int, pacer: peerwire.Pacer) -> int:
+    """Put one of this node's slots to the peer at ``conn`` (pinned meanwhile); the bytes sent (0 when
+    the peer already holds that step)."""
+    with slots.reserved(job_id, rank, index, generation, release=False) as path:
+        slot = shm.Slot(path, writable=False)
+        try:
+            done = slotread.check(slot, expect_generation=generation)
+            return _send(conn, slot, done, pacer, head=False)
+        finally:
+            slot.close()
+
+
+def _send(conn: Conn, slot: shm.Slot, done: slotread.CompleteSlot, pacer: peerwire.Pacer, head: bool) -> int:
+    hdr = done.header
+    assert slot.mm is not None
+    fields = {"rank": hdr.rank, "world_size": hdr.world_size, "step": hdr.step, "data_len": hdr.data_capacity,
+              "meta_len": hdr.meta_len}
+    if head:     # the answer to a get
+        conn.send_line({"ok": True, **fields})
+    else:        # a put: does the peer want it?
+        conn.send_line({"op": "put", **fields})
+        reply = conn.read_line()
+        if reply.get("ok") is not True:
+            raise PeerError(str(reply.get("error"))[:2000])
+        if reply.get("want") is not True:
+            return 0
+    with memoryview(slot.mm) as view:
+        data = view[shm.HEADER_BYTES:shm.HEADER_BYTES + hdr.data_capacity]
+        meta = view[hdr.meta_offset:hdr.meta_offset + hdr.meta_len]
+        try:
+            peerwire.send_bytes(conn, [data, meta], pacer, lambda: slot.state() == (shm.COMPLETE, done.generation))
+        finally:
+            data.release()
+            meta.release()
+    if not head:
+        reply = conn.read_line()
+        if reply.get("ok") is not True:
+            raise PeerError(str(reply.get("error"))[:2000])
+    return hdr.data_capacity + hdr.meta_len
+
+
+def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Dict[str, object],
+                 ask: bool = False) -> Tuple[int, int]:
+    """Receive a slot's bytes described by ``head`` into whichever of ``paths`` (a rank's two slots) does not
+    hold its newest complete snapshot, and publish it there once checked; (that slot's index, bytes).
+    ``ask``: this is a put, whose sender waits for a yes before the bytes."""
+    fields = {k: head.get(k) for k in ("rank", "world_size", "step", "data_len", "meta_len")}
+    req = peerwire.request({"op": "put", **fields})
+    if req["rank"] != rank or req["step"] != step:
+        raise PeerError(f"asked for rank {rank} step {step}, got rank {req['rank']} step {req['step']}")
+    data_len, meta_len = req["data_len"], req["meta_len"]
+    held = [slotread.read_complete(p) for p in paths]
+    index = min((0, 1), key=lambda i: -1 if held[i] is None else held[i].step)
+    generation = max(slots.generation_of(p) for p in paths) + 1
+    slot = shm.Slot.create_or_grow(paths[index], shm.slot_size(data_len, meta_len))
+    try:
+        assert slot.mm is not None
+        slot.begin_write(generation)
+        if ask:
+            conn.send_line({"ok": True, "want": True})
+        meta = bytearray(meta_len)
+        with memoryview(slot.mm) as view:
+            data = view[shm.HEADER_BYTES:shm.HEADER_BYTES + data_len]
+            try:
+                peerwire.receive_bytes(conn, [data, memoryview(meta)])
+            finally:
+                data.release()
+        hdr = shm.Header(state=shm.COMPLETE, step=step, generation=generation, meta_len=meta_len,
+                         meta_capacity=slot.size - shm.HEADER_BYTES - data_len, data_capacity=data_len,
+                         persist=False, meta_crc=0, pid=0, rank=rank, world_size=req["world_size"])
+        slot.publish(hdr, bytes(meta))
+        try:
+            slotread.check(slot, expect_step=step, expect_generation=generation)
+        except (SlotNotComplete, BadSlotMeta):
+            slot.begin_write(generation + 1)      # a copy no reader may take: unpublished again
+            raise
+    finally:
+        slot.close()
+    return index, data_len + meta_len

@@ -1,0 +1,328 @@
+"""Peer replicas: this node's newest snapshot also lives in the memory of other nodes, and a node that lost
+its memory (a replacement for a lost host) gets its ranks' state back from them.
+
+Placement. Nodes are numbered as torchrun numbers them (node_rank); node i's replicas go to nodes
+i + jump, i + 2·jump, ... (mod the node count), replication_factor − 1 of them: with a jump of the
+number of nodes per rack, every copy lives in another rack. ``holders(i)`` is the same rule read the other
+way, so every agent knows where any rank's state lives without asking anyone.
+
+Who knows what. The trainers tell their agent the table (node, node count, ranks per node, every
+agent's TCP endpoint, the job's replica secret) after exchanging it through the job's c10d store
+(trainer/peers.py); the agent opens its TCP listener when asked for its endpoint. Nothing is sent before
+the table is known.
+
+Sending (one thread, ``_sender``). Every POLL seconds it looks at this node's slots: when a step is
+complete on every local rank, is newer than what a holder has, and replica_interval snapshots after the
+last one sent there, each rank's slot is pinned (the trainer does not overwrite it meanwhile) and
+streamed to each holder at replica_bandwidth bytes/s at most, pausing while a local snapshot is being
+copied. The trainers do nothing for it. The receiving side is peerserve.py.
+
+Restoring (``fetch``, on a trainer's request, in a thread of its own). The holders of the rank's node are
+asked for the step; the first that has it streams it into the rank's own slot on this node (checksum
+and seqlock checked, peerwire.py), where the trainer's loader then reads it like any snapshot.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from easyckpt import console
+from easyckpt.agent import slots
+from easyckpt.agent.peerserve import PeerServer, receive_slot, send_slot
+from easyckpt.config import Config
+from easyckpt.errors import BadSlotMeta, SlotNotComplete
+from easyckpt.formats import peerwire, shm, slotread
+from easyckpt.formats.peerwire import Conn, PeerError
+from easyckpt.storage.auditlog import AuditLog
+
+POLL = 0.01         # how often the sender looks at the slots' headers (a few bytes each) for a new snapshot
+RETRY = 1.0         # seconds before a send that failed (a peer not up yet, gone, full) is tried again
+
+
+@dataclass(frozen=True)
+class Table:
+    """Where everything is: this node, the node count, ranks per node, every agent's endpoint."""
+
+    node: int
+    nnodes: int
+    ranks_per_node: int
+    secret: str
+    endpoints: Dict[int, Tuple[str, int]]
+    factor: int
+    jump: int
+
+    def targets(self, node: int) -> List[int]:
+        """The nodes that hold node ``node``'s replicas, in order."""
+        out: List[int] = []
+        for k in range(1, self.factor):
+            other = (node + k * self.jump) % self.nnodes
+            if other != node and other not in out:
+                out.append(other)
+        return out
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+class Replicas:
+    def __init__(self, cfg: Config, log: AuditLog):
+        self.cfg, self.job_id, self.log = cfg, cfg.job_id, log
+        self.table: Optional[Table] = None
+        self.server: Optional[PeerServer] = None
+        self.lock = threading.Lock()
+        self.sent: Dict[int, Dict[str, Any]] = {}      # holder node -> the last step it got: step, bytes, seconds
+        self.errors: Deque[str] = collections.deque(maxlen=4)
+        self._said: Dict[str, float] = {}
+        self._wake = threading.Event()
+        self._force = False
+        self._seen: Tuple[Any, ...] = ()      # the slots' (path, state, generation) when last looked at
+        self._retry_at: Dict[int, float] = {}   # holder node -> when to try again after a failed send
+        self._sending = False
+        self._closed = False
+        self._sender: Optional[threading.Thread] = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="easyckpt-fetch")
+        self._done: Deque[Tuple[Any, Dict[str, Any]]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    # ---- the loop's calls ---------------------------------------------------------------------
+
+    def listen(self, addr: str) -> int:
+        """Open the TCP listener on ``addr`` (once); its port."""
+        if self.server is None:
+            self.server = PeerServer(self.job_id, addr, self.log, self._error)
+        return self.server.port
+
+    def set_table(self, table: Table) -> None:
+        with self.lock:
+            old = self.table
+            self.table = table
+            for node in list(self.sent):      # a holder at a new address is a new node: it holds nothing yet
+                if old is None or old.endpoints.get(node) != table.endpoints.get(node):
+                    del self.sent[node]
+            self._seen, self._retry_at = (), {}
+        if self.server is not None:
+            self.server.secret = table.secret
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, daemon=True, name="easyckpt-replicate")
+            self._sender.start()
+        self._wake.set()
+
+    def kick(self) -> None:
+        """Replicate the newest snapshot now, whatever replica_interval says (the node is being drained)."""
+        self._force = True
+        self._wake.set()
+
+    def busy(self) -> bool:
+        """A send is under way or asked for (kick): an agent leaving after SIGTERM waits for it."""
+        return self._force or self._sending
+
+    def call(self, conn: Any, fn: Callable[[], Dict[str, Any]]) -> None:
+        """Run ``fn`` (a list or fetch: network I/O) off the loop; its reply comes back through ``replies``."""
+        def run() -> None:
+            try:
+                reply = fn()
+            except Exception as exc:  # noqa: BLE001 - any failure is the trainer's answer, never the agent's end
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            self._done.append((conn, reply))
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass
+        self._pool.submit(run)
+
+    def wake_fd(self) -> int:
+        return self._wake_r
+
+    def replies(self) -> List[Tuple[Any, Dict[str, Any]]]:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        if self.server is not None:
+            self.server.close()
+        self._pool.shutdown(wait=False)
+
+    def status(self) -> Dict[str, Any]:
+        t = self.table
+        holds = []
+        for seg in shm.list_segments(self.job_id):
+            if seg.replica:
+                try:
+                    done = slotread.read_complete(seg.path)
+                except OSError:
+                    continue
+                if done is not None:
+                    holds.append({"rank": seg.rank, "step": done.step, "bytes": done.header.data_capacity,
+                                  "from_node": t.node_of(seg.rank) if t else None})
+        return {"node": t.node if t else None, "nnodes": t.nnodes if t else None,
+                "factor": self.cfg.replication_factor,
+                "listening": f"{self.server.addr}:{self.server.port}" if self.server else None,
+                "targets": {str(n): "%s:%d" % t.endpoints[n] for n in t.targets(t.node) if n in t.endpoints}
+                if t else {},
+                "sent": {str(k): v for k, v in sorted(self.sent.items())}, "holds": holds,
+                "errors": list(self.errors)}
+
+    # ---- restoring (the trainers' requests, in the pool) ------------------------------------------
+
+    def remote_steps(self, rank: int) -> Dict[str, Any]:
+        """The steps of ``rank`` that the holders of its node keep: {ok, steps: [[step, world_size, node]]}."""
+        t = self._need_table()
+        steps: List[List[int]] = []
+        problems = []
+        for holder in t.targets(t.node_of(rank)):
+            if holder == t.node:
+                continue
+            try:
+                conn = self._connect(t, holder)
+                try:
+                    conn.send_line({"op": "list", "rank": rank})
+                    reply = conn.read_line()
+                finally:
+                    conn.close()
+            except (OSError, PeerError) as exc:
+                problems.append(f"node {holder}: {exc}")
+                continue
+            for item in reply.get("steps", []) if reply.get("ok") is True else []:
+                if isinstance(item, list) and len(item) == 2 and all(peerwire._is_int(v, 1 << 62) for v in item):
+                    steps.append([item[0], item[1], holder])
+        return {"ok": True, "steps": steps, "problems": problems}
+
+    def fetch(self, rank: int, step: int) -> Dict[str, Any]:
+        """Pull ``rank``'s snapshot of ``step`` from a holder into the rank's own slot on this node."""
+        t = self._need_table()
+        t0 = time.perf_counter()
+        problems = []
+        for holder in t.targets(t.node_of(rank)):
+            if holder == t.node:
+                continue
+            try:
+                conn = self._connect(t, holder)
+                try:
+                    conn.send_line({"op": "get", "rank": rank, "step": step})
+                    head = conn.read_line()
+                    if head.get("ok") is not True:
+                        raise PeerError(str(head.get("error"))[:500])
+                    index, nbytes = receive_slot(conn, [shm.slot_path(self.job_id, rank, i) for i in (0, 1)],
+                                                 rank, step, head)
+                finally:
+                    conn.close()
+            except (OSError, PeerError, ValueError) as exc:
+                problems.append(f"node {holder}: {exc}")
+                continue
+            seconds = time.perf_counter() - t0
+            self.log.emit("replica_restore", rank=rank, step=step, node=holder, bytes=nbytes,
+                          seconds=round(seconds, 6))
+            return {"ok": True, "slot": index, "bytes": nbytes, "seconds": round(seconds, 6), "node": holder}
+        return {"ok": False, "error": f"no holder of rank {rank}'s replicas gave step {step}: "
+                                      + ("; ".join(problems) or "none is known")}
+
+    def _need_table(self) -> Table:
+        if self.table is None:
+            raise PeerError("the replica table is not known yet (no trainer sent it)")
+        return self.table
+
+    def _connect(self, t: Table, node: int) -> Conn:
+        if node not in t.endpoints:
+            raise PeerError(f"node {node}'s agent has no known address")
+        sock = socket.create_connection(t.endpoints[node], timeout=peerwire.IO_TIMEOUT)
+        peerwire.low_priority(sock)
+        conn = Conn(sock)
+        try:
+            peerwire.client_auth(conn, t.secret, t.node)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    # ---- sending ------------------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(POLL)
+            self._wake.clear()
+            self._sending = True
+            try:
+                self._replicate()
+            except Exception as exc:  # noqa: BLE001 - replication is best effort; training never depends on it
+                self._error(f"replicating failed: {type(exc).__name__}: {exc}")
+            finally:
+                self._sending = False
+
+    def _replicate(self) -> None:
+        force, self._force = self._force, False
+        t = self.table
+        if t is None:
+            return
+        targets = [n for n in t.targets(t.node) if n in t.endpoints]
+        ranks = sorted({seg.rank for seg in shm.list_segments(self.job_id) if not seg.replica})
+        if not targets or not ranks:
+            return
+        seen = tuple((r, i, shm.peek(shm.slot_path(self.job_id, r, i))) for r in ranks for i in (0, 1))
+        now = time.monotonic()
+        due = [n for n in targets if now >= self._retry_at.get(n, 0.0)]
+        if seen == self._seen and not force and not any(n in self._retry_at for n in due):
+            return      # no slot changed since the last look, no failed send to retry: nothing to do
+        self._seen = seen
+        per_rank = slots.complete_snapshots(self.job_id, ranks, self.log)
+        step = slots.newest_common(per_rank)
+        if step is None:
+            return
+        every = self.cfg.replica_interval * self.cfg.save_mem_interval
+        for node in due:
+            last = self.sent.get(node, {}).get("step")
+            if last is not None and (step <= last or (step - last < every and not force)):
+                continue
+            t0, nbytes = time.perf_counter(), 0
+            try:
+                for rank in ranks:
+                    slot, generation = per_rank[rank][step]
+                    conn = self._connect(t, node)
+                    try:
+                        nbytes += send_slot(conn, self.job_id, rank, slot, generation, self._pacer(ranks))
+                    finally:
+                        conn.close()
+            except (OSError, PeerError, SlotNotComplete, BadSlotMeta) as exc:
+                self._retry_at[node] = time.monotonic() + RETRY
+                if isinstance(exc, peerwire.PeerNotReady):    # every job's start: not worth a console line
+                    self.log.record("replica_wait", step=step, node=node, message=str(exc))
+                    continue
+                self._error(f"replica of step {step} to node {node} not sent: {exc}")
+                continue
+            self._retry_at.pop(node, None)
+            seconds = round(time.perf_counter() - t0, 6)
+            with self.lock:
+                self.sent[node] = {"step": step, "bytes": nbytes, "seconds": seconds, "ranks": ranks}
+            self.log.emit("replica_sent", step=step, node=node, ranks=ranks, bytes=nbytes, seconds=seconds)
+
+    def _pacer(self, ranks: List[int]) -> peerwire.Pacer:
+        paths = [shm.slot_path(self.job_id, r, i) for r in ranks for i in (0, 1)]
+        return peerwire.Pacer(self.cfg.replica_bandwidth,
+                              lambda: any(shm.peek(p)[0] == shm.WRITING for p in paths))
+
+    def _error(self, message: str) -> None:
+        """Said once a minute at most per message: a peer that stays away must not flood the log."""
+        now = time.monotonic()
+        if now - self._said.get(message, -1e9) < 60:
+            return
+        self._said[message] = now
+        self.errors.append(message)
+        self.log.record("warning", message=message)
+        console.warning(message)
+

@@ -1,0 +1,219 @@
+"""Peer replicas in process: the agent-to-agent wire (formats/peerwire.py), a node's replica store
+(agent/peerserve.py) and the sender and restorer (agent/replicas.py), over real TCP on loopback between a
+PeerServer playing node 0 and a Replicas playing node 1. Slots are written by hand through formats/shm.py in
+a private directory standing in for /dev/shm. The same code across simulated nodes: test_many_nodes.py.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+import zlib
+
+import pytest
+
+from easyckpt.agent.peerserve import PeerServer
+from easyckpt.agent.replicas import Replicas, Table
+from easyckpt.config import Config
+from easyckpt.errors import BadMessage
+from easyckpt.formats import peerwire, shm, slotread
+from easyckpt.formats.peerwire import Conn, PeerError
+from easyckpt.storage.auditlog import AuditLog
+
+SECRET = "5e" * 32
+RANK = 1
+
+
+@pytest.fixture
+def shm_dir(tmp_path, monkeypatch):
+    d = tmp_path / "shm"
+    d.mkdir(mode=0o700)
+    monkeypatch.setattr(shm, "SHM_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return Config(save_dir=str(tmp_path / "ckpt"), replica_bandwidth=0)
+
+
+@pytest.fixture
+def holder(cfg, shm_dir):
+    """Node 0's side: a PeerServer that knows the secret; its refusals collected."""
+    refused = []
+    server = PeerServer(cfg.job_id, "127.0.0.1", AuditLog(None, "agent"), refused.append)
+    server.secret = SECRET
+    server.refused = refused
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def node1(cfg, holder):
+    """Node 1's agent side: replicas sent to and pulled from ``holder``."""
+    reps = Replicas(cfg, AuditLog(None, "agent"))
+    reps.table = Table(node=1, nnodes=2, ranks_per_node=1, secret=SECRET,
+                       endpoints={0: ("127.0.0.1", holder.port), 1: ("127.0.0.1", 9)}, factor=2, jump=1)
+    yield reps
+    reps.close()
+
+
+def data_of(step: int) -> bytes:
+    return struct.pack("<4f", step, 2.0, 3.0, 4.0) + struct.pack("<2q", step, 8)
+
+
+def write_slot(job: str, step: int, slot: int, generation: int) -> str:
+    """Rank 1's own slot as its trainer publishes it: generation first, data, metadata, header, state last."""
+    data = data_of(step)
+    path = shm.slot_path(job, RANK, slot)
+    s = shm.Slot.create_or_grow(path, shm.HEADER_BYTES + len(data) + 4096)
+    b = shm.HEADER_BYTES
+    try:
+        s.begin_write(generation)
+        s.mm[b:b + len(data)] = data
+        files = [{"relpath": "model.safetensors", "persist": True, "fmt": "safetensors", "start": b, "end": b + 32,
+                  "tensors": [["w", "F32", [4], b, b + 16], ["n", "I64", [2], b + 16, b + 32]]}]
+        meta = json.dumps({"files": files, "step": step, "info": {},
+                           "skeletons": {"model.safetensors": {"w": {"__t": "w"}, "n": {"__t": "n"}}}}).encode()
+        s.publish(shm.Header(state=shm.COMPLETE, step=step, generation=generation, meta_len=len(meta),
+                             meta_capacity=s.size - b - len(data), data_capacity=len(data), persist=True, meta_crc=0,
+                             pid=0, rank=RANK, world_size=2), meta)
+    finally:
+        s.close()
+    return path
+
+
+def held(job: str):
+    """(step, data bytes) of every complete replica of rank 1 this node holds."""
+    out = []
+    for i in (0, 1):
+        done = slotread.read_complete(shm.replica_path(job, RANK, i))
+        if done is not None:
+            with open(done.path, "rb") as f:
+                f.seek(shm.HEADER_BYTES)
+                out.append((done.step, f.read(done.header.data_capacity)))
+    return sorted(out)
+
+
+def cleanup(job: str) -> None:
+    for seg in shm.list_segments(job):
+        shm.unlink_quiet(seg.path)
+
+
+def test_a_snapshot_is_replicated_to_its_holder_and_pulled_back_into_a_replacement_nodes_slot(cfg, node1, holder):
+    job = cfg.job_id
+    try:
+        write_slot(job, step=4, slot=0, generation=1)
+        node1._replicate()
+        assert held(job) == [(4, data_of(4))]
+        assert node1.sent[0]["step"] == 4 and node1.sent[0]["bytes"] > 32
+        assert node1.remote_steps(RANK)["steps"] == [[4, 2, 0]]
+        node1._replicate()                       # nothing new: nothing sent again
+        assert node1.sent[0]["step"] == 4
+        # node 1 is replaced: its memory is empty
+        shm.unlink_quiet(shm.slot_path(job, RANK, 0))
+        reply = node1.fetch(RANK, 4)
+        assert reply["ok"] and reply["node"] == 0 and reply["bytes"] > 32, reply
+        done = slotread.read_complete(shm.slot_path(job, RANK, reply["slot"]))
+        assert done is not None and done.step == 4 and not done.header.persist
+        with open(done.path, "rb") as f:
+            f.seek(shm.HEADER_BYTES)
+            assert f.read(32) == data_of(4)
+        assert not node1.fetch(RANK, 6)["ok"]      # a step no holder has: a clear no, nothing written
+        assert holder.refused and "no replica of rank 1 at step 6" in holder.refused[-1]
+    finally:
+        cleanup(job)
+
+
+def test_replica_slots_are_double_buffered_and_a_broken_transfer_never_costs_the_newest_replica(cfg, node1, holder):
+    job = cfg.job_id
+    try:
+        write_slot(job, step=4, slot=0, generation=1)
+        node1._replicate()
+        write_slot(job, step=6, slot=1, generation=2)
+        node1._replicate()
+        assert held(job) == [(4, data_of(4)), (6, data_of(6))]
+        # a put of step 8 whose bytes arrive damaged: refused, and both complete replicas survive
+        conn = node1._connect(node1.table, 0)
+        try:
+            data, meta = data_of(8), b'{"files":[]}'
+            conn.send_line({"op": "put", "rank": RANK, "world_size": 2, "step": 8, "data_len": len(data),
+                            "meta_len": len(meta)})
+            assert conn.read_line() == {"ok": True, "want": True}
+            conn.sock.sendall(data + meta + peerwire.TRAILER.pack(zlib.crc32(data + meta) ^ 1, 1))
+            reply = conn.read_line()
+        finally:
+            conn.close()
+        assert reply["ok"] is False and "checksum mismatch" in reply["error"]
+        # it was received into the older replica's slot, never over the newest complete one
+        assert held(job) == [(6, data_of(6))]
+        assert node1.remote_steps(RANK)["steps"] == [[6, 2, 0]]
+    finally:
+        cleanup(job)
+
+
+def test_a_peer_that_does_not_know_the_secret_gets_nothing_and_changes_nothing(cfg, node1, holder):
+    job = cfg.job_id
+    try:
+        write_slot(job, step=4, slot=0, generation=1)
+        node1.table = Table(1, 2, 1, "ab" * 32, node1.table.endpoints, 2, 1)
+        with pytest.raises(PeerError, match="did not prove"):
+            node1._connect(node1.table, 0)
+        node1._replicate()                       # said as a warning, never raised into the agent
+        assert 0 not in node1.sent and held(job) == []
+        assert any("does not know the job's replica secret" in r for r in holder.refused)
+        assert any("not sent" in e for e in node1.errors)
+        # a server that does not know the secret yet says so before any proof is asked
+        holder.secret = None
+        node1.table = Table(1, 2, 1, SECRET, node1.table.endpoints, 2, 1)
+        with pytest.raises(PeerError, match="does not know the job's replica secret yet"):
+            node1._connect(node1.table, 0)
+    finally:
+        cleanup(job)
+
+
+def test_a_client_that_skips_the_handshake_is_cut_off(holder):
+    with socket.create_connection(("127.0.0.1", holder.port), timeout=10) as sock:
+        conn = Conn(sock)
+        assert conn.read_line()["ready"] is True
+        conn.send_line({"op": "list", "rank": 1})      # no proof, straight to a request
+        assert conn.read_line()["ok"] is False
+    deadline = time.monotonic() + 10
+    while not holder.refused and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert holder.refused and "malformed handshake" in holder.refused[0]
+
+
+@pytest.mark.parametrize("fields, bad", [
+    ({"op": "put", "rank": 2, "world_size": 2, "step": 1, "data_len": 1, "meta_len": 1}, "rank 2 of world_size 2"),
+    ({"op": "put", "rank": 0, "world_size": 2, "step": 1, "data_len": 1 << 50, "meta_len": 1}, "data_len"),
+    ({"op": "get", "rank": 0, "step": -1}, "step"),
+    ({"op": "list", "rank": True}, "rank"),
+    ({"op": "delete", "rank": 0}, "unknown op"),
+])
+def test_every_field_of_a_peer_request_is_checked(fields, bad):
+    with pytest.raises(BadMessage, match=bad):
+        peerwire.request(fields)
+
+
+def test_replicas_go_to_the_next_nodes_by_the_jump_so_a_copy_lives_in_another_rack():
+    def targets(nnodes, factor, jump, node):
+        return Table(node, nnodes, 1, SECRET, {}, factor, jump).targets(node)
+    assert targets(4, 2, 1, 3) == [0]
+    assert targets(4, 2, 2, 0) == [2]           # racks of two nodes: {0, 1} and {2, 3}
+    assert targets(4, 3, 1, 2) == [3, 0]
+    assert targets(2, 4, 1, 0) == [1]           # never more holders than other nodes
+    assert targets(1, 2, 1, 0) == []
+
+
+def test_the_pacer_holds_a_sender_to_its_cap_and_waits_for_a_snapshot_being_copied():
+    pacer = peerwire.Pacer(rate=4e6)
+    t0 = time.monotonic()
+    for _ in range(4):
+        pacer.before(250_000)                    # 1 MB at 4 MB/s: at least 0.25 s, whatever the machine
+    assert time.monotonic() - t0 >= 0.24
+    calls = []
+    busy = peerwire.Pacer(rate=0, busy=lambda: len(calls) < 3 and not calls.append(1), max_pause=10)
+    busy.before(1)
+    assert len(calls) == 3 and busy.paused > 0   # it asked until training was done with the memory
