@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--misreport", default=None, metavar="IT@RANK:STEP",
                    help="at iteration IT, RANK passes STEP to save_checkpoint_if_needed (ranks disagree)")
     p.add_argument("--commit-timeout", type=float, default=600.0)
+    p.add_argument("--replication-factor", type=int, default=2, help="peer replicas (1: none)")
+    p.add_argument("--replica-bandwidth", type=float, default=1e9, help="bytes/s cap of replication (0: none)")
     p.add_argument("--worker-start", choices=("fork", "spawn", "forkserver"), default=None,
                    help="the DataLoader workers' multiprocessing start method (default: torch's)")
     return p
@@ -77,7 +79,8 @@ def inject(spec: str, once_dir, it: int, rank: int) -> None:
 
 class TestHooks(train.Hooks):
     def settings(self) -> dict:
-        return {"agent_idle_timeout": self.args.idle_timeout, "commit_timeout": self.args.commit_timeout}
+        return {"agent_idle_timeout": self.args.idle_timeout, "commit_timeout": self.args.commit_timeout,
+                "replication_factor": self.args.replication_factor, "replica_bandwidth": self.args.replica_bandwidth}
 
     def loaded(self, model: torch.nn.Module, rank: int) -> None:
         if self.args.dump_loaded and rank == 0:
