@@ -126,6 +126,25 @@ def test_a_snapshot_is_replicated_to_its_holder_and_pulled_back_into_a_replaceme
         cleanup(job)
 
 
+def test_a_drained_nodes_agent_knows_when_its_newest_snapshot_is_on_its_holder(cfg, node1, holder):
+    """What an agent leaving after SIGTERM waits for (agent.py, _should_exit): until its newest snapshot has
+    reached every holder that takes it; a holder that refused last time does not hold it up."""
+    job = cfg.job_id
+    try:
+        assert not node1.unsent()                 # nothing to send
+        write_slot(job, step=4, slot=0, generation=1)
+        assert node1.unsent()
+        node1.kick()
+        node1._replicate()
+        assert not node1.unsent() and held(job) == [(4, data_of(4))]
+        write_slot(job, step=6, slot=1, generation=2)
+        holder.secret = None                      # the holder stops taking replicas
+        node1._replicate()
+        assert 0 in node1._retry_at and not node1.unsent()
+    finally:
+        cleanup(job)
+
+
 def test_replica_slots_are_double_buffered_and_a_broken_transfer_never_costs_the_newest_replica(cfg, node1, holder):
     job = cfg.job_id
     try:

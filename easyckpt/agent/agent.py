@@ -130,8 +130,8 @@ class Agent:
         if self._busy():
             self.idle_since = None
             return False
-        if self.grace.leaving:
-            return True          # the node is going down: nothing left to write
+        if self.grace.leaving:   # the node is going down: nothing left to write, once its newest snapshot
+            return not self.replicas.unsent()     # is on its holders (the grace deadline bounds the wait)
         now = time.monotonic()
         if self.idle_since is None:
             self.idle_since = now

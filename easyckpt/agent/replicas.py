@@ -124,6 +124,19 @@ class Replicas:
         """A send is under way or asked for (kick): an agent leaving after SIGTERM waits for it."""
         return self._force or self._sending
 
+    def unsent(self) -> bool:
+        """Whether this node's newest complete snapshot has still to reach a holder that takes it (a holder
+        whose last send failed does not count: a node being drained waits for what can arrive)."""
+        t = self.table
+        if t is None:
+            return False
+        ranks = sorted({seg.rank for seg in shm.list_segments(self.job_id) if not seg.replica})
+        step = slots.newest_common(slots.complete_snapshots(self.job_id, ranks, self.log)) if ranks else None
+        if step is None:
+            return False
+        return any(self.sent.get(n, {}).get("step", -1) < step for n in t.targets(t.node)
+                   if n in t.endpoints and n not in self._retry_at)
+
     def call(self, conn: Any, fn: Callable[[], Dict[str, Any]]) -> None:
         """Run ``fn`` (a list or fetch: network I/O) off the loop; its reply comes back through ``replies``."""
         def run() -> None:
