@@ -39,6 +39,14 @@ class ShmCapacityError(EasyCkptError):
     """/dev/shm cannot hold the snapshot slots; raised before anything is copied."""
 
 
+class PeerError(EasyCkptError):
+    """Another node's agent said no, broke the replica protocol, or failed to prove it knows the job's secret."""
+
+
+class PeerNotReady(PeerError):
+    """The peer's agent runs but its trainers have not told it the job's replica secret yet (a job starting)."""
+
+
 class AgentError(EasyCkptError):
     """The node agent could not be started, reached, or reported a failed persist."""
 
@@ -97,6 +105,6 @@ class SlotNotComplete(CheckpointError):
 
 
 __all__ = ["EasyCkptError", "ConfigError", "UnknownSettingError", "ShmCapacityError", "AgentError",
-           "SnapshotChanged", "PreemptionError", "ProtocolError", "BadMessage", "CatalogError",
+           "SnapshotChanged", "PreemptionError", "PeerError", "PeerNotReady", "ProtocolError", "BadMessage", "CatalogError",
            "UntrustedFileError", "CheckpointError", "ManifestError", "UnsafePath", "BadSlotMeta",
            "SlotNotComplete"]

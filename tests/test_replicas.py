@@ -16,9 +16,9 @@ import pytest
 from easyckpt.agent.peerserve import PeerServer
 from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.config import Config
-from easyckpt.errors import BadMessage
+from easyckpt.errors import BadMessage, PeerError
 from easyckpt.formats import peerwire, shm, slotread
-from easyckpt.formats.peerwire import Conn, PeerError
+from easyckpt.formats.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 
 SECRET = "5e" * 32

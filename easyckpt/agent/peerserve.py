@@ -18,9 +18,9 @@ import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
 from easyckpt.agent import slots
-from easyckpt.errors import BadMessage, BadSlotMeta, ShmCapacityError, SlotNotComplete
+from easyckpt.errors import BadMessage, BadSlotMeta, PeerError, ShmCapacityError, SlotNotComplete
 from easyckpt.formats import peerwire, shm, slotread
-from easyckpt.formats.peerwire import Conn, PeerError
+from easyckpt.formats.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.units import human
 

@@ -36,9 +36,9 @@ from easyckpt import console
 from easyckpt.agent import slots
 from easyckpt.agent.peerserve import PeerServer, receive_slot, send_slot
 from easyckpt.config import Config
-from easyckpt.errors import BadSlotMeta, SlotNotComplete
+from easyckpt.errors import BadSlotMeta, PeerError, PeerNotReady, SlotNotComplete
 from easyckpt.formats import peerwire, shm, slotread
-from easyckpt.formats.peerwire import Conn, PeerError
+from easyckpt.formats.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 
 POLL = 0.01         # how often the sender looks at the slots' headers (a few bytes each) for a new snapshot
@@ -313,7 +313,7 @@ class Replicas:
                         conn.close()
             except (OSError, PeerError, SlotNotComplete, BadSlotMeta) as exc:
                 self._retry_at[node] = time.monotonic() + RETRY
-                if isinstance(exc, peerwire.PeerNotReady):    # every job's start: not worth a console line
+                if isinstance(exc, PeerNotReady):    # every job's start: not worth a console line
                     self.log.record("replica_wait", step=step, node=node, message=str(exc))
                     continue
                 self._error(f"replica of step {step} to node {node} not sent: {exc}")

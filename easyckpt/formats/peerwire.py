@@ -30,7 +30,7 @@ import time
 import zlib
 from typing import Any, Callable, Dict, Optional
 
-from easyckpt.errors import BadMessage
+from easyckpt.errors import BadMessage, PeerError, PeerNotReady
 
 MAX_LINE = 1 << 16
 MAX_DATA = 1 << 46            # 64 TiB: far above any rank's state, far below an overflow
@@ -39,14 +39,6 @@ MAX_WORLD = 1 << 20
 CHUNK = 4 << 20               # bytes per send between pauses and rate checks
 TRAILER = struct.Struct("<IB")
 IO_TIMEOUT = 30.0             # no read or write on a peer connection waits longer than this
-
-
-class PeerError(Exception):
-    """A peer said no, broke the protocol, or failed to prove it knows the secret."""
-
-
-class PeerNotReady(PeerError):
-    """The peer's agent runs but its trainers have not told it the job's secret yet (a job starting)."""
 
 
 def _mac(secret: str, *parts: str) -> str:
