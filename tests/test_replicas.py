@@ -6,7 +6,9 @@ a private directory standing in for /dev/shm. The same code across simulated nod
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import struct
 import time
 import zlib
@@ -236,3 +238,36 @@ def test_the_pacer_holds_a_sender_to_its_cap_and_waits_for_a_snapshot_being_copi
     busy = peerwire.Pacer(rate=0, busy=lambda: len(calls) < 3 and not calls.append(1), max_pause=10)
     busy.before(1)
     assert len(calls) == 3 and busy.paused > 0   # it asked until training was done with the memory
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a small tmpfs standing in for /dev/shm needs root (CI runs as root)")
+def test_no_room_for_replicas_is_a_clear_error_naming_the_size_and_the_setting(tmp_path, monkeypatch, cfg, node1,
+                                                                                holder):
+    """/dev/shm of 8 MiB, a rank's state of 2 MiB (a slot of 3 MiB): its own two slots fit, with room for one
+    peer's replicas they do not. The first snapshot says so, naming the size and replication_factor=1,
+    before it reserves anything; without replicas it goes ahead. A holder that has no room refuses the replica
+    with the same advice and keeps what it has."""
+    import torch
+
+    from easyckpt.errors import ShmCapacityError
+    from easyckpt.trainer.snapshot import ShardSpec, Snapshotter
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(tiny)], check=True, timeout=30)
+    try:
+        monkeypatch.setattr(shm, "SHM_DIR", str(tiny))
+        shards = [ShardSpec("model.safetensors", {"w": torch.ones((2 << 20) // 4)})]
+        with pytest.raises(ShmCapacityError, match=r"for the replicas of 1 other node.*replication_factor=1 holds none"):
+            Snapshotter(cfg.job_id, 0, 2, replica_copies=1).snapshot(1, shards, persist=False)
+        assert os.listdir(tiny) == []
+        own = Snapshotter(cfg.job_id, 0, 2, replica_copies=0)
+        try:
+            assert own.snapshot(1, shards, persist=False) is not None
+            node1._replicate()                        # rank 0's slot to the holder, which has 2 MiB left
+            assert 0 not in node1.sent and any("replication_factor=1" in e and "cannot hold" in e
+                                               for e in node1.errors), node1.errors
+            assert [s.replica for s in shm.list_segments(cfg.job_id)] == [False, False]
+        finally:
+            own.close(unlink=True)
+    finally:
+        subprocess.run(["umount", str(tiny)], check=True, timeout=30)

@@ -18,11 +18,13 @@ import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
 from easyckpt.agent import slots
-from easyckpt.errors import BadMessage, BadSlotMeta, PeerError, ShmCapacityError, SlotNotComplete
+from easyckpt.errors import BadMessage, BadSlotMeta, PeerError, PeerNotReady, ShmCapacityError, SlotNotComplete
 from easyckpt.formats import peerwire, shm, slotread
 from easyckpt.formats.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.units import human
+
+MAX_CONNECTIONS = 64      # peers' connections served at once (each node sends one rank at a time per holder)
 
 
 class PeerServer:
@@ -35,6 +37,7 @@ class PeerServer:
         self.sock.listen(16)
         self.port: int = self.sock.getsockname()[1]
         self._closed = False
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept_loop, daemon=True, name="easyckpt-peers").start()
 
     def close(self) -> None:
@@ -51,6 +54,10 @@ class PeerServer:
                 sock, _ = self.sock.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):    # a flood of connections gets no thread each
+                sock.close()
+                self.error(f"replica connection refused: {MAX_CONNECTIONS} are open already")
+                continue
             threading.Thread(target=self._serve, args=(sock,), daemon=True, name="easyckpt-peer").start()
 
     def _serve(self, sock: socket.socket) -> None:
@@ -69,13 +76,15 @@ class PeerServer:
                 self._get(conn, req)
         except (PeerError, BadMessage, OSError, SlotNotComplete, BadSlotMeta, ShmCapacityError) as exc:
             who = "a peer" if node is None else f"node {node}"
-            self.error(f"replica request from {who} refused: {exc}")
+            if not isinstance(exc, PeerNotReady):     # a job starting: the sender retries, nothing to say
+                self.error(f"replica request from {who} refused: {exc}")
             try:
                 conn.send_line({"ok": False, "error": str(exc)[:2000]})
             except OSError:
                 pass
         finally:
             conn.close()
+            self._slots.release()
 
     def _paths(self, rank: int) -> List[str]:
         return [shm.replica_path(self.job_id, rank, i) for i in (0, 1)]

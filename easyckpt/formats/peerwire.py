@@ -101,7 +101,7 @@ def serve_auth(conn: Conn, secret: Optional[str]) -> int:
     conn.send_line({"nonce": nonce, "ready": secret is not None})
     hello = conn.read_line()
     if secret is None:
-        raise PeerError("this agent does not know the job's replica secret yet")
+        raise PeerNotReady("this agent does not know the job's replica secret yet")
     node, theirs, mac = hello.get("node"), hello.get("nonce"), hello.get("mac")
     if not (_is_int(node, MAX_WORLD) and isinstance(theirs, str) and len(theirs) == 32 and isinstance(mac, str)):
         raise PeerError("malformed handshake")
