@@ -17,6 +17,7 @@ from typing import Dict, List
 
 import pytest
 from harness import (
+    TRAIN,
     committed_steps,
     events,
     last_iteration,
@@ -367,3 +368,34 @@ def test_two_lost_nodes_of_one_replica_group_resume_from_storage_loudly(tmp_path
     out = c.log("replaced", 0).read_text()
     assert "rank(s) [1] have no snapshot in memory, neither on their node nor on a peer node" in out, out[-3000:]
     assert_losses_known(loss, ref)
+
+
+@pytest.mark.slow
+def test_a_lost_node_that_does_not_come_back_resumes_the_smaller_job_from_storage(tmp_path, cluster,
+                                                                                  tmp_path_factory):
+    """Node 1 is lost for good; the job restarts on node 0 alone (world size 2 -> 1). The snapshots in node 0's
+    memory (its own, node 1's replica) are shards of the 2-rank layout, so the newest committed step serves:
+    rank 0 resumes from storage with exactly the model state it had at that step, and trains to the end."""
+    c = cluster(2)
+    ckpt, loss, log, dumps = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl", tmp_path / "dumps"
+    dumps.mkdir()
+    args = ("--iters", str(N), "--mem-interval", str(MEM), "--storage-interval", "4", "--max-ckpt", "2",
+            "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
+    runs = c.launch(ckpt, 1, *args, "--dump-dir", str(dumps))
+    wait_for_iteration(loss, 15, runs[1].proc, TIMEOUT, rank=1)
+    runs[1].kill()
+    assert runs[0].wait_command(120) != 0
+    time.sleep(1)
+    newest = committed_steps(ckpt)[-1]
+    alone = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--node_rank=0", "--nproc_per_node=1",
+             f"--master_addr={c.nodes[0].addr}", f"--master_port={next(nodes._ports)}", str(TRAIN),
+             "--save-dir", str(ckpt), *args, "--dump-loaded", str(tmp_path / "loaded.pt")]
+    again = runs[0].enter(alone, c.log("alone", 0))
+    assert again.wait(timeout=TIMEOUT) == 0, c.log("alone", 0).read_text()[-3000:]
+    c.wait([runs[0]], 60)
+    assert starts(loss, 0)[-1] == newest and last_iteration(loss, 0) == N
+    loads = [(e["rank"], e["source"]) for e in events(log) if e["event"] == "load" and e["step"] == newest]
+    assert loads == [(0, "storage")], loads
+    import torch
+    want, got = torch.load(dumps / f"model_{newest}.pt"), torch.load(tmp_path / "loaded.pt")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -147,6 +147,17 @@ def test_a_drained_nodes_agent_knows_when_its_newest_snapshot_is_on_its_holder(c
         cleanup(job)
 
 
+def test_with_replicas_off_a_kick_holds_no_agent_up(cfg):
+    """An agent leaving after SIGTERM waits while replicas are busy: with no table (one node, replicas off)
+    nothing ever serves a kick, so it must not count as work."""
+    reps = Replicas(cfg, AuditLog(None, "agent"))
+    try:
+        reps.kick()
+        assert not reps.busy() and not reps.unsent()
+    finally:
+        reps.close()
+
+
 def test_replica_slots_are_double_buffered_and_a_broken_transfer_never_costs_the_newest_replica(cfg, node1, holder):
     job = cfg.job_id
     try:

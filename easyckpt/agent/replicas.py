@@ -116,7 +116,10 @@ class Replicas:
         self._wake.set()
 
     def kick(self) -> None:
-        """Replicate the newest snapshot now, whatever replica_interval says (the node is being drained)."""
+        """Replicate the newest snapshot now, whatever replica_interval says (the node is being drained);
+        nothing when replicas are off (no sender runs to serve it)."""
+        if self._sender is None:
+            return
         self._force = True
         self._wake.set()
 

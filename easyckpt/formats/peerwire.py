@@ -23,9 +23,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import queue
 import secrets
 import socket
 import struct
+import threading
 import time
 import zlib
 from typing import Any, Callable, Dict, Optional
@@ -175,32 +177,62 @@ class Pacer:
                 time.sleep(ahead)
 
 
+class Crc:
+    """The CRC-32 of a stream of pieces, computed by a thread of its own while the next pieces go through the
+    socket (zlib and the socket both release the GIL), so the checksum is not paid in series with the
+    transfer. A piece must stay valid until ``result``, which waits for the last one."""
+
+    def __init__(self) -> None:
+        self._pieces: "queue.SimpleQueue[Optional[memoryview]]" = queue.SimpleQueue()
+        self._value = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="easyckpt-crc")
+        self._thread.start()
+
+    def add(self, piece: memoryview) -> None:
+        self._pieces.put(piece)
+
+    def _run(self) -> None:
+        while True:
+            piece = self._pieces.get()
+            if piece is None:
+                return
+            self._value = zlib.crc32(piece, self._value)
+
+    def result(self) -> int:
+        self._pieces.put(None)
+        self._thread.join()
+        return self._value
+
+
 def send_bytes(conn: Conn, regions: "list[memoryview]", pacer: Pacer, intact: Callable[[], bool]) -> None:
     """The regions, then the trailer (CRC-32 of all of them, and whether ``intact()`` after the last byte)."""
-    crc = 0
-    for region in regions:
-        for pos in range(0, len(region), CHUNK):
-            piece = region[pos:pos + CHUNK]
-            pacer.before(len(piece))
-            crc = zlib.crc32(piece, crc)
-            conn.sock.sendall(piece)
-    conn.sock.sendall(TRAILER.pack(crc, 1 if intact() else 0))
+    crc = Crc()
+    try:
+        for region in regions:
+            for pos in range(0, len(region), CHUNK):
+                piece = region[pos:pos + CHUNK]
+                pacer.before(len(piece))
+                crc.add(piece)
+                conn.sock.sendall(piece)
+    finally:
+        value = crc.result()
+    conn.sock.sendall(TRAILER.pack(value, 1 if intact() else 0))
 
 
 def receive_bytes(conn: Conn, regions: "list[memoryview]") -> None:
     """Fill the regions and check the trailer; PeerError if the bytes are damaged or the sender's slot
     changed while it sent them."""
-    crc = [0]
-
-    def add(piece: memoryview) -> None:
-        crc[0] = zlib.crc32(piece, crc[0])
-    for region in regions:
-        conn.read_into(region, add)
+    crc = Crc()
+    try:
+        for region in regions:
+            conn.read_into(region, crc.add)
+    finally:
+        mine = crc.result()
     trailer = bytearray(TRAILER.size)
     conn.read_into(memoryview(trailer))
     theirs, intact = TRAILER.unpack(trailer)
-    if theirs != crc[0]:
-        raise PeerError(f"checksum mismatch: received {crc[0]:08x}, the sender computed {theirs:08x}")
+    if theirs != mine:
+        raise PeerError(f"checksum mismatch: received {mine:08x}, the sender computed {theirs:08x}")
     if intact != 1:
         raise PeerError("the sender's snapshot was overwritten while it was sent")
 
