@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from easyckpt import console
 from easyckpt.agent import slots
@@ -199,22 +199,12 @@ class Replicas:
 
     def remote_steps(self, rank: int) -> Dict[str, Any]:
         """The steps of ``rank`` that the holders of its node keep: {ok, steps: [[step, world_size, node]]}."""
-        t = self._need_table()
+        def ask(conn: Conn) -> Dict[str, Any]:
+            conn.send_line({"op": "list", "rank": rank})
+            return conn.read_line()
         steps: List[List[int]] = []
-        problems = []
-        for holder in t.targets(t.node_of(rank)):
-            if holder == t.node:
-                continue
-            try:
-                conn = self._connect(t, holder)
-                try:
-                    conn.send_line({"op": "list", "rank": rank})
-                    reply = conn.read_line()
-                finally:
-                    conn.close()
-            except (OSError, PeerError) as exc:
-                problems.append(f"node {holder}: {exc}")
-                continue
+        problems: List[str] = []
+        for holder, reply in self._ask_holders(rank, ask, problems):
             for item in reply.get("steps", []) if reply.get("ok") is True else []:
                 if isinstance(item, list) and len(item) == 2 and all(peerwire._is_int(v, 1 << 62) for v in item):
                     steps.append([item[0], item[1], holder])
@@ -222,32 +212,39 @@ class Replicas:
 
     def fetch(self, rank: int, step: int) -> Dict[str, Any]:
         """Pull ``rank``'s snapshot of ``step`` from a holder into the rank's own slot on this node."""
-        t = self._need_table()
+        def pull(conn: Conn) -> Tuple[int, int]:
+            conn.send_line({"op": "get", "rank": rank, "step": step})
+            head = conn.read_line()
+            if head.get("ok") is not True:
+                raise PeerError(str(head.get("error"))[:500])
+            return receive_slot(conn, [shm.slot_path(self.job_id, rank, i) for i in (0, 1)], rank, step, head)
         t0 = time.perf_counter()
-        problems = []
-        for holder in t.targets(t.node_of(rank)):
-            if holder == t.node:
-                continue
-            try:
-                conn = self._connect(t, holder)
-                try:
-                    conn.send_line({"op": "get", "rank": rank, "step": step})
-                    head = conn.read_line()
-                    if head.get("ok") is not True:
-                        raise PeerError(str(head.get("error"))[:500])
-                    index, nbytes = receive_slot(conn, [shm.slot_path(self.job_id, rank, i) for i in (0, 1)],
-                                                 rank, step, head)
-                finally:
-                    conn.close()
-            except (OSError, PeerError, ValueError) as exc:
-                problems.append(f"node {holder}: {exc}")
-                continue
+        problems: List[str] = []
+        for holder, (index, nbytes) in self._ask_holders(rank, pull, problems):
             seconds = time.perf_counter() - t0
             self.log.emit("replica_restore", rank=rank, step=step, node=holder, bytes=nbytes,
                           seconds=round(seconds, 6))
             return {"ok": True, "slot": index, "bytes": nbytes, "seconds": round(seconds, 6), "node": holder}
         return {"ok": False, "error": f"no holder of rank {rank}'s replicas gave step {step}: "
                                       + ("; ".join(problems) or "none is known")}
+
+    def _ask_holders(self, rank: int, talk: Callable[[Conn], Any], problems: List[str]) -> Iterator[Tuple[int, Any]]:
+        """(holder node, what ``talk`` got from it) for each holder of ``rank``'s node that answered, in
+        placement order; why each other one did not goes to ``problems``."""
+        t = self._need_table()
+        for holder in t.targets(t.node_of(rank)):
+            if holder == t.node:
+                continue
+            try:
+                conn = self._connect(t, holder)
+                try:
+                    result = talk(conn)
+                finally:
+                    conn.close()
+            except (OSError, PeerError, ValueError) as exc:
+                problems.append(f"node {holder}: {exc}")
+                continue
+            yield holder, result
 
     def _need_table(self) -> Table:
         if self.table is None:
