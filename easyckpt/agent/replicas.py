@@ -297,6 +297,9 @@ class Replicas:
         step = slots.newest_common(per_rank)
         if step is None:
             return
+        if any(slots.trainers_last_free(self.job_id, r, per_rank[r][step][0]) for r in ranks):
+            self._seen = None     # look again at the next poll: a released persist changes no header
+            return
         every = self.cfg.replica_interval * self.cfg.save_mem_interval
         for node in due:
             last = self.sent.get(node, {}).get("step")

@@ -62,6 +62,22 @@ def newest_common(per_rank: PerRank) -> Optional[int]:
     return max(common) if common else None
 
 
+def trainers_last_free(job_id: str, rank: int, slot: int) -> bool:
+    """Would pinning ``slot`` leave the rank's trainer no slot to write its next snapshot into? True when
+    the other slot is reserved (a persist owed, e.g. storage is slow) and this one is not. A replica send
+    then waits: pinning it would make the trainer skip snapshots, a storage step among them."""
+    def reserved(i: int) -> bool:
+        try:
+            opened = shm.Slot(shm.slot_path(job_id, rank, i), writable=False)
+        except FileNotFoundError:
+            return False
+        try:
+            return opened.mm is not None and opened.size >= shm.HEADER_BYTES and opened.reserved(opened.read_header())
+        finally:
+            opened.close()
+    return reserved(1 - slot) and not reserved(slot)
+
+
 def release_stale(job_id: str, rank: int, skip: Set[int], log: AuditLog) -> None:
     """A reservation nobody will serve (left by an agent that died) would pin a slot forever; the slots
     in ``skip`` have a persist queued and stay reserved."""

@@ -283,6 +283,14 @@ class Slot:
         assert self.mm is not None
         return _AGENT.unpack_from(self.mm, _AGENT_AT)
 
+    def reserved(self, hdr: Optional[Header]) -> bool:
+        """The agent reads this slot (busy) or owes it a persist: the trainer must not overwrite it.
+        ``hdr``: this slot's read_header()."""
+        if hdr is None:
+            return False
+        busy, released = self.agent_words()
+        return busy == hdr.generation or (hdr.persist and hdr.generation > released)
+
 
 class AgentView:
     """The agent's read-write handle on the two agent-owned words of a slot (nothing else)."""

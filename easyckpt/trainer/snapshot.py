@@ -163,10 +163,8 @@ class Snapshotter:
         for i in (0, 1):
             slot = self.slots[i]
             hdr = slot.read_header()
-            if hdr is not None:
-                busy, released = slot.agent_words()
-                if busy == hdr.generation or (hdr.persist and hdr.generation > released):
-                    continue     # reserved by the agent
+            if slot.reserved(hdr):
+                continue
             step = -1 if hdr is None else hdr.step
             if best is None or step < best_step:
                 best, best_step = i, step
