@@ -86,24 +86,6 @@ def assert_losses(loss: Path, ref: Dict[int, Dict[int, str]], n: int = N) -> Non
         assert not diff, f"rank {rank}: losses differ from the uninterrupted run at iterations {diff}"
 
 
-# Resumed on 4 ranks (2 nodes x 2 or 4 x 1, and on ONE host as well: train_cmd(ckpt, 4), kill -9 after iteration 13,
-# resumed from memory at 12), ranks 1-3's losses are 1 float32 ulp off the uninterrupted run's at a few iterations;
-# 3 ranks resumed from storage show it too, 2 ranks are exact. A bug of the resume on 3+ ranks, not of many nodes
-# (suspected: DDP rebuilds its gradient buckets after the first iteration of every run, so the resumed run's first
-# allreduce sums in another order): until it is fixed, these tests check everything else and report the losses as a
-# known failure.
-FOUR_RANKS_BUG = "3+ ranks resumed: some ranks' losses are 1 float32 ulp off the uninterrupted run's (one host too)"
-
-
-def assert_losses_known(loss: Path, ref: Dict[int, Dict[int, str]]) -> None:
-    try:
-        assert_losses(loss, ref)
-    except AssertionError as exc:
-        if len(ref) >= 3 and "losses differ" in str(exc):
-            pytest.xfail(f"{FOUR_RANKS_BUG}: {exc}")
-        raise
-
-
 def said(runs) -> str:
     return "\n".join(f"--- node {r.node.index}:\n{r.output()[-2500:]}" for r in runs)
 
@@ -159,7 +141,7 @@ def sigterm_one_node(tmp_path: Path, cluster, tmp_path_factory, nnodes: int, npr
     assert {starts(loss, r)[-1] for r in range(world)} == {agreed}
     loads = [e for e in events(log) if e["event"] == "load" and e["step"] == agreed]
     assert sorted(e["rank"] for e in loads) == list(range(world)) and {e["source"] for e in loads} == {"storage"}
-    assert_losses_known(loss, ref)
+    assert_losses(loss, ref)
 
 
 def test_sigterm_to_one_node_saves_the_agreed_step_on_every_node_and_loses_nothing(tmp_path, cluster,
@@ -291,7 +273,7 @@ def test_kill9_of_every_trainer_on_every_node_resumes_from_memory(tmp_path, clus
     assert {(e["rank"], e["host"], e["source"]) for e in loads} == \
         {(r, host, "memory") for r, host in ranks_by_node(2, nproc).items()}, loads
     assert c.wait(runs, 60) == [-9, -9]     # torchrun was killed; the agents leave after the job's bye
-    assert_losses_known(loss, ref)
+    assert_losses(loss, ref)
 
 
 def test_a_lost_node_replaced_resumes_from_its_replica_in_a_peers_memory(tmp_path, cluster, tmp_path_factory):
@@ -367,7 +349,7 @@ def test_two_lost_nodes_of_one_replica_group_resume_from_storage_loudly(tmp_path
     assert loads == {(0, "storage"), (1, "storage"), (2, "storage")}, loads
     out = c.log("replaced", 0).read_text()
     assert "rank(s) [1] have no snapshot in memory, neither on their node nor on a peer node" in out, out[-3000:]
-    assert_losses_known(loss, ref)
+    assert_losses(loss, ref)
 
 
 @pytest.mark.slow

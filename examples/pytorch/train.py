@@ -116,7 +116,10 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(args.hidden, 1))
     torch.manual_seed(args.seed + rank)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    # find_unused_parameters=True keeps DDP's gradient buckets as built: by default DDP re-orders them after the
+    # first iteration of every process, so on 3+ ranks a resumed run's first iteration would add the gradients in
+    # another order than the uninterrupted run's (a float ulp apart). With it, a resume is bitwise identical.
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
 
