@@ -18,10 +18,11 @@ import pytest
 from easyckpt.agent.peerserve import PeerServer
 from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.config import Config
-from easyckpt.errors import BadMessage, PeerError
+from easyckpt.errors import AgentError, BadMessage, PeerError
 from easyckpt.formats import peerwire, shm, slotread
 from easyckpt.formats.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
+from easyckpt.trainer.peers import Remote
 
 SECRET = "5e" * 32
 RANK = 1
@@ -65,7 +66,7 @@ def data_of(step: int) -> bytes:
     return struct.pack("<4f", step, 2.0, 3.0, 4.0) + struct.pack("<2q", step, 8)
 
 
-def write_slot(job: str, step: int, slot: int, generation: int) -> str:
+def write_slot(job: str, step: int, slot: int, generation: int, persist: bool = True) -> str:
     """Rank 1's own slot as its trainer publishes it: generation first, data, metadata, header, state last."""
     data = data_of(step)
     path = shm.slot_path(job, RANK, slot)
@@ -79,7 +80,7 @@ def write_slot(job: str, step: int, slot: int, generation: int) -> str:
         meta = json.dumps({"files": files, "step": step, "info": {},
                            "skeletons": {"model.safetensors": {"w": {"__t": "w"}, "n": {"__t": "n"}}}}).encode()
         s.publish(shm.Header(state=shm.COMPLETE, step=step, generation=generation, meta_len=len(meta),
-                             meta_capacity=s.size - b - len(data), data_capacity=len(data), persist=True, meta_crc=0,
+                             meta_capacity=s.size - b - len(data), data_capacity=len(data), persist=persist, meta_crc=0,
                              pid=0, rank=RANK, world_size=2), meta)
     finally:
         s.close()
@@ -143,6 +144,28 @@ def test_a_drained_nodes_agent_knows_when_its_newest_snapshot_is_on_its_holder(c
         holder.secret = None                      # the holder stops taking replicas
         node1._replicate()
         assert 0 in node1._retry_at and not node1.unsent()
+    finally:
+        cleanup(job)
+
+
+def test_a_replica_send_never_takes_the_trainers_last_free_slot(cfg, node1, holder):
+    """Slot 0 owes a slow persist (its trainer cannot write it); pinning slot 1 to send its newer snapshot
+    would leave the trainer no slot, so it would skip snapshots, storage steps among them (CI caught a
+    skipped storage step on a node whose storage was slow). The send waits until the persist is done."""
+    job = cfg.job_id
+    try:
+        write_slot(job, step=4, slot=0, generation=1, persist=True)
+        write_slot(job, step=6, slot=1, generation=2, persist=False)
+        node1._replicate()
+        node1._replicate()
+        assert held(job) == [] and 0 not in node1.sent
+        view = shm.AgentView(shm.slot_path(job, RANK, 0))
+        try:
+            view.set(released=1)                  # the persist of step 4 is done
+        finally:
+            view.close()
+        node1._replicate()
+        assert held(job) == [(6, data_of(6))] and node1.sent[0]["step"] == 6
     finally:
         cleanup(job)
 
@@ -282,3 +305,19 @@ def test_no_room_for_replicas_is_a_clear_error_naming_the_size_and_the_setting(t
             own.close(unlink=True)
     finally:
         subprocess.run(["umount", str(tiny)], check=True, timeout=30)
+
+
+def test_a_rank_that_cannot_ask_its_agent_for_replicas_resumes_without_them(capsys):
+    """load_newest asks for peer steps before its first collective: an agent that does not answer, or answers
+    nonsense, means "no replicas" (a console line), never a failed load."""
+    class Gone:
+        def request(self, msg, timeout):
+            raise AgentError("no answer from the agent within 600 s")
+
+    class Odd:
+        def request(self, msg, timeout):
+            return {"ok": True, "steps": [[4, 2, 0], [5, "2", 0], [1, 2], "x", [6, 2, -1], [7, True, 0]]}
+
+    assert Remote(Gone(), RANK).steps() == []
+    assert "could not ask for replicas" in capsys.readouterr().err
+    assert Remote(Odd(), RANK).steps() == [(4, 2, 0)]
