@@ -11,7 +11,6 @@ import socket
 import subprocess
 import struct
 import time
-import zlib
 
 import pytest
 
@@ -20,6 +19,7 @@ from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.config import Config
 from easyckpt.errors import AgentError, BadMessage, PeerError
 from easyckpt.formats import peerwire, shm, slotread
+from easyckpt.formats.manifest import checksum
 from easyckpt.formats.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.trainer.peers import Remote
@@ -196,7 +196,7 @@ def test_replica_slots_are_double_buffered_and_a_broken_transfer_never_costs_the
             conn.send_line({"op": "put", "rank": RANK, "world_size": 2, "step": 8, "data_len": len(data),
                             "meta_len": len(meta)})
             assert conn.read_line() == {"ok": True, "want": True}
-            conn.sock.sendall(data + meta + peerwire.TRAILER.pack(zlib.crc32(data + meta) ^ 1, 1))
+            conn.sock.sendall(data + meta + peerwire.TRAILER.pack(int(checksum(data + meta), 16) ^ 1, 1))
             reply = conn.read_line()
         finally:
             conn.close()

@@ -13,6 +13,7 @@ and the setting that lowers it, and keeps what it holds.
 """
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
@@ -146,14 +147,8 @@ def _send(conn: Conn, slot: shm.Slot, done: slotread.CompleteSlot, pacer: peerwi
             raise PeerError(str(reply.get("error"))[:2000])
         if reply.get("want") is not True:
             return 0
-    with memoryview(slot.mm) as view:
-        data = view[shm.HEADER_BYTES:shm.HEADER_BYTES + hdr.data_capacity]
-        meta = view[hdr.meta_offset:hdr.meta_offset + hdr.meta_len]
-        try:
-            peerwire.send_bytes(conn, [data, meta], pacer, lambda: slot.state() == (shm.COMPLETE, done.generation))
-        finally:
-            data.release()
-            meta.release()
+    peerwire.send_bytes(conn, slot.fd, [(shm.HEADER_BYTES, hdr.data_capacity), (hdr.meta_offset, hdr.meta_len)],
+                        pacer, lambda: slot.state() == (shm.COMPLETE, done.generation))
     if not head:
         reply = conn.read_line()
         if reply.get("ok") is not True:
@@ -174,19 +169,15 @@ def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Dict[
     held = [slotread.read_complete(p) for p in paths]
     index = min((0, 1), key=lambda i: -1 if held[i] is None else held[i].step)
     generation = max(slots.generation_of(p) for p in paths) + 1
-    slot = shm.Slot.create_or_grow(paths[index], shm.slot_size(data_len, meta_len))
+    slot = shm.Slot.create_or_grow(paths[index], shm.slot_size(data_len, meta_len), touch=False)
     try:
         assert slot.mm is not None
         slot.begin_write(generation)
         if ask:
             conn.send_line({"ok": True, "want": True})
-        meta = bytearray(meta_len)
-        with memoryview(slot.mm) as view:
-            data = view[shm.HEADER_BYTES:shm.HEADER_BYTES + data_len]
-            try:
-                peerwire.receive_bytes(conn, [data, memoryview(meta)])
-            finally:
-                data.release()
+        meta_at = shm.HEADER_BYTES + data_len
+        peerwire.receive_bytes(conn, slot.fd, [(shm.HEADER_BYTES, data_len), (meta_at, meta_len)])
+        meta = os.pread(slot.fd, meta_len, meta_at)
         hdr = shm.Header(state=shm.COMPLETE, step=step, generation=generation, meta_len=meta_len,
                          meta_capacity=slot.size - shm.HEADER_BYTES - data_len, data_capacity=data_len,
                          persist=False, meta_crc=0, pid=0, rank=rank, world_size=req["world_size"])

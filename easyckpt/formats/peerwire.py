@@ -13,33 +13,36 @@ After that, one request per connection, a JSON line; every field is checked here
   list  {op, rank}                                         → {ok, steps: [[step, world_size], ...]}
   get   {op, rank, step}                                   → {ok, world_size, step, data_len, meta_len} + the bytes
 
-"The bytes" are a slot's data region, then its metadata, then a trailer: the CRC-32 of both and one byte
-that says whether the sender's slot was still the same snapshot after the last byte (the seqlock,
-slotread.ensure_unchanged). The receiver publishes only an intact, unchanged copy; its metadata then
-passes slotread's checks like any slot's before anyone reads a tensor from it.
+"The bytes" are a slot's data region, then its metadata, then a trailer: the checksum of both (the
+manifest's algorithm, xxh3-64) and one byte that says whether the sender's slot was still the same snapshot
+after the last byte (the seqlock, slotread.ensure_unchanged). The receiver publishes only an intact,
+unchanged copy; its metadata then passes slotread's checks like any slot's before anyone reads a tensor from it.
+
+Bytes move between a slot's file and the socket through one small buffer (pread / recv_into, then pwrite),
+never through a mapping of the slot: a fresh mapping of a multi-GB slot costs a page fault per 4 KiB, which
+made a transfer three times slower than the copy itself (measured: 1.1 vs 3 GB/s on loopback here).
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
-import queue
+import os
 import secrets
 import socket
 import struct
-import threading
 import time
-import zlib
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.errors import BadMessage, PeerError, PeerNotReady
+from easyckpt.formats.manifest import Hasher
 
 MAX_LINE = 1 << 16
 MAX_DATA = 1 << 46            # 64 TiB: far above any rank's state, far below an overflow
 MAX_META = 1 << 28
 MAX_WORLD = 1 << 20
 CHUNK = 4 << 20               # bytes per send between pauses and rate checks
-TRAILER = struct.Struct("<IB")
+TRAILER = struct.Struct("<QB")   # checksum (the Hasher's digest as a number), intact
 IO_TIMEOUT = 30.0             # no read or write on a peer connection waits longer than this
 
 
@@ -75,22 +78,17 @@ class Conn:
             raise PeerError("a line is a JSON object")
         return obj
 
-    def read_into(self, view: memoryview, on_chunk: Optional[Callable[[memoryview], None]] = None) -> None:
-        """Fill ``view`` exactly (what is buffered first); ``on_chunk`` sees each piece (the checksum)."""
+    def read_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly (what is buffered first)."""
         pos = 0
         if self.buf:
-            n = min(len(self.buf), len(view))
-            view[:n] = self.buf[:n]
-            self.buf = self.buf[n:]
-            if on_chunk:
-                on_chunk(view[:n])
-            pos = n
+            pos = min(len(self.buf), len(view))
+            view[:pos] = self.buf[:pos]
+            self.buf = self.buf[pos:]
         while pos < len(view):
-            got = self.sock.recv_into(view[pos:pos + CHUNK])
+            got = self.sock.recv_into(view[pos:])
             if not got:
                 raise PeerError(f"the peer closed the connection after {pos} of {len(view)} bytes")
-            if on_chunk:
-                on_chunk(view[pos:pos + got])
             pos += got
 
     def close(self) -> None:
@@ -177,62 +175,44 @@ class Pacer:
                 time.sleep(ahead)
 
 
-class Crc:
-    """The CRC-32 of a stream of pieces, computed by a thread of its own while the next pieces go through the
-    socket (zlib and the socket both release the GIL), so the checksum is not paid in series with the
-    transfer. A piece must stay valid until ``result``, which waits for the last one."""
-
-    def __init__(self) -> None:
-        self._pieces: "queue.SimpleQueue[Optional[memoryview]]" = queue.SimpleQueue()
-        self._value = 0
-        self._thread = threading.Thread(target=self._run, daemon=True, name="easyckpt-crc")
-        self._thread.start()
-
-    def add(self, piece: memoryview) -> None:
-        self._pieces.put(piece)
-
-    def _run(self) -> None:
-        while True:
-            piece = self._pieces.get()
-            if piece is None:
-                return
-            self._value = zlib.crc32(piece, self._value)
-
-    def result(self) -> int:
-        self._pieces.put(None)
-        self._thread.join()
-        return self._value
+Regions = List[Tuple[int, int]]     # (offset, length) in a slot's file
 
 
-def send_bytes(conn: Conn, regions: "list[memoryview]", pacer: Pacer, intact: Callable[[], bool]) -> None:
-    """The regions, then the trailer (CRC-32 of all of them, and whether ``intact()`` after the last byte)."""
-    crc = Crc()
-    try:
-        for region in regions:
-            for pos in range(0, len(region), CHUNK):
-                piece = region[pos:pos + CHUNK]
-                pacer.before(len(piece))
-                crc.add(piece)
-                conn.sock.sendall(piece)
-    finally:
-        value = crc.result()
-    conn.sock.sendall(TRAILER.pack(value, 1 if intact() else 0))
+def digest(h: Hasher) -> int:
+    return int(h.hexdigest(), 16)
 
 
-def receive_bytes(conn: Conn, regions: "list[memoryview]") -> None:
-    """Fill the regions and check the trailer; PeerError if the bytes are damaged or the sender's slot
-    changed while it sent them."""
-    crc = Crc()
-    try:
-        for region in regions:
-            conn.read_into(region, crc.add)
-    finally:
-        mine = crc.result()
+def send_bytes(conn: Conn, fd: int, regions: Regions, pacer: Pacer, intact: Callable[[], bool]) -> None:
+    """The regions of the file at ``fd``, then the trailer (their checksum, and whether ``intact()`` after the
+    last byte was read)."""
+    h, buf = Hasher(), memoryview(bytearray(CHUNK))
+    for offset, length in regions:
+        for pos in range(0, length, CHUNK):
+            piece = buf[:min(CHUNK, length - pos)]
+            pacer.before(len(piece))
+            if os.preadv(fd, [piece], offset + pos) != len(piece):
+                raise PeerError(f"the slot file ended before byte {offset + length}")
+            h.update(piece)
+            conn.sock.sendall(piece)
+    conn.sock.sendall(TRAILER.pack(digest(h), 1 if intact() else 0))
+
+
+def receive_bytes(conn: Conn, fd: int, regions: Regions) -> None:
+    """Fill the regions of the file at ``fd`` and check the trailer; PeerError if the bytes are damaged or
+    the sender's slot changed while it sent them."""
+    h, buf = Hasher(), memoryview(bytearray(CHUNK))
+    for offset, length in regions:
+        for pos in range(0, length, CHUNK):
+            piece = buf[:min(CHUNK, length - pos)]
+            conn.read_into(piece)
+            h.update(piece)
+            if os.pwrite(fd, piece, offset + pos) != len(piece):
+                raise PeerError(f"short write into the replica slot at byte {offset + pos}")
     trailer = bytearray(TRAILER.size)
     conn.read_into(memoryview(trailer))
     theirs, intact = TRAILER.unpack(trailer)
-    if theirs != mine:
-        raise PeerError(f"checksum mismatch: received {mine:08x}, the sender computed {theirs:08x}")
+    if theirs != digest(h):
+        raise PeerError(f"checksum mismatch: received {digest(h):016x}, the sender computed {theirs:016x}")
     if intact != 1:
         raise PeerError("the sender's snapshot was overwritten while it was sent")
 

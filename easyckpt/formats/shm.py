@@ -171,8 +171,9 @@ class Slot:
         self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, prot)
 
     @classmethod
-    def create_or_grow(cls, path: str, size: int) -> "Slot":
-        """Open the slot at ``path`` with at least ``size`` bytes, reserving the memory now.
+    def create_or_grow(cls, path: str, size: int, touch: bool = True) -> "Slot":
+        """Open the slot at ``path`` with at least ``size`` bytes, reserving the memory now. ``touch``: fault
+        the new pages into this mapping too (a writer through the file, pwrite, gains nothing from it).
 
         posix_fallocate makes tmpfs allocate the pages up front: running out of /dev/shm is an
         ENOSPC here, before any copy, instead of a SIGBUS in the middle of a snapshot (promise 6).
@@ -198,7 +199,7 @@ class Slot:
         finally:
             os.close(fd)
         slot = cls(path, writable=True)
-        if current < size:
+        if current < size and touch:
             slot.touch(current)
         if current == 0:   # a fresh slot names its owner at once, so no one mistakes it for a leftover
             assert slot.mm is not None
