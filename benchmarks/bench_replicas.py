@@ -341,6 +341,7 @@ def measure_steps(factor: int, hidden: int, iters: int, work: Path, tag: str) ->
         diffs += [b - a for a, b in zip(times, times[1:])]
     sent = [e for e in ev if e["event"] == "replica_sent"]
     return {"factor": factor, "step_diffs": diffs, "median_step": statistics.median(diffs),
+            "cadence": [e["every"] for e in ev if e["event"] == "replica_cadence"],
             "replicas_sent": len(sent), "replica_seconds": statistics.median([e["seconds"] for e in sent]) if sent else None}
 
 
@@ -435,6 +436,14 @@ def print_report(res: Dict[str, Any], args: argparse.Namespace) -> None:
         print("on / off per round: " + ", ".join(f"{a['median_step'] / b['median_step']:.3f}" for a, b in
                                                    zip(st[0::2], st[1::2]))
               + f"; pooled medians: {res['ratios']['step_time_pooled']:.3f}")
+        off = [x["median_step"] for x in st if x["factor"] == 1]
+        if len(off) > 1:      # the same runs twice: how far apart the machine's noise alone puts them
+            print(f"noise floor, off / off between rounds: {max(off) / min(off):.3f} (the overhead can only be "
+                  f"read to this precision here)")
+        every = [e for x in st for e in x.get("cadence", [])]
+        if every:
+            print(f"the agents' cadence (replica_cadence events): every {statistics.median(every):.0f} snapshots "
+                  f"at the median, {min(every)}..{max(every)}; {sum(x['replicas_sent'] for x in st)} replicas sent in all")
     lost = res.get("lost")
     if lost:
         print(f"\n== iterations lost when node 1 is killed at a random moment ({len(lost)} trials, "
@@ -464,7 +473,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=None,
                    help="recovery and step time: the model's width; state = 216 bytes x hidden (default 200000)")
     p.add_argument("--step-rounds", type=int, default=None, help="(on, off) pairs of step-time runs (default 2)")
-    p.add_argument("--step-iters", type=int, default=None, help="iterations per step-time run (default 60)")
+    p.add_argument("--step-iters", type=int, default=None, help="iterations per step-time run (default 200: the agents measure and adapt over the first ones)")
     p.add_argument("--trials", type=int, default=None, help="random-kill trials (default 20)")
     p.add_argument("--skip", default="", help="comma-separated: throughput, recovery, steps, lost")
     p.add_argument("--dir", default=None, help="where temporary files go (default: the system's temp dir)")
@@ -472,7 +481,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     quick = args.quick
     for name, full, small in (("slot_mb", 512, 64), ("hidden", 200_000, 40_000), ("step_rounds", 2, 1),
-                              ("step_iters", 60, 30), ("trials", 20, 2)):
+                              ("step_iters", 200, 30), ("trials", 20, 2)):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
     args.skip = set(filter(None, args.skip.split(",")))
@@ -510,7 +519,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 say(f"random kill, trial {seed + 1}/{args.trials}")
                 res["lost"].append(lost_trial(seed, work))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if not os.environ.get("BENCH_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
     res["load_after"] = os.getloadavg()[0]
     res["ratios"] = ratios(res)
     res["wall_seconds"] = time.monotonic() - t_start

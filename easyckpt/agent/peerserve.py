@@ -39,6 +39,8 @@ class PeerServer:
         self.port: int = self.sock.getsockname()[1]
         self._closed = False
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self.receiving = 0           # puts under way: the sender's cadence counts those gaps as not clean
         threading.Thread(target=self._accept_loop, daemon=True, name="easyckpt-peers").start()
 
     def close(self) -> None:
@@ -99,11 +101,16 @@ class PeerServer:
                for d in self._held(rank)):
             conn.send_line({"ok": True, "want": False})
             return
+        with self._lock:
+            self.receiving += 1
         try:
             index, nbytes = receive_slot(conn, self._paths(rank), rank, step, req, ask=True)
         except ShmCapacityError as exc:
             raise ShmCapacityError(f"cannot hold node {node}'s replica of rank {rank} ({human(req['data_len'])}): "
                                    f"{exc}; set replication_factor=1 to keep no replicas") from None
+        finally:
+            with self._lock:
+                self.receiving -= 1
         conn.send_line({"ok": True})
         self.log.emit("replica_received", rank=rank, step=step, node=node, slot=index, bytes=nbytes)
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from easyckpt import console
 from easyckpt.agent import slots
+from easyckpt.agent.cadence import Cadence
 from easyckpt.agent.peerserve import PeerServer, receive_slot, send_slot
 from easyckpt.config import Config
 from easyckpt.errors import BadSlotMeta, PeerError, PeerNotReady, SlotNotComplete
@@ -84,6 +85,8 @@ class Replicas:
         self._seen: Tuple[Any, ...] = ()      # the slots' (path, state, generation) when last looked at
         self._retry_at: Dict[int, float] = {}   # holder node -> when to try again after a failed send
         self._sending = False
+        self.cadence = Cadence()
+        self._every_said = 1
         self._closed = False
         self._sender: Optional[threading.Thread] = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="easyckpt-fetch")
@@ -193,6 +196,7 @@ class Replicas:
                 "targets": {str(n): "%s:%d" % t.endpoints[n] for n in t.targets(t.node) if n in t.endpoints}
                 if t else {},
                 "sent": {str(k): v for k, v in sorted(self.sent.items())}, "holds": holds,
+                "every": max(self.cfg.replica_interval, self.cadence.every),
                 "errors": list(self.errors)}
 
     # ---- restoring (the trainers' requests, in the pool) ------------------------------------------
@@ -287,7 +291,7 @@ class Replicas:
         ranks = sorted({seg.rank for seg in shm.list_segments(self.job_id) if not seg.replica})
         if not targets or not ranks:
             return
-        seen = tuple((r, i, shm.peek(shm.slot_path(self.job_id, r, i))) for r in ranks for i in (0, 1))
+        seen = self._look(ranks, sending=False)
         now = time.monotonic()
         due = [n for n in targets if now >= self._retry_at.get(n, 0.0)]
         if seen == self._seen and not force and not any(n in self._retry_at for n in due):
@@ -300,7 +304,8 @@ class Replicas:
         if any(slots.trainers_last_free(self.job_id, r, per_rank[r][step][0]) for r in ranks):
             self._seen = None     # look again at the next poll: a released persist changes no header
             return
-        every = self.cfg.replica_interval * self.cfg.save_mem_interval
+        # every replica_interval-th snapshot at most, and less often when sends measurably slow training
+        every = max(self.cfg.replica_interval, self.cadence.every) * self.cfg.save_mem_interval
         for node in due:
             last = self.sent.get(node, {}).get("step")
             if last is not None and (step <= last or (step - last < every and not force)):
@@ -326,11 +331,26 @@ class Replicas:
             with self.lock:
                 self.sent[node] = {"step": step, "bytes": nbytes, "seconds": seconds, "ranks": ranks}
             self.log.emit("replica_sent", step=step, node=node, ranks=ranks, bytes=nbytes, seconds=seconds)
+            self.cadence.sent(seconds)
+
+    def _look(self, ranks: List[int], sending: bool) -> Tuple[Tuple[int, int, Tuple[int, int]], ...]:
+        """(rank, slot, (state, generation)) of every local slot; the lowest rank's newest complete snapshot
+        goes to the cadence (its gaps are the step time it measures)."""
+        seen = tuple((r, i, shm.peek(shm.slot_path(self.job_id, r, i))) for r in ranks for i in (0, 1))
+        done = [gen for r, _, (state, gen) in seen if r == ranks[0] and state == shm.COMPLETE]
+        receiving = self.server is not None and self.server.receiving > 0
+        self.cadence.look(time.monotonic(), max(done) if done else None, sending, receiving)
+        if self.cadence.every != self._every_said:
+            self._every_said = every = self.cadence.every
+            cost = self.cadence.cost
+            self.log.record("replica_cadence", every=every, cost=None if cost is None else round(cost, 4),
+                            message=f"replicating every {every} snapshot(s): one send costs "
+                                    f"{'?' if cost is None else f'{cost:.2f}'} snapshot gaps of training time")
+        return seen
 
     def _pacer(self, ranks: List[int]) -> peerwire.Pacer:
-        paths = [shm.slot_path(self.job_id, r, i) for r in ranks for i in (0, 1)]
         return peerwire.Pacer(self.cfg.replica_bandwidth,
-                              lambda: any(shm.peek(p)[0] == shm.WRITING for p in paths))
+                              lambda: any(st == shm.WRITING for _, _, (st, _) in self._look(ranks, sending=True)))
 
     def _error(self, message: str) -> None:
         """Said once a minute at most per message: a peer that stays away must not flood the log."""

@@ -282,6 +282,9 @@ def _say_replicas(rep: Optional[Dict[str, Any]]) -> None:
         return
     say(f"replicas   this is node {rep['node']} of {rep['nnodes']} (replication_factor {rep['factor']}), "
         f"listening on {rep['listening']}")
+    every = rep.get("every")
+    if isinstance(every, int) and every > 1:
+        say(f"           sending every {every}th snapshot (what training can spare, measured by the agent)")
     for node, where in sorted(rep.get("targets", {}).items()):
         sent = rep.get("sent", {}).get(node)
         got = (f"holds step {sent['step']} ({human(sent['bytes'])}, sent in {sent['seconds']:.2f} s)" if sent

@@ -1,0 +1,65 @@
+"""The replica cadence (agent/cadence.py), in process: fed snapshot gaps and sends as the sender sees them."""
+from __future__ import annotations
+
+import random
+
+from easyckpt.agent.cadence import Cadence
+
+
+def run(c: Cadence, gaps: int, step: float, send_cost: float, send_gaps: int = 1, send_seconds: float = 1.0,
+        noise: float = 0.0, seed: int = 0) -> None:
+    """``gaps`` snapshots ``step`` s apart (± ``noise`` × step, uniformly). A send starts as a snapshot lands
+    when the cadence asks for one, and ends in the middle of its ``send_gaps``-th gap (``send_seconds`` of
+    its own work); each gap it overlaps is ``send_cost`` s longer (what it takes from training). The sender
+    looks at the slots between its chunks (sending) and when idle."""
+    rng = random.Random(seed)
+    now, gen, left = 0.0, 1, 0
+    for _ in range(gaps):
+        if left == 0 and gen % c.every == 0:          # a send of the snapshot that just landed
+            left = send_gaps
+        length = step * (1 + rng.uniform(-noise, noise)) + (send_cost if left else 0.0)
+        if left:
+            c.look(now + length / 2, gen, True)       # a look between the send's chunks
+            left -= 1
+            if left == 0:
+                c.sent(send_seconds)
+        now += length
+        gen += 1
+        c.look(now, gen, False)
+
+
+def test_sends_that_cost_nothing_go_with_every_snapshot():
+    c = Cadence(budget=0.03)
+    run(c, 200, step=0.1, send_cost=0.0)
+    assert c.every == 1 and c.cost == 0.0
+
+
+def test_sends_that_slow_training_go_less_often_until_they_cost_the_budget():
+    """A send makes the gap it overlaps 35 % longer: one every 12 snapshots costs 2.9 % on average."""
+    c = Cadence(budget=0.03)
+    run(c, 400, step=0.1, send_cost=0.035)
+    assert c.cost is not None and abs(c.cost - 0.35) < 1e-6
+    assert c.every == 12
+
+
+def test_sends_as_long_as_the_steps_leave_gaps_to_compare_with():
+    """Every gap overlapped: no clean gap tells the step time without replication, so the sender backs off
+    until it has some, then judges the cost (two gaps per send, 20 % each: 0.4 gaps per send)."""
+    c = Cadence(budget=0.03)
+    run(c, 600, step=0.1, send_cost=0.02, send_gaps=2)
+    assert c.every == 14 and abs(c.cost - 0.4) < 1e-6
+
+
+def test_noisy_steps_never_throttle_sends_of_a_few_milliseconds():
+    """Steps vary by ±30 % and a send takes 1 ms: whatever the noise makes of the overlapped gaps, a send
+    cannot have cost more than it lasted, so every snapshot is still replicated."""
+    for seed in range(20):
+        c = Cadence(budget=0.03)
+        run(c, 300, step=0.1, send_cost=0.0, send_seconds=0.001, noise=0.3, seed=seed)
+        assert c.every == 1, (seed, c.cost)
+
+
+def test_never_fewer_than_one_replica_per_max_every_snapshots():
+    c = Cadence(budget=0.03, max_every=8)
+    run(c, 300, step=0.1, send_cost=0.5)
+    assert c.every == 8
