@@ -19,12 +19,12 @@ through a pipe, so it acts on it without waiting for its poll timeout.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 from typing import Callable, Deque, List
 
 from easyckpt import faults
 from easyckpt.agent import slots
+from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.jobs import (
     AbandonJob,
@@ -49,10 +49,7 @@ class Persister:
         self._cond = threading.Condition()
         self._urgent: Deque[Job] = collections.deque()     # commit, abandon, drop, damaged
         self._persists: Deque[PersistJob] = collections.deque()
-        self._results: Deque[Result] = collections.deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._results: Mailbox[Result] = Mailbox()
         threading.Thread(target=self._serve, daemon=True, name="easyckpt-persist").start()
 
     def submit(self, job: Job) -> None:
@@ -73,20 +70,11 @@ class Persister:
 
     def wake_fd(self) -> int:
         """Readable when results are waiting (the loop's selector watches it)."""
-        return self._wake_r
+        return self._results.wake_fd()
 
     def results(self) -> List[Result]:
         """Every result that came in since the last call, in the order the jobs finished."""
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        out = []
-        with self._cond:
-            while self._results:
-                out.append(self._results.popleft())
-        return out
+        return self._results.take()
 
     def _serve(self) -> None:
         while True:
@@ -98,12 +86,7 @@ class Persister:
                 result = self._run(job)
             except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
                 result = Result(job, f"{type(exc).__name__}: {exc}")
-            with self._cond:
-                self._results.append(result)
-            try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:
-                pass      # the pipe is full of wake-ups already: the loop will look
+            self._results.put(result)
 
 
 def disk_work(job_id: str, jobdir: JobDir, log: AuditLog, direct_io: bool) -> Callable[[Job], Result]:

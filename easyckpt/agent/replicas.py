@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
 import socket
 import threading
 import time
@@ -35,6 +34,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 from easyckpt import console
 from easyckpt.agent import slots
 from easyckpt.agent.cadence import Cadence
+from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.peerserve import PeerServer, receive_slot, send_slot
 from easyckpt.config import Config
 from easyckpt.errors import BadSlotMeta, PeerError, PeerNotReady, SlotNotComplete
@@ -90,10 +90,7 @@ class Replicas:
         self._closed = False
         self._sender: Optional[threading.Thread] = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="easyckpt-fetch")
-        self._done: Deque[Tuple[Any, Dict[str, Any]]] = collections.deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._done: Mailbox[Tuple[Any, Dict[str, Any]]] = Mailbox()
 
     # ---- the loop's calls ---------------------------------------------------------------------
 
@@ -150,26 +147,14 @@ class Replicas:
                 reply = fn()
             except Exception as exc:  # noqa: BLE001 - any failure is the trainer's answer, never the agent's end
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            self._done.append((conn, reply))
-            try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:
-                pass
+            self._done.put((conn, reply))
         self._pool.submit(run)
 
     def wake_fd(self) -> int:
-        return self._wake_r
+        return self._done.wake_fd()
 
     def replies(self) -> List[Tuple[Any, Dict[str, Any]]]:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        out = []
-        while self._done:
-            out.append(self._done.popleft())
-        return out
+        return self._done.take()
 
     def close(self) -> None:
         self._closed = True
