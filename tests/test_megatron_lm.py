@@ -128,6 +128,26 @@ def test_patches_apply_and_the_patched_loop_resumes_with_equal_losses(tmp_path):
     interrupted_run_matches(tmp_path, str(tree), None, (), signal.SIGKILL, log_name="easyckpt.log")
 
 
+def test_the_patched_loop_without_load_starts_from_scratch_and_still_saves(tmp_path):
+    """Megatron calls its loader only with --load: the patched loop given --save alone used to stop at its first
+    save with "call initialize_easyckpt before saving or loading". It trains from the beginning (a checkpoint
+    already in --save is not loaded, as in Megatron) and commits its saves."""
+    tree = tmp_path / "megatron-lm"
+    shutil.copytree(TREE, tree, ignore=shutil.ignore_patterns(".git", "__pycache__", "docs", "images", "tests"))
+    for patch in PATCHES:
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, timeout=60)
+    ckpt = tmp_path / "ckpt"
+    for run in ("first", "second"):
+        out = tmp_path / f"{run}.out"
+        finish(launch(ckpt, out, str(tree), None, more_env={"NO_LOAD": "1"}), out)
+        assert sorted(losses(out)) == list(range(1, ITERS + 1)), out.read_text()[-3000:]
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)
+        commits = [e["step"] for e in events(ckpt / "easyckpt.log") if e["event"] == "commit"]
+        assert commits and commits[-1] == ITERS and all(e["event"] != "load" or not e.get("step")
+                                                         for e in events(ckpt / "easyckpt.log"))
+        wait_no_agent(ckpt)
+
+
 def test_hooked_loop_adopts_megatrons_own_checkpoint_in_its_save_dir(tmp_path):
     """easyckpt added to a running job (row 26): plain Megatron-LM (no hook) saved iteration 3 itself into
     --save = --load; the hooked loop resumes from it (said on the console), with the losses of a run that

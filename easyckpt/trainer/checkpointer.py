@@ -134,7 +134,9 @@ class DefaultCheckpointer:
 
     def require(self) -> Checkpointer:
         if self.current is None:
-            raise EasyCkptError(f"call {self.verbs}.initialize_easyckpt(...) before saving or loading")
+            hint = (" (with the Megatron-LM patches: pass --save DIR, which is where easyckpt saves; add --load DIR "
+                    "to resume)" if self.verbs == "easyckpt.megatron" else "")
+            raise EasyCkptError(f"call {self.verbs}.initialize_easyckpt(...) before saving or loading{hint}")
         return self.current
 
     def finalize(self, timeout: Optional[float] = None) -> Optional[int]:

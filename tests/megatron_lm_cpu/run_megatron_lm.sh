@@ -12,6 +12,7 @@
 #   CKPT_DIR               default for --save/--load (default: /tmp/easyckpt-mlm-ckpt)
 #   TORCHRUN               torchrun to use (default: the project's .venv/bin/torchrun)
 #   NPROC                  processes (default 2)
+#   NO_LOAD=1              leave --load out (a job that starts from scratch; it still saves to --save)
 # The CPU switches come from sitecustomize.py in this directory (EASYCKPT_MEGATRON_CPU=1).
 set -euo pipefail
 
@@ -68,9 +69,13 @@ args=(
     # resumed launch may raise --train-iters (with a constant LR and no weight decay nothing changes).
     --use-checkpoint-opt_param-scheduler
     # Checkpoints.
-    --save "$ckpt_dir" --load "$ckpt_dir" --save-interval 5 --ckpt-format torch
+    --save "$ckpt_dir" --save-interval 5 --ckpt-format torch
     # Logging; --eval-iters 0 skips validation and test.
     --log-interval 1 --eval-iters 0 --eval-interval 1000
 )
+
+if [[ -z "${NO_LOAD:-}" ]]; then
+    args+=(--load "$ckpt_dir")
+fi
 
 exec "$torchrun" --standalone --nproc_per_node "$nproc" "${MLM_SCRIPT:-$mlm/pretrain_gpt.py}" "${args[@]}" "$@"
