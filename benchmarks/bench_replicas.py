@@ -475,7 +475,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smoke run (~3 minutes): small sizes, few runs")
     p.add_argument("--slot-mb", type=float, default=None, help="throughput: the slot's size in MB (default 512)")
-    p.add_argument("--repeats", type=int, default=3, help="throughput: runs of each, the best counts")
+    p.add_argument("--repeats", type=int, default=5, help="throughput: runs of each, the best counts (the first two fill fresh replica slots)")
     p.add_argument("--hidden", type=int, default=None,
                    help="recovery and step time: the model's width; state = 216 bytes x hidden (default 200000)")
     p.add_argument("--step-rounds", type=int, default=None, help="(on, off) pairs of step-time runs (default 2)")

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from easyckpt.agent.peerserve import PeerServer
+from easyckpt.agent.peerserve import PeerServer, Warm
 from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.config import Config
 from easyckpt.errors import AgentError, BadMessage, PeerError
@@ -304,7 +304,11 @@ def test_no_room_for_replicas_is_a_clear_error_naming_the_size_and_the_setting(t
         finally:
             own.close(unlink=True)
     finally:
-        subprocess.run(["umount", str(tiny)], check=True, timeout=30)
+        node1.warm.close()            # the sender keeps the slots it sent mapped: let them go before umount
+        holder.warm.close()
+        if subprocess.run(["umount", str(tiny)], timeout=30).returncode:
+            subprocess.run(["umount", "--lazy", str(tiny)], check=True, timeout=30)   # never leave it mounted
+            raise AssertionError(f"{tiny} was still in use: something kept a slot in it mapped")
 
 
 def test_a_rank_that_cannot_ask_its_agent_for_replicas_resumes_without_them(capsys):
@@ -321,3 +325,26 @@ def test_a_rank_that_cannot_ask_its_agent_for_replicas_resumes_without_them(caps
     assert Remote(Gone(), RANK).steps() == []
     assert "could not ask for replicas" in capsys.readouterr().err
     assert Remote(Odd(), RANK).steps() == [(4, 2, 0)]
+
+
+def test_kept_mappings_follow_their_file_and_let_go_of_an_unlinked_one(cfg, shm_dir):
+    """peerserve.Warm: a slot sent again reuses its mapping; a grown or recreated slot gets a new one; a slot
+    its trainer unlinked (bye) is unmapped at the sender's next look, so its memory is freed."""
+    job, warm = cfg.job_id, Warm()
+    try:
+        path = write_slot(job, step=4, slot=0, generation=1)
+        first = warm.open(path, writable=False)
+        assert warm.open(path, writable=False) is first
+        shm.Slot.create_or_grow(path, first.size + (1 << 20)).close()
+        grown = warm.open(path, writable=False)
+        assert grown is not first and grown.size == first.size + (1 << 20) and first.mm is None
+        os.unlink(path)
+        write_slot(job, step=6, slot=0, generation=2)
+        again = warm.open(path, writable=False)
+        assert again is not grown and grown.mm is None
+        os.unlink(path)
+        warm.drop_gone()
+        assert again.mm is None
+    finally:
+        warm.close()
+        cleanup(job)

@@ -28,6 +28,45 @@ from easyckpt.units import human
 MAX_CONNECTIONS = 64      # peers' connections served at once (each node sends one rank at a time per holder)
 
 
+class Warm:
+    """Slots kept mapped between transfers, their pages populated once: a slot sent (or received) every few
+    steps then costs the copy alone. A mapping is checked against the file at every use (same inode, same
+    size: a slot recreated or grown gets a new one), and ``drop_gone`` lets go of slots whose file is gone (a
+    trainer's unlink at bye must free the memory)."""
+
+    def __init__(self) -> None:
+        self._slots: Dict[str, shm.Slot] = {}
+        self._lock = threading.Lock()
+
+    def open(self, path: str, writable: bool) -> shm.Slot:
+        st = os.stat(path, follow_symlinks=False)
+        with self._lock:
+            slot = self._slots.get(path)
+            if slot is not None and (slot.inode, slot.size) == (st.st_ino, st.st_size) and (slot.writable or not writable):
+                return slot
+            if slot is not None:
+                slot.close()
+            slot = self._slots[path] = shm.Slot(path, writable, populate=True)
+            return slot
+
+    def drop_gone(self) -> None:
+        with self._lock:
+            for path, slot in list(self._slots.items()):
+                try:
+                    same = os.stat(path, follow_symlinks=False).st_ino == slot.inode
+                except FileNotFoundError:
+                    same = False
+                if not same:
+                    slot.close()
+                    del self._slots[path]
+
+    def close(self) -> None:
+        with self._lock:
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
+
+
 class PeerServer:
     def __init__(self, job_id: str, addr: str, log: AuditLog, error: Callable[[str], None]):
         self.job_id, self.addr, self.log, self.error = job_id, addr, log, error
@@ -41,10 +80,12 @@ class PeerServer:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
         self.receiving = 0           # puts under way: the sender's cadence counts those gaps as not clean
+        self.warm = Warm()           # the replica slots this node holds
         threading.Thread(target=self._accept_loop, daemon=True, name="easyckpt-peers").start()
 
     def close(self) -> None:
         self._closed = True
+        self.warm.close()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -104,7 +145,7 @@ class PeerServer:
         with self._lock:
             self.receiving += 1
         try:
-            index, nbytes = receive_slot(conn, self._paths(rank), rank, step, req, ask=True)
+            index, nbytes = receive_slot(conn, self._paths(rank), rank, step, req, ask=True, warm=self.warm)
         except ShmCapacityError as exc:
             raise ShmCapacityError(f"cannot hold node {node}'s replica of rank {rank} ({human(req['data_len'])}): "
                                    f"{exc}; set replication_factor=1 to keep no replicas") from None
@@ -118,26 +159,21 @@ class PeerServer:
         rank, step = req["rank"], req["step"]
         for path, done in zip(self._paths(rank), self._held(rank)):
             if done is not None and done.step == step:
-                slot = shm.Slot(path, writable=False)
-                try:
-                    done = slotread.check(slot, expect_step=step)
-                    _send(conn, slot, done, peerwire.Pacer(0), head=True)   # recovery: training is not running
-                finally:
-                    slot.close()
+                slot = self.warm.open(path, writable=False)
+                done = slotread.check(slot, expect_step=step)
+                _send(conn, slot, done, peerwire.Pacer(0), head=True)   # recovery: training is not running
                 return
         raise PeerError(f"this node holds no replica of rank {rank} at step {step}")
 
 
-def send_slot(conn: Conn, job_id: str, rank: int, index: int, generation: int, pacer: peerwire.Pacer) -> int:
+def send_slot(conn: Conn, job_id: str, rank: int, index: int, generation: int, pacer: peerwire.Pacer,
+              warm: Warm) -> int:
     """Put one of this node's slots to the peer at ``conn`` (pinned meanwhile); the bytes sent (0 when
     the peer already holds that step)."""
     with slots.reserved(job_id, rank, index, generation, release=False) as path:
-        slot = shm.Slot(path, writable=False)
-        try:
-            done = slotread.check(slot, expect_generation=generation)
-            return _send(conn, slot, done, pacer, head=False)
-        finally:
-            slot.close()
+        slot = warm.open(path, writable=False)
+        done = slotread.check(slot, expect_generation=generation)
+        return _send(conn, slot, done, pacer, head=False)
 
 
 def _send(conn: Conn, slot: shm.Slot, done: slotread.CompleteSlot, pacer: peerwire.Pacer, head: bool) -> int:
@@ -154,8 +190,14 @@ def _send(conn: Conn, slot: shm.Slot, done: slotread.CompleteSlot, pacer: peerwi
             raise PeerError(str(reply.get("error"))[:2000])
         if reply.get("want") is not True:
             return 0
-    peerwire.send_bytes(conn, slot.fd, [(shm.HEADER_BYTES, hdr.data_capacity), (hdr.meta_offset, hdr.meta_len)],
-                        pacer, lambda: slot.state() == (shm.COMPLETE, done.generation))
+    with memoryview(slot.mm) as view:
+        data = view[shm.HEADER_BYTES:shm.HEADER_BYTES + hdr.data_capacity]
+        meta = view[hdr.meta_offset:hdr.meta_offset + hdr.meta_len]
+        try:
+            peerwire.send_bytes(conn, [data, meta], pacer, lambda: slot.state() == (shm.COMPLETE, done.generation))
+        finally:
+            data.release()
+            meta.release()
     if not head:
         reply = conn.read_line()
         if reply.get("ok") is not True:
@@ -164,10 +206,11 @@ def _send(conn: Conn, slot: shm.Slot, done: slotread.CompleteSlot, pacer: peerwi
 
 
 def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Dict[str, object],
-                 ask: bool = False) -> Tuple[int, int]:
+                 ask: bool = False, warm: Optional[Warm] = None) -> Tuple[int, int]:
     """Receive a slot's bytes described by ``head`` into whichever of ``paths`` (a rank's two slots) does not
     hold its newest complete snapshot, and publish it there once checked; (that slot's index, bytes).
-    ``ask``: this is a put, whose sender waits for a yes before the bytes."""
+    ``ask``: this is a put, whose sender waits for a yes before the bytes. ``warm``: keep the slot mapped
+    for the next one (a holder's replica slots; a pull into a trainer's slot is made once)."""
     fields = {k: head.get(k) for k in ("rank", "world_size", "step", "data_len", "meta_len")}
     req = peerwire.request({"op": "put", **fields})
     if req["rank"] != rank or req["step"] != step:
@@ -176,15 +219,20 @@ def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Dict[
     held = [slotread.read_complete(p) for p in paths]
     index = min((0, 1), key=lambda i: -1 if held[i] is None else held[i].step)
     generation = max(slots.generation_of(p) for p in paths) + 1
-    slot = shm.Slot.create_or_grow(paths[index], shm.slot_size(data_len, meta_len), touch=False)
+    shm.Slot.create_or_grow(paths[index], shm.slot_size(data_len, meta_len), touch=False).close()
+    slot = warm.open(paths[index], writable=True) if warm else shm.Slot(paths[index], writable=True, populate=True)
     try:
         assert slot.mm is not None
         slot.begin_write(generation)
         if ask:
             conn.send_line({"ok": True, "want": True})
-        meta_at = shm.HEADER_BYTES + data_len
-        peerwire.receive_bytes(conn, slot.fd, [(shm.HEADER_BYTES, data_len), (meta_at, meta_len)])
-        meta = os.pread(slot.fd, meta_len, meta_at)
+        meta = bytearray(meta_len)
+        with memoryview(slot.mm) as view:
+            data = view[shm.HEADER_BYTES:shm.HEADER_BYTES + data_len]
+            try:
+                peerwire.receive_bytes(conn, [data, memoryview(meta)])
+            finally:
+                data.release()
         hdr = shm.Header(state=shm.COMPLETE, step=step, generation=generation, meta_len=meta_len,
                          meta_capacity=slot.size - shm.HEADER_BYTES - data_len, data_capacity=data_len,
                          persist=False, meta_crc=0, pid=0, rank=rank, world_size=req["world_size"])
@@ -195,5 +243,6 @@ def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Dict[
             slot.begin_write(generation + 1)      # a copy no reader may take: unpublished again
             raise
     finally:
-        slot.close()
+        if warm is None:
+            slot.close()
     return index, data_len + meta_len

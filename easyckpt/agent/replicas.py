@@ -35,7 +35,7 @@ from easyckpt import console
 from easyckpt.agent import slots
 from easyckpt.agent.cadence import Cadence
 from easyckpt.agent.mailbox import Mailbox
-from easyckpt.agent.peerserve import PeerServer, receive_slot, send_slot
+from easyckpt.agent.peerserve import PeerServer, Warm, receive_slot, send_slot
 from easyckpt.config import Config
 from easyckpt.errors import BadSlotMeta, PeerError, PeerNotReady, SlotNotComplete
 from easyckpt.formats import peerwire, shm, slotread
@@ -86,6 +86,7 @@ class Replicas:
         self._retry_at: Dict[int, float] = {}   # holder node -> when to try again after a failed send
         self._sending = False
         self.cadence = Cadence()
+        self.warm = Warm()            # this node's slots, kept mapped between sends
         self._every_said = 1
         self._closed = False
         self._sender: Optional[threading.Thread] = None
@@ -159,6 +160,7 @@ class Replicas:
     def close(self) -> None:
         self._closed = True
         self._wake.set()
+        self.warm.close()
         if self.server is not None:
             self.server.close()
         self._pool.shutdown(wait=False)
@@ -261,6 +263,7 @@ class Replicas:
             self._wake.clear()
             self._sending = True
             try:
+                self.warm.drop_gone()     # a trainer's unlinked slot: let its memory go
                 self._replicate()
             except Exception as exc:  # noqa: BLE001 - replication is best effort; training never depends on it
                 self._error(f"replicating failed: {type(exc).__name__}: {exc}")
@@ -301,7 +304,7 @@ class Replicas:
                     slot, generation = per_rank[rank][step]
                     conn = self._connect(t, node)
                     try:
-                        nbytes += send_slot(conn, self.job_id, rank, slot, generation, self._pacer(ranks))
+                        nbytes += send_slot(conn, self.job_id, rank, slot, generation, self._pacer(ranks), self.warm)
                     finally:
                         conn.close()
             except (OSError, PeerError, SlotNotComplete, BadSlotMeta) as exc:
