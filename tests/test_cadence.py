@@ -7,22 +7,25 @@ from easyckpt.agent.cadence import Cadence
 
 
 def run(c: Cadence, gaps: int, step: float, send_cost: float, send_gaps: int = 1, send_seconds: float = 1.0,
-        noise: float = 0.0, seed: int = 0) -> None:
+        noise: float = 0.0, seed: int = 0, peer: bool = False) -> None:
     """``gaps`` snapshots ``step`` s apart (± ``noise`` × step, uniformly). A send starts as a snapshot lands
     when the cadence asks for one, and ends in the middle of its ``send_gaps``-th gap (``send_seconds`` of
-    its own work); each gap it overlaps is ``send_cost`` s longer (what it takes from training). The sender
-    looks at the slots between its chunks (sending) and when idle."""
+    its own work); each gap it overlaps is ``send_cost`` s longer (what it takes from training). ``peer``: a
+    peer with the same cadence sends to this node half a period later, at the same cost. The sender looks
+    at the slots between its chunks and when idle."""
     rng = random.Random(seed)
     now, gen, left = 0.0, 1, 0
     for _ in range(gaps):
         if left == 0 and gen % c.every == 0:          # a send of the snapshot that just landed
             left = send_gaps
-        length = step * (1 + rng.uniform(-noise, noise)) + (send_cost if left else 0.0)
+        receiving = peer and c.every > 1 and gen % c.every == c.every // 2
+        length = step * (1 + rng.uniform(-noise, noise)) + (send_cost if left else 0.0) \
+            + (send_cost if receiving else 0.0)
+        c.look(now + length / 4, gen, bool(left), receiving)    # looks between chunks
         if left:
-            c.look(now + length / 2, gen, True)       # a look between the send's chunks
             left -= 1
             if left == 0:
-                c.sent(send_seconds)
+                c.sent(now + length / 2, send_seconds)
         now += length
         gen += 1
         c.look(now, gen, False)
@@ -57,6 +60,18 @@ def test_noisy_steps_never_throttle_sends_of_a_few_milliseconds():
         c = Cadence(budget=0.03)
         run(c, 300, step=0.1, send_cost=0.0, send_seconds=0.001, noise=0.3, seed=seed)
         assert c.every == 1, (seed, c.cost)
+
+
+def test_what_a_peers_sends_cost_this_node_is_charged_to_its_own_sends():
+    """Every node sends as much as it receives: a peer's replica arriving here slows this node's steps as much
+    as its own send does, so one send costs twice what its own gap shows (0.7 gaps): one every 24 (give or
+    take what the edges of a 48-gap window hold at two sends per window)."""
+    c = Cadence(budget=0.03)
+    run(c, 800, step=0.1, send_cost=0.035, peer=True)
+    assert 18 <= c.every <= 26 and 0.5 <= c.cost <= 0.8, (c.every, c.cost)
+    alone = Cadence(budget=0.03)
+    run(alone, 800, step=0.1, send_cost=0.035)
+    assert c.every > 1.5 * alone.every
 
 
 def test_never_fewer_than_one_replica_per_max_every_snapshots():

@@ -319,7 +319,7 @@ class Replicas:
             with self.lock:
                 self.sent[node] = {"step": step, "bytes": nbytes, "seconds": seconds, "ranks": ranks}
             self.log.emit("replica_sent", step=step, node=node, ranks=ranks, bytes=nbytes, seconds=seconds)
-            self.cadence.sent(seconds)
+            self.cadence.sent(time.monotonic(), seconds)
 
     def _look(self, ranks: List[int], sending: bool) -> Tuple[Tuple[int, int, Tuple[int, int]], ...]:
         """(rank, slot, (state, generation)) of every local slot; the lowest rank's newest complete snapshot
