@@ -148,6 +148,18 @@ def test_the_patched_loop_without_load_starts_from_scratch_and_still_saves(tmp_p
         wait_no_agent(ckpt)
 
 
+def test_the_hook_says_it_writes_the_torch_layout_when_megatron_asks_for_torch_dist(tmp_path):
+    """Megatron's default --ckpt-format is torch_dist, which easyckpt does not write yet: the hook says so
+    once (rank 0) instead of silently writing the torch layout."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    finish(launch(ckpt, out, TREE, hooked_script(tmp_path), ("--train-iters", "5", "--ckpt-format", "torch_dist"),
+                  log=tmp_path / "audit.jsonl"), out)
+    text = out.read_text()
+    assert text.count("--ckpt-format torch_dist is not written by easyckpt yet") == 1, text[-3000:]
+    assert (ckpt / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    wait_no_agent(ckpt)
+
+
 def test_hooked_loop_adopts_megatrons_own_checkpoint_in_its_save_dir(tmp_path):
     """easyckpt added to a running job (row 26): plain Megatron-LM (no hook) saved iteration 3 itself into
     --save = --load; the hooked loop resumes from it (said on the console), with the losses of a run that

@@ -26,7 +26,8 @@ Settings: ``--save`` (the checkpoint directory, also where easyckpt loads from),
 EASYCKPT_LOG_FILE (SAVE_DIR/easyckpt.log; 0 turns it off), EASYCKPT_GRACE_DEADLINE (300 s), EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT
 (default: on with ``--exit-signal-handler``). SIGTERM is handled by easyckpt whether or not Megatron's
 own handler is on (it is chained): the ranks agree on a step, save it, and exit or train on. Checkpoints
-use Megatron's ``--ckpt-format torch`` layout.
+use Megatron's ``--ckpt-format torch`` layout, whatever ``--ckpt-format`` says (rank 0 says so when it
+names another format).
 """
 from __future__ import annotations
 
@@ -77,6 +78,12 @@ def _ensure_initialized() -> bool:
                             grace_deadline=float(os.environ.get("EASYCKPT_GRACE_DEADLINE", "300")))
     _state["initialized"] = True
     atexit.register(_finalize_at_exit)
+    fmt = getattr(args, "ckpt_format", "torch")
+    if fmt != "torch" and _rank() == 0:
+        # never silently: Megatron's default is torch_dist, and its users expect that layout in --save
+        console.warning(f"--ckpt-format {fmt} is not written by easyckpt yet: checkpoints in {args.save} use "
+                        f"Megatron's torch layout (iter_N/mp_rank_XX/model_optim_rng.pt), which Megatron itself "
+                        f"reads with --ckpt-format torch")
     return True
 
 
