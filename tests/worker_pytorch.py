@@ -42,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--commit-timeout", type=float, default=600.0)
     p.add_argument("--replication-factor", type=int, default=2, help="peer replicas (1: none)")
     p.add_argument("--replica-bandwidth", type=float, default=1e9, help="bytes/s cap of replication (0: none)")
+    p.add_argument("--replica-interval", type=int, default=1, help="replicate every this many snapshots at most")
     p.add_argument("--worker-start", choices=("fork", "spawn", "forkserver"), default=None,
                    help="the DataLoader workers' multiprocessing start method (default: torch's)")
     return p
@@ -80,7 +81,8 @@ def inject(spec: str, once_dir, it: int, rank: int) -> None:
 class TestHooks(train.Hooks):
     def settings(self) -> dict:
         return {"agent_idle_timeout": self.args.idle_timeout, "commit_timeout": self.args.commit_timeout,
-                "replication_factor": self.args.replication_factor, "replica_bandwidth": self.args.replica_bandwidth}
+                "replication_factor": self.args.replication_factor, "replica_bandwidth": self.args.replica_bandwidth,
+                "replica_interval": self.args.replica_interval}
 
     def loaded(self, model: torch.nn.Module, rank: int) -> None:
         if self.args.dump_loaded and rank == 0:
