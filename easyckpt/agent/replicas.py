@@ -292,6 +292,8 @@ class Replicas:
         if any(slots.trainers_last_free(self.job_id, r, per_rank[r][step][0]) for r in ranks):
             self._seen = None     # look again at the next poll: a released persist changes no header
             return
+        if self.cadence.quiet and not force:
+            return      # a quiet period: the cadence measures the steps without replication
         # every replica_interval-th snapshot at most, and less often when sends measurably slow training
         every = max(self.cfg.replica_interval, self.cadence.every) * self.cfg.save_mem_interval
         for node in due:
@@ -321,13 +323,15 @@ class Replicas:
             self.log.emit("replica_sent", step=step, node=node, ranks=ranks, bytes=nbytes, seconds=seconds)
             self.cadence.sent(time.monotonic(), seconds)
 
-    def _look(self, ranks: List[int], sending: bool) -> Tuple[Tuple[int, int, Tuple[int, int]], ...]:
-        """(rank, slot, (state, generation)) of every local slot; the lowest rank's newest complete snapshot
-        goes to the cadence (its gaps are the step time it measures)."""
+    def _look(self, ranks: List[int], sending: bool) -> Tuple[Tuple[int, int, Tuple[int, int, int]], ...]:
+        """(rank, slot, (state, generation, step)) of every local slot; the lowest rank's newest complete
+        snapshot goes to the cadence (its gaps are the step time it measures; its number, the same on every
+        node, lines the quiet periods up across nodes)."""
         seen = tuple((r, i, shm.peek(shm.slot_path(self.job_id, r, i))) for r in ranks for i in (0, 1))
-        done = [gen for r, _, (state, gen) in seen if r == ranks[0] and state == shm.COMPLETE]
+        done = [(gen, step) for r, _, (state, gen, step) in seen if r == ranks[0] and state == shm.COMPLETE]
         receiving = self.server is not None and self.server.receiving > 0
-        self.cadence.look(time.monotonic(), max(done) if done else None, sending, receiving)
+        gen, step = max(done) if done else (None, 0)
+        self.cadence.look(time.monotonic(), gen, sending, receiving, index=step // self.cfg.save_mem_interval)
         if self.cadence.every != self._every_said:
             self._every_said = every = self.cadence.every
             cost = self.cadence.cost
@@ -338,7 +342,7 @@ class Replicas:
 
     def _pacer(self, ranks: List[int]) -> peerwire.Pacer:
         return peerwire.Pacer(self.cfg.replica_bandwidth,
-                              lambda: any(st == shm.WRITING for _, _, (st, _) in self._look(ranks, sending=True)))
+                              lambda: any(st == shm.WRITING for _, _, (st, _, _) in self._look(ranks, sending=True)))
 
     def _error(self, message: str) -> None:
         """Said once a minute at most per message: a peer that stays away must not flood the log."""

@@ -350,21 +350,23 @@ def segment_owner_pid(path: str) -> int:
     return _HDR.unpack_from(raw)[10] if len(raw) == _HDR.size and raw[:8] == MAGIC else 0
 
 
-def peek(path: str) -> Tuple[int, int]:
-    """(state, generation) of the slot at ``path``, (EMPTY, 0) when there is none: one small read, no mapping,
-    no check. Only for deciding whether to look closer (a new snapshot?) or to wait a moment (one being
-    copied); what is then read goes through slotread."""
+def peek(path: str) -> Tuple[int, int, int]:
+    """(state, generation, step) of the slot at ``path``, (EMPTY, 0, -1) when there is none: one small read,
+    no mapping, no check (the step means something only in a COMPLETE slot). Only for deciding whether to
+    look closer (a new snapshot?) or to wait a moment (one being copied); what is then read goes through
+    slotread."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
-        return EMPTY, 0
+        return EMPTY, 0, -1
     try:
         raw = os.pread(fd, 32, 0)
     finally:
         os.close(fd)
     if len(raw) < 32:
-        return EMPTY, 0
-    return struct.unpack_from("<I", raw, _STATE_AT)[0], struct.unpack_from("<Q", raw, 24)[0]
+        return EMPTY, 0, -1
+    return (struct.unpack_from("<I", raw, _STATE_AT)[0], struct.unpack_from("<Q", raw, 24)[0],
+            struct.unpack_from("<q", raw, 16)[0])
 
 
 def owned_by_me(path: str) -> bool:
