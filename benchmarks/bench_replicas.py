@@ -172,6 +172,7 @@ def measure_throughput(nbytes: int, repeats: int, work: str) -> Dict[str, Any]:
             step = 10 * (rep + 1)
             _publish(slot, nbytes, step, generation=rep + 1)
             t0 = time.perf_counter()
+            reps._force = True     # as a drain does: whatever the cadence says (no training runs here)
             reps._replicate()
             sec = time.perf_counter() - t0
             sent = reps.sent.get(0, {})
