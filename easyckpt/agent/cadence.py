@@ -21,8 +21,8 @@ k doubles until there are some.
 Clean gaps between busy ones are not quite clean (measured: 6 % slower than a run without replicas, with
 caches, memory and the peers' timing all shaken by the transfers next to them), so once sends cost
 something the sender also holds them back for QUIET_LEN gaps every QUIET_PERIOD: those gaps are the step
-time without replication, and c becomes (median of the other recent gaps / median quiet gap − 1) × gaps
-per send. A snapshot that is skipped is not lost to anyone: the next send carries the newest.
+time without replication, and c becomes (mean of the other recent gaps / mean quiet gap − 1) × gaps per
+send, each mean over gaps capped at 3× their median (a send's cost is a mean effect; a rare stall is not). A snapshot that is skipped is not lost to anyone: the next send carries the newest.
 """
 from __future__ import annotations
 

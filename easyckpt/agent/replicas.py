@@ -82,7 +82,9 @@ class Replicas:
         self._said: Dict[str, float] = {}
         self._wake = threading.Event()
         self._force = False
-        self._seen: Tuple[Any, ...] = ()      # the slots' (path, state, generation) when last looked at
+        self._seen: Tuple[Any, ...] = ()      # the slots' (rank, slot, (state, generation, step)) when last looked at
+        self._per_rank: slots.PerRank = {}      # their complete snapshots, read when ``_seen`` changed
+        self._held_back = False                 # the last send waited for a trainer's slot to be released
         self._retry_at: Dict[int, float] = {}   # holder node -> when to try again after a failed send
         self._sending = False
         self.cadence = Cadence()
@@ -282,15 +284,18 @@ class Replicas:
         seen = self._look(ranks, sending=False)
         now = time.monotonic()
         due = [n for n in targets if now >= self._retry_at.get(n, 0.0)]
-        if seen == self._seen and not force and not any(n in self._retry_at for n in due):
+        if seen != self._seen:     # a slot changed: read the snapshots' metadata again (only then)
+            self._seen, self._per_rank = seen, slots.complete_snapshots(self.job_id, ranks, self.log)
+        elif not force and not self._held_back and not any(n in self._retry_at for n in due):
             return      # no slot changed since the last look, no failed send to retry: nothing to do
-        self._seen = seen
-        per_rank = slots.complete_snapshots(self.job_id, ranks, self.log)
+        per_rank = self._per_rank
         step = slots.newest_common(per_rank)
         if step is None:
             return
-        if any(slots.trainers_last_free(self.job_id, r, per_rank[r][step][0]) for r in ranks):
-            self._seen = None     # look again at the next poll: a released persist changes no header
+        # held back while it would take the trainer's last free slot; looked at again every poll, since a
+        # released persist changes no header
+        self._held_back = any(slots.trainers_last_free(self.job_id, r, per_rank[r][step][0]) for r in ranks)
+        if self._held_back:
             return
         if self.cadence.quiet and not force:
             return      # a quiet period: the cadence measures the steps without replication

@@ -177,7 +177,7 @@ class Slot:
     @classmethod
     def create_or_grow(cls, path: str, size: int, touch: bool = True) -> "Slot":
         """Open the slot at ``path`` with at least ``size`` bytes, reserving the memory now. ``touch``: fault
-        the new pages into this mapping too (a writer through the file, pwrite, gains nothing from it).
+        the new pages into this mapping too (a replica receiver maps the slot populated instead).
 
         posix_fallocate makes tmpfs allocate the pages up front: running out of /dev/shm is an
         ENOSPC here, before any copy, instead of a SIGBUS in the middle of a snapshot (promise 6).
