@@ -194,6 +194,47 @@ def test_a_step_the_dead_trainers_left_incomplete_is_abandoned_once_its_persist_
     assert node.jobs(out) == [AbandonJob(None)]
 
 
+def test_a_step_saved_for_dead_trainers_never_commits_with_fewer_ranks_when_the_job_comes_back_smaller():
+    """2 ranks (rank 1 on a node lost for good); the agent saves step 14 for its dead rank 0, and the job
+    restarts alone (world size 1) while that persist runs. Step 14 lacks rank 1's shard: it must neither
+    commit as a 1-rank step nor wait for a shard that never comes."""
+    node = Node(world_size=2)
+    node.co.trainers_died(keep=14)
+    node.take()
+    writing = node.persist(0, 14)
+    node.co.new_trainers(world_size=1)
+    node.co.hello(0, 1)
+    out = node.take()
+    assert Submit(DropJob(14)) in out and Cancel(None, 2) in out
+    assert [a for a in out if isinstance(a, Log) and a.event == "abandon" and a.fields["step"] == 14]
+    out = node.persisted(writing)
+    assert not [j for j in node.jobs(out) if isinstance(j, CommitJob)], "a 2-rank step committed with 1 shard"
+    node.co.tick()
+    assert not node.jobs(node.take()) and 14 not in node.co.pending
+    # the new trainers' own step commits with their world size, and their flush is not answered by the old shard
+    node.co.flush("new", 0, 14, 1, 30)
+    job, = node.jobs(node.take())
+    assert job.world_size == 1 and job.generation == 30
+    node.staging.pop(14, None)                       # the DropJob ran
+    commit, = node.jobs(node.persisted(job))
+    assert commit == CommitJob(14, 1, node.co.epoch, rank=0)
+
+
+def test_a_step_saved_for_dead_trainers_still_commits_when_they_come_back_on_the_same_layout():
+    node = Node(world_size=2)
+    node.co.trainers_died(keep=14)
+    node.take()
+    writing = node.persist(0, 14)
+    node.co.new_trainers(world_size=2)
+    node.co.hello(0, 2)
+    assert not [j for j in node.jobs(node.take()) if isinstance(j, DropJob)]
+    node.persisted(writing)
+    assert 14 in node.co.pending
+    node.staging[14].add(1)                          # the other node's agent wrote its dead rank's shard
+    node.co.tick()
+    assert node.jobs(node.take()) == [CommitJob(14, 2, node.co.epoch)]
+
+
 def test_cancelled_persists_are_no_longer_outstanding():
     node = Node(world_size=1)
     job = node.persist(0, 5)

@@ -99,6 +99,9 @@ class Coordinator:
         self.death_step: Optional[int] = None  # the step being saved for the trainers that died last
         self.newest_committed = -1            # an older step is never committed after it (same epoch)
         self.pending: Dict[int, float] = {}   # step -> deadline: waiting for other ranks' shards
+        # step -> the world size of the trainers whose snapshots it holds: a step of trainers that are gone
+        # commits only with all of THEIR ranks' shards, whatever the world size of the trainers now
+        self.step_world: Dict[int, int] = {}
         self.committing: Set[int] = set()     # commit jobs submitted, no result yet
         self.done: Dict[Tuple[int, int], Optional[str]] = {}   # (rank, step) -> error or None
         self.queued: Set[Tuple[int, int]] = set()              # (rank, step) persists not finished
@@ -137,7 +140,19 @@ class Coordinator:
         # answer the new run's flush or commit wait for it
         self.failed.clear()
         self.done.clear()
-        self._out.append(Cancel(self.death_step, self.epoch))
+        keep = self.death_step
+        if keep is not None and self.step_world.get(keep, world_size) != world_size:
+            # the job came back on another layout (a node lost for good): the step saved for the dead
+            # trainers lacks the shards of ranks that no longer exist, and the new trainers' own shards of
+            # a step with that number must never be mixed with it. Its staging goes like the others'.
+            self._out.append(Log("abandon", {"step": keep, "message": f"the trainers came back with world size "
+                                 f"{world_size}, not {self.step_world[keep]}: step {keep} saved for the dead "
+                                 f"ones cannot be completed"}))
+            self.pending.pop(keep, None)
+            self._submit(DropJob(keep))   # runs after a persist of it in flight; a queued one is cancelled
+            self.death_step = keep = None
+        self.step_world = {s: w for s, w in self.step_world.items() if s == keep}
+        self._out.append(Cancel(keep, self.epoch))
         self._out.append(Log("new_trainers", {"epoch": self.epoch, "world_size": world_size, "message":
                              "earlier trainers are gone; their pending steps no longer decide what commits"}))
 
@@ -145,7 +160,9 @@ class Coordinator:
         if (rank, step) in self.queued:
             return
         self.queued.add((rank, step))
-        self._submit(PersistJob(step, rank, slot, generation, reason, self.epoch))
+        if self.commits and self.world_size is not None:
+            self.step_world.setdefault(step, self.world_size)
+        self._submit(PersistJob(step, rank, slot, generation, reason, self.epoch, self.world_size or 0))
 
     def flush(self, to: Any, rank: int, step: int, slot: int, generation: int) -> None:
         if (rank, step) not in self.done:   # e.g. this agent replaced one that died: persist it now
@@ -212,18 +229,24 @@ class Coordinator:
             if stale and job.epoch < self.abandon_epoch:
                 # its trainers died while it was being written: a step it completes still commits (every
                 # shard is durable and of one set of trainers); any other goes with its staging (AbandonJob)
-                if self._complete(job.step) and self._may_commit(job.step):
-                    self._submit(CommitJob(job.step, self.world_size or 0, job.epoch, job.rank))
+                if self._complete(job.step, job.world_size) and self._may_commit(job.step):
+                    self._submit(CommitJob(job.step, job.world_size, job.epoch, job.rank))
                     return
             elif job.epoch == self.epoch and job.step < self.newest_committed:
                 self._supersede(job.step)
-            elif self._complete(job.step) and self._may_commit(job.step):
+            elif self._complete(job.step, job.world_size) and self._may_commit(job.step):
                 # the rank's flush is answered by the commit, as if it were part of this persist
-                self._submit(CommitJob(job.step, self.world_size or 0, job.epoch, job.rank))
+                self._submit(CommitJob(job.step, job.world_size, job.epoch, job.rank))
                 return
             elif not stale:
                 self.pending.setdefault(job.step, self.clock() + self.commit_timeout)
         self.queued.discard((job.rank, job.step))
+        if stale:
+            # its trainers are gone and nobody waits for it: it must neither answer the new trainers' flush
+            # of a step with the same number nor fail (and remove the staging of) their step
+            if err is not None:
+                self._error(f"step {job.step} of earlier trainers", err, job.step, job.rank)
+            return
         self.done[(job.rank, job.step)] = err
         if err is not None:
             self._fail(job.step, err, job.rank)
@@ -238,6 +261,7 @@ class Coordinator:
             return
         self.pending.pop(job.step, None)
         self.failed.pop(job.step, None)
+        self.step_world = {s: w for s, w in self.step_world.items() if s > job.step or s in self.pending}
         if job.epoch == self.epoch:   # a commit for trainers that are gone decides nothing for new ones
             self.newest_committed = max(self.newest_committed, job.step)
             for older in sorted(s for s in self.pending if s < job.step):
@@ -252,9 +276,9 @@ class Coordinator:
         for step, deadline in list(self.pending.items()):
             if self._complete(step):
                 if self._may_commit(step):
-                    self._submit(CommitJob(step, self.world_size or 0, self.epoch))
+                    self._submit(CommitJob(step, self._world(step), self.epoch))
             elif now > deadline:
-                missing = sorted(set(range(self.world_size or 0)) - (self.shards(step) or set()))
+                missing = sorted(set(range(self._world(step))) - (self.shards(step) or set()))
                 self.pending.pop(step)
                 self._fail(step, f"commit timed out after {self.commit_timeout}s waiting for the shards of "
                                  f"ranks {missing}", None)
@@ -276,9 +300,15 @@ class Coordinator:
         if not self.persisting[key]:
             del self.persisting[key]
 
-    def _complete(self, step: int) -> bool:
+    def _world(self, step: int) -> int:
+        return self.step_world.get(step, self.world_size or 0)
+
+    def _complete(self, step: int, world_size: Optional[int] = None) -> bool:
+        """Every rank's shard of ``step`` is durable: of ``world_size`` ranks, those of the trainers that
+        asked for it (by default the step's own, see ``step_world``)."""
         shards = self.shards(step)
-        return self.world_size is not None and shards is not None and len(shards) >= self.world_size
+        world = world_size or self._world(step)
+        return world > 0 and shards is not None and len(shards) >= world
 
     def _may_commit(self, step: int) -> bool:
         # one commit of a step at a time, and never after a newer step's commit already on its way
@@ -293,7 +323,7 @@ class Coordinator:
         shards = self.shards(step)
         if shards is None:
             return       # committed meanwhile (a commit asked for twice): nothing to drop
-        missing = sorted(set(range(self.world_size or 0)) - shards)
+        missing = sorted(set(range(self._world(step))) - shards)
         self._out.append(Log("abandon", {"step": step, "message": f"superseded by the commit of step "
                              f"{self.newest_committed} before ranks {missing} handed over their shards of it"}))
         self._submit(DropJob(step))

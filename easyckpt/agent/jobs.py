@@ -20,6 +20,7 @@ class PersistJob:
     generation: int
     reason: str = "interval"       # interval | finalize | trainer died | grace deadline (for the audit log)
     epoch: int = 0                 # the set of trainers it was asked for (coordinator.py)
+    world_size: int = 0            # their world size: the step commits once that many ranks' shards are in
 
 
 @dataclass(frozen=True)
