@@ -127,3 +127,32 @@ def test_retention_keeps_the_newest_and_protected_steps_like_the_trainer():
     assert [s for s, _ in KeepLast(1, protect=[10]).to_delete(dirs)] == [25, 20, 15, 5]   # newest + best
     assert [s for s, _ in KeepLast(3, protect=[30]).to_delete(dirs)] == [15, 10, 5]
     assert KeepLast(None, protect=[10]).to_delete(dirs) == []
+
+
+def test_distcp_shards_hold_each_tensor_item_as_torch_saves_it_at_the_stated_offsets(tmp_path, snap):
+    """A torch.distributed.checkpoint data file, written by the agent from the slot: each tensor item must
+    load with torch.load from exactly [offset, offset + size) as the trainer computed them (DCP's reader
+    slices the file there), and a bytes item must be there verbatim."""
+    import io
+
+    from easyckpt.trainer.tree import FLATTEN, dcp_item_sizes
+    items = [b"object-bytes\x00\x01", torch.randn(3, 5), torch.arange(7, dtype=torch.int64),
+             torch.randn(2, 2, dtype=torch.bfloat16)[:, 1], b""]
+    res = snap.snapshot(3, [ShardSpec("__0_0.distcp", items, True, fmt="dcp")], persist=True)
+    _, files, _, _, _ = persist_slot(shm.slot_path("feedfacecafe", 0, res.slot), res.generation, str(tmp_path), 0)
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    sizes = dcp_item_sizes(FLATTEN["dcp"](items)[0])
+    assert files["__0_0.distcp"]["format"] == "dcp" and len(data) == sum(sizes)
+    offset = 0
+    for item, size in zip(items, sizes):
+        piece = data[offset:offset + size]
+        if isinstance(item, bytes):
+            assert piece == item
+        else:
+            assert torch.equal(torch.load(io.BytesIO(piece), weights_only=True), item)
+        offset += size
+    mem = read_snapshot("feedfacecafe", 0, res.slot, 3)["__0_0.distcp"]
+    assert mem[0] == items[0] and torch.equal(mem[3], items[3])
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(build(3, "x", "t", 1, files)))
+    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m["files"]])
+    assert problem is None and trees == {"__0_0.distcp": None}

@@ -64,6 +64,8 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
                     fmt = f.get("fmt", "safetensors")
                     if fmt == "torch":
                         digest = _write_torch(out, view, f, meta["skeletons"][rel])
+                    elif fmt == "dcp":
+                        digest = _write_dcp(out, view, f, meta["skeletons"][rel])
                     elif fmt == "raw":
                         data = base64.b64decode(meta["skeletons"][rel]["__raw"])
                         out.write(data)
@@ -103,6 +105,34 @@ def _write_shard(out: Writer, header: bytes, view: memoryview, start: int, end: 
         out.write_mapped(view, start, end)
     finally:
         worker.join()
+    return hasher.hexdigest()
+
+
+def _write_dcp(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]) -> str:
+    """A torch.distributed.checkpoint data file: its items back to back, each a torch.save archive of one
+    tensor (offsets relative to the item, as DCP's reader slices the file) or bytes. Each item must come
+    out at the size the trainer put in the checkpoint's metadata: a mismatch fails the persist."""
+    ranges = slotmeta.tensor_ranges(f)
+    hasher = mf.Hasher()
+
+    def write(data: bytes) -> None:
+        hasher.update(data)
+        out.write(data)
+
+    def write_slot(begin: int, end: int) -> None:
+        hasher.update(view[begin:end])
+        out.write_mapped(view, begin, end)
+
+    for n, item in enumerate(skeleton["__dcp"]):
+        start = out.size
+        if "b" in item:
+            write(base64.b64decode(item["b"]))
+            continue
+        torchzip.write_torch_file(write, write_slot, lambda: out.size - start, base64.b64decode(item["pkl"]),
+                                  [tuple(ranges[item["t"]])], slot_phase=False)
+        if out.size - start != item["n"]:
+            raise ValueError(f"{f['relpath']}: item {n} came out at {out.size - start} bytes, its metadata "
+                             f"says {item['n']}")
     return hasher.hexdigest()
 
 

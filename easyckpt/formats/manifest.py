@@ -31,7 +31,7 @@ MANIFEST_NAME = "easyckpt_manifest.json"
 FORMAT_VERSION = 1
 ALGO = "xxh3_64" if xxhash is not None else "crc32"
 ALGOS = ("xxh3_64", "crc32")
-FORMATS = ("safetensors", "torch", "raw")
+FORMATS = ("safetensors", "torch", "raw", "dcp")
 MAX_MANIFEST_BYTES = 256 << 20        # a manifest lists files, it is never this large
 
 

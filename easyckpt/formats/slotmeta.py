@@ -18,7 +18,7 @@ from easyckpt.formats.paths import check_relpath
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
             "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
-FORMATS = ("safetensors", "torch", "raw")
+FORMATS = ("safetensors", "torch", "raw", "dcp")
 MAX_DIMS = 64
 
 
@@ -97,6 +97,19 @@ def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data
         if not (isinstance(skeleton, dict) and isinstance(skeleton.get("__raw"), str)) or tensors:
             raise BadSlotMeta(f"{rel}: a raw shard's skeleton is not {{'__raw': base64}}")
         _b64(skeleton["__raw"], rel)
+    elif fmt == "dcp":
+        entries = skeleton.get("__dcp") if isinstance(skeleton, dict) else None
+        if not isinstance(entries, list):
+            raise BadSlotMeta(f"{rel}: a distcp shard's skeleton lacks its item list")
+        for e in entries:
+            if isinstance(e, dict) and set(e) == {"b"} and isinstance(e["b"], str):
+                _b64(e["b"], rel)
+            elif (isinstance(e, dict) and set(e) == {"t", "pkl", "n"} and e["t"] in keys
+                  and isinstance(e["pkl"], str) and type(e["n"]) is int and e["n"] > 0):
+                _b64(e["pkl"], rel)
+            else:
+                raise BadSlotMeta(f"{rel}: distcp item {str(e)[:120]} is not {{'b': data}} or "
+                                  f"{{'t': tensor, 'pkl': pickle, 'n': size}}")
     elif rel not in skeletons:
         raise BadSlotMeta(f"{rel}: no skeleton")
 

@@ -38,9 +38,11 @@ class _Entry:
 
 
 def write_torch_file(write: Callable[[bytes], None], write_slot: Callable[[int, int], None], position: Callable[[], int],
-                     pickle_bytes: bytes, storages: Sequence[Tuple[int, int]]) -> None:
+                     pickle_bytes: bytes, storages: Sequence[Tuple[int, int]], slot_phase: bool = True) -> None:
     """``write(data)`` appends bytes, ``write_slot(begin, end)`` appends slot bytes, ``position()`` is the
-    file's size so far. ``storages``: (begin, end) in the slot of storage record i."""
+    file's size so far. ``storages``: (begin, end) in the slot of storage record i. ``slot_phase=False``:
+    records are only 64-byte aligned, so the archive's size depends on its contents' sizes alone (an item of
+    a distributed-checkpoint file, whose offset and length the trainer states before the agent writes it)."""
     entries: List[_Entry] = []
 
     def record(name: str, size: int, phase: int) -> None:
@@ -66,12 +68,29 @@ def write_torch_file(write: Callable[[bytes], None], write_slot: Callable[[int, 
     small_record(".storage_alignment", str(ALIGN).encode())
     small_record("byteorder", b"little")
     for i, (begin, end) in enumerate(storages):
-        record(f"data/{i}", end - begin, begin % BLOCK)
+        record(f"data/{i}", end - begin, begin % BLOCK if slot_phase else -1)
         if end > begin:
             write_slot(begin, end)
     small_record("version", b"3\n")
     small_record(".data/serialization_id", str(int.from_bytes(os.urandom(16), "little")).zfill(40).encode())
     _central_directory(write, position, entries)
+
+
+def torch_file_size(pickle_len: int, sizes: Sequence[int]) -> int:
+    """The size of ``write_torch_file(..., slot_phase=False)`` with a pickle of ``pickle_len`` bytes and
+    storage records of ``sizes`` bytes."""
+    total = 0
+
+    def add(data: bytes) -> None:
+        nonlocal total
+        total += len(data)
+
+    def add_slot(begin: int, end: int) -> None:
+        nonlocal total
+        total += end - begin
+
+    write_torch_file(add, add_slot, lambda: total, bytes(pickle_len), [(0, n) for n in sizes], slot_phase=False)
+    return total
 
 
 def _central_directory(write: Callable[[bytes], None], position: Callable[[], int], entries: List[_Entry]) -> None:

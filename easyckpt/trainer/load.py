@@ -230,6 +230,8 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[str, bool
                 trees[rel] = safe_torch_load(bytes(buf))
             elif fmt == "raw":
                 trees[rel] = bytes(buf)
+            elif fmt == "dcp":     # checked; the framework's own reader takes the items it needs from the file
+                trees[rel] = None
             else:
                 skeleton, tensors = shardload.decode(buf)
                 trees[rel] = unflatten(skeleton, tensors)

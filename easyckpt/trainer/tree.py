@@ -243,12 +243,48 @@ def raw_bytes(skeleton: Any) -> bytes:
     return base64.b64decode(skeleton["__raw"])
 
 
-FLATTEN = {"safetensors": flatten, "torch": flatten_pickled, "raw": flatten_raw}
+DCP = "__dcp"
+
+
+def flatten_dcp(items: Any) -> Tuple[Any, Tensors]:
+    """A torch.distributed.checkpoint data file (``__R_0.distcp``): ``items`` in file order, each a tensor
+    (written as DCP's FileSystemWriter writes one: a torch.save archive of that tensor alone) or bytes (a
+    BYTE_IO item, written as is). Skeleton {DCP: [{"t": key, "pkl": pickle, "n": item size} | {"b": bytes}]};
+    ``dcp_item_sizes`` gives the item sizes that the checkpoint's metadata must state."""
+    from easyckpt.formats.torchzip import torch_file_size
+
+    if not isinstance(items, list):
+        raise TypeError(f"a distcp shard holds a list of tensors and bytes, not {type(items).__name__}")
+    entries: List[Any] = []
+    tensors: Tensors = []
+    for i, item in enumerate(items):
+        if isinstance(item, (bytes, bytearray)):
+            entries.append({"b": base64.b64encode(bytes(item)).decode()})
+            continue
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"item {i} of a distcp shard is a {type(item).__name__}, not a tensor or bytes")
+        skeleton, (pair,) = flatten_pickled(item.detach().contiguous())
+        pkl = skeleton[TORCHZIP]
+        key = f"{i}"
+        tensors.append((key, pair[1]))
+        n = torch_file_size(len(base64.b64decode(pkl)), [item.numel() * item.element_size()])
+        entries.append({"t": key, "pkl": pkl, "n": n})
+    return {DCP: entries}, tensors
+
+
+def dcp_item_sizes(skeleton: Any) -> List[int]:
+    """The size of each item of a distcp shard's skeleton, in file order."""
+    return [e["n"] if "t" in e else len(base64.b64decode(e["b"])) for e in skeleton[DCP]]
+
+
+FLATTEN = {"safetensors": flatten, "torch": flatten_pickled, "raw": flatten_raw, "dcp": flatten_dcp}
 
 
 def rebuild(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, dict) and set(skeleton) == {"__raw"}:
         return raw_bytes(skeleton)
+    if isinstance(skeleton, dict) and DCP in skeleton:
+        return [tensors[e["t"]] if "t" in e else base64.b64decode(e["b"]) for e in skeleton[DCP]]
     return unflatten_pickled(skeleton, tensors) if is_pickled(skeleton) else unflatten(skeleton, tensors)
 
 
