@@ -6,10 +6,18 @@ there is nothing to load. With Megatron-LM's ``megatron.training`` importable an
 parsed, the save directory, the arguments stored in the checkpoint and the consumed-sample counters
 come from ``get_args()``; with megatron-core alone pass ``save_dir=`` (and ``args=``) explicitly.
 
-``concat=True`` resumes on another data-parallel size: the DistributedOptimizer state is stored per
-data-parallel rank (``distrib_optim_dp{r:03d}.pt``, no gather on the save path); concat reassembles every
-parameter from all saved shards and takes this rank's slice. Without it, a shard that does not match the
-current layout is refused with a message that names concat=True.
+Two layouts, Megatron's own (``ckpt_format``, by default Megatron-LM's ``args.ckpt_format``, else torch):
+
+- ``torch_dist`` (megatron.core.dist_checkpointing; torchdist.py): Megatron's loader reads it on any
+  TP/PP/DP layout, and so does ``load_checkpoint`` here: a resume on another layout reads the chunks this
+  rank needs from storage (a snapshot in memory serves only the layout it was taken on).
+- ``torch`` (state.py): per-rank ``mp_rank_*/model_optim_rng.pt``. ``concat=True`` resumes on another
+  data-parallel size: the DistributedOptimizer state is stored per data-parallel rank
+  (``distrib_optim_dp{r:03d}.pt``, no gather on the save path); concat reassembles every parameter from
+  all saved shards and takes this rank's slice. Without it, a shard that does not match the current
+  layout is refused with a message that names concat=True. Another TP/PP size is refused.
+
+A checkpoint is restored in the layout it was written in, whatever ``ckpt_format`` says for new saves.
 """
 from __future__ import annotations
 
@@ -20,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 import torch
 
 from easyckpt.config import Config, adapter_config
-from easyckpt.errors import ConfigError
+from easyckpt.errors import ConfigError, EasyCkptError
 from easyckpt.megatron import state as _state
+from easyckpt.megatron import torchdist as _dist
 from easyckpt.trainer.checkpointer import DefaultCheckpointer
 from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
@@ -37,6 +46,8 @@ Scheduler = Optional["OptimizerParamScheduler"]
 
 _default = DefaultCheckpointer("easyckpt.megatron")
 _args: Optional[argparse.Namespace] = None
+_format = {"ckpt_format": "torch"}
+FORMATS = ("torch", "torch_dist")
 
 
 def _megatron_args() -> Optional[argparse.Namespace]:
@@ -59,17 +70,39 @@ class MegatronState:
     strict: bool = True
     concat: bool = False
 
+    def layout(self) -> str:
+        return _dist.layout(_state.parallel(), self.model)
+
     def collect(self) -> List[ShardSpec]:
         # everything happens here: an iteration that takes no snapshot pays for nothing
-        return _state.collect(self.iteration, self.model, self.optimizer, self.opt_param_scheduler,
-                              self.flops or 0, _args, _state.parallel())
+        collect = _dist.collect if _format["ckpt_format"] == "torch_dist" else _state.collect
+        return collect(self.iteration, self.model, self.optimizer, self.opt_param_scheduler, self.flops or 0, _args,
+                       _state.parallel())
 
     def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
-        return _state.needed(_state.parallel(), self.optimizer, manifest, self.concat)
+        where = _state.parallel()
+        if _dist.is_torch_dist(manifest["files"]):
+            return _dist.needed(where, torch.distributed.get_world_size(), manifest)
+        saved = (manifest.get("info") or {}).get("layout")
+        now = _dist.layout(where, self.model)
+        if isinstance(saved, str) and saved.split(".dp")[0] != now.split(".dp")[0]:
+            # not a ValueError: that would reject the step as damaged and fall back to an older one
+            raise EasyCkptError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; this "
+                             f"run is {now}: the torch layout resumes only on another data-parallel size "
+                             f"(concat=True). Save with ckpt_format='torch_dist' to change TP or PP")
+        return _state.needed(where, self.optimizer, manifest, self.concat)
 
     def restore(self, loaded: Loaded) -> Tuple[int, float]:
-        saved = _state.restore(loaded.trees, _state.parallel(), self.model, self.optimizer,
-                               self.opt_param_scheduler, self.strict, self.concat)
+        where = _state.parallel()
+        if _dist.COMMON in loaded.trees:
+            saved_layout = (loaded.manifest or {}).get("info", {}).get("layout") if loaded.source == "storage" \
+                else self.layout()
+            saved = _dist.restore(loaded.trees, loaded.path if loaded.source == "storage" else None, where,
+                                  self.model, self.optimizer, self.opt_param_scheduler, self.strict,
+                                  same_layout=saved_layout == self.layout())
+        else:
+            saved = _state.restore(loaded.trees, where, self.model, self.optimizer, self.opt_param_scheduler,
+                                   self.strict, self.concat)
         iteration = int(saved["iteration"])
         _restore_training_counters(saved, iteration)
         return iteration, saved.get("num_floating_point_operations_so_far", 0) or 0
@@ -78,13 +111,20 @@ class MegatronState:
 def initialize_easyckpt(save_mem_interval: Union[int, Config] = 1, save_storage_interval: int = 5,
                         max_ckpt_num: Optional[int] = 5, log_file_path: Union[str, bool, None] = None, *,
                         save_dir: Optional[str] = None, args: Optional[argparse.Namespace] = None,
-                        config: Optional[Config] = None, **advanced: Any) -> None:
+                        config: Optional[Config] = None, ckpt_format: Optional[str] = None, **advanced: Any) -> None:
     """Attach this rank to easyckpt. ``save_dir`` defaults to Megatron's ``args.save``. Or one ``Config``
-    instead of the settings: ``initialize_easyckpt(config)`` / ``initialize_easyckpt(config=config, args=args)``."""
+    instead of the settings: ``initialize_easyckpt(config)`` / ``initialize_easyckpt(config=config, args=args)``.
+    ``ckpt_format``: the layout of new checkpoints, "torch_dist" or "torch"; by default ``args.ckpt_format``
+    when the args have one (Megatron-LM's default is torch_dist), else "torch"."""
     global _args
     if isinstance(save_mem_interval, Config):
         config, save_mem_interval = save_mem_interval, 1
     _args = args if args is not None else _megatron_args()
+    fmt = ckpt_format or getattr(_args, "ckpt_format", None) or "torch"
+    if fmt not in FORMATS:
+        raise ConfigError(f"ckpt_format {fmt!r}: easyckpt writes Megatron's {' and '.join(FORMATS)} layouts; pass "
+                          f"--ckpt-format torch_dist (Megatron's default) or torch")
+    _format["ckpt_format"] = fmt
     if config is None:
         save_dir = save_dir or getattr(_args, "save", None)
         if not save_dir:
@@ -97,16 +137,16 @@ def initialize_easyckpt(save_mem_interval: Union[int, Config] = 1, save_storage_
 def save_checkpoint_if_needed(iteration: int, model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler,
                               num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Call every iteration after the optimizer step; snapshots and persists on the configured intervals."""
-    _default.require().save(iteration, MegatronState(model, optimizer, opt_param_scheduler, iteration,
-                                                     num_floating_point_operations_so_far), optimizer=optimizer)
+    state = MegatronState(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far)
+    _default.require().save(iteration, state, optimizer=optimizer, info={"layout": state.layout()})
 
 
 def save_checkpoint_now(iteration: int, model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler,
                         num_floating_point_operations_so_far: Optional[float] = None) -> None:
     """Snapshot ``iteration`` (unless it already is) and have it persisted, without waiting for storage:
     what Megatron's own save points (--save-interval, exit signal, end of training) map to."""
-    _default.require().save_now(iteration, MegatronState(model, optimizer, opt_param_scheduler, iteration,
-                                                         num_floating_point_operations_so_far))
+    state = MegatronState(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far)
+    _default.require().save_now(iteration, state, info={"layout": state.layout()})
 
 
 def save_checkpoint(iteration: int, model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler,
@@ -118,7 +158,8 @@ def save_checkpoint(iteration: int, model: Model, optimizer: Optimizer, opt_para
 
 def load_checkpoint(model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler, load_arg: str = "load",
                     strict: bool = True, concat: bool = False, **kwargs: Any) -> Tuple[int, float]:
-    """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``."""
+    """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``. A
+    torch_dist checkpoint resumes on any TP/PP/DP layout; a torch one on another DP size with ``concat``."""
     restored = _default.require().load(MegatronState(model, optimizer, opt_param_scheduler, strict=strict,
                                                      concat=concat))
     return (0, 0) if restored is None else restored

@@ -92,7 +92,9 @@ class Checkpointer:
 
     def load(self, state: FrameworkState[R]) -> Optional[R]:
         """Restore the newest complete state through ``state``; None (logged) when there is nothing."""
-        loaded = self.engine.load(state.needed)
+        # an adapter whose layout can change under the same world size (Megatron's TP/PP) says which it has
+        layout = getattr(state, "layout", None)
+        loaded = self.engine.load(state.needed, layout() if callable(layout) else None)
         if loaded is None:
             self.engine.log.emit("load", step=0, rank=self.rank, source="none",
                                  message="no checkpoint found: starting from scratch")

@@ -58,11 +58,13 @@ class Loaded:
 
 def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog,
                 on_rejected: Optional[Callable[[int, str], None]] = None,
-                remote: Optional[Remote] = None) -> Optional[Loaded]:
+                remote: Optional[Remote] = None, layout: Optional[str] = None) -> Optional[Loaded]:
     """``on_rejected(step, why)``: called on rank 0 for each committed step rejected as damaged.
-    ``remote``: this rank's replicas on peer nodes (None: replicas are off)."""
-    # a snapshot taken with another world size holds another layout's shards: storage has to serve that
-    mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.world_size == world_size]
+    ``remote``: this rank's replicas on peer nodes (None: replicas are off). ``layout``: the adapter's
+    parallel layout now (e.g. Megatron's TP/PP sizes); a snapshot taken on another one is not used."""
+    # a snapshot taken with another world size or layout holds another layout's shards: storage serves that
+    mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank)
+           if s.world_size == world_size and (layout is None or s.layout == layout)]
     on_peer = sorted({s for s, w, _ in (remote.steps() if remote else []) if w == world_size}
                      - {s.step for s in mem})
     sd = SaveDir(cfg.save_dir, cfg.naming, cfg.job_id)

@@ -304,12 +304,13 @@ class Engine:
 
     # ---- load ----------------------------------------------------------------------------
 
-    def load(self, needed: Needed) -> Optional[Loaded]:
+    def load(self, needed: Needed, layout: Optional[str] = None) -> Optional[Loaded]:
         self.settle()
         self._introduce()
         loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log,
                              on_rejected=lambda step, why: one_shot(self.cfg.job_id, {
-                                 "op": "damaged", "step": step, "reason": why}), remote=self.remote)
+                                 "op": "damaged", "step": step, "reason": why}), remote=self.remote,
+                             layout=layout)
         if loaded is not None and loaded.source == "peer":
             self.snapshotter.rescan()    # the pulled slot carries the agent's generation count
         if loaded is not None:

@@ -257,6 +257,7 @@ class SlotInfo:
     step: int
     generation: int
     world_size: int
+    layout: Optional[str] = None     # the adapter's parallel layout (info "layout"), when it states one
 
 
 def complete_snapshots(job_id: str, rank: int) -> List[SlotInfo]:
@@ -265,7 +266,9 @@ def complete_snapshots(job_id: str, rank: int) -> List[SlotInfo]:
     for i in (0, 1):
         done = slotread.read_complete(shm.slot_path(job_id, rank, i))
         if done is not None:
-            found.append(SlotInfo(i, done.step, done.generation, done.header.world_size))
+            layout = (done.meta.get("info") or {}).get("layout")
+            found.append(SlotInfo(i, done.step, done.generation, done.header.world_size,
+                                  layout if isinstance(layout, str) else None))
     return sorted(found, key=lambda s: -s.step)
 
 

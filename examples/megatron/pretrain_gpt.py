@@ -112,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ck.add_argument("--no-exit-on-sigterm", action="store_true",
                     help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     ck.add_argument("--no-finalize", action="store_true", help="exit without finalize_easyckpt()")
+    ck.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
+                    help="checkpoint layout: Megatron's torch_dist (resumes on any TP/PP/DP layout) or torch")
     ck.add_argument("--concat", action="store_true",
                     help="resume a checkpoint saved with another data-parallel size")
     return p.parse_args(argv)

@@ -1,0 +1,292 @@
+"""Megatron's ``torch_dist`` layout (megatron.core.dist_checkpointing, the default --ckpt-format of
+Megatron-LM core_v0.16): what easyckpt snapshots and persists when Megatron's args ask for it.
+
+Per step directory ``iter_{N:07d}`` (the files Megatron's own torch_dist save writes, so that its loader
+reads them on any TP/PP/DP layout):
+    metadata.json        {"sharded_backend": "torch_dist", ...}: the backend its loader picks
+    common.pt            torch.save of everything that is not sharded (args, iteration, the optimizer's
+                         param groups, the scheduler, content_metadata): rank 0's
+    .metadata            torch.distributed.checkpoint's Metadata (pickled by rank 0, from every rank's
+                         item list gathered at the snapshot): each tensor's global shape, its chunks and
+                         where each chunk's bytes lie
+    __{r}_0.distcp       rank r's items: the main replica (replica_id 0) of every chunk it holds, each a
+                         torch.save archive of the chunk, and its ShardedObjects (torch.save([obj]))
+    easyckpt_rng/rank_{r:05d}.safetensors   every rank's own RNG states (exact resume; Megatron ignores it)
+
+The training side only turns Megatron's ``sharded_state_dict`` into tensors and small pickles; the agent
+writes the bytes from shared memory (formats "dcp", "torch", "raw"). A snapshot also holds, for memory
+only, the chunks this rank holds as a non-main replica, so that every rank resumes from its own memory.
+
+Restore: from memory (same layout) each chunk of this rank's sharded state dict is copied back from the
+snapshot; from storage, megatron.core.dist_checkpointing.load reads the chunks this rank needs, whatever
+the layout the checkpoint was saved with: that is the resharding (TP, PP, DP sizes).
+"""
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from easyckpt.errors import CheckpointError
+from easyckpt.megatron import state as _state
+from easyckpt.trainer.snapshot import ShardSpec
+from easyckpt.trainer.tree import FLATTEN, dcp_item_sizes, safe_torch_load
+
+COMMON = "common.pt"
+METADATA_JSON = "metadata.json"
+DCP_METADATA = ".metadata"
+LOCAL = "easyckpt_dist/rank_{:05d}.safetensors"     # memory only: non-main replicas, and the item index
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+           "common_backend": "torch", "common_backend_version": 1}
+
+
+def data_file(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def is_torch_dist(files: Sequence[str]) -> bool:
+    """Whether a checkpoint's files are the torch_dist layout."""
+    return METADATA_JSON in files and DCP_METADATA in files
+
+
+def layout(where: _state.Parallel, model: Any) -> str:
+    """What must not change for a resume from memory: the parallel sizes and the model chunks."""
+    return f"tp{where.tp_size}.pp{where.pp_size}.dp{where.dp_size}.vp{len(_state.chunks(model))}"
+
+
+def content_metadata(optimizer: Any) -> Dict[str, Any]:
+    """The sharded_state_dict options, recorded in common.pt as Megatron-LM does. A DistributedOptimizer
+    is saved ``fully_reshardable``: the form Megatron's loader reshards on another TP/PP size."""
+    meta: Dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if any(_state.is_distributed(o) for o in _state.optimizers(optimizer)):
+        meta["distrib_optim_sharding_type"] = "fully_reshardable"
+        meta["distrib_optim_fully_reshardable_mem_efficient"] = False
+    return meta
+
+
+def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: float, args: Any,
+                       where: _state.Parallel, is_loading: bool, rng: Optional[Dict[str, Any]] = None
+                       ) -> Dict[str, Any]:
+    """Megatron-LM's generate_state_dict for torch_dist (checkpointing.py), from megatron-core alone."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron.core.utils import unwrap_model
+
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    # Megatron-LM takes the state of the model inside its DDP / Float16Module wrappers: their keys
+    chunks = unwrap_model(_state.chunks(model))
+    sd: Dict[str, Any] = {"args": args, "checkpoint_version": _state.CHECKPOINT_VERSION, "iteration": iteration}
+    for i, chunk in enumerate(chunks):
+        sd["model" if len(chunks) == 1 else f"model{i}"] = chunk.sharded_state_dict(metadata={"dp_cp_group": group})
+    meta = content_metadata(optimizer)
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading,
+                                                       metadata=dict(meta, dp_cp_group=group))
+    if scheduler is not None:
+        sd["opt_param_scheduler"] = scheduler.state_dict()
+    if rng is not None:
+        sd["rng_state"] = ShardedObject("rng_state", [rng], (where.pp_size, where.tp_size), (where.pp, where.tp),
+                                        replica_id=where.dp)
+    sd["num_floating_point_operations_so_far"] = flops
+    sd["content_metadata"] = meta
+    return sd
+
+
+# ---- save ---------------------------------------------------------------------------------------------
+
+def _chunk_id(key: str, offset: Sequence[int]) -> str:
+    return f"{key}@{','.join(map(str, offset))}"
+
+
+def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: float, args: Any,
+            where: _state.Parallel) -> List[ShardSpec]:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    rng = _state.rng_capture()
+    sd = sharded_state_dict(iteration, model, optimizer, scheduler, flops, args, where, False, rng)
+    sharded, common = save_preprocess(sd, validate_access_integrity=False)
+    items: List[Any] = []           # the distcp file's items, in file order
+    described: List[List[Any]] = []   # what rank 0 needs of each for the metadata
+    index: List[List[Any]] = []      # memory: [chunk id, "d" (distcp item) | "t" (local tensor) | "o", position]
+    local: List[torch.Tensor] = []
+    objects: List[bytes] = []
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor):
+            if sh.flattened_range is not None:
+                raise CheckpointError(f"{sh.key}: a flattened ShardedTensor cannot be saved in torch_dist")
+            ident = _chunk_id(sh.key, sh.global_offset)
+            sizes = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+            if is_main_replica(sh.replica_id):
+                index.append([ident, "d", len(items)])
+                items.append(sh.data.detach().reshape(sizes))
+                described.append(["t", sh.key, list(sh.global_offset), list(sizes),
+                                  str(sh.dtype).replace("torch.", ""), list(sh.global_shape)])
+            else:
+                index.append([ident, "t", len(local)])
+                local.append(sh.data.detach())
+        elif isinstance(sh, ShardedObject):
+            buf = io.BytesIO()
+            torch.save([sh.data], buf)
+            if is_main_replica(sh.replica_id):
+                index.append([sh.unique_key, "d", len(items)])
+                items.append(buf.getvalue())
+                described.append(["o", sh.unique_key])
+            else:
+                index.append([sh.unique_key, "o", len(objects)])
+                objects.append(buf.getvalue())
+        else:
+            raise CheckpointError(f"torch_dist cannot save a {type(sh).__name__} of the sharded state dict")
+    sizes_of = dcp_item_sizes(FLATTEN["dcp"](items)[0])
+    for d, n in zip(described, sizes_of):
+        d.append(n)
+    gathered = _gather_to_zero(described)
+    rank = where.rank
+    shards = [ShardSpec(data_file(rank), items, persist=True, fmt="dcp"),
+              ShardSpec(COMMON, common, persist=rank == 0, fmt="torch"),
+              ShardSpec(LOCAL.format(rank), {"index": index, "local": local, "objects": objects}, persist=False),
+              ShardSpec(where.rng_file, {"iteration": iteration, "rng": rng}, persist=True)]
+    if gathered is not None:
+        shards.append(ShardSpec(METADATA_JSON, json.dumps(BACKEND), persist=True, fmt="raw"))
+        shards.append(ShardSpec(DCP_METADATA, dcp_metadata(gathered), persist=True, fmt="raw"))
+    return shards
+
+
+def _gather_to_zero(described: List[List[Any]]) -> Optional[List[List[List[Any]]]]:
+    """Every rank's item list, on rank 0 (None elsewhere): the checkpoint's metadata names them all."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [described]
+    rank = torch.distributed.get_rank()
+    out: Optional[List[Any]] = [None] * torch.distributed.get_world_size() if rank == 0 else None
+    torch.distributed.gather_object(described, out, dst=0)
+    return out
+
+
+def dcp_metadata(per_rank: List[List[List[Any]]]) -> bytes:
+    """torch.distributed.checkpoint's Metadata for the items of every rank's ``__{r}_0.distcp``, pickled."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    tensors: Dict[str, Any] = {}
+    storage: Dict[Any, Any] = {}
+    for rank, described in enumerate(per_rank):
+        offset = 0
+        for d in described:
+            if d[0] == "t":
+                _, key, offsets, sizes, dtype, shape, n = d
+                md = tensors.get(key)
+                if md is None:
+                    md = tensors[key] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)),
+                                                              torch.Size(shape), [])
+                elif list(md.size) != shape:
+                    raise CheckpointError(f"{key}: rank {rank} saves global shape {shape}, another {list(md.size)}")
+                md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+                storage[MetadataIndex(key, offsets)] = _StorageInfo(data_file(rank), offset, n)
+            else:
+                _, key, n = d
+                tensors[key] = BytesStorageMetadata()
+                storage[MetadataIndex(key)] = _StorageInfo(data_file(rank), offset, n)
+            offset += n
+    return pickle.dumps(Metadata(state_dict_metadata=tensors, planner_data=None, storage_data=storage))
+
+
+# ---- load ---------------------------------------------------------------------------------------------
+
+def needed(where: _state.Parallel, world_size: int, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+    """The small files, this rank's share of the data files to verify (rank i checks every file whose
+    number is i modulo the world size: each is checked once), and its own RNG states."""
+    files = [(COMMON, False), (METADATA_JSON, False), (DCP_METADATA, False)]
+    for rel in sorted(manifest["files"]):
+        if rel.startswith("__") and rel.endswith("_0.distcp"):
+            number = rel[2:-len("_0.distcp")]
+            if number.isdigit() and int(number) % world_size == where.rank:
+                files.append((rel, False))
+    files.append((where.rng_file, True))
+    return files
+
+
+def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, model: Any, optimizer: Any,
+            scheduler: Any, strict: bool, same_layout: bool) -> Dict[str, Any]:
+    """Load into the live objects. ``path``: the committed step directory (storage; Megatron's reader
+    takes the chunks this rank's layout needs), None: this rank's own snapshot in ``trees`` (memory)."""
+    common = trees[COMMON]
+    own_rng = trees.get(where.rng_file)
+    load_rng = same_layout and own_rng is None
+    sd = sharded_state_dict(int(common["iteration"]), model, optimizer, scheduler, 0.0, None, where, True,
+                            _state.rng_capture() if load_rng else None)
+    if path is not None:
+        from megatron.core import dist_checkpointing
+        state = dist_checkpointing.load(sd, path)
+    else:
+        state = _fill_from_memory(sd, common, trees, where.rank)
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(_state.chunks(model))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=strict)
+    if optimizer is not None and "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
+        for opt in _state.optimizers(optimizer):
+            if _state.is_distributed(opt):
+                _own_steps(opt)
+    if scheduler is not None and "opt_param_scheduler" in state:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if own_rng is not None and same_layout:
+        _state.rng_restore(own_rng["rng"])
+    elif load_rng and state.get("rng_state"):
+        _state.rng_restore(state["rng_state"][0])
+    return state
+
+
+def _fill_from_memory(sd: Dict[str, Any], common: Dict[str, Any], trees: Dict[str, Any], rank: int) -> Dict[str, Any]:
+    """What megatron.core.dist_checkpointing.load does, with the chunks taken from this rank's snapshot."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+    mine = trees[LOCAL.format(rank)]
+    items = trees[data_file(rank)]
+    where = {ident: (kind, pos) for ident, kind, pos in mine["index"]}
+    result = dict(common)
+    sharded, nonpersistent, factories = load_preprocess(sd)
+    merge(result, nonpersistent)
+    sharded, _ = extract_sharded_base(sharded)
+
+    def take(sh: Any) -> Any:
+        ident = sh.unique_key if isinstance(sh, ShardedObject) else _chunk_id(sh.key, sh.global_offset)
+        if ident not in where:
+            raise CheckpointError(f"the snapshot in memory has no {ident}: it was taken on another layout")
+        kind, pos = where[ident]
+        if isinstance(sh, ShardedObject):
+            return safe_torch_load(items[pos] if kind == "d" else mine["objects"][pos])[0]
+        assert isinstance(sh, ShardedTensor)
+        t = items[pos] if kind == "d" else mine["local"][pos]
+        if t.numel() != sh.data.numel():
+            raise CheckpointError(f"{ident}: {t.numel()} elements in memory, {sh.data.numel()} expected")
+        return t.reshape(sh.data.shape)
+
+    dict_list_map_inplace(take, sharded)
+    merge(result, sharded)
+    return apply_factory_merges(result, factories)
+
+
+def _own_steps(opt: Any) -> None:
+    """torch Adam increments a shared "step" tensor once per parameter: every parameter needs its own."""
+    for group in opt.optimizer.param_groups:
+        for p in group["params"]:
+            st = opt.optimizer.state.get(p)
+            if st and isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].detach().clone()
