@@ -3,6 +3,7 @@ mid-run, each followed by a resume, with losses equal to an uninterrupted run, f
 the native layout loads through torch.load the way Megatron's own loader reads it."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -27,7 +28,10 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 SCRIPT = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
 ITERS = 12
-CONFIGS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2_distopt": ["--use-distributed-optimizer"]}
+CONFIGS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2_distopt": ["--use-distributed-optimizer"],
+           "tp2_torch_dist": ["--tp", "2", "--ckpt-format", "torch_dist"],
+           "dp2_distopt_torch_dist": ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"]}
+SLOW_CONFIGS = ("pp2", "dp2_distopt_torch_dist")
 SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
 
@@ -55,7 +59,7 @@ def starts(prefix: Path):
 
 
 # PP=2 repeats the TP=2 path with another mp_rank naming: -m slow (CI stays under 15 minutes)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "pp2" else n for n in CONFIGS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n for n in CONFIGS])
 def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, name):
     """kill -9 of every trainer, relaunch, then SIGTERM to the launcher (torchrun forwards it to its
     workers), relaunch: the stitched losses equal an uninterrupted run's."""
@@ -81,8 +85,16 @@ def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_pat
     wait_no_agent(ckpt)
     wait_no_agent(ref / "ckpt")
 
-    # the native file is what Megatron's torch-format loader reads: torch.load of model_optim_rng.pt
     newest = sorted(ckpt.glob("iter_*"))[-1]
+    if "torch_dist" in extra:    # Megatron's distributed layout: its loader picks the backend from metadata.json
+        assert json.loads((newest / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+        common = torch.load(newest / "common.pt", weights_only=False)
+        assert common["iteration"] == int(newest.name[5:]) and {"args", "optimizer", "opt_param_scheduler",
+                                                               "content_metadata"} <= set(common)
+        assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(common["iteration"])
+        return
+    # the native file is what Megatron's torch-format loader reads: torch.load of model_optim_rng.pt
     native = torch.load(next(newest.glob("mp_rank_*/model_optim_rng.pt")), weights_only=False)
     assert native["checkpoint_version"] == 3.0 and native["iteration"] == int(newest.name[5:])
     assert {"args", "model", "optimizer", "opt_param_scheduler", "rng_state",

@@ -17,9 +17,10 @@ This module holds no file I/O: it turns live Megatron objects into ShardSpecs an
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -183,9 +184,17 @@ def distopt_restore(opt: Any, state: Dict[str, Any]) -> None:
 
 def distopt_restore_dp_zero(opt: Any, state: Any) -> None:
     """megatron-core's own scatter of Megatron's ``distrib_optim.pt`` (``state`` on DP rank 0, None elsewhere;
-    a collective over the data-parallel group), with what its per-parameter copy lacks on the torch-Adam
-    path: Adam state to copy into, the step (kept in the param groups, not in the file) on each parameter
-    as its own tensor, and no autograd on the main params (views of fp32 model params)."""
+    a collective over the data-parallel group)."""
+    with torch_adam_copies(opt):
+        opt.load_parameter_state_from_dp_zero(state)
+
+
+@contextlib.contextmanager
+def torch_adam_copies(opt: Any) -> Iterator[None]:
+    """While megatron-core copies saved states into a DistributedOptimizer (its own loaders), supply what
+    its per-parameter copy lacks on the torch-Adam path (no TE/Apex): Adam state to copy into, the step
+    (kept in the param groups, not with the tensors) on each parameter as its own tensor, and no autograd
+    on the main params (views of fp32 model params)."""
     original = opt._set_main_param_and_optimizer_states
 
     def set_states(model_param: Any, tensors: Dict[str, torch.Tensor]) -> None:
@@ -199,7 +208,7 @@ def distopt_restore_dp_zero(opt: Any, state: Any) -> None:
     opt._set_main_param_and_optimizer_states = set_states
     try:
         with torch.no_grad():
-            opt.load_parameter_state_from_dp_zero(state)
+            yield
     finally:
         del opt._set_main_param_and_optimizer_states
 

@@ -23,6 +23,7 @@ the layout the checkpoint was saved with: that is the resharding (TP, PP, DP siz
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import pickle
@@ -224,6 +225,9 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
     common = trees[COMMON]
     own_rng = trees.get(where.rng_file)
     load_rng = same_layout and own_rng is None
+    for opt in _state.optimizers(optimizer):
+        if _state.is_distributed(opt):
+            _prime_adam(opt)
     sd = sharded_state_dict(int(common["iteration"]), model, optimizer, scheduler, 0.0, None, where, True,
                             _state.rng_capture() if load_rng else None)
     if path is not None:
@@ -237,10 +241,11 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=strict)
     if optimizer is not None and "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
-        for opt in _state.optimizers(optimizer):
-            if _state.is_distributed(opt):
-                _own_steps(opt)
+        with contextlib.ExitStack() as stack:
+            for opt in _state.optimizers(optimizer):
+                if _state.is_distributed(opt):
+                    stack.enter_context(_state.torch_adam_copies(opt))
+            optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if own_rng is not None and same_layout:
@@ -283,10 +288,14 @@ def _fill_from_memory(sd: Dict[str, Any], common: Dict[str, Any], trees: Dict[st
     return apply_factory_merges(result, factories)
 
 
-def _own_steps(opt: Any) -> None:
-    """torch Adam increments a shared "step" tensor once per parameter: every parameter needs its own."""
+def _prime_adam(opt: Any) -> None:
+    """torch Adam creates its state at the first step; a DistributedOptimizer that never stepped (a fresh
+    process about to load) has none, and without TE/Apex its state_dict() then fails: give every main
+    parameter zero moments and a step, all overwritten by the load."""
     for group in opt.optimizer.param_groups:
         for p in group["params"]:
-            st = opt.optimizer.state.get(p)
-            if st and isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].detach().clone()
+            st = opt.optimizer.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p.data)
+                st["exp_avg_sq"] = torch.zeros_like(p.data)

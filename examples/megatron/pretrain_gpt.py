@@ -114,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ck.add_argument("--no-finalize", action="store_true", help="exit without finalize_easyckpt()")
     ck.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
                     help="checkpoint layout: Megatron's torch_dist (resumes on any TP/PP/DP layout) or torch")
+    ck.add_argument("--dump-state", default=None, metavar="PREFIX",
+                    help="(tests) write this rank's chunks of the model and optimizer state, as global tensors' "
+                         "pieces, to PREFIX.loaded.rankR.pt after the load and PREFIX.final.rankR.pt at the end")
     ck.add_argument("--concat", action="store_true",
                     help="resume a checkpoint saved with another data-parallel size")
     return p.parse_args(argv)
@@ -382,6 +385,29 @@ def train(model, optimizer, scheduler, start_iteration: int, args: argparse.Name
     return iteration
 
 
+def dump_state(prefix: str, tag: str, model, optimizer, args: argparse.Namespace) -> None:
+    """This rank's main-replica chunks of every tensor of the model and the optimizer, with their place in
+    the global tensor (megatron-core's own sharding metadata): what a test compares across layouts."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True, "dp_cp_group": group}
+    if args.use_distributed_optimizer:
+        meta.update(distrib_optim_sharding_type="fully_reshardable",
+                    distrib_optim_fully_reshardable_mem_efficient=False)
+    sd = {"model": model.module.sharded_state_dict(metadata={"dp_cp_group": group})}
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=meta)
+    apply_factories(sd)
+    out: dict = {}
+    for sh in nested_values(sd):
+        if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id):
+            sizes = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+            out.setdefault(sh.key, []).append((tuple(sh.global_offset), tuple(sh.global_shape),
+                                               sh.data.detach().reshape(sizes).clone()))
+    torch.save(out, f"{prefix}.{tag}.rank{dist.get_rank()}.pt")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     initialize(args)
@@ -402,11 +428,15 @@ def main(argv=None) -> int:
                                               agent_idle_timeout=args.agent_idle_timeout,
                                               exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
         start_iteration, _ = easyckpt_megatron.load_checkpoint([model], optimizer, scheduler, concat=args.concat)
+        if args.dump_state and start_iteration:
+            dump_state(args.dump_state, "loaded", model, optimizer, args)
         if args.loss_file and parallel_state.is_pipeline_last_stage():
             with open(f"{args.loss_file}.rank{dist.get_rank()}", "a") as f:
                 f.write(f"# start {start_iteration}\n")
 
     train(model, optimizer, scheduler, start_iteration, args)
+    if args.dump_state:
+        dump_state(args.dump_state, "final", model, optimizer, args)
     if args.save and not args.no_finalize:
         easyckpt_megatron.finalize_easyckpt()
 
