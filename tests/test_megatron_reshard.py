@@ -60,11 +60,15 @@ def global_state(prefix: Path, tag: str):
     files = sorted(prefix.parent.glob(f"{prefix.name}.{tag}.rank*.pt"))
     assert files, f"no {tag} dumps under {prefix}"
     for path in files:
-        for key, chunks in torch.load(path, weights_only=True).items():
-            for offset, shape, data in chunks:
+        for key, pieces in torch.load(path, weights_only=True).items():
+            # a piece: the flat range [first, first + numel) of the block of ``sizes`` at ``offset``
+            for offset, sizes, shape, first, data in pieces:
                 if key not in whole:
                     whole[key] = torch.full(shape, float("nan"), dtype=data.dtype)
-                whole[key][tuple(slice(o, o + n) for o, n in zip(offset, data.shape))] = data
+                block = whole[key][tuple(slice(o, o + n) for o, n in zip(offset, sizes))]
+                flat = block.reshape(-1).clone()
+                flat[first:first + data.numel()] = data
+                block.copy_(flat.view(block.shape))
     for key, t in whole.items():
         assert not torch.isnan(t).any(), f"{key}: the dumped chunks do not cover the tensor"
     return whole

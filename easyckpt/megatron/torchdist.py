@@ -69,9 +69,11 @@ def content_metadata(optimizer: Any) -> Dict[str, Any]:
 
 
 def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: float, args: Any,
-                       where: _state.Parallel, is_loading: bool, rng: Optional[Dict[str, Any]] = None
-                       ) -> Dict[str, Any]:
-    """Megatron-LM's generate_state_dict for torch_dist (checkpointing.py), from megatron-core alone."""
+                       where: _state.Parallel, is_loading: bool, rng: Optional[Dict[str, Any]] = None,
+                       path_is_memory: bool = False) -> Dict[str, Any]:
+    """Megatron-LM's generate_state_dict for torch_dist (checkpointing.py), from megatron-core alone. A
+    DistributedOptimizer's state is this DP rank's own pieces (``_own_distopt``) when saving and when
+    loading from memory; Megatron's ``fully_reshardable`` request reads them back on any other layout."""
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -84,7 +86,10 @@ def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: An
     for i, chunk in enumerate(chunks):
         sd["model" if len(chunks) == 1 else f"model{i}"] = chunk.sharded_state_dict(metadata={"dp_cp_group": group})
     meta = content_metadata(optimizer)
-    if optimizer is not None:
+    own = _own_distopt(optimizer, sd) if not is_loading or path_is_memory else None
+    if own is not None:
+        sd["optimizer"] = own
+    elif optimizer is not None:
         sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading,
                                                        metadata=dict(meta, dp_cp_group=group))
     if scheduler is not None:
@@ -95,6 +100,99 @@ def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: An
     sd["num_floating_point_operations_so_far"] = flops
     sd["content_metadata"] = meta
     return sd
+
+
+# ---- the DistributedOptimizer's own pieces --------------------------------------------------------------
+
+OWN_PIECES = "param_state"
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def boxes(shape: Sequence[int], begin: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """The flat range [begin, end) of a row-major tensor of ``shape`` as rectangular boxes (start, sizes),
+    in flat order, each a contiguous run of the range: a partial first row, whole rows, a partial last row
+    (partial rows split the same way one dimension down)."""
+    if begin >= end:
+        return []
+    if len(shape) <= 1:
+        return [((begin,), (end - begin,))]
+    inner = 1
+    for d in shape[1:]:
+        inner *= d
+    first, last = begin // inner, end // inner
+    if first == last:
+        return [((first, *s), (1, *n)) for s, n in boxes(shape[1:], begin - first * inner, end - first * inner)]
+    out = []
+    if begin % inner:
+        out += [((first, *s), (1, *n)) for s, n in boxes(shape[1:], begin % inner, inner)]
+        first += 1
+    if last > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:])))
+    if end % inner:
+        out += [((last, *s), (1, *n)) for s, n in boxes(shape[1:], 0, end % inner)]
+    return out
+
+
+def _own_distopt(optimizer: Any, sd: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The DistributedOptimizer's state as Megatron's ``fully_reshardable`` layout names it
+    (``optimizer.state.{param,exp_avg,exp_avg_sq}.<param key>``, shaped like the param), but each DP rank
+    writes only the part of each parameter it owns, as rectangular chunks: no gather across the
+    data-parallel group at a snapshot (megatron-core's own fully_reshardable save all-gathers the whole
+    state, and on a pipeline stage whose embedding has a bucket of its own it puts the main params off by
+    the bucket padding). None where this does not apply (one DistributedOptimizer, model params plain
+    ShardedTensors): megatron-core's own sharded_state_dict serves."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    opts = _state.optimizers(optimizer)
+    if len(opts) != 1 or not _state.is_distributed(opts[0]):
+        return None
+    opt = opts[0]
+    meta = {id(sh.data): sh for key in sd if key.startswith("model") for sh in nested_values(sd[key])}
+    pieces: Dict[str, Dict[str, List[Any]]] = {}
+    for n, (_, model_param, ranges) in enumerate(_state._distopt_params(opt)):
+        sh = meta.get(id(model_param))
+        if not isinstance(sh, ShardedTensor) or sh.flattened_range is not None:
+            return None
+        # every DP rank saves the part it owns; a copy that another stage or TP rank saves too (a tied
+        # embedding, a norm replicated across TP) is kept in memory only, like any non-main replica
+        rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (0,)
+        replica = 0 if not any(rid[:-1]) else 1
+        tensors = opt._get_main_param_and_optimizer_states(model_param)
+        sub = ranges["param"]
+        p = sh.prepend_axis_num
+        entry: Dict[str, List[Any]] = {}
+        for state_key in STATE_KEYS:
+            flat = tensors[state_key].detach().reshape(-1)
+            chunks, at = [], 0
+            for start, sizes in boxes(tuple(sh.local_shape), sub.start, sub.end):
+                numel = 1
+                for d in sizes:
+                    numel *= d
+                offset = tuple(sh.global_offset[:p]) + tuple(g + s for g, s in zip(sh.global_offset[p:], start))
+                chunks.append(ShardedTensor(key=f"optimizer.state.{state_key}.{sh.key}",
+                                            data=flat[at:at + numel].view(sizes), dtype=flat.dtype,
+                                            local_shape=tuple(sizes), global_shape=tuple(sh.global_shape),
+                                            global_offset=offset, axis_fragmentations=None, replica_id=replica,
+                                            prepend_axis_num=p))
+                at += numel
+            entry[state_key] = chunks
+        pieces[str(n)] = entry
+    common = opt.state_dict()
+    common[OWN_PIECES] = pieces
+    common["param_state_sharding_type"] = "fully_reshardable"
+    return common
+
+
+def _set_own_distopt(opt: Any, pieces: Dict[str, Dict[str, List[torch.Tensor]]]) -> None:
+    """Put this DP rank's pieces of every parameter, read back from memory, into the optimizer."""
+    with _state.torch_adam_copies(opt):
+        for n, (_, model_param, _) in enumerate(_state._distopt_params(opt)):
+            entry = pieces.get(str(n))
+            if entry is None:
+                continue
+            opt._set_main_param_and_optimizer_states(
+                model_param, {k: torch.cat([t.reshape(-1) for t in entry[k]]) for k in STATE_KEYS})
 
 
 # ---- save ---------------------------------------------------------------------------------------------
@@ -200,6 +298,13 @@ def dcp_metadata(per_rank: List[List[List[Any]]]) -> bytes:
                 tensors[key] = BytesStorageMetadata()
                 storage[MetadataIndex(key)] = _StorageInfo(data_file(rank), offset, n)
             offset += n
+    # Megatron's reader leaves what no chunk covers as it was (garbage): never commit such a checkpoint
+    for key, md in tensors.items():
+        if isinstance(md, TensorStorageMetadata):
+            covered = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
+            if covered != md.size.numel():
+                raise CheckpointError(f"{key}: the ranks' chunks hold {covered} of its {md.size.numel()} "
+                                      f"elements; a torch_dist checkpoint must cover every tensor once")
     return pickle.dumps(Metadata(state_dict_metadata=tensors, planner_data=None, storage_data=storage))
 
 
@@ -229,12 +334,13 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
         if _state.is_distributed(opt):
             _prime_adam(opt)
     sd = sharded_state_dict(int(common["iteration"]), model, optimizer, scheduler, 0.0, None, where, True,
-                            _state.rng_capture() if load_rng else None)
+                            _state.rng_capture() if load_rng else None, path_is_memory=path is None)
     if path is not None:
         from megatron.core import dist_checkpointing
         state = dist_checkpointing.load(sd, path)
     else:
         state = _fill_from_memory(sd, common, trees, where.rank)
+    pieces = state.get("optimizer", {}).pop(OWN_PIECES, None) if path is None else None
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(_state.chunks(model))
@@ -246,6 +352,8 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
                 if _state.is_distributed(opt):
                     stack.enter_context(_state.torch_adam_copies(opt))
             optimizer.load_state_dict(state["optimizer"])
+            if pieces is not None:
+                _set_own_distopt(_state.optimizers(optimizer)[0], pieces)
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if own_rng is not None and same_layout:

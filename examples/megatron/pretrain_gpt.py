@@ -386,25 +386,42 @@ def train(model, optimizer, scheduler, start_iteration: int, args: argparse.Name
 
 
 def dump_state(prefix: str, tag: str, model, optimizer, args: argparse.Namespace) -> None:
-    """This rank's main-replica chunks of every tensor of the model and the optimizer, with their place in
-    the global tensor (megatron-core's own sharding metadata): what a test compares across layouts."""
+    """This rank's main-replica pieces of every tensor of the model and the optimizer, with their place in
+    the global tensor (megatron-core's own sharding metadata): what a test compares across layouts. The
+    DistributedOptimizer's pieces are this DP rank's flat ranges of each parameter, straight from the
+    optimizer (not through a gather)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True, "dp_cp_group": group}
-    if args.use_distributed_optimizer:
-        meta.update(distrib_optim_sharding_type="fully_reshardable",
-                    distrib_optim_fully_reshardable_mem_efficient=False)
     sd = {"model": model.module.sharded_state_dict(metadata={"dp_cp_group": group})}
-    sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=meta)
+    if not args.use_distributed_optimizer:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata={"dp_cp_group": group})
     apply_factories(sd)
     out: dict = {}
+    by_param = {}
     for sh in nested_values(sd):
-        if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id):
-            sizes = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-            out.setdefault(sh.key, []).append((tuple(sh.global_offset), tuple(sh.global_shape),
-                                               sh.data.detach().reshape(sizes).clone()))
+        if isinstance(sh, ShardedTensor):
+            by_param[id(sh.data)] = sh
+            if is_main_replica(sh.replica_id):
+                sizes = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+                out.setdefault(sh.key, []).append((tuple(sh.global_offset), sizes, tuple(sh.global_shape), 0,
+                                                   sh.data.detach().reshape(-1).clone()))
+    if args.use_distributed_optimizer:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            for ranges_by_dtype in opt.gbuf_ranges:
+                for buckets in ranges_by_dtype.values():
+                    for bucket in buckets:
+                        for param, ranges in bucket["param_map"].items():
+                            sh = by_param[id(param)]
+                            if any(sh.replica_id[:-1]):    # a tied copy: the first stage's is dumped
+                                continue
+                            sizes = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+                            states = opt._get_main_param_and_optimizer_states(param)
+                            for k in ("param", "exp_avg", "exp_avg_sq"):
+                                out.setdefault(f"optimizer.state.{k}.{sh.key}", []).append(
+                                    (tuple(sh.global_offset), sizes, tuple(sh.global_shape), ranges["param"].start,
+                                     states[k].detach().reshape(-1).clone()))
     torch.save(out, f"{prefix}.{tag}.rank{dist.get_rank()}.pt")
 
 
