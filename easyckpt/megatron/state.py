@@ -195,6 +195,9 @@ def torch_adam_copies(opt: Any) -> Iterator[None]:
     its per-parameter copy lacks on the torch-Adam path (no TE/Apex): Adam state to copy into, the step
     (kept in the param groups, not with the tensors) on each parameter as its own tensor, and no autograd
     on the main params (views of fp32 model params)."""
+    if "_set_main_param_and_optimizer_states" in vars(opt):     # already inside one: nothing to add
+        yield
+        return
     original = opt._set_main_param_and_optimizer_states
 
     def set_states(model_param: Any, tensors: Dict[str, torch.Tensor]) -> None:
