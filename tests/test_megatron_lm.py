@@ -9,6 +9,7 @@ accumulator): those iterations are left out of the comparison.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -57,15 +58,16 @@ def finish(proc, out, timeout=300):
 
 
 def interrupted_run_matches(tmp: Path, tree: str, script, extra, sig, kill_after: int = 6, log_name=None,
-                            more_env=None):
+                            more_env=None, every_env=None):
+    """``more_env``: for the interrupted launch; ``every_env``: for every launch (e.g. the checkpoint format)."""
     ref_out = tmp / "ref.out"
-    finish(launch(tmp / "ref", ref_out, tree, script, extra), ref_out)
+    finish(launch(tmp / "ref", ref_out, tree, script, extra, more_env=every_env), ref_out)
     reference = losses(ref_out)
     assert sorted(reference) == list(range(1, ITERS + 1)), ref_out.read_text()[-3000:]
 
     ckpt, first = tmp / "ckpt", tmp / "first.out"
     log = ckpt / log_name if log_name else tmp / "audit.jsonl"   # the patches log into --save
-    proc = launch(ckpt, first, tree, script, extra, log, more_env)
+    proc = launch(ckpt, first, tree, script, extra, log, {**(every_env or {}), **(more_env or {})})
     deadline = time.monotonic() + 300
     while max(losses(first), default=0) < kill_after:
         assert proc.poll() is None, first.read_text()[-3000:]
@@ -83,7 +85,7 @@ def interrupted_run_matches(tmp: Path, tree: str, script, extra, sig, kill_after
         proc.wait(timeout=120)
     reached = max(losses(first))
     second = tmp / "second.out"
-    finish(launch(ckpt, second, tree, script, extra, log), second)
+    finish(launch(ckpt, second, tree, script, extra, log, every_env), second)
     loads = [e for e in events(log) if e["event"] == "load" and e.get("step")]
     assert loads, "the second run did not load a checkpoint"
     resumed = loads[-1]["step"]
@@ -148,16 +150,83 @@ def test_the_patched_loop_without_load_starts_from_scratch_and_still_saves(tmp_p
         wait_no_agent(ckpt)
 
 
-def test_the_hook_says_it_writes_the_torch_layout_when_megatron_asks_for_torch_dist(tmp_path):
-    """Megatron's default --ckpt-format is torch_dist, which easyckpt does not write yet: the hook says so
-    once (rank 0) instead of silently writing the torch layout."""
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    finish(launch(ckpt, out, TREE, hooked_script(tmp_path), ("--train-iters", "5", "--ckpt-format", "torch_dist"),
-                  log=tmp_path / "audit.jsonl"), out)
-    text = out.read_text()
-    assert text.count("--ckpt-format torch_dist is not written by easyckpt yet") == 1, text[-3000:]
-    assert (ckpt / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+def test_the_hook_follows_ckpt_format_and_says_which_layout_it_writes(tmp_path):
+    """--ckpt-format torch_dist (Megatron's default) gets the torch_dist layout and torch the torch layout,
+    each said once (rank 0). (The other formats, torch_dcp and fsdp_dtensor, need FSDP: not on this CPU.)"""
+    for fmt in ("torch_dist", "torch"):
+        ckpt, out = tmp_path / fmt / "ckpt", tmp_path / f"{fmt}.out"
+        finish(launch(ckpt, out, TREE, hooked_script(tmp_path), ("--train-iters", "5", "--ckpt-format", fmt),
+                      log=tmp_path / f"{fmt}.jsonl"), out)
+        text = out.read_text()
+        assert text.count(f"use Megatron's {fmt} layout (--ckpt-format {fmt})") == 1, text[-3000:]
+        step = ckpt / "iter_0000005"
+        if fmt == "torch_dist":
+            assert json.loads((step / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+            assert not (step / "mp_rank_00").exists()
+        else:
+            assert (step / "mp_rank_00" / "model_optim_rng.pt").is_file() and not (step / "metadata.json").exists()
+        wait_no_agent(ckpt)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill9", "sigterm"])
+def test_hooked_loop_with_megatrons_default_format_resumes_with_equal_losses(tmp_path, sig):
+    """No --ckpt-format at all: Megatron's default, torch_dist, is what easyckpt writes and resumes from."""
+    exit_env = {"EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT": "1"} if sig == signal.SIGTERM else None
+    interrupted_run_matches(tmp_path, TREE, hooked_script(tmp_path), (), sig, more_env=exit_env,
+                            every_env={"CKPT_FORMAT": "default"})
+    newest = tmp_path / "ckpt" / f"iter_{ITERS:07d}"
+    assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (newest / "common.pt").is_file() and (newest / ".metadata").is_file()
+
+
+def test_hooked_loop_resumes_its_torch_dist_checkpoint_on_another_tp_size(tmp_path):
+    """Saved at TP=2 (DP=1), resumed at TP=1 (DP=2) by the hooked loop: the losses after the resume are those
+    of a TP=1 run that never stopped, to Megatron's printed precision and the rounding of another layout
+    (relative 1e-5)."""
+    default = {"CKPT_FORMAT": "default"}
+    ref_out = tmp_path / "ref.out"
+    finish(launch(tmp_path / "ref", ref_out, TREE, hooked_script(tmp_path), more_env=default), ref_out)
+    reference = losses(ref_out)
+    ckpt, first, second, log = tmp_path / "ckpt", tmp_path / "first.out", tmp_path / "second.out", tmp_path / "a.jsonl"
+    finish(launch(ckpt, first, TREE, hooked_script(tmp_path), ("--train-iters", "8", "--save-interval", "4",
+                                                                "--tensor-model-parallel-size", "2"),
+                  log=log, more_env=default), first)
     wait_no_agent(ckpt)
+    finish(launch(ckpt, second, TREE, hooked_script(tmp_path), log=log, more_env=default), second)
+    loads = [e for e in events(log) if e["event"] == "load" and e.get("step")]
+    assert [(e["step"], e["source"]) for e in loads] == [(8, "storage"), (8, "storage")], loads
+    got = losses(second)
+    assert sorted(got) == list(range(9, ITERS + 1))
+    close(got, reference, [i for i in got if i != 10])      # 10: Megatron's log accumulator (docstring)
+    wait_no_agent(ckpt)
+    wait_no_agent(tmp_path / "ref")
+
+
+def test_megatrons_own_loader_resumes_an_easyckpt_torch_dist_checkpoint_on_another_tp_size(tmp_path):
+    """The checkpoint is Megatron's own format: plain Megatron-LM (no easyckpt) at TP=1 resumes from what the
+    hooked loop saved at TP=2, with the losses of a TP=1 run that never stopped (relative 1e-5)."""
+    default = {"CKPT_FORMAT": "default"}
+    ref_out = tmp_path / "ref.out"
+    finish(launch(tmp_path / "ref", ref_out, TREE, None, more_env=default), ref_out)
+    reference = losses(ref_out)
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.out", tmp_path / "second.out"
+    finish(launch(ckpt, first, TREE, hooked_script(tmp_path), ("--train-iters", "8", "--save-interval", "4",
+                                                                "--tensor-model-parallel-size", "2"),
+                  log=tmp_path / "a.jsonl", more_env=default), first)
+    wait_no_agent(ckpt)
+    finish(launch(ckpt, second, TREE, None, more_env=default), second)
+    text = second.read_text()
+    assert "successfully loaded checkpoint from" in text and "at iteration 8" in text, text[-3000:]
+    got = losses(second)
+    assert sorted(got) == list(range(9, ITERS + 1)), text[-3000:]
+    close(got, reference, [i for i in got if i != 10])
+    wait_no_agent(tmp_path / "ref")
+
+
+def close(got, reference, iterations, rel=1e-5):
+    for i in iterations:
+        x, y = float(got[i]), float(reference[i])
+        assert abs(x - y) <= rel * abs(y), f"iteration {i}: {got[i]} vs {reference[i]} (uninterrupted run)"
 
 
 def test_hooked_loop_adopts_megatrons_own_checkpoint_in_its_save_dir(tmp_path):
@@ -190,10 +259,10 @@ def test_hooked_loop_adopts_megatrons_own_checkpoint_in_its_save_dir(tmp_path):
     wait_no_agent(tmp_path / "ref")
 
 
-def test_hooked_loop_hands_megatrons_torch_dist_checkpoint_to_megatrons_loader(tmp_path):
-    """Megatron-LM's default format (torch_dist) is not one easyckpt reads: when that is what the tracker
-    in --save = --load names, Megatron's own loader resumes from it (said on the console) instead of the
-    job restarting from iteration 1, and easyckpt's later saves commit."""
+def test_hooked_loop_adopts_megatrons_own_torch_dist_checkpoint(tmp_path):
+    """Megatron-LM's default format, saved by Megatron itself into --save = --load (no easyckpt manifest):
+    the hooked loop resumes from it through Megatron's own reader (said on the console) instead of the job
+    restarting from iteration 1, with the losses of a run that never stopped, and its later saves commit."""
     fmt = ("--ckpt-format", "torch_dist")
     ref_out = tmp_path / "ref.out"
     finish(launch(tmp_path / "ref", ref_out, TREE, hooked_script(tmp_path)), ref_out)
@@ -206,9 +275,9 @@ def test_hooked_loop_hands_megatrons_torch_dist_checkpoint_to_megatrons_loader(t
 
     finish(launch(ckpt, second, TREE, hooked_script(tmp_path), fmt, log=log), second)
     text = second.read_text()
-    assert "easyckpt: iter_0000003 is Megatron's own checkpoint in a format easyckpt does not read (torch_dist)" \
-        in text, text[-4000:]
-    assert "torch_dist format (*.distcp), which easyckpt does not read" in text
+    assert "easyckpt: resuming from Megatron's own checkpoint iter_0000003 (no easyckpt manifest)" in text, \
+        text[-4000:]
+    assert [e["step"] for e in events(log) if e["event"] == "load" and e.get("source") == "adopted"] == [3, 3]
     got = losses(second)
     assert sorted(got) == list(range(4, ITERS + 1)), f"resumed at {min(got)}, not after Megatron's iteration 3"
     diff = [i for i in got if i != 5 and got[i] != reference[i]]    # 5: Megatron's log accumulator (docstring)

@@ -95,11 +95,11 @@ class MegatronState:
     def restore(self, loaded: Loaded) -> Tuple[int, float]:
         where = _state.parallel()
         if _dist.COMMON in loaded.trees:
-            saved_layout = (loaded.manifest or {}).get("info", {}).get("layout") if loaded.source == "storage" \
-                else self.layout()
-            saved = _dist.restore(loaded.trees, loaded.path if loaded.source == "storage" else None, where,
-                                  self.model, self.optimizer, self.opt_param_scheduler, self.strict,
-                                  same_layout=saved_layout == self.layout())
+            in_memory = loaded.source in ("memory", "peer")    # else a step directory: Megatron's reader
+            same = True if in_memory else _dist.same_layout(loaded.manifest, loaded.trees[_dist.COMMON],
+                                                             self.layout())
+            saved = _dist.restore(loaded.trees, None if in_memory else loaded.path, where, self.model,
+                                  self.optimizer, self.opt_param_scheduler, self.strict, same_layout=same)
         else:
             saved = _state.restore(loaded.trees, where, self.model, self.optimizer, self.opt_param_scheduler,
                                    self.strict, self.concat)

@@ -26,8 +26,9 @@ Settings: ``--save`` (the checkpoint directory, also where easyckpt loads from),
 EASYCKPT_LOG_FILE (SAVE_DIR/easyckpt.log; 0 turns it off), EASYCKPT_GRACE_DEADLINE (300 s), EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT
 (default: on with ``--exit-signal-handler``). SIGTERM is handled by easyckpt whether or not Megatron's
 own handler is on (it is chained): the ranks agree on a step, save it, and exit or train on. Checkpoints
-use Megatron's ``--ckpt-format torch`` layout, whatever ``--ckpt-format`` says (rank 0 says so when it
-names another format).
+use the layout ``--ckpt-format`` names: ``torch_dist`` (Megatron's default; a resume on another TP/PP/DP
+layout reads it, and so does Megatron's own loader) or ``torch``; rank 0 says which. For the formats
+easyckpt does not write (torch_dcp, fsdp_dtensor) it says so and writes torch_dist.
 """
 from __future__ import annotations
 
@@ -72,18 +73,20 @@ def _ensure_initialized() -> bool:
     exit_env = os.environ.get("EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT")
     exit_after = bool(getattr(args, "exit_signal_handler", False)) if exit_env is None else exit_env == "1"
     log = os.environ.get("EASYCKPT_LOG_FILE") or None
+    asked = getattr(args, "ckpt_format", "torch_dist")
+    fmt = asked if asked in _em.FORMATS else "torch_dist"
     _em.initialize_easyckpt(mem, storage, None if max_num in ("", "0", "none") else int(max_num),
                             False if log == "0" else log, save_dir=args.save, args=args,
-                            exit_after_ondemand_checkpoint=exit_after,
+                            exit_after_ondemand_checkpoint=exit_after, ckpt_format=fmt,
                             grace_deadline=float(os.environ.get("EASYCKPT_GRACE_DEADLINE", "300")))
     _state["initialized"] = True
     atexit.register(_finalize_at_exit)
-    fmt = getattr(args, "ckpt_format", "torch")
-    if fmt != "torch" and _rank() == 0:
-        # never silently: Megatron's default is torch_dist, and its users expect that layout in --save
-        console.warning(f"--ckpt-format {fmt} is not written by easyckpt yet: checkpoints in {args.save} use "
-                        f"Megatron's torch layout (iter_N/mp_rank_XX/model_optim_rng.pt), which Megatron itself "
-                        f"reads with --ckpt-format torch")
+    if _rank() == 0:   # never silently: the layout in --save is what the user's other tools will read
+        if fmt != asked:
+            console.warning(f"--ckpt-format {asked} is not written by easyckpt: checkpoints in {args.save} use "
+                            f"Megatron's torch_dist layout, which Megatron reads with --ckpt-format torch_dist")
+        else:
+            console.info(f"checkpoints in {args.save} use Megatron's {fmt} layout (--ckpt-format {fmt})")
     return True
 
 

@@ -58,6 +58,17 @@ def layout(where: _state.Parallel, model: Any) -> str:
     return f"tp{where.tp_size}.pp{where.pp_size}.dp{where.dp_size}.vp{len(_state.chunks(model))}"
 
 
+def same_layout(manifest: Optional[Dict[str, Any]], common: Dict[str, Any], now: str) -> bool:
+    """Whether a checkpoint in storage was saved on this run's TP and PP sizes (its RNG states then apply):
+    by easyckpt's manifest, or for one Megatron wrote itself by the arguments in its common.pt."""
+    saved = ((manifest or {}).get("info") or {}).get("layout")
+    if isinstance(saved, str):
+        return saved.split(".dp")[0] == now.split(".dp")[0]
+    args = common.get("args")
+    tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", None)
+    return isinstance(tp, int) and isinstance(pp, int) and now.startswith(f"tp{tp}.pp{pp}.")
+
+
 def content_metadata(optimizer: Any) -> Dict[str, Any]:
     """The sharded_state_dict options, recorded in common.pt as Megatron-LM does. A DistributedOptimizer
     is saved ``fully_reshardable``: the form Megatron's loader reshards on another TP/PP size."""

@@ -174,8 +174,8 @@ def read_candidate(cand: Candidate, needed: Callable[[Dict[str, Any]], List[Tupl
 def _missing_problem(rel: str, inv: Dict[str, Any]) -> str:
     files = inv["files"]
     if inv["framework"] == "megatron" and any(r.endswith(".distcp") for r in files):
-        return (f"{rel}: missing; this is Megatron's torch_dist format (*.distcp), which easyckpt does not "
-                f"read: let Megatron load it (--ckpt-format torch_dist) or convert it to --ckpt-format torch")
+        return (f"{rel}: missing; a torch_dist checkpoint (*.distcp) is incomplete without common.pt, "
+                f"metadata.json and .metadata")
     return f"{rel}: missing"
 
 

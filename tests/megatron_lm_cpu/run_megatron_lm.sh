@@ -13,6 +13,7 @@
 #   TORCHRUN               torchrun to use (default: the project's .venv/bin/torchrun)
 #   NPROC                  processes (default 2)
 #   NO_LOAD=1              leave --load out (a job that starts from scratch; it still saves to --save)
+#   CKPT_FORMAT            --ckpt-format (default torch; "default" leaves the flag out: Megatron's torch_dist)
 # The CPU switches come from sitecustomize.py in this directory (EASYCKPT_MEGATRON_CPU=1).
 set -euo pipefail
 
@@ -69,11 +70,15 @@ args=(
     # resumed launch may raise --train-iters (with a constant LR and no weight decay nothing changes).
     --use-checkpoint-opt_param-scheduler
     # Checkpoints.
-    --save "$ckpt_dir" --save-interval 5 --ckpt-format torch
+    --save "$ckpt_dir" --save-interval 5
     # Logging; --eval-iters 0 skips validation and test.
     --log-interval 1 --eval-iters 0 --eval-interval 1000
 )
 
+fmt="${CKPT_FORMAT:-torch}"
+if [[ "$fmt" != "default" ]]; then
+    args+=(--ckpt-format "$fmt")
+fi
 if [[ -z "${NO_LOAD:-}" ]]; then
     args+=(--load "$ckpt_dir")
 fi
