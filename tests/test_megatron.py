@@ -134,6 +134,19 @@ def test_concat_resumes_on_another_data_parallel_size(tmp_path, saved_dp, resume
     wait_no_agent(ref / "ckpt")
 
 
+@pytest.mark.slow   # the refusal's message; tests/test_megatron_reshard.py does the change in torch_dist
+def test_the_torch_layout_refuses_another_tp_size_naming_torch_dist(tmp_path):
+    ckpt, loss = tmp_path / "ckpt", tmp_path / "loss"
+    run(cmd(ckpt, loss, "--tp", "2", "--iters", "4"), timeout=300)
+    wait_no_agent(ckpt)
+    out = run(cmd(ckpt, loss, "--iters", "6", "--agent-idle-timeout", "2", nproc=1), timeout=300, check=False)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "saved in Megatron's torch layout with tp2.pp1.dp1.vp1; this run is tp1.pp1.dp1.vp1" in text, text[-3000:]
+    assert "ckpt_format='torch_dist'" in text
+    wait_no_agent(ckpt)
+
+
 @pytest.mark.slow   # the refusal's message; the same check guards the concat tests' layouts
 def test_without_concat_a_different_data_parallel_size_is_refused_clearly(tmp_path):
     ckpt, loss = tmp_path / "ckpt", tmp_path / "loss"
