@@ -8,6 +8,7 @@ with the path that holds it, instead of silently pickling code into a checkpoint
 from __future__ import annotations
 
 import base64
+import functools
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
@@ -251,8 +252,6 @@ def flatten_dcp(items: Any) -> Tuple[Any, Tensors]:
     (written as DCP's FileSystemWriter writes one: a torch.save archive of that tensor alone) or bytes (a
     BYTE_IO item, written as is). Skeleton {DCP: [{"t": key, "pkl": pickle, "n": item size} | {"b": bytes}]};
     ``dcp_item_sizes`` gives the item sizes that the checkpoint's metadata must state."""
-    from easyckpt.formats.torchzip import torch_file_size
-
     if not isinstance(items, list):
         raise TypeError(f"a distcp shard holds a list of tensors and bytes, not {type(items).__name__}")
     entries: List[Any] = []
@@ -263,13 +262,25 @@ def flatten_dcp(items: Any) -> Tuple[Any, Tensors]:
             continue
         if not isinstance(item, torch.Tensor):
             raise TypeError(f"item {i} of a distcp shard is a {type(item).__name__}, not a tensor or bytes")
-        skeleton, (pair,) = flatten_pickled(item.detach().contiguous())
-        pkl = skeleton[TORCHZIP]
         key = f"{i}"
-        tensors.append((key, pair[1]))
-        n = torch_file_size(len(base64.b64decode(pkl)), [item.numel() * item.element_size()])
+        tensors.append((key, item.detach()))
+        pkl, n = _lone_tensor_pickle(item.dtype, tuple(item.shape))
         entries.append({"t": key, "pkl": pkl, "n": n})
     return {DCP: entries}, tensors
+
+
+@functools.lru_cache(maxsize=4096)
+def _lone_tensor_pickle(dtype: torch.dtype, shape: Tuple[int, ...]) -> Tuple[str, int]:
+    """torch.save's pickle of one contiguous tensor (it depends on the dtype and shape alone), and the size
+    of the archive around it: computed once per shape, not at every snapshot."""
+    from easyckpt.formats.torchzip import torch_file_size
+
+    skeleton, _ = flatten_pickled(torch.empty(shape, dtype=dtype, device="meta"))   # no memory
+    pkl = skeleton[TORCHZIP]
+    numel = 1
+    for d in shape:
+        numel *= d
+    return pkl, torch_file_size(len(base64.b64decode(pkl)), [numel * dtype.itemsize])
 
 
 def dcp_item_sizes(skeleton: Any) -> List[int]:
