@@ -22,11 +22,14 @@ A checkpoint is restored in the layout it was written in, whatever ``ckpt_format
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from easyckpt import console
 from easyckpt.config import Config, adapter_config
 from easyckpt.errors import ConfigError, EasyCkptError
 from easyckpt.megatron import state as _state
@@ -98,8 +101,15 @@ class MegatronState:
             in_memory = loaded.source in ("memory", "peer")    # else a step directory: Megatron's reader
             same = True if in_memory else _dist.same_layout(loaded.manifest, loaded.trees[_dist.COMMON],
                                                              self.layout())
+            t0 = time.perf_counter()
             saved = _dist.restore(loaded.trees, None if in_memory else loaded.path, where, self.model,
                                   self.optimizer, self.opt_param_scheduler, self.strict, same_layout=same)
+            before = ((loaded.manifest or {}).get("info") or {}).get("layout")
+            moved = before != self.layout() if isinstance(before, str) else not same
+            if not in_memory and moved and where.rank == 0:
+                console.info(f"{os.path.basename(loaded.path or '')} (saved on {before or 'another layout'}) "
+                             f"resharded to {self.layout()} through Megatron's reader in "
+                             f"{time.perf_counter() - t0:.2f} s")
         else:
             saved = _state.restore(loaded.trees, where, self.model, self.optimizer, self.opt_param_scheduler,
                                    self.strict, self.concat)
