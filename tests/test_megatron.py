@@ -142,7 +142,7 @@ def test_the_torch_layout_refuses_another_tp_size_naming_torch_dist(tmp_path):
     out = run(cmd(ckpt, loss, "--iters", "6", "--agent-idle-timeout", "2", nproc=1), timeout=300, check=False)
     assert out.returncode != 0
     text = out.stdout + out.stderr
-    assert "saved in Megatron's torch layout with tp2.pp1.dp1.vp1; this run is tp1.pp1.dp1.vp1" in text, text[-3000:]
+    assert "saved in Megatron's torch layout with tp2.pp1.dp1.vp1.ep1; this run is tp1.pp1.dp1.vp1.ep1" in text, text[-3000:]
     assert "ckpt_format='torch_dist'" in text
     wait_no_agent(ckpt)
 

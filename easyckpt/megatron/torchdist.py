@@ -55,7 +55,9 @@ def is_torch_dist(files: Sequence[str]) -> bool:
 
 def layout(where: _state.Parallel, model: Any) -> str:
     """What must not change for a resume from memory: the parallel sizes and the model chunks."""
-    return f"tp{where.tp_size}.pp{where.pp_size}.dp{where.dp_size}.vp{len(_state.chunks(model))}"
+    from megatron.core import parallel_state as mpu
+    ep = mpu.get_expert_model_parallel_world_size()
+    return f"tp{where.tp_size}.pp{where.pp_size}.dp{where.dp_size}.vp{len(_state.chunks(model))}.ep{ep}"
 
 
 def same_layout(manifest: Optional[Dict[str, Any]], common: Dict[str, Any], now: str) -> bool:
@@ -105,7 +107,13 @@ def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: An
                                                        metadata=dict(meta, dp_cp_group=group))
     if scheduler is not None:
         sd["opt_param_scheduler"] = scheduler.state_dict()
-    if rng is not None:
+    if rng is not None and mpu.get_expert_model_parallel_world_size() > 1:
+        # Megatron-LM's naming with expert parallelism: one per (PP, TP, DP) rank
+        dp, dp_size = (mpu.get_data_parallel_rank(with_context_parallel=True),
+                       mpu.get_data_parallel_world_size(with_context_parallel=True))
+        sd["rng_state"] = ShardedObject("rng_state", [rng], (where.pp_size, where.tp_size, dp_size),
+                                        (where.pp, where.tp, dp), replica_id=0)
+    elif rng is not None:
         sd["rng_state"] = ShardedObject("rng_state", [rng], (where.pp_size, where.tp_size), (where.pp, where.tp),
                                         replica_id=where.dp)
     sd["num_floating_point_operations_so_far"] = flops
@@ -153,13 +161,23 @@ def _own_distopt(optimizer: Any, sd: Dict[str, Any]) -> Optional[Dict[str, Any]]
     the bucket padding). None where this does not apply (one DistributedOptimizer, model params plain
     ShardedTensors): megatron-core's own sharded_state_dict serves."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     opts = _state.optimizers(optimizer)
-    if len(opts) != 1 or not _state.is_distributed(opts[0]):
+    if not opts or not all(_state.is_distributed(o) for o in opts):
         return None
-    opt = opts[0]
     meta = {id(sh.data): sh for key in sd if key.startswith("model") for sh in nested_values(sd[key])}
+    if len(opts) > 1:
+        # a ChainedOptimizer (MoE: dense and expert parameters): {index: each one's}, no key prefix (the
+        # fully_reshardable keys are the parameters' own); the steps of all agree first, as Megatron does
+        optimizer._synchronize_steps()
+        each = [_own_distopt_one(o, meta) for o in opts]
+        return None if any(e is None for e in each) else dict(enumerate(each))
+    return _own_distopt_one(opts[0], meta)
+
+
+def _own_distopt_one(opt: Any, meta: Dict[int, Any]) -> Optional[Dict[str, Any]]:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     pieces: Dict[str, Dict[str, List[Any]]] = {}
     for n, (_, model_param, ranges) in enumerate(_state._distopt_params(opt)):
         sh = meta.get(id(model_param))
@@ -193,6 +211,17 @@ def _own_distopt(optimizer: Any, sd: Dict[str, Any]) -> Optional[Dict[str, Any]]
     common[OWN_PIECES] = pieces
     common["param_state_sharding_type"] = "fully_reshardable"
     return common
+
+
+def _pop_pieces(state: Any, count: int) -> Optional[List[Any]]:
+    """The pieces each DistributedOptimizer saved (memory), taken out of the state its load_state_dict gets."""
+    if not isinstance(state, dict):
+        return None
+    if count > 1 and all(i in state for i in range(count)):
+        parts = [state[i].pop(OWN_PIECES, None) if isinstance(state[i], dict) else None for i in range(count)]
+        return None if any(p is None for p in parts) else parts
+    own = state.pop(OWN_PIECES, None)
+    return None if own is None else [own]
 
 
 def _set_own_distopt(opt: Any, pieces: Dict[str, Dict[str, List[torch.Tensor]]]) -> None:
@@ -351,7 +380,7 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
         state = dist_checkpointing.load(sd, path)
     else:
         state = _fill_from_memory(sd, common, trees, where.rank)
-    pieces = state.get("optimizer", {}).pop(OWN_PIECES, None) if path is None else None
+    pieces = _pop_pieces(state.get("optimizer"), len(_state.optimizers(optimizer))) if path is None else None
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(_state.chunks(model))
@@ -363,8 +392,8 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
                 if _state.is_distributed(opt):
                     stack.enter_context(_state.torch_adam_copies(opt))
             optimizer.load_state_dict(state["optimizer"])
-            if pieces is not None:
-                _set_own_distopt(_state.optimizers(optimizer)[0], pieces)
+            for opt, own in zip(_state.optimizers(optimizer), pieces or ()):
+                _set_own_distopt(opt, own)
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if own_rng is not None and same_layout:

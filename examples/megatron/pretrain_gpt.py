@@ -80,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1, help="tensor-model-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-model-parallel size")
+    p.add_argument("--num-experts", type=int, default=0, help="MoE: experts per MLP layer (0: a dense MLP)")
+    p.add_argument("--ep", type=int, default=1, help="expert-model-parallel size (with --num-experts)")
     p.add_argument("--iters", type=int, default=10, help="train until this iteration (inclusive)")
     p.add_argument("--micro-batch-size", type=int, default=2)
     g = p.add_mutually_exclusive_group()
@@ -144,7 +146,8 @@ def initialize(args: argparse.Namespace) -> None:
         raise SystemExit(f"world size {world} is not divisible by tp*pp = {args.tp * args.pp}")
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        expert_model_parallel_size=args.ep)
     args.dp = parallel_state.get_data_parallel_world_size()
     if args.num_microbatches is not None:
         args.global_batch_size = args.micro_batch_size * args.num_microbatches * args.dp
@@ -193,12 +196,18 @@ def build_model_and_optimizer(args: argparse.Namespace):
         # On the CPU the weights must be created on the CPU (the GPU path initialises on the device).
         # For TP it creates the full weight from the CPU RNG and keeps this rank's slice.
         use_cpu_initialization=args.cpu,
+        # MoE (--num-experts): top-1 routing, no load-balancing loss, tokens gathered to every expert rank
+        # (the allgather dispatcher: plain collectives, fine with gloo); experts split over --ep ranks
+        **(dict(num_moe_experts=args.num_experts, moe_router_topk=1, moe_aux_loss_coeff=0.0,
+                moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
+                expert_model_parallel_size=args.ep) if args.num_experts else {}),
         # The fusions (gradient accumulation, bias-gelu, masked softmax, rope, ...) default to off in
         # megatron-core's configs; they need TE/Apex/CUDA kernels and must stay off on the CPU.
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),   # pure megatron-core modules, no TE
+        # pure megatron-core modules, no TE
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.num_experts or None),
         vocab_size=VOCAB_SIZE,
         max_sequence_length=SEQ_LENGTH,
         pre_process=parallel_state.is_pipeline_first_stage(),
