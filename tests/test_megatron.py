@@ -30,8 +30,11 @@ SCRIPT = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
 ITERS = 12
 CONFIGS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2_distopt": ["--use-distributed-optimizer"],
            "tp2_torch_dist": ["--tp", "2", "--ckpt-format", "torch_dist"],
-           "dp2_distopt_torch_dist": ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"]}
-SLOW_CONFIGS = ("pp2", "dp2_distopt_torch_dist")
+           "dp2_distopt_torch_dist": ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"],
+           # MoE: 2 experts over 2 ranks, a ChainedOptimizer of two DistributedOptimizers (dense, experts)
+           "moe_ep2_distopt_torch_dist": ["--num-experts", "2", "--ep", "2", "--use-distributed-optimizer",
+                                          "--ckpt-format", "torch_dist"]}
+SLOW_CONFIGS = ("pp2", "dp2_distopt_torch_dist", "moe_ep2_distopt_torch_dist")
 SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
 

@@ -213,6 +213,28 @@ def _own_distopt_one(opt: Any, meta: Dict[int, Any]) -> Optional[Dict[str, Any]]
     return common
 
 
+def _fit_chain(state: Dict[str, Any], count: int) -> None:
+    """A checkpoint of a ChainedOptimizer with several optimizers (MoE with EP > 1: dense and expert
+    parameters apart) loaded into one optimizer (EP = 1 puts every parameter in one): the common parts
+    were saved per optimizer ({0: ..., 1: ...}); give the one optimizer all their param groups (it picks
+    its own by their identifiers) and the step they share. The tensors come from the request as they are."""
+    opt = state.get("optimizer")
+    if count != 1 or not isinstance(opt, dict) or "optimizer" in opt:
+        return
+    parts = [opt[i] for i in sorted(k for k in opt if isinstance(k, int))]
+    if not parts:
+        return
+    if not all(isinstance(p, dict) and "optimizer" in p for p in parts):
+        raise CheckpointError(f"this checkpoint holds {len(parts)} optimizers (MoE with expert parallelism: dense "
+                              f"and expert parameters apart); this run has one. Resuming on EP 1 from EP > 1 is "
+                              f"supported with the DistributedOptimizer, not with the plain optimizer yet")
+    merged = {k: v for k, v in parts[0].items()}
+    merged["optimizer"] = dict(parts[0]["optimizer"],
+                               param_groups=[g for p in parts for g in p["optimizer"]["param_groups"]])
+    merged.update({k: v for k, v in opt.items() if not isinstance(k, int)})
+    state["optimizer"] = merged
+
+
 def _pop_pieces(state: Any, count: int) -> Optional[List[Any]]:
     """The pieces each DistributedOptimizer saved (memory), taken out of the state its load_state_dict gets."""
     if not isinstance(state, dict):
@@ -378,6 +400,7 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
     if path is not None:
         from megatron.core import dist_checkpointing
         state = dist_checkpointing.load(sd, path)
+        _fit_chain(state, len(_state.optimizers(optimizer)))
     else:
         state = _fill_from_memory(sd, common, trees, where.rank)
     pieces = _pop_pieces(state.get("optimizer"), len(_state.optimizers(optimizer))) if path is None else None

@@ -32,11 +32,14 @@ def torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
         if opt is None or id(opt) in seen:
             continue
         seen.add(id(opt))
-        inner = getattr(opt, "optimizer", None)
+        # a ChainedOptimizer first: with several optimizers (MoE) its .optimizer raises an AssertionError
         chained = getattr(opt, "chained_optimizers", None)
-        if inner is not None or chained:
+        if chained:
+            todo.extend(chained)
+            continue
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
             todo.append(inner)
-            todo.extend(chained or ())
         elif isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
             yield opt
 

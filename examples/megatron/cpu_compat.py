@@ -219,6 +219,12 @@ def enable() -> None:
 
             _patch(mrandom, "_get_cuda_rng_state", _megatron_get_cuda_rng_state)
             _patch(mrandom, "_set_cuda_rng_state", _megatron_set_cuda_rng_state)
+            # megatron-core 0.16's MoE router tests `te_general_gemm is not None`, a name moe_utils binds
+            # only when Transformer Engine imports: without TE it is unbound (NameError). None = no TE.
+            import megatron.core.transformer.moe.moe_utils as moe_utils
+
+            if not hasattr(moe_utils, "te_general_gemm"):
+                moe_utils.te_general_gemm = None
             _enabled = True
     enter_mode_in_this_thread()
 

@@ -198,9 +198,12 @@ def build_model_and_optimizer(args: argparse.Namespace):
         use_cpu_initialization=args.cpu,
         # MoE (--num-experts): top-1 routing, no load-balancing loss, tokens gathered to every expert rank
         # (the allgather dispatcher: plain collectives, fine with gloo); experts split over --ep ranks
-        **(dict(num_moe_experts=args.num_experts, moe_router_topk=1, moe_aux_loss_coeff=0.0,
+        **(dict(num_moe_experts=args.num_experts, moe_router_topk=1, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.0,
                 moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
-                expert_model_parallel_size=args.ep) if args.num_experts else {}),
+                expert_model_parallel_size=args.ep,
+                # no linear biases: megatron-core 0.16 adds an expert's bias in place on a view (an autograd
+                # error) when the experts are not split (EP 1)
+                add_bias_linear=False) if args.num_experts else {}),
         # The fusions (gradient accumulation, bias-gelu, masked softmax, rope, ...) default to off in
         # megatron-core's configs; they need TE/Apex/CUDA kernels and must stay off on the CPU.
     )
