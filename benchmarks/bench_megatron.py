@@ -143,13 +143,19 @@ def main() -> int:
     ours = work / "easyckpt" / f"iter_{iteration:07d}"
 
     # ---- Megatron's own torch_dist save, synchronous and asynchronous ---------------------------------
-    sync: List[float] = []
-    for n in range(args.saves):
+    def fresh_state(kind: str, n: int):
+        """One more iteration, its sharded state dict (Megatron-LM's generate_state_dict) and an empty dir."""
+        nonlocal iteration
         train_step(model, opt)
         iteration += 1
-        target = work / f"megatron-sync-{n}"
+        target = work / f"megatron-{kind}-{n}"
         target.mkdir()
-        sd = torchdist.sharded_state_dict(iteration, [model], opt, None, 0.0, None, mstate.parallel(), False)
+        return target, torchdist.sharded_state_dict(iteration, [model], opt, None, 0.0, None, mstate.parallel(),
+                                                    False)
+
+    sync: List[float] = []
+    for n in range(args.saves):
+        target, sd = fresh_state("sync", n)
         t0 = time.perf_counter()
         dist_checkpointing.save(sd, str(target))
         os.sync()          # Megatron's writer does not fsync: count the flush to disk, as easyckpt's commit does
@@ -164,11 +170,7 @@ def main() -> int:
     astall: List[float] = []
     adone: List[float] = []
     for n in range(args.saves):
-        train_step(model, opt)
-        iteration += 1
-        target = work / f"megatron-async-{n}"
-        target.mkdir()
-        sd = torchdist.sharded_state_dict(iteration, [model], opt, None, 0.0, None, mstate.parallel(), False)
+        target, sd = fresh_state("async", n)
         t0 = time.perf_counter()
         request = dist_checkpointing.save(sd, str(target), async_sharded_save=True)
         queue.schedule_async_request(request)

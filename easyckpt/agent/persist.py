@@ -108,48 +108,44 @@ def _write_shard(out: Writer, header: bytes, view: memoryview, start: int, end: 
     return hasher.hexdigest()
 
 
+class _Hashed:
+    """Appends to a shard file, from bytes or from the slot, checksumming everything it writes."""
+
+    def __init__(self, out: Writer, view: memoryview):
+        self.out, self.view, self.hasher = out, view, mf.Hasher()
+
+    def write(self, data: bytes) -> None:
+        self.hasher.update(data)
+        self.out.write(data)
+
+    def write_slot(self, begin: int, end: int) -> None:
+        self.hasher.update(self.view[begin:end])
+        self.out.write_mapped(self.view, begin, end)
+
+
 def _write_dcp(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]) -> str:
     """A torch.distributed.checkpoint data file: its items back to back, each a torch.save archive of one
     tensor (offsets relative to the item, as DCP's reader slices the file) or bytes. Each item must come
     out at the size the trainer put in the checkpoint's metadata: a mismatch fails the persist."""
     ranges = slotmeta.tensor_ranges(f)
-    hasher = mf.Hasher()
-
-    def write(data: bytes) -> None:
-        hasher.update(data)
-        out.write(data)
-
-    def write_slot(begin: int, end: int) -> None:
-        hasher.update(view[begin:end])
-        out.write_mapped(view, begin, end)
-
+    dst = _Hashed(out, view)
     for n, item in enumerate(skeleton["__dcp"]):
         start = out.size
         if "b" in item:
-            write(base64.b64decode(item["b"]))
+            dst.write(base64.b64decode(item["b"]))
             continue
-        torchzip.write_torch_file(write, write_slot, lambda: out.size - start, base64.b64decode(item["pkl"]),
-                                  [tuple(ranges[item["t"]])], slot_phase=False)
+        torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size - start,
+                                  base64.b64decode(item["pkl"]), [tuple(ranges[item["t"]])], slot_phase=False)
         if out.size - start != item["n"]:
             raise ValueError(f"{f['relpath']}: item {n} came out at {out.size - start} bytes, its metadata "
                              f"says {item['n']}")
-    return hasher.hexdigest()
+    return dst.hasher.hexdigest()
 
 
 def _write_torch(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]) -> str:
     """A framework-native torch.save file from the trainer's pickle and the tensor bytes in the slot."""
     ranges = slotmeta.tensor_ranges(f)
-    storages = [tuple(ranges[key]) for key in skeleton["storages"]]
-    hasher = mf.Hasher()
-
-    def write(data: bytes) -> None:
-        hasher.update(data)
-        out.write(data)
-
-    def write_slot(begin: int, end: int) -> None:
-        hasher.update(view[begin:end])
-        out.write_mapped(view, begin, end)
-
-    torchzip.write_torch_file(write, write_slot, lambda: out.size, base64.b64decode(skeleton["__torchzip"]),
-                              storages)
-    return hasher.hexdigest()
+    dst = _Hashed(out, view)
+    torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size,
+                              base64.b64decode(skeleton["__torchzip"]), [tuple(ranges[k]) for k in skeleton["storages"]])
+    return dst.hasher.hexdigest()
