@@ -232,7 +232,11 @@ def layout_of(path: str, framework: str, man: Optional[Dict[str, Any]]) -> Dict[
     world = int(man["world_size"]) if man and man.get("world_size") else 0
     tp = pp = 1
     dp = 0
-    if framework == "megatron":
+    stated = ((man or {}).get("info") or {}).get("layout")
+    sizes = re.fullmatch(r"tp(\d+)\.pp(\d+)\.dp(\d+)\.vp\d+(?:\.ep\d+)?", stated) if isinstance(stated, str) else None
+    if framework == "megatron" and sizes:     # what the adapter recorded (any layout, torch_dist included)
+        tp, pp, dp = (int(g) for g in sizes.groups())
+    elif framework == "megatron":
         tps, pps, dps = set(), set(), set()
         for rel in files:
             m = _MEGATRON_MP.match(rel)
