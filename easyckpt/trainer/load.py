@@ -87,6 +87,11 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
             if info is None:
                 assert remote is not None
                 slot, source = remote.fetch(best_mem)["slot"], "peer"
+                pulled = next((s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.slot == slot), None)
+                if layout is not None and (pulled is None or pulled.layout != layout):
+                    # a peer lists replicas by world size alone: one taken on another layout serves nobody
+                    raise ValueError(f"the replica of step {best_mem} pulled from a peer was taken on layout "
+                                     f"{pulled.layout if pulled else 'unknown'}, this run is {layout}")
             trees = snapshot.read_snapshot(cfg.job_id, rank, info.slot if info else slot, best_mem)
         except Exception as exc:  # noqa: BLE001 - any failure means: use storage instead
             err = f"{type(exc).__name__}: {exc}"
