@@ -137,6 +137,30 @@ def test_concat_resumes_on_another_data_parallel_size(tmp_path, saved_dp, resume
     wait_no_agent(ref / "ckpt")
 
 
+@pytest.mark.slow
+def test_moe_experts_split_over_ranks_resume_from_storage_in_the_torch_layout(tmp_path):
+    """MoE with EP 2 in Megatron's torch layout: each EP rank has its own experts, so each writes its own
+    model file (Megatron-LM's mp_rank_TT_EEE naming; before, only DP rank 0's was written and rank 1 would
+    have resumed rank 0's experts). A resume from storage continues with the losses of a run that never
+    stopped, exactly."""
+    moe = ["--num-experts", "2", "--ep", "2", "--use-distributed-optimizer", "--iters", "10"]
+    ref, ckpt = tmp_path / "ref", tmp_path / "ckpt"
+    run(cmd(ref / "ckpt", ref / "loss", *moe), timeout=300)
+    run(cmd(ckpt, tmp_path / "loss", *moe, "--iters", "5", "--save-storage-interval", "5"), timeout=300)
+    wait_no_agent(ckpt)
+    step = ckpt / "iter_0000005"
+    assert sorted(p.parent.name for p in step.glob("*/model_optim_rng.pt")) == ["mp_rank_00_000", "mp_rank_00_001"]
+    log = tmp_path / "audit.jsonl"
+    run(cmd(ckpt, tmp_path / "loss", *moe, "--ckpt-log", str(log)), timeout=300)
+    assert [(e["step"], e["source"]) for e in events(log) if e["event"] == "load" and e.get("step")] == \
+        [(5, "storage"), (5, "storage")]
+    got, reference = loss_files(tmp_path / "loss"), loss_files(ref / "loss")
+    assert {r: {i: v for i, v in got[r].items() if i > 5} for r in got} == \
+        {r: {i: v for i, v in reference[r].items() if i > 5} for r in reference}
+    wait_no_agent(ckpt)
+    wait_no_agent(ref / "ckpt")
+
+
 @pytest.mark.slow   # the refusal's message; tests/test_megatron_reshard.py does the change in torch_dist
 def test_the_torch_layout_refuses_another_tp_size_naming_torch_dist(tmp_path):
     ckpt, loss = tmp_path / "ckpt", tmp_path / "loss"

@@ -42,10 +42,20 @@ class Parallel:
     tp_size: int
     pp_size: int
     dp_size: int
+    ep: int = 0           # expert-model-parallel rank (MoE)
+    ep_size: int = 1
+    edp: int = 0          # expert-data-parallel rank: with EP > 1, who writes the model file of this EP rank
 
     @property
     def mp_dir(self) -> str:
-        return f"mp_rank_{self.tp:02d}" if self.pp_size == 1 else f"mp_rank_{self.tp:02d}_{self.pp:03d}"
+        # Megatron-LM's get_checkpoint_name: an EP rank suffix when the experts are split
+        base = f"mp_rank_{self.tp:02d}" if self.pp_size == 1 else f"mp_rank_{self.tp:02d}_{self.pp:03d}"
+        return base + (f"_{self.ep:03d}" if self.ep_size > 1 else "")
+
+    @property
+    def writes_model(self) -> bool:
+        """Megatron-LM writes model_optim_rng.pt on data-parallel rank 0 (expert-data-parallel with EP > 1)."""
+        return (self.edp if self.ep_size > 1 else self.dp) == 0
 
     @property
     def model_file(self) -> str:
@@ -65,7 +75,8 @@ def parallel() -> Parallel:
     return Parallel(torch.distributed.get_rank(), mpu.get_tensor_model_parallel_rank(),
                     mpu.get_pipeline_model_parallel_rank(), mpu.get_data_parallel_rank(),
                     mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
-                    mpu.get_data_parallel_world_size())
+                    mpu.get_data_parallel_world_size(), mpu.get_expert_model_parallel_rank(),
+                    mpu.get_expert_model_parallel_world_size(), mpu.get_expert_data_parallel_rank())
 
 
 def chunks(model: Any) -> List[Any]:
@@ -245,8 +256,7 @@ def collect(iteration: int, model: Sequence[Any], optimizer: Any, scheduler: Any
     rng = rng_capture()
     state["rng_state"] = [rng]
     state["num_floating_point_operations_so_far"] = flops
-    owner = where.dp == 0
-    shards = [ShardSpec(where.model_file, state, persist=owner, fmt="torch")]
+    shards = [ShardSpec(where.model_file, state, persist=where.writes_model, fmt="torch")]
     dist_opts = [o for o in optimizers(optimizer) if is_distributed(o)]
     if dist_opts:
         names = param_names(model)
