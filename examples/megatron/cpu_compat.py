@@ -190,6 +190,16 @@ def _patch(obj: Any, name: str, value: Any) -> None:
     setattr(obj, name, value)
 
 
+def moe_without_te() -> None:
+    """megatron-core 0.16's MoE router tests ``te_general_gemm is not None``, a name moe_utils binds only when
+    Transformer Engine imports: without TE it is unbound (NameError). Bind it to None (= no TE). Call it
+    after megatron's modules are imported (not from enable(), which may run while they are being imported)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def enable() -> None:
     """Install the CPU switches (idempotent) and enter the torch function mode in this thread."""
     global _enabled
@@ -219,12 +229,6 @@ def enable() -> None:
 
             _patch(mrandom, "_get_cuda_rng_state", _megatron_get_cuda_rng_state)
             _patch(mrandom, "_set_cuda_rng_state", _megatron_set_cuda_rng_state)
-            # megatron-core 0.16's MoE router tests `te_general_gemm is not None`, a name moe_utils binds
-            # only when Transformer Engine imports: without TE it is unbound (NameError). None = no TE.
-            import megatron.core.transformer.moe.moe_utils as moe_utils
-
-            if not hasattr(moe_utils, "te_general_gemm"):
-                moe_utils.te_general_gemm = None
             _enabled = True
     enter_mode_in_this_thread()
 

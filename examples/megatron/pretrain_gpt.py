@@ -182,6 +182,8 @@ def device(args: argparse.Namespace) -> torch.device:
 def build_model_and_optimizer(args: argparse.Namespace):
     """Returns (model, optimizer, scheduler): the DDP-wrapped GPTModel chunk of this pipeline stage,
     the Megatron optimizer over it, and the learning-rate / weight-decay scheduler."""
+    if args.cpu and args.num_experts:
+        cpu_compat.moe_without_te()
     config = TransformerConfig(
         num_layers=2,
         hidden_size=64,
