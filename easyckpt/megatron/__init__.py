@@ -49,7 +49,7 @@ Scheduler = Optional["OptimizerParamScheduler"]
 
 _default = DefaultCheckpointer("easyckpt.megatron")
 _args: Optional[argparse.Namespace] = None
-_format = {"ckpt_format": "torch"}
+_format: Dict[str, Optional[str]] = {"ckpt_format": "torch", "layout": None}
 FORMATS = ("torch", "torch_dist")
 
 
@@ -74,7 +74,10 @@ class MegatronState:
     concat: bool = False
 
     def layout(self) -> str:
-        return _dist.layout(_state.parallel(), self.model)
+        # asked at every iteration's save call (the snapshot's info): fixed for a process once computed
+        if _format.get("layout") is None:
+            _format["layout"] = _dist.layout(_state.parallel(), self.model)
+        return _format["layout"]
 
     def collect(self) -> List[ShardSpec]:
         # everything happens here: an iteration that takes no snapshot pays for nothing
@@ -88,7 +91,7 @@ class MegatronState:
             return _dist.needed(where, torch.distributed.get_world_size(), manifest)
         saved = (manifest.get("info") or {}).get("layout")
         now = _dist.layout(where, self.model)
-        if isinstance(saved, str) and saved.split(".dp")[0] != now.split(".dp")[0]:
+        if isinstance(saved, str) and not _dist.same_tp_pp(saved, now):
             # not a ValueError: that would reject the step as damaged and fall back to an older one
             raise EasyCkptError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; this "
                              f"run is {now}: the torch layout resumes only on another data-parallel size "
@@ -134,7 +137,7 @@ def initialize_easyckpt(save_mem_interval: Union[int, Config] = 1, save_storage_
     if fmt not in FORMATS:
         raise ConfigError(f"ckpt_format {fmt!r}: easyckpt writes Megatron's {' and '.join(FORMATS)} layouts; pass "
                           f"--ckpt-format torch_dist (Megatron's default) or torch")
-    _format["ckpt_format"] = fmt
+    _format["ckpt_format"], _format["layout"] = fmt, None
     if config is None:
         save_dir = save_dir or getattr(_args, "save", None)
         if not save_dir:

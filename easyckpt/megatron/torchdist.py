@@ -34,7 +34,7 @@ import torch
 from easyckpt.errors import CheckpointError
 from easyckpt.megatron import state as _state
 from easyckpt.trainer.snapshot import ShardSpec
-from easyckpt.trainer.tree import FLATTEN, dcp_item_sizes, safe_torch_load
+from easyckpt.trainer.tree import dcp_item_size, safe_torch_load
 
 COMMON = "common.pt"
 METADATA_JSON = "metadata.json"
@@ -55,9 +55,13 @@ def is_torch_dist(files: Sequence[str]) -> bool:
 
 def layout(where: _state.Parallel, model: Any) -> str:
     """What must not change for a resume from memory: the parallel sizes and the model chunks."""
-    from megatron.core import parallel_state as mpu
-    ep = mpu.get_expert_model_parallel_world_size()
-    return f"tp{where.tp_size}.pp{where.pp_size}.dp{where.dp_size}.vp{len(_state.chunks(model))}.ep{ep}"
+    return (f"tp{where.tp_size}.pp{where.pp_size}.dp{where.dp_size}.vp{len(_state.chunks(model))}"
+            f".ep{where.ep_size}")
+
+
+def same_tp_pp(saved: str, now: str) -> bool:
+    """Whether two layouts (``layout()``) have the same TP and PP sizes."""
+    return saved.split(".dp")[0] == now.split(".dp")[0]
 
 
 def same_layout(manifest: Optional[Dict[str, Any]], common: Dict[str, Any], now: str) -> bool:
@@ -65,7 +69,7 @@ def same_layout(manifest: Optional[Dict[str, Any]], common: Dict[str, Any], now:
     by easyckpt's manifest, or for one Megatron wrote itself by the arguments in its common.pt."""
     saved = ((manifest or {}).get("info") or {}).get("layout")
     if isinstance(saved, str):
-        return saved.split(".dp")[0] == now.split(".dp")[0]
+        return same_tp_pp(saved, now)
     args = common.get("args")
     tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", None)
     return isinstance(tp, int) and isinstance(pp, int) and now.startswith(f"tp{tp}.pp{pp}.")
@@ -303,9 +307,8 @@ def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: f
                 objects.append(buf.getvalue())
         else:
             raise CheckpointError(f"torch_dist cannot save a {type(sh).__name__} of the sharded state dict")
-    sizes_of = dcp_item_sizes(FLATTEN["dcp"](items)[0])
-    for d, n in zip(described, sizes_of):
-        d.append(n)
+    for d, item in zip(described, items):
+        d.append(dcp_item_size(item))
     gathered = _gather_to_zero(described)
     rank = where.rank
     shards = [ShardSpec(data_file(rank), items, persist=True, fmt="dcp"),
@@ -446,12 +449,15 @@ def _fill_from_memory(sd: Dict[str, Any], common: Dict[str, Any], trees: Dict[st
         if ident not in where:
             raise CheckpointError(f"the snapshot in memory has no {ident}: it was taken on another layout")
         kind, pos = where[ident]
+        pool = {"d": items, "t": mine["local"], "o": mine["objects"]}.get(kind)
+        if pool is None or type(pos) is not int or not 0 <= pos < len(pool):
+            raise CheckpointError(f"the snapshot's index places {ident} at {kind!r} {pos!r}, which it does not hold")
         if isinstance(sh, ShardedObject):
-            return safe_torch_load(items[pos] if kind == "d" else mine["objects"][pos])[0]
+            return safe_torch_load(pool[pos])[0]
         assert isinstance(sh, ShardedTensor)
-        t = items[pos] if kind == "d" else mine["local"][pos]
-        if t.numel() != sh.data.numel():
-            raise CheckpointError(f"{ident}: {t.numel()} elements in memory, {sh.data.numel()} expected")
+        t = pool[pos]
+        if not isinstance(t, torch.Tensor) or t.numel() != sh.data.numel():
+            raise CheckpointError(f"{ident}: not a tensor of {sh.data.numel()} elements in memory")
         return t.reshape(sh.data.shape)
 
     dict_list_map_inplace(take, sharded)

@@ -251,7 +251,7 @@ def flatten_dcp(items: Any) -> Tuple[Any, Tensors]:
     """A torch.distributed.checkpoint data file (``__R_0.distcp``): ``items`` in file order, each a tensor
     (written as DCP's FileSystemWriter writes one: a torch.save archive of that tensor alone) or bytes (a
     BYTE_IO item, written as is). Skeleton {DCP: [{"t": key, "pkl": pickle, "n": item size} | {"b": bytes}]};
-    ``dcp_item_sizes`` gives the item sizes that the checkpoint's metadata must state."""
+    ``dcp_item_size`` gives an item's size, which the checkpoint's metadata must state."""
     if not isinstance(items, list):
         raise TypeError(f"a distcp shard holds a list of tensors and bytes, not {type(items).__name__}")
     entries: List[Any] = []
@@ -283,9 +283,12 @@ def _lone_tensor_pickle(dtype: torch.dtype, shape: Tuple[int, ...]) -> Tuple[str
     return pkl, torch_file_size(len(base64.b64decode(pkl)), [numel * dtype.itemsize])
 
 
-def dcp_item_sizes(skeleton: Any) -> List[int]:
-    """The size of each item of a distcp shard's skeleton, in file order."""
-    return [e["n"] if "t" in e else len(base64.b64decode(e["b"])) for e in skeleton[DCP]]
+def dcp_item_size(item: Any) -> int:
+    """The size of one item (a tensor or bytes) in a distcp file as flatten_dcp has it written: what the
+    checkpoint's metadata must state, known before the agent writes it."""
+    if isinstance(item, (bytes, bytearray)):
+        return len(item)
+    return _lone_tensor_pickle(item.dtype, tuple(item.shape))[1]
 
 
 FLATTEN = {"safetensors": flatten, "torch": flatten_pickled, "raw": flatten_raw, "dcp": flatten_dcp}
