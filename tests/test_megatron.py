@@ -161,8 +161,8 @@ def test_moe_experts_split_over_ranks_resume_from_storage_in_the_torch_layout(tm
     wait_no_agent(ref / "ckpt")
 
 
-@pytest.mark.slow   # the refusal's message; tests/test_megatron_reshard.py does the change in torch_dist
-def test_the_torch_layout_refuses_another_tp_size_naming_torch_dist(tmp_path):
+@pytest.mark.slow   # the refusal's message; tests/test_megatron_reshard.py does the change with concat=True
+def test_without_concat_the_torch_layout_refuses_another_tp_size_clearly(tmp_path):
     ckpt, loss = tmp_path / "ckpt", tmp_path / "loss"
     run(cmd(ckpt, loss, "--tp", "2", "--iters", "4"), timeout=300)
     wait_no_agent(ckpt)
@@ -170,7 +170,7 @@ def test_the_torch_layout_refuses_another_tp_size_naming_torch_dist(tmp_path):
     assert out.returncode != 0
     text = out.stdout + out.stderr
     assert "saved in Megatron's torch layout with tp2.pp1.dp1.vp1.ep1; this run is tp1.pp1.dp1.vp1.ep1" in text, text[-3000:]
-    assert "ckpt_format='torch_dist'" in text
+    assert "concat=True" in text
     wait_no_agent(ckpt)
 
 

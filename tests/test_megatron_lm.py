@@ -179,11 +179,12 @@ def test_hooked_loop_with_megatrons_default_format_resumes_with_equal_losses(tmp
     assert (newest / "common.pt").is_file() and (newest / ".metadata").is_file()
 
 
-def test_hooked_loop_resumes_its_torch_dist_checkpoint_on_another_tp_size(tmp_path):
-    """Saved at TP=2 (DP=1), resumed at TP=1 (DP=2) by the hooked loop: the losses after the resume are those
-    of a TP=1 run that never stopped, to Megatron's printed precision and the rounding of another layout
-    (relative 1e-5)."""
-    default = {"CKPT_FORMAT": "default"}
+@pytest.mark.parametrize("fmt", ["default", "torch"], ids=["torch_dist", "torch"])
+def test_hooked_loop_resumes_its_checkpoint_on_another_tp_size(tmp_path, fmt):
+    """Saved at TP=2 (DP=1), resumed at TP=1 (DP=2) by the hooked loop, in Megatron's default torch_dist
+    format and in the torch one: the losses after the resume are those of a TP=1 run that never stopped, to
+    Megatron's printed precision and the rounding of another layout (relative 1e-5)."""
+    default = {"CKPT_FORMAT": fmt}
     ref_out = tmp_path / "ref.out"
     finish(launch(tmp_path / "ref", ref_out, TREE, hooked_script(tmp_path), more_env=default), ref_out)
     reference = losses(ref_out)

@@ -1,5 +1,6 @@
 """Resharding a Megatron checkpoint on resume (megatron-core GPTModel on CPU with gloo, up to 2 ranks per
-run): saved at one (TP, PP, DP) layout in Megatron's torch_dist format, resumed at another. The model
+run): saved at one (TP, PP, DP) layout in either of Megatron's formats (torch_dist; torch, resumed with
+concat=True), resumed at another. The model
 and optimizer state right after the load equals the saved one exactly, compared as whole global tensors
 assembled from every rank's chunks (megatron-core's own sharding metadata says where each chunk goes);
 and the losses after the resume stay with those of the saved layout's uninterrupted run: the same state
@@ -30,16 +31,18 @@ CHANGES = {
     # MoE, 2 experts: split over 2 ranks (EP 2), then both on each rank (EP 1, DP 2)
     "ep2-to-ep1": (["--num-experts", "2", "--ep", "2"], 2, ["--num-experts", "2"], 2),
 }
-# an EP change with the plain optimizer: refused (test below); MoE runs with the DistributedOptimizer
-UNSUPPORTED = {("ep2-to-ep1", "plain")}
-# in the default tier: one TP change each way of the optimizer; the rest run in CI's slow tier
-DEFAULT_TIER = {("tp2-to-tp1", "plain"), ("tp2dp1-to-tp1dp2", "distopt")}
+# an EP change with the plain optimizer, or in the torch layout: refused (tests below)
+UNSUPPORTED = {("ep2-to-ep1", "plain", "torch_dist"), ("ep2-to-ep1", "plain", "torch"),
+               ("ep2-to-ep1", "distopt", "torch")}
+# in the default tier: one TP change each way of the optimizer and format; the rest run in CI's slow tier
+DEFAULT_TIER = {("tp2-to-tp1", "plain", "torch_dist"), ("tp2dp1-to-tp1dp2", "distopt", "torch_dist"),
+                ("tp1-to-tp2", "plain", "torch"), ("tp2dp1-to-tp1dp2", "distopt", "torch")}
 
 
-def cmd(save: Path, loss: Path, layout, nproc: int, *extra: str):
+def cmd(save: Path, loss: Path, layout, nproc: int, *extra: str, fmt: str = "torch_dist"):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
             "--cpu", "--quiet", "--save", str(save), "--loss-file", str(loss), "--save-storage-interval", "5",
-            "--agent-idle-timeout", "20", "--ckpt-format", "torch_dist", *layout, *extra]
+            "--agent-idle-timeout", "20", "--ckpt-format", fmt, *layout, *extra]
 
 
 def losses(prefix: Path):
@@ -78,20 +81,24 @@ def global_state(prefix: Path, tag: str):
     return whole
 
 
-@pytest.mark.parametrize("change,opt", [
-    pytest.param(c, o, id=f"{c}-{o}", marks=() if (c, o) in DEFAULT_TIER else pytest.mark.slow)
-    for c in CHANGES for o in ("plain", "distopt") if (c, o) not in UNSUPPORTED])
-def test_a_torch_dist_checkpoint_resumes_on_another_layout_with_the_same_state(tmp_path, change, opt):
+@pytest.mark.parametrize("change,opt,fmt", [
+    pytest.param(c, o, f, id=f"{c}-{o}-{f}", marks=() if (c, o, f) in DEFAULT_TIER else pytest.mark.slow)
+    for f in ("torch_dist", "torch") for c in CHANGES for o in ("plain", "distopt")
+    if (c, o, f) not in UNSUPPORTED])
+def test_a_checkpoint_resumes_on_another_layout_with_the_same_state(tmp_path, change, opt, fmt):
     saved, n_saved, resumed, n_resumed = CHANGES[change]
     extra = ["--use-distributed-optimizer"] if opt == "distopt" else []
+    # the torch layout reshards with concat=True (the hook passes it)
+    again = ["--concat"] if fmt == "torch" else []
     half = ITERS // 2
     ref, ckpt, log = tmp_path / "ref", tmp_path / "ckpt", tmp_path / "audit.jsonl"
-    run(cmd(ref / "ckpt", ref / "loss", saved, n_saved, "--iters", str(ITERS), *extra), timeout=300)
+    run(cmd(ref / "ckpt", ref / "loss", saved, n_saved, "--iters", str(ITERS), *extra, fmt=fmt), timeout=300)
     run(cmd(ckpt, tmp_path / "a", saved, n_saved, "--iters", str(half), "--dump-state", str(tmp_path / "a"),
-            "--ckpt-log", str(log), *extra), timeout=300)
+            "--ckpt-log", str(log), *extra, fmt=fmt), timeout=300)
     wait_no_agent(ckpt)
-    run(cmd(ckpt, tmp_path / "b", resumed, n_resumed, "--iters", str(ITERS), "--dump-state", str(tmp_path / "b"),
-            "--ckpt-log", str(log), *extra), timeout=300)
+    out = run(cmd(ckpt, tmp_path / "b", resumed, n_resumed, "--iters", str(ITERS), "--dump-state",
+                  str(tmp_path / "b"), "--ckpt-log", str(log), *extra, *again, fmt=fmt), timeout=300)
+    assert "resharded to" in out.stdout + out.stderr
     assert starts(tmp_path / "b") == [half]
     loads = [e for e in events(log) if e["event"] == "load" and e.get("step")]
     assert loads and all(e["source"] == "storage" for e in loads), "another layout must load from storage"
@@ -99,7 +106,7 @@ def test_a_torch_dist_checkpoint_resumes_on_another_layout_with_the_same_state(t
     before, after = global_state(tmp_path / "a", "final"), global_state(tmp_path / "b", "loaded")
     assert sorted(before) == sorted(after)
     for key in before:
-        assert torch.equal(before[key], after[key]), f"{key} differs after resharding ({change}, {opt})"
+        assert torch.equal(before[key], after[key]), f"{key} differs after resharding ({change}, {opt}, {fmt})"
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in before), sorted(before)[:5]
 
     got, reference = losses(tmp_path / "b"), losses(ref / "loss")
@@ -119,4 +126,17 @@ def test_an_ep_change_with_the_plain_optimizer_is_refused_clearly(tmp_path):
               timeout=300, check=False)
     assert out.returncode != 0
     assert "supported with the DistributedOptimizer, not with the plain optimizer yet" in out.stdout + out.stderr
+    wait_no_agent(ckpt)
+
+
+@pytest.mark.slow
+def test_an_ep_change_in_the_torch_layout_is_refused_clearly(tmp_path):
+    saved, n_saved, resumed, n_resumed = CHANGES["ep2-to-ep1"]
+    ckpt, distopt = tmp_path / "ckpt", ["--use-distributed-optimizer"]
+    run(cmd(ckpt, tmp_path / "a", saved, n_saved, "--iters", "5", *distopt, fmt="torch"), timeout=300)
+    wait_no_agent(ckpt)
+    out = run(cmd(ckpt, tmp_path / "b", resumed, n_resumed, "--iters", "6", "--agent-idle-timeout", "2", "--concat",
+                  *distopt, fmt="torch"), timeout=300, check=False)
+    assert out.returncode != 0
+    assert "does not reshard with expert parallelism" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
     wait_no_agent(ckpt)

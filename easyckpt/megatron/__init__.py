@@ -14,8 +14,9 @@ Two layouts, Megatron's own (``ckpt_format``, by default Megatron-LM's ``args.ck
 - ``torch`` (state.py): per-rank ``mp_rank_*/model_optim_rng.pt``. ``concat=True`` resumes on another
   data-parallel size: the DistributedOptimizer state is stored per data-parallel rank
   (``distrib_optim_dp{r:03d}.pt``, no gather on the save path); concat reassembles every parameter from
-  all saved shards and takes this rank's slice. Without it, a shard that does not match the current
-  layout is refused with a message that names concat=True. Another TP/PP size is refused.
+  all saved shards and takes this rank's slice. It also resumes on other TP/PP sizes (reshard_torch.py:
+  each snapshot records megatron-core's sharding metadata of the saved tensors). Without it, a shard that
+  does not match the current layout is refused with a message that names concat=True. The hook passes it.
 
 A checkpoint is restored in the layout it was written in, whatever ``ckpt_format`` says for new saves.
 """
@@ -32,6 +33,7 @@ import torch
 from easyckpt import console
 from easyckpt.config import Config, adapter_config
 from easyckpt.errors import ConfigError, EasyCkptError
+from easyckpt.megatron import reshard_torch as _reshard
 from easyckpt.megatron import state as _state
 from easyckpt.megatron import torchdist as _dist
 from easyckpt.trainer.checkpointer import DefaultCheckpointer
@@ -81,9 +83,17 @@ class MegatronState:
 
     def collect(self) -> List[ShardSpec]:
         # everything happens here: an iteration that takes no snapshot pays for nothing
-        collect = _dist.collect if _format["ckpt_format"] == "torch_dist" else _state.collect
-        return collect(self.iteration, self.model, self.optimizer, self.opt_param_scheduler, self.flops or 0, _args,
-                       _state.parallel())
+        where = _state.parallel()
+        if _format["ckpt_format"] == "torch_dist":
+            return _dist.collect(self.iteration, self.model, self.optimizer, self.opt_param_scheduler,
+                                 self.flops or 0, _args, where)
+        shards = _state.collect(self.iteration, self.model, self.optimizer, self.opt_param_scheduler,
+                                self.flops or 0, _args, where)
+        # where each saved tensor sits in the global one: what a resume on other TP/PP sizes needs
+        shards.append(ShardSpec(f"{where.mp_dir}/{_reshard.SHARDMAP}",
+                                _reshard.shard_map(self.model, self.optimizer, self.layout()),
+                                persist=where.writes_model))
+        return shards
 
     def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
         where = _state.parallel()
@@ -91,12 +101,17 @@ class MegatronState:
             return _dist.needed(where, torch.distributed.get_world_size(), manifest)
         saved = (manifest.get("info") or {}).get("layout")
         now = _dist.layout(where, self.model)
-        if isinstance(saved, str) and not _dist.same_tp_pp(saved, now):
-            # not a ValueError: that would reject the step as damaged and fall back to an older one
-            raise EasyCkptError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; this "
-                             f"run is {now}: the torch layout resumes only on another data-parallel size "
-                             f"(concat=True). Save with ckpt_format='torch_dist' to change TP or PP")
-        return _state.needed(where, self.optimizer, manifest, self.concat)
+        moved = _dist.changed(saved, now) if isinstance(saved, str) else []
+        if "ep" in moved:
+            _reshard.refuse_ep(manifest["step"], saved, now)
+        if set(moved) - {"dp"}:
+            if not self.concat:
+                # not a ValueError: that would reject the step as damaged and fall back to an older one
+                raise EasyCkptError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; "
+                                    f"this run is {now}: pass load_checkpoint(..., concat=True) to reshard it")
+            return _reshard.needed(manifest, saved, now, manifest["step"])
+        # concat reads every DP rank's optimizer shard: only when the data-parallel size changed
+        return _state.needed(where, self.optimizer, manifest, self.concat and saved != now)
 
     def restore(self, loaded: Loaded) -> Tuple[int, float]:
         where = _state.parallel()
@@ -113,6 +128,14 @@ class MegatronState:
                 console.info(f"{os.path.basename(loaded.path or '')} (saved on {before or 'another layout'}) "
                              f"resharded to {self.layout()} through Megatron's reader in "
                              f"{time.perf_counter() - t0:.2f} s")
+        elif loaded.source == "storage" and _reshard.is_reshard(loaded.trees):
+            t0 = time.perf_counter()
+            saved = _reshard.restore(loaded.trees, where, self.model, self.optimizer, self.opt_param_scheduler,
+                                     self.layout())
+            if where.rank == 0:
+                before = ((loaded.manifest or {}).get("info") or {}).get("layout")
+                console.info(f"{os.path.basename(loaded.path or '')} (saved on {before}, torch layout) resharded to "
+                             f"{self.layout()} in {time.perf_counter() - t0:.2f} s")
         else:
             saved = _state.restore(loaded.trees, where, self.model, self.optimizer, self.opt_param_scheduler,
                                    self.strict, self.concat)
@@ -172,7 +195,7 @@ def save_checkpoint(iteration: int, model: Model, optimizer: Optimizer, opt_para
 def load_checkpoint(model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler, load_arg: str = "load",
                     strict: bool = True, concat: bool = False, **kwargs: Any) -> Tuple[int, float]:
     """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``. A
-    torch_dist checkpoint resumes on any TP/PP/DP layout; a torch one on another DP size with ``concat``."""
+    torch_dist checkpoint resumes on any TP/PP/DP layout; a torch one with ``concat=True``."""
     restored = _default.require().load(MegatronState(model, optimizer, opt_param_scheduler, strict=strict,
                                                      concat=concat))
     return (0, 0) if restored is None else restored

@@ -116,7 +116,9 @@ def load_checkpoint(model: _em.Model, optimizer: _em.Optimizer, opt_param_schedu
     args = get_args()
     if not _ensure_initialized():
         return _orig_load(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, **kwargs)
-    iteration, flops = _em.load_checkpoint(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict)
+    # concat: a run resumed on other parallel sizes reshards (Megatron-LM's torch_dist loader does too)
+    iteration, flops = _em.load_checkpoint(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
+                                           concat=True)
     other = getattr(args, load_arg, None)
     if iteration == 0 and other and (os.path.realpath(other) != os.path.realpath(args.save)
                                      or _megatron_only(other)):

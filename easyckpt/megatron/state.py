@@ -168,7 +168,11 @@ def assemble(shards: List[Dict[str, Any]]) -> Dict[str, Dict[str, torch.Tensor]]
 def distopt_restore_concat(opt: Any, shards: List[Dict[str, Any]], names: Dict[Any, str]) -> None:
     """Reassemble every parameter from the shards of all saved DP ranks, then take the slice this rank
     owns under the current data-parallel layout."""
-    full = assemble(shards)
+    distopt_set_whole(opt, assemble(shards), names)
+
+
+def distopt_set_whole(opt: Any, full: Dict[str, Dict[str, torch.Tensor]], names: Dict[Any, str]) -> None:
+    """Give each parameter this DP rank owns its slice of the whole (flattened) main value and moments."""
     for _, model_param, ranges in _distopt_params(opt):
         name = names[model_param]
         if name not in full:

@@ -64,6 +64,14 @@ def same_tp_pp(saved: str, now: str) -> bool:
     return saved.split(".dp")[0] == now.split(".dp")[0]
 
 
+def changed(saved: str, now: str) -> List[str]:
+    """The sizes that differ between two layouts (``layout()``): ["tp", "vp", ...]."""
+    def sizes(text: str) -> Dict[str, str]:
+        return {part[:2]: part[2:] for part in text.split(".")}
+    a, b = sizes(saved), sizes(now)
+    return [k for k in ("tp", "pp", "dp", "vp", "ep") if a.get(k) != b.get(k)]
+
+
 def same_layout(manifest: Optional[Dict[str, Any]], common: Dict[str, Any], now: str) -> bool:
     """Whether a checkpoint in storage was saved on this run's TP and PP sizes (its RNG states then apply):
     by easyckpt's manifest, or for one Megatron wrote itself by the arguments in its common.pt."""

@@ -1,0 +1,350 @@
+"""Megatron's torch layout resumed on another TP/PP size (``load_checkpoint(..., concat=True)``).
+
+Megatron's legacy files (``mp_rank_*/model_optim_rng.pt``, easyckpt's ``distrib_optim_dp*.pt``) hold each
+rank's local tensors and nothing that says where they sit in the whole tensor. So every snapshot also
+records, per model-parallel rank, a sharding map (``SHARDMAP`` beside the model file; JSON-like, never a
+pickle): megatron-core's own sharding metadata of each saved tensor (sharded key, global shape, offset;
+the rows it covers when Megatron splits one local tensor under two keys, as for SwiGLU). A rank resuming
+on another layout computes the same map for itself and copies into each of its tensors the overlapping box
+of every saved piece with the same key: the model, the Adam moments, and the DistributedOptimizer's fp32
+main parameters (its per-DP-rank flat shards are first joined into whole local tensors, state.assemble).
+
+What is not carried over, as in Megatron-LM's own loader: the RNG states (they belong to ranks of the saved
+layout). The optimizer's hyper-parameters come from this run's configuration and the scheduler's state.
+Not supported (refused with a message): expert parallelism, and optimizers whose main parameters are copies
+of the model's (Float16Optimizer: fp16/bf16 training without the DistributedOptimizer).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from easyckpt.errors import CheckpointError, EasyCkptError
+from easyckpt.megatron import state as _state
+
+SHARDMAP = "easyckpt_shardmap.safetensors"
+VERSION = 1
+MODEL_FILE = re.compile(r"(mp_rank_\d{2}(?:_\d{3})?)/model_optim_rng\.pt")
+DISTOPT_FILE = re.compile(r"mp_rank_\d{2}(?:_\d{3})?/distrib_optim_dp\d{3}\.pt")
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+# an entry: [sharded key, global shape, global offset, block sizes (prepended axes included), first row,
+#            rows (-1: the whole tensor), whether Megatron allows the global shape to differ (padded vocab)]
+Entry = List[Any]
+_cache: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+
+
+def shard_map(model: Any, optimizer: Any, layout: str) -> Dict[str, Any]:
+    """This rank's map; computed at a process's first snapshot (its model's structure does not change)."""
+    ident = (layout, optimizer is None) + tuple(id(c) for c in _state.chunks(model)) + (id(optimizer),)
+    if ident not in _cache:
+        _cache.clear()
+        _cache[ident] = _compute(model, optimizer, layout)
+    return _cache[ident]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _locate(data: torch.Tensor, candidates: Sequence[Tuple[str, torch.Tensor]]) -> Optional[Tuple[str, int, int]]:
+    """Which saved tensor ``data`` is, or which run of its rows: (path, first row, rows; -1 = whole)."""
+    for path, t in candidates:
+        if t.dtype != data.dtype:
+            continue
+        if (t.shape == data.shape and t.stride() == data.stride()
+                and t.storage_offset() == data.storage_offset()):
+            return path, 0, -1
+        if t.dim() >= 1 and t.is_contiguous() and data.is_contiguous() and t.numel():
+            row = t.numel() // t.shape[0]
+            delta = data.storage_offset() - t.storage_offset()
+            if row and delta >= 0 and delta % row == 0 and data.numel() % row == 0:
+                first, rows = delta // row, data.numel() // row
+                if first + rows <= t.shape[0]:
+                    return path, first, rows
+    return None
+
+
+def _compute(model: Any, optimizer: Any, layout: str) -> Dict[str, Any]:
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.utils import unwrap_model
+
+    wrapped = _state.chunks(model)
+    by_storage: Dict[int, List[Tuple[str, torch.Tensor]]] = {}
+    for i, chunk in enumerate(wrapped):
+        prefix = "model" if len(wrapped) == 1 else f"model{i}"
+        for name, t in chunk.state_dict_for_save_checkpoint().items():
+            if isinstance(t, torch.Tensor):
+                by_storage.setdefault(_storage(t), []).append((f"{prefix}/{name}", t))
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    tensors: Dict[str, List[Entry]] = {}
+    for chunk in unwrap_model(wrapped):
+        sd = chunk.sharded_state_dict(metadata={"dp_cp_group": group})
+        apply_factories(sd)
+        for sh in nested_values(sd):
+            if not isinstance(sh, ShardedTensor) or sh.flattened_range is not None:
+                continue
+            found = _locate(sh.data, by_storage.get(_storage(sh.data), []))
+            if found is None:
+                continue
+            path, first, rows = found
+            sizes = [1] * sh.prepend_axis_num + list(sh.local_shape)
+            tensors.setdefault(path, []).append([sh.key, list(sh.global_shape), list(sh.global_offset), sizes,
+                                                 first, rows, bool(sh.allow_shape_mismatch)])
+    names = _state.param_names(wrapped)
+    params: Dict[str, str] = {}
+    for p, name in names.items():
+        found = _locate(p.detach(), by_storage.get(_storage(p), []))
+        if found is not None and found[2] == -1:
+            params[name] = found[0]
+    opt_params: List[Optional[List[str]]] = []
+    for opt in _state.optimizers(optimizer):
+        if _state.is_distributed(opt):
+            opt_params.append([])        # its per-DP-rank shards name their parameters themselves
+            continue
+        order = [p for g in opt.optimizer.param_groups for p in g["params"]]
+        # torch's optimizer state is indexed by position over its param groups; None: its parameters are
+        # not the model's (Float16Optimizer's fp32 copies), which this map cannot place
+        opt_params.append([names[p] for p in order] if all(p in names for p in order) else None)
+    return {"version": VERSION, "layout": layout, "tensors": tensors, "params": params, "opt_params": opt_params}
+
+
+# ---- load -----------------------------------------------------------------------------------------------
+
+def refuse_ep(step: int, saved: str, now: str) -> None:
+    raise EasyCkptError(f"iteration {step} was saved in Megatron's torch layout with {saved}; this run is {now}: "
+                        f"the torch layout does not reshard with expert parallelism. Save with "
+                        f"ckpt_format='torch_dist' to change the layout of an MoE model")
+
+
+def needed(manifest: Dict[str, Any], saved: str, now: str, step: int) -> List[Tuple[str, bool]]:
+    """Every model-parallel rank's model file and sharding map, and every DistributedOptimizer shard."""
+    if not saved.endswith(".ep1") or not now.endswith(".ep1"):
+        refuse_ep(step, saved, now)
+    files = manifest["files"]
+    dirs = sorted({m.group(1) for rel in files for m in [MODEL_FILE.fullmatch(rel)] if m})
+    lacking = [d for d in dirs if f"{d}/{SHARDMAP}" not in files]
+    if not dirs or lacking:
+        raise EasyCkptError(f"iteration {step} was saved in Megatron's torch layout on {saved} without easyckpt's "
+                            f"sharding map ({(lacking or ['every mp_rank directory'])[0]} has none: written by "
+                            f"Megatron itself or an older easyckpt); this run is {now}. It resumes only on its "
+                            f"own TP/PP sizes")
+    out = [(f"{d}/{name}", False) for d in dirs for name in ("model_optim_rng.pt", SHARDMAP)]
+    return out + [(rel, False) for rel in sorted(files) if DISTOPT_FILE.fullmatch(rel)]
+
+
+def is_reshard(trees: Dict[str, Any]) -> bool:
+    """Whether ``needed`` above chose these files (a plain load of the torch layout reads no map)."""
+    return any(rel.endswith("/" + SHARDMAP) for rel in trees)
+
+
+def _ints(value: Any, what: str) -> List[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise CheckpointError(f"{what}: not a list of non-negative integers")
+    return value
+
+
+def _checked(tree: Any, rel: str) -> Dict[str, Any]:
+    """The sharding map read from storage: every field of the right type before any is used."""
+    if not isinstance(tree, dict) or tree.get("version") != VERSION:
+        raise CheckpointError(f"{rel}: not an easyckpt sharding map of version {VERSION}")
+    tensors, params, opt_params = tree.get("tensors"), tree.get("params"), tree.get("opt_params")
+    if not isinstance(tensors, dict) or not isinstance(params, dict) or not isinstance(opt_params, list):
+        raise CheckpointError(f"{rel}: tensors, params or opt_params missing or of the wrong type")
+    for path, entries in tensors.items():
+        if not isinstance(path, str) or "/" not in path or not isinstance(entries, list):
+            raise CheckpointError(f"{rel}: bad entry for {path!r}")
+        for e in entries:
+            if not (isinstance(e, list) and len(e) == 7 and isinstance(e[0], str) and type(e[4]) is int
+                    and type(e[5]) is int and e[4] >= 0 and e[5] >= -1 and isinstance(e[6], bool)):
+                raise CheckpointError(f"{rel}: bad sharding entry for {path}")
+            shape, offset, sizes = (_ints(e[i], f"{rel}: {path}") for i in (1, 2, 3))
+            if not len(shape) == len(offset) == len(sizes) or any(
+                    o + n > g for o, n, g in zip(offset, sizes, shape)):
+                raise CheckpointError(f"{rel}: {path}'s block lies outside its global shape")
+    if not all(isinstance(k, str) and isinstance(v, str) and v in tensors for k, v in params.items()):
+        raise CheckpointError(f"{rel}: params must name mapped tensors")
+    for names in opt_params:
+        if names is not None and not (isinstance(names, list) and all(n in params for n in names)):
+            raise CheckpointError(f"{rel}: opt_params must list mapped parameters")
+    return tree
+
+
+def _block(t: torch.Tensor, e: Entry, what: str) -> torch.Tensor:
+    """The part of local tensor ``t`` that entry ``e`` describes, shaped as its block of the global tensor
+    (a view: a destination is written through it)."""
+    sizes, first, rows = e[3], e[4], e[5]
+    numel = 1
+    for n in sizes:
+        numel *= n
+    part = t if rows == -1 else (t.reshape(t.shape[0], -1)[first:first + rows] if t.dim() else None)
+    if part is None or part.numel() != numel:
+        raise CheckpointError(f"{what}: {tuple(t.shape)} does not hold the block {e[0]} {sizes} (rows {first}+{rows})")
+    return part.view(sizes)
+
+
+class Pieces:
+    """Every saved block of every global tensor, by (kind, sharded key); the steps by key."""
+
+    def __init__(self) -> None:
+        self.blocks: Dict[Tuple[str, str], List[Tuple[List[int], List[int], torch.Tensor]]] = {}
+        self.steps: Dict[str, torch.Tensor] = {}
+
+    def add(self, kind: str, t: torch.Tensor, entries: List[Entry], what: str) -> None:
+        for e in entries:
+            self.blocks.setdefault((kind, e[0]), []).append((e[1], e[2], _block(t, e, what)))
+
+    def fill(self, kind: str, dst: torch.Tensor, entries: List[Entry], what: str) -> None:
+        """Copy into ``dst`` (this rank's tensor) every overlapping saved block; all of it must be covered
+        (a padded vocabulary may grow or shrink where Megatron allows it: the rows beyond stay)."""
+        for e in entries:
+            key, shape, offset = e[0], e[1], e[2]
+            view = _block(dst, e, what)
+            saved = self.blocks.get((kind, key)) or (self.blocks.get(("model", key)) if kind == "param" else None)
+            if not saved:
+                raise CheckpointError(f"the checkpoint has no {kind} of {key} ({what})")
+            limit = list(shape)
+            covered = torch.zeros(view.shape, dtype=torch.bool)
+            for s_shape, s_offset, src in saved:
+                if s_shape != shape:
+                    if not e[6] or len(s_shape) != len(shape):
+                        raise CheckpointError(f"{key} was saved with global shape {s_shape}; this run has {shape}")
+                    limit = [min(a, b) for a, b in zip(limit, s_shape)]
+                lo = [max(a, b) for a, b in zip(offset, s_offset)]
+                hi = [min(a + n, b + m) for a, n, b, m in zip(offset, view.shape, s_offset, src.shape)]
+                if any(l >= h for l, h in zip(lo, hi)):
+                    continue
+                d = tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, offset))
+                view[d].copy_(src[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, s_offset))])
+                covered[d] = True
+            need = tuple(slice(0, max(0, min(n, m - a))) for n, m, a in zip(view.shape, limit, offset))
+            if not bool(covered[need].all()):
+                raise CheckpointError(f"the saved blocks of {key} do not cover this rank's part ({what})")
+
+    def step(self, entries: List[Entry], what: str) -> torch.Tensor:
+        for e in entries:
+            if e[0] in self.steps:
+                return self.steps[e[0]]
+        raise CheckpointError(f"the checkpoint has no optimizer step for {what}")
+
+
+def _saved_pieces(trees: Dict[str, Any], dirs: List[str]) -> Tuple[Pieces, bool]:
+    """Everything the old ranks saved, as blocks of global tensors; whether it had a DistributedOptimizer."""
+    pieces, distributed = Pieces(), False
+    for d in dirs:
+        smap, state = _checked(trees[f"{d}/{SHARDMAP}"], f"{d}/{SHARDMAP}"), trees[f"{d}/model_optim_rng.pt"]
+
+        def local(path: str) -> torch.Tensor:
+            part, _, name = path.partition("/")
+            t = state.get(part, {}).get(name) if isinstance(state.get(part), dict) else None
+            if not isinstance(t, torch.Tensor):
+                raise CheckpointError(f"{d}/model_optim_rng.pt has no tensor {path} (its sharding map names it)")
+            return t
+
+        for path, entries in smap["tensors"].items():
+            pieces.add("model", local(path), entries, f"{d} {path}")
+        shards = [trees[r] for r in sorted(trees) if r.startswith(f"{d}/distrib_optim_dp")]
+        if shards:
+            distributed = True
+            for i in range(len(shards[0])):
+                for name, full in _state.assemble([s[i] for s in shards]).items():
+                    path = smap["params"].get(name)
+                    if path is None:
+                        raise CheckpointError(f"{d}: the optimizer shards hold {name}, which its sharding map lacks")
+                    shape, entries = local(path).shape, smap["tensors"][path]
+                    for kind in KINDS:
+                        if kind not in full or torch.isnan(full[kind]).any():
+                            raise CheckpointError(f"{d}: the saved optimizer shards do not cover {kind} of {name}")
+                        pieces.add(kind, full[kind].view(shape), entries, f"{d} {name}")
+                    if "step" in full:
+                        pieces.steps.setdefault(entries[0][0], full["step"])
+        elif state.get("optimizer") is not None:
+            saved = state["optimizer"] if isinstance(state["optimizer"], list) else [state["optimizer"]]
+            for names, opt in zip(smap["opt_params"], saved):
+                if names is None:
+                    raise EasyCkptError(f"{d}: the saved optimizer keeps its own copies of the parameters "
+                                        f"(fp16/bf16 without the DistributedOptimizer); the torch layout does "
+                                        f"not reshard it: use ckpt_format='torch_dist'")
+                per_param = opt.get("state", {}) if isinstance(opt, dict) else {}
+                for index, name in enumerate(names):
+                    s = per_param.get(index)
+                    if not isinstance(s, dict):
+                        continue            # a parameter the optimizer had not stepped yet
+                    path = smap["params"][name]
+                    shape, entries = local(path).shape, smap["tensors"][path]
+                    for kind in KINDS[1:]:
+                        if not isinstance(s.get(kind), torch.Tensor):
+                            raise CheckpointError(f"{d}: the optimizer state of {name} has no {kind}")
+                        pieces.add(kind, s[kind].view(shape), entries, f"{d} {name}")
+                    if isinstance(s.get("step"), torch.Tensor):
+                        pieces.steps.setdefault(entries[0][0], s["step"])
+    return pieces, distributed
+
+
+def restore(trees: Dict[str, Any], where: _state.Parallel, model: Any, optimizer: Any, scheduler: Any,
+            layout: str) -> Dict[str, Any]:
+    """Load a torch-layout checkpoint saved on other TP/PP sizes into this rank's live objects."""
+    dirs = sorted(rel.split("/")[0] for rel in trees if rel.endswith("/" + SHARDMAP))
+    pieces, distributed = _saved_pieces(trees, dirs)
+    mine = shard_map(model, optimizer, layout)
+    wrapped = _state.chunks(model)
+    with torch.no_grad():
+        live = {}
+        for i, chunk in enumerate(wrapped):
+            prefix = "model" if len(wrapped) == 1 else f"model{i}"
+            for name, t in chunk.state_dict_for_save_checkpoint().items():
+                if isinstance(t, torch.Tensor):
+                    live[f"{prefix}/{name}"] = t
+        for path, t in live.items():
+            if path not in mine["tensors"]:
+                raise CheckpointError(f"{path} is not in megatron-core's sharded state dict: it cannot be resharded")
+            pieces.fill("model", t, mine["tensors"][path], path)
+        ref = trees[f"{where.mp_dir}/model_optim_rng.pt"] if f"{where.mp_dir}/{SHARDMAP}" in trees else \
+            trees[f"{dirs[0]}/model_optim_rng.pt"]
+        if optimizer is not None and ref.get("optimizer") is not None:
+            _restore_optimizer(optimizer, ref["optimizer"] if distributed else None, pieces, mine, live,
+                               _state.param_names(wrapped))
+    if scheduler is not None and "opt_param_scheduler" in ref:
+        scheduler.load_state_dict(ref["opt_param_scheduler"])
+    return ref
+
+
+def _restore_optimizer(optimizer: Any, common: Any, pieces: Pieces, mine: Dict[str, Any],
+                       live: Dict[str, torch.Tensor], names: Dict[Any, str]) -> None:
+    opts = _state.optimizers(optimizer)
+    if common is not None and all(_state.is_distributed(o) for o in opts):
+        # the DistributedOptimizer's param groups and grad scaler (it keeps this run's parameters in them)
+        optimizer.load_state_dict(common)
+    for opt, order in zip(opts, mine["opt_params"]):
+        if _state.is_distributed(opt):
+            full = {}
+            for _, model_param, _ in _state._distopt_params(opt):
+                path = mine["params"][names[model_param]]
+                entries = mine["tensors"][path]
+                whole = {k: torch.empty(live[path].shape, dtype=torch.float32) for k in KINDS}
+                for kind in KINDS:
+                    pieces.fill(kind, whole[kind], entries, path)
+                full[names[model_param]] = dict({k: v.reshape(-1) for k, v in whole.items()},
+                                                step=pieces.step(entries, path))
+            _state.distopt_set_whole(opt, full, names)
+            continue
+        if order is None:
+            raise EasyCkptError("this run's optimizer keeps its own copies of the parameters (fp16/bf16 without "
+                                "the DistributedOptimizer); the torch layout does not reshard it: use "
+                                "ckpt_format='torch_dist'")
+        sd = opt.state_dict()
+        state = {}
+        for index, name in enumerate(order):
+            path = mine["params"][name]
+            entries = mine["tensors"][path]
+            s = {"step": pieces.step(entries, path).clone()}
+            for kind in KINDS[1:]:
+                s[kind] = torch.empty_like(live[path])
+                pieces.fill(kind, s[kind], entries, path)
+            state[index] = s
+        sd["state"] = state
+        opt.load_state_dict(sd)
