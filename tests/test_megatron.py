@@ -33,8 +33,12 @@ CONFIGS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2_distopt": ["--use-di
            "dp2_distopt_torch_dist": ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"],
            # MoE: 2 experts over 2 ranks, a ChainedOptimizer of two DistributedOptimizers (dense, experts)
            "moe_ep2_distopt_torch_dist": ["--num-experts", "2", "--ep", "2", "--use-distributed-optimizer",
+                                          "--ckpt-format", "torch_dist"],
+           # virtual pipeline: 2 stages x 2 chunks (the interleaved schedule), in both layouts
+           "pp2_vp2": ["--pp", "2", "--vp", "2", "--num-layers", "4"],
+           "pp2_vp2_distopt_torch_dist": ["--pp", "2", "--vp", "2", "--num-layers", "4", "--use-distributed-optimizer",
                                           "--ckpt-format", "torch_dist"]}
-SLOW_CONFIGS = ("pp2", "dp2_distopt_torch_dist", "moe_ep2_distopt_torch_dist")
+SLOW_CONFIGS = ("pp2", "dp2_distopt_torch_dist", "moe_ep2_distopt_torch_dist", "pp2_vp2", "pp2_vp2_distopt_torch_dist")
 SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
 
@@ -100,8 +104,10 @@ def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_pat
     # the native file is what Megatron's torch-format loader reads: torch.load of model_optim_rng.pt
     native = torch.load(next(newest.glob("mp_rank_*/model_optim_rng.pt")), weights_only=False)
     assert native["checkpoint_version"] == 3.0 and native["iteration"] == int(newest.name[5:])
-    assert {"args", "model", "optimizer", "opt_param_scheduler", "rng_state",
-            "num_floating_point_operations_so_far"} <= set(native)
+    # Megatron-LM's names: one model, or one per virtual pipeline chunk
+    models = {"model0", "model1"} if "--vp" in extra else {"model"}
+    assert models | {"args", "optimizer", "opt_param_scheduler", "rng_state",
+                     "num_floating_point_operations_so_far"} <= set(native)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(native["iteration"])
 
 

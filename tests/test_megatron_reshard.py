@@ -1,11 +1,12 @@
 """Resharding a Megatron checkpoint on resume (megatron-core GPTModel on CPU with gloo, up to 2 ranks per
-run): saved at one (TP, PP, DP) layout in either of Megatron's formats (torch_dist; torch, resumed with
-concat=True), resumed at another. The model
-and optimizer state right after the load equals the saved one exactly, compared as whole global tensors
+run): saved at one (TP, PP, DP, VP) layout in either of Megatron's formats (torch_dist; torch, resumed with
+concat=True), resumed at another. The model and optimizer state right after the load equals the saved
+one exactly, compared as whole global tensors
 assembled from every rank's chunks (megatron-core's own sharding metadata says where each chunk goes);
 and the losses after the resume stay with those of the saved layout's uninterrupted run: the same state
 trained on another decomposition, which agrees to float rounding (within 2e-5 relative here; measured
-differences are below 1e-6). Includes MoE: experts split over 2 ranks, resumed with both on each rank."""
+differences are below 1e-6). Includes MoE: experts split over 2 ranks, resumed with both on each rank;
+and virtual pipeline chunks (the interleaved schedule)."""
 from __future__ import annotations
 
 import sys
@@ -28,6 +29,9 @@ CHANGES = {
     "pp2-to-pp1": (["--pp", "2"], 2, [], 1),
     "pp1-to-pp2": ([], 1, ["--pp", "2"], 2),
     "tp2dp1-to-tp1dp2": (["--tp", "2"], 2, [], 2),
+    # virtual pipeline (the interleaved schedule): 4 layers as 2 stages x 2 chunks, then in one stage
+    "pp2vp2-to-pp1": (["--pp", "2", "--vp", "2", "--num-layers", "4"], 2, ["--num-layers", "4"], 1),
+    "pp1-to-pp2vp2": (["--num-layers", "4"], 1, ["--pp", "2", "--vp", "2", "--num-layers", "4"], 2),
     # MoE, 2 experts: split over 2 ranks (EP 2), then both on each rank (EP 1, DP 2)
     "ep2-to-ep1": (["--num-experts", "2", "--ep", "2"], 2, ["--num-experts", "2"], 2),
 }

@@ -80,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1, help="tensor-model-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-model-parallel size")
+    p.add_argument("--vp", type=int, default=1,
+                   help="virtual pipeline chunks per stage (the interleaved schedule; needs --pp > 1)")
+    p.add_argument("--num-layers", type=int, default=2, help="transformer layers (a multiple of pp * vp)")
     p.add_argument("--num-experts", type=int, default=0, help="MoE: experts per MLP layer (0: a dense MLP)")
     p.add_argument("--ep", type=int, default=1, help="expert-model-parallel size (with --num-experts)")
     p.add_argument("--iters", type=int, default=10, help="train until this iteration (inclusive)")
@@ -145,8 +148,12 @@ def initialize(args: argparse.Namespace) -> None:
     if world % (args.tp * args.pp):
         raise SystemExit(f"world size {world} is not divisible by tp*pp = {args.tp * args.pp}")
 
+    if args.num_layers % (args.pp * args.vp) or (args.vp > 1 and args.pp == 1):
+        raise SystemExit(f"--num-layers {args.num_layers} must be a multiple of pp * vp = {args.pp * args.vp}, "
+                         f"and --vp needs --pp > 1")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vp if args.vp > 1 else None,
         expert_model_parallel_size=args.ep)
     args.dp = parallel_state.get_data_parallel_world_size()
     if args.num_microbatches is not None:
@@ -180,12 +187,13 @@ def device(args: argparse.Namespace) -> torch.device:
 # ----------------------------------------------------------------------------------------------------
 
 def build_model_and_optimizer(args: argparse.Namespace):
-    """Returns (model, optimizer, scheduler): the DDP-wrapped GPTModel chunk of this pipeline stage,
-    the Megatron optimizer over it, and the learning-rate / weight-decay scheduler."""
+    """Returns (model, optimizer, scheduler): the list of DDP-wrapped GPTModel chunks of this pipeline
+    stage (one, or --vp with the interleaved schedule), the Megatron optimizer over them, and the
+    learning-rate / weight-decay scheduler."""
     if args.cpu and args.num_experts:
         cpu_compat.moe_without_te()
     config = TransformerConfig(
-        num_layers=2,
+        num_layers=args.num_layers,
         hidden_size=64,
         num_attention_heads=4,
         hidden_dropout=0.0,
@@ -193,6 +201,11 @@ def build_model_and_optimizer(args: argparse.Namespace):
         init_method_std=0.02,
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vp if args.vp > 1 else None,
+        # gloo pairs point-to-point messages between two ranks in the order they are posted: a batch that
+        # sends both ways to one peer (the interleaved schedule at pp 2) would swap activations and
+        # gradients; megatron-core's unbatched order (even ranks send first) pairs them right
+        batch_p2p_comm=not args.cpu,
         pipeline_dtype=torch.float32,   # required when pp > 1: dtype of the tensors sent between stages
         params_dtype=torch.float32,
         # On the CPU the weights must be created on the CPU (the GPU path initialises on the device).
@@ -209,31 +222,42 @@ def build_model_and_optimizer(args: argparse.Namespace):
         # The fusions (gradient accumulation, bias-gelu, masked softmax, rope, ...) default to off in
         # megatron-core's configs; they need TE/Apex/CUDA kernels and must stay off on the CPU.
     )
-    model = GPTModel(
-        config=config,
-        # pure megatron-core modules, no TE
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.num_experts or None),
-        vocab_size=VOCAB_SIZE,
-        max_sequence_length=SEQ_LENGTH,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        # Tied input/output embeddings, the Megatron-LM default: with pp > 1 the first and the last
-        # stage each hold a copy, kept equal by an all-reduce of their grads in finalize_model_grads.
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="learned_absolute",
-    )
-    for param in model.parameters():
-        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    if not args.cpu:
-        model.cuda(torch.cuda.current_device())
-
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=False,
         overlap_grad_reduce=False,
         overlap_param_gather=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    model = []
+    for vp_stage in range(args.vp):
+        # each chunk of an interleaved stage holds every (pp * vp)-th slice of layers: Megatron numbers
+        # them globally by its vp_stage
+        stage = vp_stage if args.vp > 1 else None
+        if args.vp > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
+        chunk = GPTModel(
+            config=config,
+            # pure megatron-core modules, no TE
+            transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.num_experts or None),
+            vocab_size=VOCAB_SIZE,
+            max_sequence_length=SEQ_LENGTH,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            # Tied input/output embeddings, the Megatron-LM default: with pp > 1 the first and the last
+            # stage each hold a copy, kept equal by an all-reduce of their grads in finalize_model_grads.
+            share_embeddings_and_output_weights=True,
+            position_embedding_type="learned_absolute",
+            vp_stage=stage,
+        )
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if not args.cpu:
+            chunk.cuda(torch.cuda.current_device())
+        # as Megatron-LM does: one bucket for the chunks after the first
+        model.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                             disable_bucketing=vp_stage > 0))
+    if args.vp > 1:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
 
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -250,7 +274,7 @@ def build_model_and_optimizer(args: argparse.Namespace):
     # Without TE/Apex both the plain Megatron optimizer and the DistributedOptimizer wrap
     # torch.optim.AdamW. Its per-parameter state ("step", "exp_avg", "exp_avg_sq") is created lazily at
     # the first step: a DistributedOptimizer that never stepped has no Adam state to save or load into.
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    optimizer = get_megatron_optimizer(opt_config, model)
 
     # Steps are counted in iterations (increment=1), not in samples as Megatron-LM does.
     scheduler = OptimizerParamScheduler(
@@ -351,12 +375,15 @@ def train(model, optimizer, scheduler, start_iteration: int, args: argparse.Name
     while iteration < args.iters:
         t0 = time.perf_counter()
         iteration += 1
-        model.zero_grad_buffer()
+        for chunk in model:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reduced = forward_backward(
             forward_step_func=forward_step,
-            data_iterator=microbatches(args, iteration),
-            model=[model],
+            # the interleaved schedule takes one iterator per chunk (each chunk sees every microbatch)
+            data_iterator=([microbatches(args, iteration) for _ in model] if len(model) > 1
+                           else microbatches(args, iteration)),
+            model=model,
             num_microbatches=args.num_microbatches,
             seq_length=SEQ_LENGTH,
             micro_batch_size=args.micro_batch_size,
@@ -385,7 +412,7 @@ def train(model, optimizer, scheduler, start_iteration: int, args: argparse.Name
         # The optimizer and the scheduler have stepped and the loss is written, so a save here holds
         # the state after `iteration`, and a run loaded from it continues with iteration + 1.
         if args.save:
-            easyckpt_megatron.save_checkpoint_if_needed(iteration, [model], optimizer, scheduler)
+            easyckpt_megatron.save_checkpoint_if_needed(iteration, model, optimizer, scheduler)
 
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -408,7 +435,8 @@ def dump_state(prefix: str, tag: str, model, optimizer, args: argparse.Namespace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    sd = {"model": model.module.sharded_state_dict(metadata={"dp_cp_group": group})}
+    sd = {f"model{i}": chunk.module.sharded_state_dict(metadata={"dp_cp_group": group})
+          for i, chunk in enumerate(model)}
     if not args.use_distributed_optimizer:
         sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata={"dp_cp_group": group})
     apply_factories(sd)
@@ -458,7 +486,7 @@ def main(argv=None) -> int:
                                               args.max_ckpt_num, args.ckpt_log, save_dir=args.save, args=args,
                                               agent_idle_timeout=args.agent_idle_timeout,
                                               exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
-        start_iteration, _ = easyckpt_megatron.load_checkpoint([model], optimizer, scheduler, concat=args.concat)
+        start_iteration, _ = easyckpt_megatron.load_checkpoint(model, optimizer, scheduler, concat=args.concat)
         if args.dump_state and start_iteration:
             dump_state(args.dump_state, "loaded", model, optimizer, args)
         if args.loss_file and parallel_state.is_pipeline_last_stage():
