@@ -217,6 +217,27 @@ def test_native_keys_and_converter_output_load_through_megatrons_own_paths(tmp_p
     wait_no_agent(ckpt, job_name="native-check")
 
 
+@pytest.mark.slow   # the single-optimizer converter runs in the default tier (above)
+def test_the_converter_writes_a_chained_optimizer_as_megatron_does_for_moe(tmp_path):
+    """MoE with its experts over 2 ranks: a ChainedOptimizer of a dense and an expert DistributedOptimizer.
+    The converter writes each mp_rank_00_EEE/distrib_optim.pt as megatron-core's own
+    ChainedOptimizer.save_parameter_state does, and megatron-core's load_parameter_state reads it back to
+    the state easyckpt's own loader restores."""
+    ckpt, moe = tmp_path / "ckpt", ["--num-experts", "2", "--ep", "2", "--use-distributed-optimizer"]
+    run(cmd(ckpt, tmp_path / "loss", *moe, "--iters", "6", "--save-storage-interval", "3"), timeout=300)
+    wait_no_agent(ckpt)
+    conv = run([sys.executable, "-m", "easyckpt.cli", "convert", "megatron-distopt", str(ckpt)], timeout=120)
+    assert conv.stdout.count("distrib_optim.pt") == 2, conv.stdout
+    dense = torch.load(ckpt / "iter_0000006" / "mp_rank_00_000" / "distrib_optim.pt", weights_only=False)
+    other = torch.load(ckpt / "iter_0000006" / "mp_rank_00_001" / "distrib_optim.pt", weights_only=False)
+    assert isinstance(dense, list) and len(dense) == 2 and all(s is not None for s in dense)
+    assert other[0] is None and other[1] is not None, "the dense state lives with its DP rank 0 only"
+    check = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 str(ROOT / "tests" / "megatron_native_check.py"), str(ckpt), "--", *moe], timeout=300)
+    assert check.stdout.count("NATIVE OK at iteration 6") == 2, check.stdout[-3000:]
+    wait_no_agent(ckpt, job_name="native-check")
+
+
 @pytest.mark.slow   # the same promises in the plain layout run in CI (test_faults, test_cli)
 def test_pruning_foreign_files_and_a_damaged_shard_in_megatrons_layout(tmp_path):
     """The core promises under Megatron naming: only this job's iter_* dirs are pruned (to max_ckpt_num,

@@ -52,7 +52,13 @@ def dp_zero_state(shards: List[Dict[str, Any]]) -> Dict[Any, Any]:
 
 
 def to_megatron_distrib_optim(step_dir: str) -> List[str]:
-    """Write ``mp_rank_*/distrib_optim.pt`` for every (tp, pp) of a committed step; returns their paths."""
+    """Write ``mp_rank_*/distrib_optim.pt`` for every (tp, pp) of a committed step; returns their paths.
+
+    A ChainedOptimizer (MoE with expert parallelism: dense and expert parameters apart) is written as
+    megatron-core's ``ChainedOptimizer.save_parameter_state`` writes it: per ``mp_rank_..._EEE`` directory a
+    list with one entry per optimizer. A dense optimizer's data-parallel group spans the expert-parallel
+    ranks of its (tp, pp), so its gathered state goes to the directory of its DP rank 0 (None elsewhere); an
+    expert optimizer's group is the ranks of one directory."""
     try:
         man = stepfiles.load(step_dir)      # its file names are checked: each shard is read inside the step only
     except (OSError, ValueError) as exc:
@@ -64,17 +70,37 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
             groups.setdefault(m.group(1), []).append(rel)
     if not groups:
         raise ValueError(f"{step_dir} holds no distributed-optimizer shards (distrib_optim_dp*.pt)")
+    shards = {rel: safe_torch_load(stepfiles.read_verified(step_dir, rel, man)) for rels in groups.values()
+              for rel in sorted(rels)}
+    counts = {len(s) for s in shards.values() if isinstance(s, list) and all(isinstance(x, dict) for x in s)}
+    if len(counts) != 1 or len(shards) != sum(len(r) for r in groups.values()):
+        raise CheckpointError(f"{step_dir}: the optimizer shards do not all hold the same optimizers")
+    count = counts.pop()
+    layout = (man.get("info") or {}).get("layout")
+    ep = re.search(r"\.ep(\d+)$", layout) if isinstance(layout, str) else None
+    split = bool(ep) and int(ep.group(1)) > 1
+    if count > 1 and not split:
+        raise ValueError("a ChainedOptimizer is converted when its experts are split (EP > 1, recorded in the "
+                         "manifest): this step does not say so")
+
+    def base(mp_dir: str) -> str:
+        return mp_dir[:-4] if split else mp_dir       # without the expert-parallel rank "_EEE"
+
     written, entries = [], {}
     sd = SaveDir(os.path.dirname(step_dir), NAMINGS["megatron"])
     for mp_dir, rels in sorted(groups.items()):
-        shard_lists = []
-        for rel in sorted(rels):
-            data = stepfiles.read_verified(step_dir, rel, man)
-            shard_lists.append(safe_torch_load(data))
-        if len(shard_lists[0]) != 1:
-            raise ValueError("only a single DistributedOptimizer (not a ChainedOptimizer) can be converted")
+        mine = [shards[r] for r in sorted(rels)]
+        states: List[Any] = []
+        for i in range(count):
+            if count == 1 or mine[0][i].get("expert", i > 0):
+                states.append(dp_zero_state([s[i] for s in mine]))
+            elif f"{mp_dir}/distrib_optim_dp000.pt" in rels:    # the dense optimizer's DP rank 0
+                states.append(dp_zero_state([shards[r][i] for r in sorted(shards)
+                                             if base(r.split("/")[0]) == base(mp_dir)]))
+            else:
+                states.append(None)
         buf = io.BytesIO()
-        torch.save(dp_zero_state([s[0] for s in shard_lists]), buf)
+        torch.save(states[0] if count == 1 else states, buf)
         rel = f"{mp_dir}/distrib_optim.pt"
         entries[rel] = {"size": buf.getbuffer().nbytes, "checksum": mf.checksum(buf.getbuffer()), "format": "torch"}
         sd.add_file(step_dir, rel, buf.getvalue())

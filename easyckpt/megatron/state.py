@@ -143,7 +143,10 @@ def distopt_state(opt: Any, names: Dict[Any, str]) -> Dict[str, Any]:
                        # where the whole parameter starts in its bucket (Megatron's gathered layout)
                        "bucket_start": ranges["gbuf_world_in_bucket"].start - sub.start,
                        "range": [sub.start, sub.end], "numel": model_param.numel(), **tensors})
-    return {"per_bucket_numel_unpadded": opt.per_bucket_numel_unpadded, "params": params}
+    # expert parameters (MoE; Megatron marks them allreduce=False) have their own data-parallel group: the
+    # converter gathers their shards per expert-parallel rank
+    expert = any(not getattr(p, "allreduce", True) for _, p, _ in _distopt_params(opt))
+    return {"per_bucket_numel_unpadded": opt.per_bucket_numel_unpadded, "params": params, "expert": expert}
 
 
 def assemble(shards: List[Dict[str, Any]]) -> Dict[str, Dict[str, torch.Tensor]]:
