@@ -225,26 +225,77 @@ def _own_distopt_one(opt: Any, meta: Dict[int, Any]) -> Optional[Dict[str, Any]]
     return common
 
 
-def _fit_chain(state: Dict[str, Any], count: int) -> None:
-    """A checkpoint of a ChainedOptimizer with several optimizers (MoE with EP > 1: dense and expert
-    parameters apart) loaded into one optimizer (EP = 1 puts every parameter in one): the common parts
-    were saved per optimizer ({0: ..., 1: ...}); give the one optimizer all their param groups (it picks
-    its own by their identifiers) and the step they share. The tensors come from the request as they are."""
-    opt = state.get("optimizer")
-    if count != 1 or not isinstance(opt, dict) or "optimizer" in opt:
+def _fit_chain(state: Dict[str, Any], optimizer: Any) -> None:
+    """Fit the optimizer's common state to a change of the number of optimizers (MoE: with EP > 1 a
+    ChainedOptimizer keeps dense and expert parameters apart; with EP = 1 one optimizer holds them all).
+    Megatron's loader merges the saved common parts with the tensors this run's request read.
+
+    - Several saved ({0: ..., 1: ...}), one now: it gets all their param groups (it picks its own by their
+      identifiers) and the step they share.
+    - One saved, several now: each gets the saved groups; the experts' optimizer asks for groups marked
+      ``is_expert_parallel``, which EP = 1 did not mark, so each group is offered under both marks."""
+    opt, count = state.get("optimizer"), len(_state.optimizers(optimizer))
+    if not isinstance(opt, dict):
+        return
+    if _fit_plain_chain(state, opt, _state.optimizers(optimizer)):
+        return
+    if count > 1 and isinstance(opt.get("optimizer"), dict):
+        common = {k: v for k, v in opt.items() if not isinstance(k, int)}
+        groups = list(common["optimizer"].get("param_groups") or [])
+        marks = {(tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "is_expert_parallel"))),
+                  bool(g.get("is_expert_parallel"))) for g in groups}
+        for g in list(groups):
+            rest = tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "is_expert_parallel")))
+            if (rest, not g.get("is_expert_parallel")) not in marks:
+                groups.append(dict(g, is_expert_parallel=not g.get("is_expert_parallel")))
+        fitted = {}
+        for i in range(count):
+            fitted[i] = dict(common)
+            fitted[i].update(opt.get(i) or {})
+            fitted[i]["optimizer"] = dict(common["optimizer"], param_groups=groups)
+        state["optimizer"] = fitted
+        return
+    if count != 1 or "optimizer" in opt:
         return
     parts = [opt[i] for i in sorted(k for k in opt if isinstance(k, int))]
     if not parts:
         return
     if not all(isinstance(p, dict) and "optimizer" in p for p in parts):
         raise CheckpointError(f"this checkpoint holds {len(parts)} optimizers (MoE with expert parallelism: dense "
-                              f"and expert parameters apart); this run has one. Resuming on EP 1 from EP > 1 is "
-                              f"supported with the DistributedOptimizer, not with the plain optimizer yet")
+                              f"and expert parameters apart) in a form this run's one optimizer cannot take")
     merged = {k: v for k, v in parts[0].items()}
     merged["optimizer"] = dict(parts[0]["optimizer"],
                                param_groups=[g for p in parts for g in p["optimizer"]["param_groups"]])
     merged.update({k: v for k, v in opt.items() if not isinstance(k, int)})
     state["optimizer"] = merged
+
+
+def _fit_plain_chain(state: Dict[str, Any], opt: Dict[str, Any], opts: List[Any]) -> bool:
+    """The plain optimizer across an EP change. Its tensors come by parameter key, as this run's request
+    asked for them ("state", "param_groups" of each of its optimizers); the saved common part holds only
+    the step every parameter shares (``common_step``) and the saved layout's param groups, indexed by
+    that layout's parameters: keep this run's groups (the scheduler sets their lr and weight decay) and
+    give every optimizer the saved step. True when it applied."""
+    ints, count = [k for k in opt if isinstance(k, int)], len(opts)
+    if any(_state.is_distributed(o) for o in opts):
+        return False
+    if count == 1 and ints and isinstance(opt.get("state"), dict) and "optimizer" not in opt:
+        steps = [opt[i]["state"]["common_step"] for i in sorted(ints)
+                 if isinstance(opt[i], dict) and isinstance(opt[i].get("state"), dict) and "common_step" in opt[i]["state"]]
+        if not steps:
+            return False
+        state["optimizer"] = {k: v for k, v in opt.items() if not isinstance(k, int)}
+        state["optimizer"]["state"]["common_step"] = steps[0]
+        state["optimizer"]["param_groups"] = opts[0].optimizer.state_dict()["param_groups"]
+        return True
+    if count > 1 and sorted(ints) == list(range(count)) and isinstance(opt.get("state"), dict) \
+            and "common_step" in opt["state"] and all(isinstance(opt[i].get("state"), dict) for i in ints):
+        for i in ints:
+            opt[i]["state"]["common_step"] = opt["state"]["common_step"]
+            opt[i]["param_groups"] = opts[i].optimizer.state_dict()["param_groups"]
+        state["optimizer"] = {i: opt[i] for i in ints}
+        return True
+    return False
 
 
 def _pop_pieces(state: Any, count: int) -> Optional[List[Any]]:
@@ -411,7 +462,7 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
     if path is not None:
         from megatron.core import dist_checkpointing
         state = dist_checkpointing.load(sd, path)
-        _fit_chain(state, len(_state.optimizers(optimizer)))
+        _fit_chain(state, optimizer)
     else:
         state = _fill_from_memory(sd, common, trees, where.rank)
     pieces = _pop_pieces(state.get("optimizer"), len(_state.optimizers(optimizer))) if path is None else None

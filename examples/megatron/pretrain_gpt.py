@@ -438,7 +438,9 @@ def dump_state(prefix: str, tag: str, model, optimizer, args: argparse.Namespace
     sd = {f"model{i}": chunk.module.sharded_state_dict(metadata={"dp_cp_group": group})
           for i, chunk in enumerate(model)}
     if not args.use_distributed_optimizer:
-        sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata={"dp_cp_group": group})
+        # the keys Megatron-LM saves with: a ChainedOptimizer's states by parameter, no "chained_N." prefix
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata={"dp_cp_group": group,
+                                                                      "chained_optim_avoid_prefix": True})
     apply_factories(sd)
     out: dict = {}
     by_param = {}
