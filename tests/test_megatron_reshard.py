@@ -9,6 +9,7 @@ differences are below 1e-6). Includes MoE: experts split over 2 ranks, resumed w
 and virtual pipeline chunks (the interleaved schedule)."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -130,4 +131,32 @@ def test_an_ep_change_in_the_torch_layout_is_refused_clearly(tmp_path):
                   *distopt, fmt="torch"), timeout=300, check=False)
     assert out.returncode != 0
     assert "does not reshard with expert parallelism" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+    wait_no_agent(ckpt)
+
+
+def test_a_torch_dist_resume_reads_only_the_items_it_needs_and_a_damaged_one_falls_back(tmp_path):
+    """Saved on one pipeline stage, resumed on two: each stage reads and checks only the items of the
+    data file its layers need (the manifest records each item's place and checksum), never the whole file.
+    A flipped byte inside an item a stage needs rejects that step for every rank, and the previous one is
+    resumed, on the new layout too."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
+    run(cmd(ckpt, tmp_path / "a", [], 1, "--iters", "10", "--ckpt-log", str(log)), timeout=300)
+    wait_no_agent(ckpt)
+    run(cmd(ckpt, tmp_path / "b", ["--pp", "2"], 2, "--iters", "11", "--ckpt-log", str(log)), timeout=300)
+    wait_no_agent(ckpt)
+    loads = [e for e in events(log) if e["event"] == "load" and e.get("step") == 10]
+    data = (ckpt / "iter_0000010" / "__0_0.distcp").stat().st_size
+    assert len(loads) == 2 and all(e["bytes"] < data for e in loads), (data, loads)
+
+    man = json.loads((ckpt / "iter_0000011" / "easyckpt_manifest.json").read_text())
+    items = man["files"]["__1_0.distcp"]["items"]
+    layer = next(i for i in items if i[3] and i[3][0].startswith("decoder.layers.") and i[3][1] is not None)
+    path = ckpt / "iter_0000011" / "__1_0.distcp"
+    raw = bytearray(path.read_bytes())
+    raw[layer[0] + layer[1] // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    out = run(cmd(ckpt, tmp_path / "c", [], 1, "--iters", "12", "--ckpt-log", str(log)), timeout=300)
+    loads = [e for e in events(log) if e["event"] == "load" and e.get("step")]
+    assert loads[-1]["step"] == 10 and loads[-1]["source"] == "storage", loads[-1]
+    assert "__1_0.distcp: item" in out.stdout + out.stderr and "corrupted" in out.stdout + out.stderr
     wait_no_agent(ckpt)

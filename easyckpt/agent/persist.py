@@ -65,7 +65,7 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
                     if fmt == "torch":
                         digest = _write_torch(out, view, f, meta["skeletons"][rel])
                     elif fmt == "dcp":
-                        digest = _write_dcp(out, view, f, meta["skeletons"][rel])
+                        digest, items = _write_dcp(out, view, f, meta["skeletons"][rel])
                     elif fmt == "raw":
                         data = base64.b64decode(meta["skeletons"][rel]["__raw"])
                         out.write(data)
@@ -77,6 +77,8 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
                     out.finish()
                     size = out.size
                     files[rel] = {"size": size, "checksum": digest, "format": fmt}
+                    if fmt == "dcp":
+                        files[rel]["items"] = items
                     total += size
                     faults.inject("agent.persist_file", rank)
             # fsync once every file is written: where O_DIRECT was refused, the kernel writes the first
@@ -113,33 +115,45 @@ class _Hashed:
 
     def __init__(self, out: Writer, view: memoryview):
         self.out, self.view, self.hasher = out, view, mf.Hasher()
+        self.item: Optional[mf.Hasher] = None      # also checksums one part alone (a distcp item)
 
     def write(self, data: bytes) -> None:
         self.hasher.update(data)
+        if self.item is not None:
+            self.item.update(data)
         self.out.write(data)
 
     def write_slot(self, begin: int, end: int) -> None:
         self.hasher.update(self.view[begin:end])
+        if self.item is not None:
+            self.item.update(self.view[begin:end])
         self.out.write_mapped(self.view, begin, end)
 
 
-def _write_dcp(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]) -> str:
+def _write_dcp(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]
+               ) -> Tuple[str, List[List[Any]]]:
     """A torch.distributed.checkpoint data file: its items back to back, each a torch.save archive of one
     tensor (offsets relative to the item, as DCP's reader slices the file) or bytes. Each item must come
-    out at the size the trainer put in the checkpoint's metadata: a mismatch fails the persist."""
+    out at the size the trainer put in the checkpoint's metadata: a mismatch fails the persist. Returns
+    the file's checksum and each item's [offset, length, checksum, id] (manifest ``items``: a load then
+    reads and checks only the items its rank needs)."""
     ranges = slotmeta.tensor_ranges(f)
     dst = _Hashed(out, view)
+    items: List[List[Any]] = []
     for n, item in enumerate(skeleton["__dcp"]):
         start = out.size
+        dst.item = mf.Hasher()
         if "b" in item:
             dst.write(base64.b64decode(item["b"]))
-            continue
-        torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size - start,
-                                  base64.b64decode(item["pkl"]), [tuple(ranges[item["t"]])], slot_phase=False)
-        if out.size - start != item["n"]:
-            raise ValueError(f"{f['relpath']}: item {n} came out at {out.size - start} bytes, its metadata "
-                             f"says {item['n']}")
-    return dst.hasher.hexdigest()
+        else:
+            torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size - start,
+                                      base64.b64decode(item["pkl"]), [tuple(ranges[item["t"]])], slot_phase=False)
+            if out.size - start != item["n"]:
+                raise ValueError(f"{f['relpath']}: item {n} came out at {out.size - start} bytes, its metadata "
+                                 f"says {item['n']}")
+        items.append([start, out.size - start, dst.item.hexdigest(), item.get("id")])
+    dst.item = None
+    return dst.hasher.hexdigest(), items
 
 
 def _write_torch(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]) -> str:

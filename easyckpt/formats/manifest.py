@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from easyckpt.errors import CheckpointError, ManifestError
 from easyckpt.formats import paths
@@ -159,3 +159,23 @@ def compare(rel: str, size: int, digest: Callable[[], str], entry: Dict[str, Any
         return (f"{rel}: checksum {got} on disk, the manifest records {entry['checksum']} ({algo}; the size, "
                 f"{size_and_bytes(size)}, matches: corrupted)")
     return None
+
+
+def check_items(rel: str, entry: Dict[str, Any]) -> List[List[Any]]:
+    """A data file's ``items`` (distcp: [offset, length, checksum, id], written by the agent): in file order,
+    apart, inside the file, each id [name, offsets, sizes] or [name, None, None]; ManifestError if not."""
+    from easyckpt.formats.slotmeta import item_id_ok
+
+    items, end = entry.get("items"), 0
+    if not isinstance(items, list):
+        raise ManifestError(f"files[{rel!r}].items is not a list")
+    for n, item in enumerate(items):
+        if not (isinstance(item, list) and len(item) == 4 and _is_int(item[0]) and _is_int(item[1])
+                and item[0] >= end and item[1] >= 0 and isinstance(item[2], str)
+                and (item[3] is None or item_id_ok(item[3]))):
+            raise ManifestError(f"files[{rel!r}].items[{n}] is not [offset, length, checksum, id] after the "
+                                f"previous item")
+        end = item[0] + item[1]
+    if end > entry["size"]:
+        raise ManifestError(f"files[{rel!r}].items end at byte {end}, past the file's {entry['size']}")
+    return items

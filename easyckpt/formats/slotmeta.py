@@ -102,6 +102,10 @@ def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data
         if not isinstance(entries, list):
             raise BadSlotMeta(f"{rel}: a distcp shard's skeleton lacks its item list")
         for e in entries:
+            if isinstance(e, dict) and "id" in e:
+                e = dict(e)
+                if not item_id_ok(e.pop("id")):
+                    raise BadSlotMeta(f"{rel}: distcp item id {str(e)[:120]} is not [name, offsets, sizes]")
             if isinstance(e, dict) and set(e) == {"b"} and isinstance(e["b"], str):
                 _b64(e["b"], rel)
             elif (isinstance(e, dict) and set(e) == {"t", "pkl", "n"} and e["t"] in keys
@@ -124,3 +128,15 @@ def _b64(text: str, rel: str) -> bytes:
 def tensor_ranges(f: Dict[str, Any]) -> Dict[str, List[int]]:
     """key -> [begin, end] of a checked file entry."""
     return {t[0]: [t[3], t[4]] for t in f["tensors"]}
+
+
+def item_id_ok(ident: Any) -> bool:
+    """A distcp item's identity: [name, global offsets, sizes] of a tensor chunk, [name, None, None] of an
+    object (what a rank's load request is matched against, formats/manifest items)."""
+    if not (isinstance(ident, list) and len(ident) == 3 and isinstance(ident[0], str)):
+        return False
+    offsets, sizes = ident[1], ident[2]
+    if offsets is None and sizes is None:
+        return True
+    return (isinstance(offsets, list) and isinstance(sizes, list) and len(offsets) == len(sizes)
+            and all(type(v) is int and v >= 0 for v in offsets + sizes))

@@ -98,7 +98,8 @@ class MegatronState:
     def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
         where = _state.parallel()
         if _dist.is_torch_dist(manifest["files"]):
-            return _dist.needed(where, torch.distributed.get_world_size(), manifest)
+            return _dist.needed(where, torch.distributed.get_world_size(), manifest,
+                                _dist.request(self.model, self.optimizer, where))
         saved = (manifest.get("info") or {}).get("layout")
         now = _dist.layout(where, self.model)
         moved = _dist.changed(saved, now) if isinstance(saved, str) else []

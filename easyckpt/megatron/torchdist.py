@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from easyckpt.errors import CheckpointError
+from easyckpt.formats import manifest as mf
 from easyckpt.megatron import state as _state
 from easyckpt.trainer.snapshot import ShardSpec
 from easyckpt.trainer.tree import dcp_item_size, safe_torch_load
@@ -336,6 +337,7 @@ def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: f
     sd = sharded_state_dict(iteration, model, optimizer, scheduler, flops, args, where, False, rng)
     sharded, common = save_preprocess(sd, validate_access_integrity=False)
     items: List[Any] = []           # the distcp file's items, in file order
+    ids: List[List[Any]] = []        # each one's [name, global offsets, sizes] (manifest items: partial reads)
     described: List[List[Any]] = []   # what rank 0 needs of each for the metadata
     index: List[List[Any]] = []      # memory: [chunk id, "d" (distcp item) | "t" (local tensor) | "o", position]
     local: List[torch.Tensor] = []
@@ -349,6 +351,7 @@ def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: f
             if is_main_replica(sh.replica_id):
                 index.append([ident, "d", len(items)])
                 items.append(sh.data.detach().reshape(sizes))
+                ids.append([sh.key, list(sh.global_offset), list(sizes)])
                 described.append(["t", sh.key, list(sh.global_offset), list(sizes),
                                   str(sh.dtype).replace("torch.", ""), list(sh.global_shape)])
             else:
@@ -360,6 +363,7 @@ def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: f
             if is_main_replica(sh.replica_id):
                 index.append([sh.unique_key, "d", len(items)])
                 items.append(buf.getvalue())
+                ids.append([sh.unique_key, None, None])
                 described.append(["o", sh.unique_key])
             else:
                 index.append([sh.unique_key, "o", len(objects)])
@@ -370,7 +374,7 @@ def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: f
         d.append(dcp_item_size(item))
     gathered = _gather_to_zero(described)
     rank = where.rank
-    shards = [ShardSpec(data_file(rank), items, persist=True, fmt="dcp"),
+    shards = [ShardSpec(data_file(rank), list(zip(ids, items)), persist=True, fmt="dcp"),
               ShardSpec(COMMON, common, persist=rank == 0, fmt="torch"),
               ShardSpec(LOCAL.format(rank), {"index": index, "local": local, "objects": objects}, persist=False),
               ShardSpec(where.rng_file, {"iteration": iteration, "rng": rng}, persist=True)]
@@ -434,15 +438,53 @@ def dcp_metadata(per_rank: List[List[List[Any]]]) -> bytes:
 
 # ---- load ---------------------------------------------------------------------------------------------
 
-def needed(where: _state.Parallel, world_size: int, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
-    """The small files, this rank's share of the data files to verify (rank i checks every file whose
-    number is i modulo the world size: each is checked once), and its own RNG states."""
-    files = [(COMMON, False), (METADATA_JSON, False), (DCP_METADATA, False)]
-    for rel in sorted(manifest["files"]):
-        if rel.startswith("__") and rel.endswith("_0.distcp"):
-            number = rel[2:-len("_0.distcp")]
-            if number.isdigit() and int(number) % world_size == where.rank:
-                files.append((rel, False))
+def request(model: Any, optimizer: Any, where: _state.Parallel) -> List[Tuple[str, List[int], List[int]]]:
+    """Every chunk this rank will ask Megatron's reader for: (key, global offsets, sizes)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    for opt in _state.optimizers(optimizer):
+        if _state.is_distributed(opt):
+            _prime_adam(opt)
+    sd = sharded_state_dict(0, model, optimizer, None, 0.0, None, where, True)
+    apply_factories(sd)
+    return [(sh.key, list(sh.global_offset), [1] * sh.prepend_axis_num + list(sh.local_shape))
+            for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
+
+
+def _data_files(manifest: Dict[str, Any]) -> List[str]:
+    return sorted(rel for rel in manifest["files"] if rel.startswith("__") and rel.endswith("_0.distcp")
+                  and rel[2:-len("_0.distcp")].isdigit())
+
+
+def _overlaps(ident: Any, wanted: Dict[str, List[Tuple[List[int], List[int]]]]) -> bool:
+    if ident is None or ident[1] is None:     # an object (RNG states: small) or an item of unknown identity
+        return True
+    boxes = wanted.get(ident[0], [])
+    return any(len(o) == len(ident[1]) and all(a < b + m and b < a + n for a, n, b, m in zip(ident[1], ident[2], o, s))
+               for o, s in boxes)
+
+
+def needed(where: _state.Parallel, world_size: int, manifest: Dict[str, Any],
+           wanted: Optional[List[Tuple[str, List[int], List[int]]]] = None) -> List[Tuple[Any, ...]]:
+    """The small files, the data this rank's load reads, and its own RNG states. easyckpt's own
+    checkpoints record each item's place and checksum (manifest ``items``): a rank reads and checks only
+    the items its request (``wanted``) overlaps, the byte ranges Megatron's reader then takes. Else (a
+    checkpoint Megatron wrote itself) rank i checks every whole file whose number is i modulo the world
+    size: each is checked once."""
+    files: List[Tuple[Any, ...]] = [(COMMON, False), (METADATA_JSON, False), (DCP_METADATA, False)]
+    data = _data_files(manifest)
+    if wanted is not None and data and all("items" in manifest["files"][rel] for rel in data):
+        by_key: Dict[str, List[Tuple[List[int], List[int]]]] = {}
+        for key, offset, sizes in wanted:
+            by_key.setdefault(key, []).append((offset, sizes))
+        for rel in data:
+            items = mf.check_items(rel, manifest["files"][rel])
+            picked = [i for i, item in enumerate(items) if _overlaps(item[3], by_key)]
+            if picked:
+                files.append((rel, False, picked))
+    else:
+        files += [(rel, False) for rel in data if int(rel[2:-len("_0.distcp")]) % world_size == where.rank]
     files.append((where.rng_file, True))
     return files
 

@@ -19,7 +19,7 @@ import errno
 import json
 import os
 import stat
-from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional
+from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from easyckpt.errors import CheckpointError, ManifestError
 from easyckpt.formats import manifest as mf
@@ -111,6 +111,35 @@ def read_entry(step_dir: str, rel: str, on_bytes: Optional[Callable[[int], None]
             if on_bytes is not None:
                 on_bytes(n)
     return buf
+
+
+def read_items(step_dir: str, rel: str, manifest: Dict[str, Any], picked: Sequence[int],
+               on_bytes: Optional[Callable[[int], None]] = None) -> Tuple[Optional[str], int]:
+    """Read and checksum only items ``picked`` of listed file ``rel`` (its manifest ``items``, validated
+    here): (the first problem or None, bytes read). What a rank needs of a large shared file."""
+    items = mf.check_items(rel, manifest["files"][rel])
+    algo, nbytes = manifest.get("checksum", mf.ALGO), 0
+    with open_entry(step_dir, rel) as f:
+        for i in picked:
+            if type(i) is not int or not 0 <= i < len(items):
+                return f"{rel}: no item {i!r}", nbytes
+            offset, length, digest, ident = items[i]
+            f.seek(offset)
+            buf = bytearray(length)
+            view, got = memoryview(buf), 0
+            while got < length:
+                n = f.readinto(view[got:])
+                if not n:
+                    return f"{rel}: item {i} ({ident[0] if ident else '?'}) cut short at byte {offset + got}", nbytes
+                got += n
+            nbytes += length
+            if on_bytes is not None:
+                on_bytes(length)
+            got_digest = mf.checksum(buf, algo)
+            if got_digest != digest:
+                return (f"{rel}: item {i} ({ident[0] if ident else '?'}, bytes {offset}..{offset + length}) has "
+                        f"checksum {got_digest}, the manifest records {digest} ({algo}): corrupted"), nbytes
+    return None, nbytes
 
 
 def check_sizes(step_dir: str, manifest: Dict[str, Any], relpaths: Optional[Iterable[str]] = None) -> List[str]:

@@ -145,7 +145,7 @@ def _is_real_dir(path: str) -> bool:
         return False
 
 
-def read_candidate(cand: Candidate, needed: Callable[[Dict[str, Any]], List[Tuple[str, bool]]],
+def read_candidate(cand: Candidate, needed: Callable[[Dict[str, Any]], List[Tuple[Any, ...]]],
                    progress: bool = False
                    ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Dict[str, Any]]:
     """(trees, problem, bytes, inventory): what load.py's _read_step returns for a committed step; the
@@ -155,10 +155,10 @@ def read_candidate(cand: Candidate, needed: Callable[[Dict[str, Any]], List[Tupl
         wanted = needed(inv)
     except ValueError as exc:
         return None, str(exc), 0, inv
-    missing = [rel for rel, optional in wanted if not optional and rel not in inv["files"]]
+    missing = [w[0] for w in wanted if not w[1] and w[0] not in inv["files"]]
     if missing:
         return None, _missing_problem(missing[0], inv), 0, inv
-    present = [rel for rel, _ in wanted if rel in inv["files"]]
+    present = [w[0] for w in wanted if w[0] in inv["files"]]    # whole files: an adopted one lists no items
     total = sum(inv["files"][rel]["size"] for rel in present)
     trees: Dict[str, Any] = {}
     with Progress(total if progress else 0, f"load {os.path.basename(cand.path)}") as bar:

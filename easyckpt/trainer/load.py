@@ -39,8 +39,9 @@ from easyckpt.trainer.peers import Remote
 from easyckpt.trainer.tree import safe_torch_load, unflatten
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
-# when the checkpoint was written)
-Needed = Callable[[Dict[str, Any]], List[Tuple[str, bool]]]
+# when the checkpoint was written); (relpath, optional, [item, ...]): only those items of a file the
+# manifest lists item by item (stepfiles.read_items), read and checked alone, the file itself not loaded
+Needed = Callable[[Dict[str, Any]], List[Tuple[Any, ...]]]
 
 
 @dataclass
@@ -204,17 +205,26 @@ def _read_step(step_dir: str, needed: Needed, progress: bool = False
     except ValueError as exc:
         return None, str(exc), 0, man
     # a bar on rank 0 when asked for (EASYCKPT_PROGRESS=1) or on a terminal: a large load takes minutes
-    total = sum(int(man["files"][rel]["size"]) for rel, _ in wanted if rel in man["files"])
+    total = 0
+    for want in wanted:
+        entry = man["files"].get(want[0])
+        if entry is not None and len(want) > 2 and isinstance(entry.get("items"), list):
+            items = entry["items"]
+            total += sum(items[i][1] for i in want[2] if type(i) is int and 0 <= i < len(items)
+                         and isinstance(items[i], list) and len(items[i]) > 1 and type(items[i][1]) is int)
+        elif entry is not None:
+            total += int(entry["size"])
     with Progress(total if progress else 0, f"load {os.path.basename(step_dir)}") as bar:
         return _read_files(step_dir, man, wanted, bar.update if bar.on else None)
 
 
-def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[str, bool]],
+def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[Any, ...]],
                 on_bytes: Optional[Callable[[int], None]]
                 ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Optional[Dict[str, Any]]]:
     trees: Dict[str, Any] = {}
     nbytes = 0
-    for rel, optional in wanted:
+    for want in wanted:
+        rel, optional = want[0], want[1]
         if rel not in man["files"]:
             if optional:
                 continue
@@ -222,6 +232,18 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[str, bool
         problems = stepfiles.check_sizes(step_dir, man, [rel])
         if problems:
             return None, problems[0], 0, man
+        if len(want) > 2:          # these items only: the framework's reader takes them from the file
+            try:
+                problem, n = stepfiles.read_items(step_dir, rel, man, want[2], on_bytes)
+            except ManifestError as exc:
+                return None, str(exc), 0, man
+            except OSError as exc:
+                return None, f"{rel}: unreadable ({exc})", 0, man
+            if problem:
+                return None, problem, 0, man
+            trees[rel] = None
+            nbytes += n
+            continue
         try:
             buf = stepfiles.read_entry(step_dir, rel, on_bytes)
         except ManifestError as exc:

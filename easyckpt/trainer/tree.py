@@ -257,15 +257,20 @@ def flatten_dcp(items: Any) -> Tuple[Any, Tensors]:
     entries: List[Any] = []
     tensors: Tensors = []
     for i, item in enumerate(items):
+        ident = None
+        if isinstance(item, tuple) and len(item) == 2:      # (its identity, the item): see formats/slotmeta
+            ident, item = item
         if isinstance(item, (bytes, bytearray)):
             entries.append({"b": base64.b64encode(bytes(item)).decode()})
-            continue
-        if not isinstance(item, torch.Tensor):
+        elif isinstance(item, torch.Tensor):
+            key = f"{i}"
+            tensors.append((key, item.detach()))
+            pkl, n = _lone_tensor_pickle(item.dtype, tuple(item.shape))
+            entries.append({"t": key, "pkl": pkl, "n": n})
+        else:
             raise TypeError(f"item {i} of a distcp shard is a {type(item).__name__}, not a tensor or bytes")
-        key = f"{i}"
-        tensors.append((key, item.detach()))
-        pkl, n = _lone_tensor_pickle(item.dtype, tuple(item.shape))
-        entries.append({"t": key, "pkl": pkl, "n": n})
+        if ident is not None:
+            entries[-1]["id"] = ident
     return {DCP: entries}, tensors
 
 

@@ -1,0 +1,82 @@
+"""Reading only the items a rank needs of a large shared file (torch_dist's ``__R_0.distcp``): the agent
+records each item's place and checksum in the manifest; the loader reads and checks just the items asked
+for; a damaged item that is asked for rejects the step, one that is not is never read; a malformed item
+list rejects the step before anything is read. And which items a rank's load request picks."""
+from __future__ import annotations
+
+import pytest
+
+from easyckpt.errors import ManifestError
+from easyckpt.formats import manifest as mf
+from easyckpt.megatron import torchdist
+from easyckpt.megatron.state import Parallel
+from easyckpt.trainer.load import _read_files
+
+ITEMS = [b"a" * 100, b"b" * 50, b"c" * 70]
+
+
+def make_step(tmp_path, ids=None):
+    step = tmp_path / "iter_0000010"
+    step.mkdir()
+    data = b"".join(ITEMS)
+    (step / "__0_0.distcp").write_bytes(data)
+    items, at = [], 0
+    for n, item in enumerate(ITEMS):
+        items.append([at, len(item), mf.checksum(item), ids[n] if ids else None])
+        at += len(item)
+    files = {"__0_0.distcp": {"size": len(data), "checksum": mf.checksum(data), "format": "dcp", "items": items}}
+    return step, mf.validate(mf.build(10, "job", "megatron", 1, files))
+
+
+def damage(step, at):
+    path = step / "__0_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_only_the_items_asked_for_are_read_and_checked(tmp_path):
+    step, man = make_step(tmp_path)
+    trees, problem, nbytes, _ = _read_files(str(step), man, [("__0_0.distcp", False, [1])], None)
+    assert problem is None and nbytes == 50 and trees == {"__0_0.distcp": None}
+    damage(step, 10)                       # item 0: not asked for, not read
+    trees, problem, nbytes, _ = _read_files(str(step), man, [("__0_0.distcp", False, [1, 2])], None)
+    assert problem is None and nbytes == 120
+    damage(step, 160)                      # item 2
+    _, problem, _, _ = _read_files(str(step), man, [("__0_0.distcp", False, [1, 2])], None)
+    assert problem and "item 2" in problem and "corrupted" in problem
+    _, problem, _, _ = _read_files(str(step), man, [("__0_0.distcp", False, [7])], None)
+    assert problem and "no item 7" in problem
+
+
+@pytest.mark.parametrize("items", [
+    "nope",
+    [[0, 100, "x", None], [50, 50, "y", None]],            # overlapping
+    [[0, 100, "x", None], [100, 200, "y", None]],          # past the end of the file
+    [[0, 100, "x", ["k", [0], [1, 2]]]],                   # offsets and sizes disagree
+    [[0, 100, "x", ["k", [-1], [1]]]],
+    [[0, 100, 5, None]],
+    [[0, 100, "x"]],
+])
+def test_a_malformed_item_list_rejects_the_step(tmp_path, items):
+    step, man = make_step(tmp_path)
+    man["files"]["__0_0.distcp"]["items"] = items
+    with pytest.raises(ManifestError):
+        mf.check_items("__0_0.distcp", man["files"]["__0_0.distcp"])
+    _, problem, _, _ = _read_files(str(step), man, [("__0_0.distcp", False, [0])], None)
+    assert problem
+
+
+def test_a_rank_picks_the_items_its_request_overlaps(tmp_path):
+    ids = [["w", [0, 0], [2, 4]], ["w", [2, 0], [2, 4]], ["rng_state/shard_0_0", None, None]]
+    _, man = make_step(tmp_path, ids)
+    where = Parallel(rank=0, tp=0, pp=0, dp=0, tp_size=1, pp_size=1, dp_size=2)
+    # rows 2..3 only: the second chunk, and the object (small, always checked)
+    got = torchdist.needed(where, 2, man, [("w", [3, 0], [1, 4])])
+    assert ("__0_0.distcp", False, [1, 2]) in got
+    got = torchdist.needed(where, 2, man, [("w", [0, 0], [4, 4])])
+    assert ("__0_0.distcp", False, [0, 1, 2]) in got
+    got = torchdist.needed(where, 2, man, [("other", [0], [4])])
+    assert ("__0_0.distcp", False, [2]) in got
+    # without a request (or a file without items: a checkpoint Megatron wrote): whole files, i mod world
+    assert ("__0_0.distcp", False) in torchdist.needed(where, 2, man)
