@@ -104,8 +104,9 @@ def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data
         for e in entries:
             if isinstance(e, dict) and "id" in e:
                 e = dict(e)
-                if not item_id_ok(e.pop("id")):
-                    raise BadSlotMeta(f"{rel}: distcp item id {str(e)[:120]} is not [name, offsets, sizes]")
+                ident = e.pop("id")
+                if not item_id_ok(ident):
+                    raise BadSlotMeta(f"{rel}: distcp item id {str(ident)[:120]} is not [name, offsets, sizes]")
             if isinstance(e, dict) and set(e) == {"b"} and isinstance(e["b"], str):
                 _b64(e["b"], rel)
             elif (isinstance(e, dict) and set(e) == {"t", "pkl", "n"} and e["t"] in keys

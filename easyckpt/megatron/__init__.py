@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -74,6 +74,8 @@ class MegatronState:
     flops: Optional[float] = None
     strict: bool = True
     concat: bool = False
+    # the chunks this rank asks Megatron's reader for (torch_dist), what its partial reads follow
+    _request: Optional[List[Tuple[str, List[int], List[int]]]] = field(default=None, init=False, repr=False)
 
     def layout(self) -> str:
         # asked at every iteration's save call (the snapshot's info): fixed for a process once computed
@@ -98,10 +100,11 @@ class MegatronState:
     def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
         where = _state.parallel()
         if _dist.is_torch_dist(manifest["files"]):
-            return _dist.needed(where, torch.distributed.get_world_size(), manifest,
-                                _dist.request(self.model, self.optimizer, where))
+            if self._request is None:      # once per load, not per candidate step
+                self._request = _dist.request(self.model, self.optimizer, where)
+            return _dist.needed(where, torch.distributed.get_world_size(), manifest, self._request)
         saved = (manifest.get("info") or {}).get("layout")
-        now = _dist.layout(where, self.model)
+        now = self.layout()
         moved = _dist.changed(saved, now) if isinstance(saved, str) else []
         if "ep" in moved:
             _reshard.refuse_ep(manifest["step"], saved, now)

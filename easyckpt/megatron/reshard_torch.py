@@ -45,6 +45,13 @@ def shard_map(model: Any, optimizer: Any, layout: str) -> Dict[str, Any]:
     return _cache[ident]
 
 
+def live_tensors(wrapped: List[Any]) -> Dict[str, torch.Tensor]:
+    """Every tensor Megatron's legacy file holds of the model, as "model[i]/<state dict key>": views of the
+    live parameters and buffers."""
+    return {f"{_state.model_key(i, len(wrapped))}/{name}": t for i, chunk in enumerate(wrapped)
+            for name, t in chunk.state_dict_for_save_checkpoint().items() if isinstance(t, torch.Tensor)}
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -75,11 +82,8 @@ def _compute(model: Any, optimizer: Any, layout: str) -> Dict[str, Any]:
 
     wrapped = _state.chunks(model)
     by_storage: Dict[int, List[Tuple[str, torch.Tensor]]] = {}
-    for i, chunk in enumerate(wrapped):
-        prefix = "model" if len(wrapped) == 1 else f"model{i}"
-        for name, t in chunk.state_dict_for_save_checkpoint().items():
-            if isinstance(t, torch.Tensor):
-                by_storage.setdefault(_storage(t), []).append((f"{prefix}/{name}", t))
+    for path, t in live_tensors(wrapped).items():
+        by_storage.setdefault(_storage(t), []).append((path, t))
     group = mpu.get_data_parallel_group(with_context_parallel=True)
     tensors: Dict[str, List[Entry]] = {}
     for chunk in unwrap_model(wrapped):
@@ -237,6 +241,8 @@ def _saved_pieces(trees: Dict[str, Any], dirs: List[str]) -> Tuple[Pieces, bool]
     pieces, distributed = Pieces(), False
     for d in dirs:
         smap, state = _checked(trees[f"{d}/{SHARDMAP}"], f"{d}/{SHARDMAP}"), trees[f"{d}/model_optim_rng.pt"]
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{d}/model_optim_rng.pt does not hold Megatron's state dict")
 
         def local(path: str) -> torch.Tensor:
             part, _, name = path.partition("/")
@@ -293,12 +299,7 @@ def restore(trees: Dict[str, Any], where: _state.Parallel, model: Any, optimizer
     mine = shard_map(model, optimizer, layout)
     wrapped = _state.chunks(model)
     with torch.no_grad():
-        live = {}
-        for i, chunk in enumerate(wrapped):
-            prefix = "model" if len(wrapped) == 1 else f"model{i}"
-            for name, t in chunk.state_dict_for_save_checkpoint().items():
-                if isinstance(t, torch.Tensor):
-                    live[f"{prefix}/{name}"] = t
+        live = live_tensors(wrapped)
         for path, t in live.items():
             if path not in mine["tensors"]:
                 raise CheckpointError(f"{path} is not in megatron-core's sharded state dict: it cannot be resharded")

@@ -79,6 +79,11 @@ def parallel() -> Parallel:
                     mpu.get_expert_model_parallel_world_size(), mpu.get_expert_data_parallel_rank())
 
 
+def model_key(i: int, count: int) -> str:
+    """Megatron-LM's name of model chunk ``i`` of ``count`` in its checkpoints: "model", or "model{i}" (VP)."""
+    return "model" if count == 1 else f"model{i}"
+
+
 def chunks(model: Any) -> List[Any]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
@@ -255,7 +260,7 @@ def collect(iteration: int, model: Sequence[Any], optimizer: Any, scheduler: Any
     model = chunks(model)
     state: Dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
     for i, chunk in enumerate(model):
-        state["model" if len(model) == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+        state[model_key(i, len(model))] = chunk.state_dict_for_save_checkpoint()
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
@@ -302,7 +307,7 @@ def restore(trees: Dict[str, Any], where: Parallel, model: Sequence[Any], optimi
     state = trees[where.model_file]
     model = chunks(model)
     for i, chunk in enumerate(model):
-        chunk.load_state_dict(state["model" if len(model) == 1 else f"model{i}"], strict=strict)
+        chunk.load_state_dict(state[model_key(i, len(model))], strict=strict)
     if optimizer is not None and "optimizer" in state:
         with torch.no_grad():
             optimizer.load_state_dict(state["optimizer"])

@@ -110,7 +110,7 @@ def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: An
     chunks = unwrap_model(_state.chunks(model))
     sd: Dict[str, Any] = {"args": args, "checkpoint_version": _state.CHECKPOINT_VERSION, "iteration": iteration}
     for i, chunk in enumerate(chunks):
-        sd["model" if len(chunks) == 1 else f"model{i}"] = chunk.sharded_state_dict(metadata={"dp_cp_group": group})
+        sd[_state.model_key(i, len(chunks))] = chunk.sharded_state_dict(metadata={"dp_cp_group": group})
     meta = content_metadata(optimizer)
     own = _own_distopt(optimizer, sd) if not is_loading or path_is_memory else None
     if own is not None:
@@ -243,12 +243,13 @@ def _fit_chain(state: Dict[str, Any], optimizer: Any) -> None:
     if count > 1 and isinstance(opt.get("optimizer"), dict):
         common = {k: v for k, v in opt.items() if not isinstance(k, int)}
         groups = list(common["optimizer"].get("param_groups") or [])
-        marks = {(tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "is_expert_parallel"))),
-                  bool(g.get("is_expert_parallel"))) for g in groups}
-        for g in list(groups):
-            rest = tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "is_expert_parallel")))
-            if (rest, not g.get("is_expert_parallel")) not in marks:
-                groups.append(dict(g, is_expert_parallel=not g.get("is_expert_parallel")))
+
+        def ident(g: Dict[str, Any], expert: bool) -> Tuple[Any, ...]:
+            return tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "is_expert_parallel"))) \
+                + (expert,)
+        present = {ident(g, bool(g.get("is_expert_parallel"))) for g in groups}
+        groups += [dict(g, is_expert_parallel=not g.get("is_expert_parallel")) for g in groups
+                   if ident(g, not g.get("is_expert_parallel")) not in present]
         fitted = {}
         for i in range(count):
             fitted[i] = dict(common)
@@ -512,7 +513,7 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
 
     chunks = unwrap_model(_state.chunks(model))
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=strict)
+        chunk.load_state_dict(state[_state.model_key(i, len(chunks))], strict=strict)
     if optimizer is not None and "optimizer" in state:
         with contextlib.ExitStack() as stack:
             for opt in _state.optimizers(optimizer):

@@ -205,17 +205,23 @@ def _read_step(step_dir: str, needed: Needed, progress: bool = False
     except ValueError as exc:
         return None, str(exc), 0, man
     # a bar on rank 0 when asked for (EASYCKPT_PROGRESS=1) or on a terminal: a large load takes minutes
-    total = 0
-    for want in wanted:
-        entry = man["files"].get(want[0])
-        if entry is not None and len(want) > 2 and isinstance(entry.get("items"), list):
-            items = entry["items"]
-            total += sum(items[i][1] for i in want[2] if type(i) is int and 0 <= i < len(items)
-                         and isinstance(items[i], list) and len(items[i]) > 1 and type(items[i][1]) is int)
-        elif entry is not None:
-            total += int(entry["size"])
+    total = sum(_wanted_bytes(man, want) for want in wanted)
     with Progress(total if progress else 0, f"load {os.path.basename(step_dir)}") as bar:
         return _read_files(step_dir, man, wanted, bar.update if bar.on else None)
+
+
+def _wanted_bytes(man: Dict[str, Any], want: Tuple[Any, ...]) -> int:
+    """What reading one entry of ``needed`` costs: the file, or the items picked of it (for the bar)."""
+    entry = man["files"].get(want[0])
+    if entry is None:
+        return 0
+    if len(want) <= 2:
+        return int(entry["size"])
+    try:
+        items = mf.check_items(want[0], entry)
+    except ManifestError:
+        return 0        # _read_files rejects the step, saying why
+    return sum(items[i][1] for i in want[2] if type(i) is int and 0 <= i < len(items))
 
 
 def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[Any, ...]],
