@@ -37,8 +37,6 @@ CHANGES = {
     "ep2-to-ep1": (["--num-experts", "2", "--ep", "2"], 2, ["--num-experts", "2"], 2),
     "ep1-to-ep2": (["--num-experts", "2"], 2, ["--num-experts", "2", "--ep", "2"], 2),
 }
-# an EP change in the torch layout: refused (test below)
-UNSUPPORTED = {(ep, opt, "torch") for ep in ("ep2-to-ep1", "ep1-to-ep2") for opt in ("plain", "distopt")}
 # in the default tier: one TP change each way of the optimizer and format; the rest run in CI's slow tier
 DEFAULT_TIER = {("tp2-to-tp1", "plain", "torch_dist"), ("tp2dp1-to-tp1dp2", "distopt", "torch_dist"),
                 ("tp1-to-tp2", "plain", "torch"), ("tp2dp1-to-tp1dp2", "distopt", "torch")}
@@ -88,8 +86,7 @@ def global_state(prefix: Path, tag: str):
 
 @pytest.mark.parametrize("change,opt,fmt", [
     pytest.param(c, o, f, id=f"{c}-{o}-{f}", marks=() if (c, o, f) in DEFAULT_TIER else pytest.mark.slow)
-    for f in ("torch_dist", "torch") for c in CHANGES for o in ("plain", "distopt")
-    if (c, o, f) not in UNSUPPORTED])
+    for f in ("torch_dist", "torch") for c in CHANGES for o in ("plain", "distopt")])
 def test_a_checkpoint_resumes_on_another_layout_with_the_same_state(tmp_path, change, opt, fmt):
     saved, n_saved, resumed, n_resumed = CHANGES[change]
     extra = ["--use-distributed-optimizer"] if opt == "distopt" else []
@@ -119,19 +116,6 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_same_state(tmp_path, ch
     assert_losses_close(got, reference, range(half + 1, ITERS + 1), rel=REL)
     wait_no_agent(ckpt)
     wait_no_agent(ref / "ckpt")
-
-
-@pytest.mark.slow
-def test_an_ep_change_in_the_torch_layout_is_refused_clearly(tmp_path):
-    saved, n_saved, resumed, n_resumed = CHANGES["ep2-to-ep1"]
-    ckpt, distopt = tmp_path / "ckpt", ["--use-distributed-optimizer"]
-    run(cmd(ckpt, tmp_path / "a", saved, n_saved, "--iters", "5", *distopt, fmt="torch"), timeout=300)
-    wait_no_agent(ckpt)
-    out = run(cmd(ckpt, tmp_path / "b", resumed, n_resumed, "--iters", "6", "--agent-idle-timeout", "2", "--concat",
-                  *distopt, fmt="torch"), timeout=300, check=False)
-    assert out.returncode != 0
-    assert "does not reshard with expert parallelism" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
-    wait_no_agent(ckpt)
 
 
 def test_a_torch_dist_resume_reads_only_the_items_it_needs_and_a_damaged_one_falls_back(tmp_path):

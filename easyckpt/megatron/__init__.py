@@ -106,9 +106,9 @@ class MegatronState:
         saved = (manifest.get("info") or {}).get("layout")
         now = self.layout()
         moved = _dist.changed(saved, now) if isinstance(saved, str) else []
-        if "ep" in moved:
-            _reshard.refuse_ep(manifest["step"], saved, now)
-        if set(moved) - {"dp"}:
+        # with split experts the dense optimizer shards of one (tp, pp) lie in every EP rank's directory:
+        # a DP change too goes through the reshard, which joins them
+        if set(moved) - {"dp"} or (moved and (_reshard.expert_split(saved) or _reshard.expert_split(now))):
             if not self.concat:
                 # not a ValueError: that would reject the step as damaged and fall back to an older one
                 raise EasyCkptError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; "
@@ -134,10 +134,10 @@ class MegatronState:
                              f"{time.perf_counter() - t0:.2f} s")
         elif loaded.source == "storage" and _reshard.is_reshard(loaded.trees):
             t0 = time.perf_counter()
+            before = ((loaded.manifest or {}).get("info") or {}).get("layout")
             saved = _reshard.restore(loaded.trees, where, self.model, self.optimizer, self.opt_param_scheduler,
-                                     self.layout())
+                                     self.layout(), before if isinstance(before, str) else "")
             if where.rank == 0:
-                before = ((loaded.manifest or {}).get("info") or {}).get("layout")
                 console.info(f"{os.path.basename(loaded.path or '')} (saved on {before}, torch layout) resharded to "
                              f"{self.layout()} in {time.perf_counter() - t0:.2f} s")
         else:

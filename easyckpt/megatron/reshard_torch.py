@@ -26,8 +26,9 @@ from easyckpt.megatron import state as _state
 
 SHARDMAP = "easyckpt_shardmap.safetensors"
 VERSION = 1
-MODEL_FILE = re.compile(r"(mp_rank_\d{2}(?:_\d{3})?)/model_optim_rng\.pt")
-DISTOPT_FILE = re.compile(r"mp_rank_\d{2}(?:_\d{3})?/distrib_optim_dp\d{3}\.pt")
+# mp_rank_TT, then _PPP with pipeline stages, then _EEE with expert parallelism (Megatron-LM's naming)
+MODEL_FILE = re.compile(r"(mp_rank_\d{2}(?:_\d{3}){0,2})/model_optim_rng\.pt")
+DISTOPT_FILE = re.compile(r"(mp_rank_\d{2}(?:_\d{3}){0,2})/distrib_optim_dp\d{3}\.pt")
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 # an entry: [sharded key, global shape, global offset, block sizes (prepended axes included), first row,
@@ -119,16 +120,14 @@ def _compute(model: Any, optimizer: Any, layout: str) -> Dict[str, Any]:
 
 # ---- load -----------------------------------------------------------------------------------------------
 
-def refuse_ep(step: int, saved: str, now: str) -> None:
-    raise EasyCkptError(f"iteration {step} was saved in Megatron's torch layout with {saved}; this run is {now}: "
-                        f"the torch layout does not reshard with expert parallelism. Save with "
-                        f"ckpt_format='torch_dist' to change the layout of an MoE model")
+def expert_split(layout: str) -> bool:
+    """Whether a layout (``tp2.pp1.dp1.vp1.ep2``) splits the experts: its directories end in an EP rank."""
+    m = re.search(r"\.ep(\d+)$", layout)
+    return m is not None and int(m.group(1)) > 1
 
 
 def needed(manifest: Dict[str, Any], saved: str, now: str, step: int) -> List[Tuple[str, bool]]:
     """Every model-parallel rank's model file and sharding map, and every DistributedOptimizer shard."""
-    if not saved.endswith(".ep1") or not now.endswith(".ep1"):
-        refuse_ep(step, saved, now)
     files = manifest["files"]
     dirs = sorted({m.group(1) for rel in files for m in [MODEL_FILE.fullmatch(rel)] if m})
     lacking = [d for d in dirs if f"{d}/{SHARDMAP}" not in files]
@@ -136,7 +135,7 @@ def needed(manifest: Dict[str, Any], saved: str, now: str, step: int) -> List[Tu
         raise EasyCkptError(f"iteration {step} was saved in Megatron's torch layout on {saved} without easyckpt's "
                             f"sharding map ({(lacking or ['every mp_rank directory'])[0]} has none: written by "
                             f"Megatron itself or an older easyckpt); this run is {now}. It resumes only on its "
-                            f"own TP/PP sizes")
+                            f"own TP/PP/EP sizes")
     out = [(f"{d}/{name}", False) for d in dirs for name in ("model_optim_rng.pt", SHARDMAP)]
     return out + [(rel, False) for rel in sorted(files) if DISTOPT_FILE.fullmatch(rel)]
 
@@ -236,66 +235,96 @@ class Pieces:
         raise CheckpointError(f"the checkpoint has no optimizer step for {what}")
 
 
-def _saved_pieces(trees: Dict[str, Any], dirs: List[str]) -> Tuple[Pieces, bool]:
+def _saved_pieces(trees: Dict[str, Any], dirs: List[str], saved_layout: str) -> Tuple[Pieces, bool]:
     """Everything the old ranks saved, as blocks of global tensors; whether it had a DistributedOptimizer."""
     pieces, distributed = Pieces(), False
+    maps: Dict[str, Dict[str, Any]] = {}
+    states: Dict[str, Dict[str, Any]] = {}
+
+    def local(d: str, path: str) -> torch.Tensor:
+        state = states[d]
+        part, _, name = path.partition("/")
+        t = state.get(part, {}).get(name) if isinstance(state.get(part), dict) else None
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{d}/model_optim_rng.pt has no tensor {path} (its sharding map names it)")
+        return t
+
     for d in dirs:
-        smap, state = _checked(trees[f"{d}/{SHARDMAP}"], f"{d}/{SHARDMAP}"), trees[f"{d}/model_optim_rng.pt"]
-        if not isinstance(state, dict):
+        maps[d], states[d] = _checked(trees[f"{d}/{SHARDMAP}"], f"{d}/{SHARDMAP}"), trees[f"{d}/model_optim_rng.pt"]
+        if not isinstance(states[d], dict):
             raise CheckpointError(f"{d}/model_optim_rng.pt does not hold Megatron's state dict")
+        for path, entries in maps[d]["tensors"].items():
+            pieces.add("model", local(d, path), entries, f"{d} {path}")
 
-        def local(path: str) -> torch.Tensor:
-            part, _, name = path.partition("/")
-            t = state.get(part, {}).get(name) if isinstance(state.get(part), dict) else None
-            if not isinstance(t, torch.Tensor):
-                raise CheckpointError(f"{d}/model_optim_rng.pt has no tensor {path} (its sharding map names it)")
-            return t
-
-        for path, entries in smap["tensors"].items():
-            pieces.add("model", local(path), entries, f"{d} {path}")
-        shards = [trees[r] for r in sorted(trees) if r.startswith(f"{d}/distrib_optim_dp")]
-        if shards:
+    # the DistributedOptimizer's flat shards, joined per parameter over its data-parallel group: within a
+    # directory, and for dense parameters with the experts split, over every EP rank's directory of a (tp, pp)
+    split = expert_split(saved_layout)
+    groups: Dict[Tuple[int, str], List[Tuple[str, Dict[str, Any]]]] = {}
+    for d in dirs:
+        files = sorted(r for r in trees if DISTOPT_FILE.fullmatch(r) and r.startswith(f"{d}/"))
+        for rel in files:
             distributed = True
-            for i in range(len(shards[0])):
-                for name, full in _state.assemble([s[i] for s in shards]).items():
-                    path = smap["params"].get(name)
-                    if path is None:
-                        raise CheckpointError(f"{d}: the optimizer shards hold {name}, which its sharding map lacks")
-                    shape, entries = local(path).shape, smap["tensors"][path]
-                    for kind in KINDS:
-                        if kind not in full or torch.isnan(full[kind]).any():
-                            raise CheckpointError(f"{d}: the saved optimizer shards do not cover {kind} of {name}")
-                        pieces.add(kind, full[kind].view(shape), entries, f"{d} {name}")
-                    if "step" in full:
-                        pieces.steps.setdefault(entries[0][0], full["step"])
-        elif state.get("optimizer") is not None:
-            saved = state["optimizer"] if isinstance(state["optimizer"], list) else [state["optimizer"]]
-            for names, opt in zip(smap["opt_params"], saved):
-                if names is None:
-                    raise EasyCkptError(f"{d}: the saved optimizer keeps its own copies of the parameters "
-                                        f"(fp16/bf16 without the DistributedOptimizer); the torch layout does "
-                                        f"not reshard it: use ckpt_format='torch_dist'")
-                per_param = opt.get("state", {}) if isinstance(opt, dict) else {}
-                for index, name in enumerate(names):
-                    s = per_param.get(index)
-                    if not isinstance(s, dict):
-                        continue            # a parameter the optimizer had not stepped yet
-                    path = smap["params"][name]
-                    shape, entries = local(path).shape, smap["tensors"][path]
-                    for kind in KINDS[1:]:
-                        if not isinstance(s.get(kind), torch.Tensor):
-                            raise CheckpointError(f"{d}: the optimizer state of {name} has no {kind}")
-                        pieces.add(kind, s[kind].view(shape), entries, f"{d} {name}")
-                    if isinstance(s.get("step"), torch.Tensor):
-                        pieces.steps.setdefault(entries[0][0], s["step"])
-    return pieces, distributed
+            shard = trees[rel]
+            if not isinstance(shard, list) or not all(isinstance(s, dict) and isinstance(s.get("params"), list)
+                                                       for s in shard):
+                raise CheckpointError(f"{rel}: not easyckpt's list of DistributedOptimizer shards")
+            for i, s in enumerate(shard):
+                if split and not isinstance(s.get("expert"), bool):
+                    raise CheckpointError(f"{rel}: a shard saved with split experts must say whether it holds them")
+                owner = d if s.get("expert") or not split else d.rsplit("_", 1)[0]
+                groups.setdefault((i, owner), []).append((d, s))
+    for (_, owner), members in sorted(groups.items()):
+        d = members[0][0]      # dense parameters: the same names and map in every EP rank's directory
+        try:
+            whole = _state.assemble([s for _, s in members])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise CheckpointError(f"{owner}: malformed DistributedOptimizer shards ({exc!r})") from None
+        for name, full in whole.items():
+            path = maps[d]["params"].get(name)
+            if path is None:
+                raise CheckpointError(f"{d}: the optimizer shards hold {name}, which its sharding map lacks")
+            shape, entries = local(d, path).shape, maps[d]["tensors"][path]
+            for kind in KINDS:
+                if kind not in full or torch.isnan(full[kind]).any():
+                    raise CheckpointError(f"{owner}: the saved optimizer shards do not cover {kind} of {name}")
+                pieces.add(kind, full[kind].view(shape), entries, f"{d} {name}")
+            if "step" in full:
+                pieces.steps.setdefault(entries[0][0], full["step"])
+    if distributed:
+        return pieces, True
+
+    for d in dirs:
+        smap, state = maps[d], states[d]
+        if state.get("optimizer") is None:
+            continue
+        saved = state["optimizer"] if isinstance(state["optimizer"], list) else [state["optimizer"]]
+        for names, opt in zip(smap["opt_params"], saved):
+            if names is None:
+                raise EasyCkptError(f"{d}: the saved optimizer keeps its own copies of the parameters "
+                                    f"(fp16/bf16 without the DistributedOptimizer); the torch layout does "
+                                    f"not reshard it: use ckpt_format='torch_dist'")
+            per_param = opt.get("state", {}) if isinstance(opt, dict) else {}
+            for index, name in enumerate(names):
+                s = per_param.get(index)
+                if not isinstance(s, dict):
+                    continue            # a parameter the optimizer had not stepped yet
+                path = smap["params"][name]
+                shape, entries = local(d, path).shape, smap["tensors"][path]
+                for kind in KINDS[1:]:
+                    if not isinstance(s.get(kind), torch.Tensor):
+                        raise CheckpointError(f"{d}: the optimizer state of {name} has no {kind}")
+                    pieces.add(kind, s[kind].view(shape), entries, f"{d} {name}")
+                if isinstance(s.get("step"), torch.Tensor):
+                    pieces.steps.setdefault(entries[0][0], s["step"])
+    return pieces, False
 
 
 def restore(trees: Dict[str, Any], where: _state.Parallel, model: Any, optimizer: Any, scheduler: Any,
-            layout: str) -> Dict[str, Any]:
-    """Load a torch-layout checkpoint saved on other TP/PP sizes into this rank's live objects."""
+            layout: str, saved_layout: str) -> Dict[str, Any]:
+    """Load a torch-layout checkpoint saved on other TP/PP/EP sizes (``saved_layout``) into this rank's live
+    objects."""
     dirs = sorted(rel.split("/")[0] for rel in trees if rel.endswith("/" + SHARDMAP))
-    pieces, distributed = _saved_pieces(trees, dirs)
+    pieces, distributed = _saved_pieces(trees, dirs, saved_layout)
     mine = shard_map(model, optimizer, layout)
     wrapped = _state.chunks(model)
     with torch.no_grad():
@@ -314,12 +343,28 @@ def restore(trees: Dict[str, Any], where: _state.Parallel, model: Any, optimizer
     return ref
 
 
+def _fit_common(common: Any, optimizer: Any) -> Any:
+    """The saved optimizers' common state for this run's: across an EP change, one optimizer saved and
+    a ChainedOptimizer now (dense and expert parameters apart) or the other way round, as Megatron's
+    torch_dist reader fits it (torchdist._fit_chain)."""
+    from easyckpt.megatron import torchdist
+
+    opts = _state.optimizers(optimizer)
+    saved = common if isinstance(common, list) else [common]
+    if len(saved) == len(opts):
+        return common
+    holder = {"optimizer": saved[0] if len(saved) == 1 else dict(enumerate(saved))}
+    torchdist._fit_chain(holder, optimizer)
+    fitted = holder["optimizer"]
+    return [fitted[i] for i in range(len(opts))] if len(opts) > 1 else fitted
+
+
 def _restore_optimizer(optimizer: Any, common: Any, pieces: Pieces, mine: Dict[str, Any],
                        live: Dict[str, torch.Tensor], names: Dict[Any, str]) -> None:
     opts = _state.optimizers(optimizer)
     if common is not None and all(_state.is_distributed(o) for o in opts):
         # the DistributedOptimizer's param groups and grad scaler (it keeps this run's parameters in them)
-        optimizer.load_state_dict(common)
+        optimizer.load_state_dict(_fit_common(common, optimizer))
     for opt, order in zip(opts, mine["opt_params"]):
         if _state.is_distributed(opt):
             full = {}
