@@ -118,29 +118,42 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_same_state(tmp_path, ch
     wait_no_agent(ref / "ckpt")
 
 
-def test_a_torch_dist_resume_reads_only_the_items_it_needs_and_a_damaged_one_falls_back(tmp_path):
+# per format: the data file stage 0 reads part of, and the file of the second stage's (PP 2) checkpoint
+# whose layer item is damaged
+PARTIAL = {"torch_dist": ("__0_0.distcp", "__1_0.distcp"),
+           "torch": ("mp_rank_00/model_optim_rng.pt", "mp_rank_00_001/model_optim_rng.pt")}
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_a_resume_on_another_layout_reads_only_the_items_it_needs_and_a_damaged_one_falls_back(tmp_path, fmt):
     """Saved on one pipeline stage, resumed on two: each stage reads and checks only the items of the
-    data file its layers need (the manifest records each item's place and checksum), never the whole file.
-    A flipped byte inside an item a stage needs rejects that step for every rank, and the previous one is
-    resumed, on the new layout too."""
+    data file its layers need (the manifest records each item's place and checksum: distcp items; in
+    the torch layout the pickle and each tensor's storage), never the whole file. A flipped byte inside an
+    item a stage needs rejects that step for every rank, and the previous one is resumed, on the new
+    layout too."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
-    run(cmd(ckpt, tmp_path / "a", [], 1, "--iters", "10", "--ckpt-log", str(log)), timeout=300)
+    again = ["--concat"] if fmt == "torch" else []
+    run(cmd(ckpt, tmp_path / "a", [], 1, "--iters", "10", "--ckpt-log", str(log), fmt=fmt), timeout=300)
     wait_no_agent(ckpt)
-    run(cmd(ckpt, tmp_path / "b", ["--pp", "2"], 2, "--iters", "11", "--ckpt-log", str(log)), timeout=300)
+    run(cmd(ckpt, tmp_path / "b", ["--pp", "2"], 2, "--iters", "11", "--ckpt-log", str(log), *again, fmt=fmt),
+        timeout=300)
     wait_no_agent(ckpt)
     loads = [e for e in events(log) if e["event"] == "load" and e.get("step") == 10]
-    data = (ckpt / "iter_0000010" / "__0_0.distcp").stat().st_size
+    whole, damaged = PARTIAL[fmt]
+    data = (ckpt / "iter_0000010" / whole).stat().st_size
     assert len(loads) == 2 and all(e["bytes"] < data for e in loads), (data, loads)
 
     man = json.loads((ckpt / "iter_0000011" / "easyckpt_manifest.json").read_text())
-    items = man["files"]["__1_0.distcp"]["items"]
-    layer = next(i for i in items if i[3] and i[3][0].startswith("decoder.layers.") and i[3][1] is not None)
-    path = ckpt / "iter_0000011" / "__1_0.distcp"
+    items = man["files"][damaged]["items"]
+    layer = next(i for i in items if i[3] and i[3][0].lstrip("/").startswith(("decoder.layers.", "model/decoder.layers."))
+                 and i[1] > 64)
+    path = ckpt / "iter_0000011" / damaged
     raw = bytearray(path.read_bytes())
     raw[layer[0] + layer[1] // 2] ^= 0x01
     path.write_bytes(bytes(raw))
-    out = run(cmd(ckpt, tmp_path / "c", [], 1, "--iters", "12", "--ckpt-log", str(log)), timeout=300)
+    out = run(cmd(ckpt, tmp_path / "c", [], 1, "--iters", "12", "--ckpt-log", str(log), *again, fmt=fmt),
+              timeout=300)
     loads = [e for e in events(log) if e["event"] == "load" and e.get("step")]
     assert loads[-1]["step"] == 10 and loads[-1]["source"] == "storage", loads[-1]
-    assert "__1_0.distcp: item" in out.stdout + out.stderr and "corrupted" in out.stdout + out.stderr
+    assert f"{damaged}: item" in out.stdout + out.stderr and "corrupted" in out.stdout + out.stderr
     wait_no_agent(ckpt)

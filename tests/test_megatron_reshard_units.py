@@ -92,6 +92,9 @@ def test_a_damaged_sharding_map_is_refused_before_use(damage):
         rt._checked(bad, "mp_rank_00/" + rt.SHARDMAP)
 
 
+NONE = {"tensors": {}}     # a rank's own sharding map, with nothing in it (which files, not which tensors)
+
+
 def manifest(*files):
     return {"step": 10, "files": {f: {} for f in files}}
 
@@ -100,14 +103,14 @@ def test_the_files_a_resume_on_other_tp_sizes_reads_or_the_refusal():
     files = ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt", f"mp_rank_00/{rt.SHARDMAP}",
              f"mp_rank_01/{rt.SHARDMAP}", "mp_rank_00/distrib_optim_dp000.pt", "mp_rank_01/distrib_optim_dp000.pt",
              "easyckpt_rng/rank_00000.safetensors"]
-    got = [rel for rel, _ in rt.needed(manifest(*files), "tp2.pp1.dp1.vp1.ep1", "tp1.pp1.dp2.vp1.ep1", 10)]
+    got = [rel for rel, _ in rt.needed(manifest(*files), "tp2.pp1.dp1.vp1.ep1", "tp1.pp1.dp2.vp1.ep1", 10, NONE)]
     assert sorted(got) == sorted(f for f in files if not f.startswith("easyckpt_rng"))
     with pytest.raises(EasyCkptError, match="without easyckpt's sharding map"):
-        rt.needed(manifest(*files[:3]), "tp2.pp1.dp1.vp1.ep1", "tp1.pp1.dp2.vp1.ep1", 10)
+        rt.needed(manifest(*files[:3]), "tp2.pp1.dp1.vp1.ep1", "tp1.pp1.dp2.vp1.ep1", 10, NONE)
     # with the experts split over EP ranks (and pipeline stages): every EP rank's directory
     ep = [f"mp_rank_00_00{p}_00{e}/{name}" for p in (0, 1) for e in (0, 1)
           for name in ("model_optim_rng.pt", rt.SHARDMAP, f"distrib_optim_dp00{e}.pt")]
-    got = [rel for rel, _ in rt.needed(manifest(*ep), "tp1.pp2.dp2.vp1.ep2", "tp1.pp1.dp4.vp1.ep1", 10)]
+    got = [rel for rel, _ in rt.needed(manifest(*ep), "tp1.pp2.dp2.vp1.ep2", "tp1.pp1.dp4.vp1.ep1", 10, NONE)]
     assert sorted(got) == sorted(ep)
     assert rt.expert_split("tp1.pp2.dp2.vp1.ep2") and not rt.expert_split("tp2.pp1.dp1.vp1.ep1")
     assert changed("tp2.pp1.dp1.vp1.ep1", "tp1.pp1.dp2.vp1.ep1") == ["tp", "dp"]

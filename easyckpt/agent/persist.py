@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import os
+import queue
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -62,8 +63,9 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
                     out = storage.open_writer(path, direct=direct_io)
                     written.append(out)
                     fmt = f.get("fmt", "safetensors")
+                    items = None
                     if fmt == "torch":
-                        digest = _write_torch(out, view, f, meta["skeletons"][rel])
+                        digest, items = _write_torch(out, view, f, meta["skeletons"][rel])
                     elif fmt == "dcp":
                         digest, items = _write_dcp(out, view, f, meta["skeletons"][rel])
                     elif fmt == "raw":
@@ -77,7 +79,7 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
                     out.finish()
                     size = out.size
                     files[rel] = {"size": size, "checksum": digest, "format": fmt}
-                    if fmt == "dcp":
+                    if items is not None:
                         files[rel]["items"] = items
                     total += size
                     faults.inject("agent.persist_file", rank)
@@ -111,23 +113,64 @@ def _write_shard(out: Writer, header: bytes, view: memoryview, start: int, end: 
 
 
 class _Hashed:
-    """Appends to a shard file, from bytes or from the slot, checksumming everything it writes."""
+    """Appends to a shard file, from bytes or from the slot. A worker thread checksums what is written
+    meanwhile (xxh3 releases the GIL): the whole file, and each item alone (manifest ``items``: a load
+    then reads and checks only the items it needs)."""
 
     def __init__(self, out: Writer, view: memoryview):
         self.out, self.view, self.hasher = out, view, mf.Hasher()
-        self.item: Optional[mf.Hasher] = None      # also checksums one part alone (a distcp item)
+        self.items: List[List[Any]] = []        # [offset, length, hasher, id] until finish
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._error: Optional[BaseException] = None
+        self._worker = threading.Thread(target=self._hash, daemon=True, name="easyckpt-hash")
+        self._worker.start()
+
+    def _hash(self) -> None:
+        current: Optional[mf.Hasher] = None
+        while True:
+            data = self._queue.get()
+            if data is None:
+                return
+            if isinstance(data, tuple):          # ("item", hasher or None): an item begins or ends
+                current = data[1]
+                continue
+            if self._error is None:
+                try:
+                    self.hasher.update(data)
+                    if current is not None:
+                        current.update(data)
+                except BaseException as exc:   # noqa: BLE001 - reported by finish()
+                    self._error = exc
+
+    def begin_item(self, ident: Any) -> None:
+        h = mf.Hasher()
+        self.items.append([self.out.size, None, h, ident])
+        self._queue.put(("item", h))
+
+    def end_item(self) -> None:
+        self.items[-1][1] = self.out.size - self.items[-1][0]
+        self._queue.put(("item", None))
 
     def write(self, data: bytes) -> None:
-        self.hasher.update(data)
-        if self.item is not None:
-            self.item.update(data)
+        self._queue.put(data)
         self.out.write(data)
 
     def write_slot(self, begin: int, end: int) -> None:
-        self.hasher.update(self.view[begin:end])
-        if self.item is not None:
-            self.item.update(self.view[begin:end])
+        self._queue.put(self.view[begin:end])
         self.out.write_mapped(self.view, begin, end)
+
+    def stop(self) -> None:
+        """Let the worker end (after an error on the writer's side too)."""
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join()
+
+    def finish(self) -> Tuple[str, List[List[Any]]]:
+        """The file's checksum and its items [offset, length, checksum, id]."""
+        self.stop()
+        if self._error is not None:
+            raise self._error
+        return self.hasher.hexdigest(), [[o, n, h.hexdigest(), ident] for o, n, h, ident in self.items]
 
 
 def _write_dcp(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]
@@ -139,27 +182,48 @@ def _write_dcp(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[
     reads and checks only the items its rank needs)."""
     ranges = slotmeta.tensor_ranges(f)
     dst = _Hashed(out, view)
-    items: List[List[Any]] = []
-    for n, item in enumerate(skeleton["__dcp"]):
-        start = out.size
-        dst.item = mf.Hasher()
-        if "b" in item:
-            dst.write(base64.b64decode(item["b"]))
-        else:
-            torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size - start,
-                                      base64.b64decode(item["pkl"]), [tuple(ranges[item["t"]])], slot_phase=False)
-            if out.size - start != item["n"]:
-                raise ValueError(f"{f['relpath']}: item {n} came out at {out.size - start} bytes, its metadata "
-                                 f"says {item['n']}")
-        items.append([start, out.size - start, dst.item.hexdigest(), item.get("id")])
-    dst.item = None
-    return dst.hasher.hexdigest(), items
+    try:
+        for n, item in enumerate(skeleton["__dcp"]):
+            start = out.size
+            dst.begin_item(item.get("id"))
+            if "b" in item:
+                dst.write(base64.b64decode(item["b"]))
+            else:
+                torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size - start,
+                                          base64.b64decode(item["pkl"]), [tuple(ranges[item["t"]])],
+                                          slot_phase=False)
+                if out.size - start != item["n"]:
+                    raise ValueError(f"{f['relpath']}: item {n} came out at {out.size - start} bytes, its "
+                                     f"metadata says {item['n']}")
+            dst.end_item()
+        return dst.finish()
+    finally:
+        dst.stop()
 
 
-def _write_torch(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]) -> str:
-    """A framework-native torch.save file from the trainer's pickle and the tensor bytes in the slot."""
+def _write_torch(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Dict[str, Any]
+                 ) -> Tuple[str, List[List[Any]]]:
+    """A framework-native torch.save file from the trainer's pickle and the tensor bytes in the slot.
+    Its items: the head (everything before the first storage's bytes: the pickle), then each storage's
+    bytes, named by the snapshot's tensor key (a reshard reads the pickle and the storages it needs)."""
     ranges = slotmeta.tensor_ranges(f)
+    keys = skeleton["storages"]
     dst = _Hashed(out, view)
-    torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size,
-                              base64.b64decode(skeleton["__torchzip"]), [tuple(ranges[k]) for k in skeleton["storages"]])
-    return dst.hasher.hexdigest()
+    try:
+        dst.begin_item([torchzip.HEAD, None, None])
+        head = {"open": True}
+
+        def at_storage(i: int) -> None:
+            if head["open"]:
+                dst.end_item()
+                head["open"] = False
+            dst.begin_item([keys[i], None, None])
+
+        torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size,
+                                  base64.b64decode(skeleton["__torchzip"]), [tuple(ranges[k]) for k in keys],
+                                  at_storage=at_storage, after_storage=lambda i: dst.end_item())
+        if head["open"]:       # no storage: the head is the whole file
+            dst.end_item()
+        return dst.finish()
+    finally:
+        dst.stop()

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from easyckpt.storage.direct import BLOCK
 
 ARCHIVE = "archive/"
+HEAD = "archive/data.pkl"     # the name of a file's first item (manifest items): the records before any storage
 ALIGN = 64
 _PHASE_MIN = 1 << 20       # tensors at least this large are placed in the slot's phase (zero copy)
 _MAX32 = 0xFFFFFFFF
@@ -38,11 +39,15 @@ class _Entry:
 
 
 def write_torch_file(write: Callable[[bytes], None], write_slot: Callable[[int, int], None], position: Callable[[], int],
-                     pickle_bytes: bytes, storages: Sequence[Tuple[int, int]], slot_phase: bool = True) -> None:
+                     pickle_bytes: bytes, storages: Sequence[Tuple[int, int]], slot_phase: bool = True,
+                     at_storage: Optional[Callable[[int], None]] = None,
+                     after_storage: Optional[Callable[[int], None]] = None) -> None:
     """``write(data)`` appends bytes, ``write_slot(begin, end)`` appends slot bytes, ``position()`` is the
     file's size so far. ``storages``: (begin, end) in the slot of storage record i. ``slot_phase=False``:
     records are only 64-byte aligned, so the archive's size depends on its contents' sizes alone (an item of
-    a distributed-checkpoint file, whose offset and length the trainer states before the agent writes it)."""
+    a distributed-checkpoint file, whose offset and length the trainer states before the agent writes it).
+    ``at_storage(i)`` is called right before storage i's bytes, ``after_storage(i)`` right after them
+    (where the items of a partial read begin and end)."""
     entries: List[_Entry] = []
 
     def record(name: str, size: int, phase: int) -> None:
@@ -69,8 +74,12 @@ def write_torch_file(write: Callable[[bytes], None], write_slot: Callable[[int, 
     small_record("byteorder", b"little")
     for i, (begin, end) in enumerate(storages):
         record(f"data/{i}", end - begin, begin % BLOCK if slot_phase else -1)
+        if at_storage is not None:
+            at_storage(i)
         if end > begin:
             write_slot(begin, end)
+        if after_storage is not None:
+            after_storage(i)
     small_record("version", b"3\n")
     small_record(".data/serialization_id", str(int.from_bytes(os.urandom(16), "little")).zfill(40).encode())
     _central_directory(write, position, entries)

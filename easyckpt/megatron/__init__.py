@@ -97,7 +97,7 @@ class MegatronState:
                                 persist=where.writes_model))
         return shards
 
-    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[Any, ...]]:
         where = _state.parallel()
         if _dist.is_torch_dist(manifest["files"]):
             if self._request is None:      # once per load, not per candidate step
@@ -113,7 +113,8 @@ class MegatronState:
                 # not a ValueError: that would reject the step as damaged and fall back to an older one
                 raise EasyCkptError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; "
                                     f"this run is {now}: pass load_checkpoint(..., concat=True) to reshard it")
-            return _reshard.needed(manifest, saved, now, manifest["step"])
+            return _reshard.needed(manifest, saved, now, manifest["step"],
+                                   _reshard.shard_map(self.model, self.optimizer, now))
         # concat reads every DP rank's optimizer shard: only when the data-parallel size changed
         return _state.needed(where, self.optimizer, manifest, self.concat and saved != now)
 

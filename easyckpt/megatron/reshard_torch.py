@@ -17,7 +17,7 @@ of the model's (Float16Optimizer: fp16/bf16 training without the DistributedOpti
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -126,8 +126,10 @@ def expert_split(layout: str) -> bool:
     return m is not None and int(m.group(1)) > 1
 
 
-def needed(manifest: Dict[str, Any], saved: str, now: str, step: int) -> List[Tuple[str, bool]]:
-    """Every model-parallel rank's model file and sharding map, and every DistributedOptimizer shard."""
+def needed(manifest: Dict[str, Any], saved: str, now: str, step: int, mine: Dict[str, Any]) -> List[Tuple[Any, ...]]:
+    """Every model-parallel rank's sharding map, then of its model file and every DistributedOptimizer
+    shard the tensors whose blocks overlap this rank's (``mine``, its own map): files the agent wrote list
+    their items, and only those are read (torchparts.py); older ones are read whole."""
     files = manifest["files"]
     dirs = sorted({m.group(1) for rel in files for m in [MODEL_FILE.fullmatch(rel)] if m})
     lacking = [d for d in dirs if f"{d}/{SHARDMAP}" not in files]
@@ -136,8 +138,67 @@ def needed(manifest: Dict[str, Any], saved: str, now: str, step: int) -> List[Tu
                             f"sharding map ({(lacking or ['every mp_rank directory'])[0]} has none: written by "
                             f"Megatron itself or an older easyckpt); this run is {now}. It resumes only on its "
                             f"own TP/PP/EP sizes")
-    out = [(f"{d}/{name}", False) for d in dirs for name in ("model_optim_rng.pt", SHARDMAP)]
-    return out + [(rel, False) for rel in sorted(files) if DISTOPT_FILE.fullmatch(rel)]
+    want = _Wanted(mine)
+    data = [(f"{d}/model_optim_rng.pt", want.model(d)) for d in dirs]
+    data += [(rel, want.distopt(DISTOPT_FILE.fullmatch(rel).group(1)))
+             for rel in sorted(files) if DISTOPT_FILE.fullmatch(rel)]
+    return [(f"{d}/{SHARDMAP}", False) for d in dirs] + \
+        [(rel, False, pick) if "items" in files[rel] else (rel, False) for rel, pick in data]
+
+
+def _meets(offset: List[int], sizes: List[int], other: Tuple[List[int], List[int]]) -> bool:
+    return len(offset) == len(other[0]) and all(
+        a < b + m and b < a + n for a, n, b, m in zip(offset, sizes, other[0], other[1]))
+
+
+class _Wanted:
+    """Which saved tensors this rank needs: those with a block that overlaps one of its own (by sharded key)."""
+
+    def __init__(self, mine: Dict[str, Any]):
+        self.boxes: Dict[str, List[Tuple[List[int], List[int]]]] = {}
+        for entries in mine["tensors"].values():
+            for e in entries:
+                self.boxes.setdefault(e[0], []).append((e[2], e[3]))
+        self.maps: Dict[str, Dict[str, Any]] = {}
+
+    def _map(self, d: str, trees: Dict[str, Any]) -> Dict[str, Any]:
+        if d not in self.maps:
+            self.maps[d] = _checked(trees.get(f"{d}/{SHARDMAP}"), f"{d}/{SHARDMAP}")
+        return self.maps[d]
+
+    def _param(self, smap: Dict[str, Any], name: Any) -> bool:
+        path = smap["params"].get(name) if isinstance(name, str) else None
+        return path is None or self.overlaps(smap["tensors"][path])     # unknown: read it (restore says why)
+
+    def overlaps(self, entries: List[Entry]) -> bool:
+        return any(_meets(e[2], e[3], box) for e in entries for box in self.boxes.get(e[0], ()))
+
+    def model(self, d: str) -> Callable[[Tuple[Any, ...], Any, Dict[str, Any]], bool]:
+        def pick(path: Tuple[Any, ...], tree: Any, trees: Dict[str, Any]) -> bool:
+            smap = self._map(d, trees)
+            if len(path) == 2 and isinstance(path[0], str) and path[0].startswith("model") and isinstance(path[1], str):
+                entries = smap["tensors"].get(f"{path[0]}/{path[1]}")
+                return entries is not None and self.overlaps(entries)   # unmapped: the reshard does not use it
+            if path[:1] == ("rng_state",):
+                return False            # RNG states are not carried over to another layout
+            if path[:1] == ("optimizer",):
+                rest, j = path[1:], 0
+                if rest and type(rest[0]) is int:            # a ChainedOptimizer's list
+                    j, rest = rest[0], rest[1:]
+                if len(rest) == 3 and rest[0] == "state" and type(rest[1]) is int and j < len(smap["opt_params"]):
+                    names = smap["opt_params"][j]
+                    if names is not None and rest[1] < len(names):
+                        return self._param(smap, names[rest[1]])
+            return True                 # anything else (a grad scaler's state): small, read it
+        return pick
+
+    def distopt(self, d: str) -> Callable[[Tuple[Any, ...], Any, Dict[str, Any]], bool]:
+        def pick(path: Tuple[Any, ...], tree: Any, trees: Dict[str, Any]) -> bool:
+            if len(path) == 4 and type(path[0]) is int and path[1] == "params" and type(path[2]) is int:
+                entry = tree[path[0]]["params"][path[2]]
+                return self._param(self._map(d, trees), entry.get("name") if isinstance(entry, dict) else None)
+            return True
+        return pick
 
 
 def is_reshard(trees: Dict[str, Any]) -> bool:
@@ -198,6 +259,8 @@ class Pieces:
         self.steps: Dict[str, torch.Tensor] = {}
 
     def add(self, kind: str, t: torch.Tensor, entries: List[Entry], what: str) -> None:
+        if t.is_meta:
+            return          # not read: no block of it overlaps this rank's (fill checks the coverage)
         for e in entries:
             self.blocks.setdefault((kind, e[0]), []).append((e[1], e[2], _block(t, e, what)))
 
@@ -272,6 +335,9 @@ def _saved_pieces(trees: Dict[str, Any], dirs: List[str], saved_layout: str) -> 
                 if split and not isinstance(s.get("expert"), bool):
                     raise CheckpointError(f"{rel}: a shard saved with split experts must say whether it holds them")
                 owner = d if s.get("expert") or not split else d.rsplit("_", 1)[0]
+                # parameters whose tensors were not read (meta: this rank needs none of their blocks)
+                s = dict(s, params=[p for p in s["params"] if not (isinstance(p, dict) and any(
+                    isinstance(v, torch.Tensor) and v.is_meta for v in p.values()))])
                 groups.setdefault((i, owner), []).append((d, s))
     for (_, owner), members in sorted(groups.items()):
         d = members[0][0]      # dense parameters: the same names and map in every EP rank's directory
@@ -314,7 +380,7 @@ def _saved_pieces(trees: Dict[str, Any], dirs: List[str], saved_layout: str) -> 
                     if not isinstance(s.get(kind), torch.Tensor):
                         raise CheckpointError(f"{d}: the optimizer state of {name} has no {kind}")
                     pieces.add(kind, s[kind].view(shape), entries, f"{d} {name}")
-                if isinstance(s.get("step"), torch.Tensor):
+                if isinstance(s.get("step"), torch.Tensor) and not s["step"].is_meta:
                     pieces.steps.setdefault(entries[0][0], s["step"])
     return pieces, False
 

@@ -114,9 +114,11 @@ def read_entry(step_dir: str, rel: str, on_bytes: Optional[Callable[[int], None]
 
 
 def read_items(step_dir: str, rel: str, manifest: Dict[str, Any], picked: Sequence[int],
-               on_bytes: Optional[Callable[[int], None]] = None) -> Tuple[Optional[str], int]:
+               on_bytes: Optional[Callable[[int], None]] = None, keep: Optional[Dict[int, bytearray]] = None
+               ) -> Tuple[Optional[str], int]:
     """Read and checksum only items ``picked`` of listed file ``rel`` (its manifest ``items``, validated
-    here): (the first problem or None, bytes read). What a rank needs of a large shared file."""
+    here): (the first problem or None, bytes read). What a rank needs of a large shared file. ``keep``
+    receives each checked item's bytes by index."""
     items = mf.check_items(rel, manifest["files"][rel])
     algo, nbytes = manifest.get("checksum", mf.ALGO), 0
     with open_entry(step_dir, rel) as f:
@@ -139,6 +141,8 @@ def read_items(step_dir: str, rel: str, manifest: Dict[str, Any], picked: Sequen
             if got_digest != digest:
                 return (f"{rel}: item {i} ({ident[0] if ident else '?'}, bytes {offset}..{offset + length}) has "
                         f"checksum {got_digest}, the manifest records {digest} ({algo}): corrupted"), nbytes
+            if keep is not None:
+                keep[i] = buf
     return None, nbytes
 
 

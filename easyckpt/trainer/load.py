@@ -33,14 +33,16 @@ from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
-from easyckpt.trainer import adopt, shardload, snapshot
+from easyckpt.trainer import adopt, shardload, snapshot, torchparts
 from easyckpt.trainer.dist import all_gather
 from easyckpt.trainer.peers import Remote
 from easyckpt.trainer.tree import safe_torch_load, unflatten
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
 # when the checkpoint was written); (relpath, optional, [item, ...]): only those items of a file the
-# manifest lists item by item (stepfiles.read_items), read and checked alone, the file itself not loaded
+# manifest lists item by item (stepfiles.read_items), read and checked alone, the file itself not loaded;
+# (relpath, optional, pick): a torch.save file the agent wrote, its pickle and only the tensors ``pick``
+# chooses (torchparts.py; it sees the trees of the files listed before this one)
 Needed = Callable[[Dict[str, Any]], List[Tuple[Any, ...]]]
 
 
@@ -215,7 +217,7 @@ def _wanted_bytes(man: Dict[str, Any], want: Tuple[Any, ...]) -> int:
     entry = man["files"].get(want[0])
     if entry is None:
         return 0
-    if len(want) <= 2:
+    if len(want) <= 2 or callable(want[2]):
         return int(entry["size"])
     try:
         items = mf.check_items(want[0], entry)
@@ -238,6 +240,18 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[Any, ...]
         problems = stepfiles.check_sizes(step_dir, man, [rel])
         if problems:
             return None, problems[0], 0, man
+        if len(want) > 2 and callable(want[2]):
+            try:
+                tree, problem, n = torchparts.read(step_dir, rel, man, want[2], trees, on_bytes)
+            except ManifestError as exc:
+                return None, str(exc), 0, man
+            except OSError as exc:
+                return None, f"{rel}: unreadable ({exc})", 0, man
+            if problem:
+                return None, problem, 0, man
+            trees[rel] = tree
+            nbytes += n
+            continue
         if len(want) > 2:          # these items only: the framework's reader takes them from the file
             try:
                 problem, n = stepfiles.read_items(step_dir, rel, man, want[2], on_bytes)

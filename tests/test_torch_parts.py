@@ -1,0 +1,101 @@
+"""Reading part of a torch.save file the agent wrote (what a reshard of Megatron's torch layout needs of
+every old rank's file): the agent records the file's head (the pickle) and each storage as manifest items;
+the loader reads the pickle, asks which tensors are wanted, and reads and checks only their storages. The
+file stays one that torch.load reads whole; tensors not picked come back as meta tensors; a damaged picked
+storage rejects the step, a damaged unpicked one is never read; a manifest whose items disagree with the
+pickle is refused."""
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from easyckpt.agent.persist import _write_torch
+from easyckpt.formats import manifest as mf
+from easyckpt.storage.posix import PosixStorage
+from easyckpt.trainer.load import _read_files
+from easyckpt.trainer.tree import flatten_pickled
+
+REL = "mp_rank_00/model_optim_rng.pt"
+
+
+def make_step(tmp_path):
+    tree = {"model": {"a.weight": torch.arange(12, dtype=torch.float32).view(3, 4),
+                      "b.weight": torch.full((5,), 7, dtype=torch.bfloat16), "empty": torch.zeros(0)},
+            "optimizer": {"state": {0: {"exp_avg": torch.ones(3, 4), "step": torch.tensor(5.0)}}},
+            "iteration": 10}
+    skeleton, tensors = flatten_pickled(tree)
+    slot, spec, at = bytearray(), [], 0
+    for key, t in tensors:
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        spec.append([key, str(t.dtype), list(t.shape), at, at + len(raw)])
+        slot += raw
+        at += len(raw)
+    step = tmp_path / "iter_0000010"
+    (step / "mp_rank_00").mkdir(parents=True)
+    out = PosixStorage().open_writer(str(step / REL), direct=False)
+    buf = mmap.mmap(-1, max(len(slot), 1))
+    buf[:len(slot)] = bytes(slot)
+    with memoryview(buf) as view:
+        digest, items = _write_torch(out, view, {"tensors": spec, "relpath": REL}, skeleton)
+        out.finish()
+    out.close()
+    files = {REL: {"size": out.size, "checksum": digest, "format": "torch", "items": items}}
+    return tree, step, mf.validate(mf.build(10, "job", "megatron", 1, files))
+
+
+def pick_model_a(path, tree, trees):
+    return path[:2] == ("model", "a.weight") or path[-1] == "step"
+
+
+def test_the_file_loads_whole_and_its_items_cover_the_pickle_and_each_storage(tmp_path):
+    tree, step, man = make_step(tmp_path)
+    whole = torch.load(step / REL, weights_only=True)
+    assert torch.equal(whole["model"]["a.weight"], tree["model"]["a.weight"]) and whole["iteration"] == 10
+    items = man["files"][REL]["items"]
+    assert items[0][0] == 0 and items[0][3][0] == "archive/data.pkl"
+    assert [i[1] for i in items[1:]] == [48, 10, 0, 48, 4]       # each storage's bytes, in record order
+    data = (step / REL).read_bytes()
+    assert all(mf.checksum(data[o:o + n]) == c for o, n, c, _ in items)
+
+
+def test_only_the_picked_storages_are_read_and_the_rest_are_meta(tmp_path):
+    tree, step, man = make_step(tmp_path)
+    trees, problem, nbytes, _ = _read_files(str(step), man, [(REL, False, pick_model_a)], None)
+    assert problem is None
+    got = trees[REL]
+    assert torch.equal(got["model"]["a.weight"], tree["model"]["a.weight"])
+    assert got["model"]["b.weight"].is_meta and got["model"]["b.weight"].dtype == torch.bfloat16
+    assert got["optimizer"]["state"][0]["exp_avg"].is_meta and got["optimizer"]["state"][0]["step"].item() == 5.0
+    assert got["iteration"] == 10
+    items = man["files"][REL]["items"]
+    assert nbytes == items[0][1] + 48 + 4 < man["files"][REL]["size"]
+
+
+def test_a_damaged_picked_storage_rejects_the_step_and_an_unpicked_one_is_not_read(tmp_path):
+    _, step, man = make_step(tmp_path)
+    items = man["files"][REL]["items"]
+    path = step / REL
+    data = bytearray(path.read_bytes())
+    data[items[4][0] + 10] ^= 0xFF            # optimizer exp_avg: not picked
+    path.write_bytes(bytes(data))
+    assert _read_files(str(step), man, [(REL, False, pick_model_a)], None)[1] is None
+    data[items[1][0] + 3] ^= 0xFF             # model a.weight: picked
+    path.write_bytes(bytes(data))
+    trees, problem, _, _ = _read_files(str(step), man, [(REL, False, pick_model_a)], None)
+    assert trees is None and f"{REL}: item 1" in problem and "corrupted" in problem
+
+
+def test_items_that_disagree_with_the_pickle_are_refused(tmp_path):
+    _, step, man = make_step(tmp_path)
+    entry = man["files"][REL]
+    entry["items"] = entry["items"][:3]       # a storage the pickle names is not listed
+    problem = _read_files(str(step), man, [(REL, False, pick_model_a)], None)[1]
+    assert "which its items do not list" in problem
+    _, step2, man2 = make_step(tmp_path / "2")
+    items = man2["files"][REL]["items"]
+    items[1][1] += 4                         # a storage of another size than the pickle says
+    items[1][2] = mf.checksum((step2 / REL).read_bytes()[items[1][0]:items[1][0] + items[1][1]])
+    assert "the pickle says" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1]
+    man2["files"][REL]["items"] = items[1:]  # no head
+    assert "do not begin with the file's head" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1]
