@@ -195,7 +195,10 @@ class _Wanted:
     def distopt(self, d: str) -> Callable[[Tuple[Any, ...], Any, Dict[str, Any]], bool]:
         def pick(path: Tuple[Any, ...], tree: Any, trees: Dict[str, Any]) -> bool:
             if len(path) == 4 and type(path[0]) is int and path[1] == "params" and type(path[2]) is int:
-                entry = tree[path[0]]["params"][path[2]]
+                try:
+                    entry = tree[path[0]]["params"][path[2]]
+                except (KeyError, IndexError, TypeError):
+                    raise CheckpointError(f"{d}: a DistributedOptimizer shard is not easyckpt's list of shards") from None
                 return self._param(self._map(d, trees), entry.get("name") if isinstance(entry, dict) else None)
             return True
         return pick

@@ -11,6 +11,7 @@ hold no bytes, and a caller that copies from one fails instead of reading zeros.
 from __future__ import annotations
 
 import io
+import pickle
 import struct
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -53,7 +54,7 @@ def read(step_dir: str, rel: str, manifest: Dict[str, Any], pick: Pick, trees: D
                          if pick(path, tree, trees)})
     except CheckpointError as exc:
         return None, str(exc), nbytes
-    except Exception as exc:  # noqa: BLE001 - an unreadable pickle rejects the step
+    except (pickle.UnpicklingError, EOFError, struct.error) as exc:    # a pickle that matched its checksum
         return None, f"{rel}: unreadable ({exc})", nbytes
     problem, n = stepfiles.read_items(step_dir, rel, manifest, [1 + i for i in wanted], on_bytes, keep=got)
     nbytes += n
@@ -69,7 +70,7 @@ def read(step_dir: str, rel: str, manifest: Dict[str, Any], pick: Pick, trees: D
 
     try:
         return _weights_only_load(io.BytesIO(pkl), storage), None, nbytes
-    except CheckpointError as exc:
+    except (CheckpointError, pickle.UnpicklingError, EOFError) as exc:
         return None, str(exc), nbytes
 
 
