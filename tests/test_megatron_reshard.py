@@ -36,6 +36,9 @@ CHANGES = {
     # MoE, 2 experts: split over 2 ranks (EP 2), then both on each rank (EP 1, DP 2)
     "ep2-to-ep1": (["--num-experts", "2", "--ep", "2"], 2, ["--num-experts", "2"], 2),
     "ep1-to-ep2": (["--num-experts", "2"], 2, ["--num-experts", "2", "--ep", "2"], 2),
+    # experts split over 2 ranks, then over 4 ranks with DP 4 (the dense optimizer shards of one EP rank's
+    # directory alone do not make its parameters whole)
+    "ep2dp2-to-ep2dp4": (["--num-experts", "2", "--ep", "2"], 2, ["--num-experts", "2", "--ep", "2"], 4),
 }
 # in the default tier: one TP change each way of the optimizer and format; the rest run in CI's slow tier
 DEFAULT_TIER = {("tp2-to-tp1", "plain", "torch_dist"), ("tp2dp1-to-tp1dp2", "distopt", "torch_dist"),

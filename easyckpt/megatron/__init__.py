@@ -125,10 +125,12 @@ class MegatronState:
             same = True if in_memory else _dist.same_layout(loaded.manifest, loaded.trees[_dist.COMMON],
                                                              self.layout())
             t0 = time.perf_counter()
-            saved = _dist.restore(loaded.trees, None if in_memory else loaded.path, where, self.model,
-                                  self.optimizer, self.opt_param_scheduler, self.strict, same_layout=same)
             before = ((loaded.manifest or {}).get("info") or {}).get("layout")
             moved = before != self.layout() if isinstance(before, str) else not same
+            split = _reshard.expert_split(self.layout()) or (isinstance(before, str) and _reshard.expert_split(before))
+            saved = _dist.restore(loaded.trees, None if in_memory else loaded.path, where, self.model,
+                                  self.optimizer, self.opt_param_scheduler, self.strict, same_layout=same,
+                                  exact=in_memory or not moved, split=split)
             if not in_memory and moved and where.rank == 0:
                 console.info(f"{os.path.basename(loaded.path or '')} (saved on {before or 'another layout'}) "
                              f"resharded to {self.layout()} through Megatron's reader in "

@@ -491,12 +491,18 @@ def needed(where: _state.Parallel, world_size: int, manifest: Dict[str, Any],
 
 
 def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, model: Any, optimizer: Any,
-            scheduler: Any, strict: bool, same_layout: bool) -> Dict[str, Any]:
+            scheduler: Any, strict: bool, same_layout: bool, exact: bool = True, split: bool = False
+            ) -> Dict[str, Any]:
     """Load into the live objects. ``path``: the committed step directory (storage; Megatron's reader
-    takes the chunks this rank's layout needs), None: this rank's own snapshot in ``trees`` (memory)."""
+    takes the chunks this rank's layout needs), None: this rank's own snapshot in ``trees`` (memory).
+    ``same_layout``: the same TP and PP sizes; ``exact``: the same layout in every size (each rank's own
+    RNG file then exists); ``split``: experts split over EP ranks, in the saved layout or this one."""
     common = trees[COMMON]
-    own_rng = trees.get(where.rng_file)
-    load_rng = same_layout and own_rng is None
+    # the RNG comes from one source on every rank (Megatron's reader needs every rank to ask for the same
+    # objects): each rank's own file on the same layout; else Megatron's per-(PP, TP) object, which with
+    # split experts is one per DP rank and so exists for another DP size only by chance: then none
+    own_rng = trees.get(where.rng_file) if exact else None
+    load_rng = same_layout and own_rng is None and (exact or not split)
     for opt in _state.optimizers(optimizer):
         if _state.is_distributed(opt):
             _prime_adam(opt)
