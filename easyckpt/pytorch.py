@@ -21,7 +21,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from easyckpt.config import NAMINGS, Config, adapter_config
-from easyckpt.trainer import rng
+from easyckpt.trainer import estimate, rng
 from easyckpt.trainer.checkpointer import Checkpointer, DefaultCheckpointer
 from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
@@ -66,6 +66,11 @@ class PytorchState:
         shards.append(ShardSpec(_rank_file(self.rank), {"iteration": self.iteration, "rng": rng.capture(),
                                                         "extra": self.extra}, persist=True))
         return shards
+
+    def snapshot_bytes(self) -> int:
+        """About what the first snapshot holds (the slots are reserved ahead, trainer/estimate.py)."""
+        model = estimate.tensor_bytes(_unwrap(self.model).state_dict())
+        return model + (estimate.optimizer_bytes(self.optimizer) if self.optimizer is not None else 0)
 
     def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
         files = [(MODEL, False)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import List
 
@@ -12,18 +11,11 @@ from easyckpt.agent.agent import Agent
 from easyckpt.config import Config
 from easyckpt.errors import EasyCkptError
 
-AGENT_NICE = 10
-
 
 def main(argv: List[str]) -> int:
     cfg = Config.from_json(json.loads(argv[0]))
     console.install(0, speaker="easyckpt agent")   # its stderr is the agent log (storage/savedir.py)
-    # training comes first: the persist (kernel copies, checksums) yields the CPU to the trainers when
-    # both want it, and still gets all of it while they wait (a SIGTERM save, a final flush)
-    try:
-        os.nice(AGENT_NICE)
-    except OSError:
-        pass
+    # training comes first: the threads that persist and replicate lower their own priority (priority.py)
     try:
         agent = Agent(cfg)
     except OSError as exc:

@@ -18,7 +18,7 @@ import socket
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
-from easyckpt.agent import slots
+from easyckpt.agent import priority, slots
 from easyckpt.errors import BadMessage, BadSlotMeta, PeerError, PeerNotReady, ShmCapacityError, SlotNotComplete
 from easyckpt.formats import peerwire, shm, slotread
 from easyckpt.formats.peerwire import Conn
@@ -105,6 +105,7 @@ class PeerServer:
             threading.Thread(target=self._serve, args=(sock,), daemon=True, name="easyckpt-peer").start()
 
     def _serve(self, sock: socket.socket) -> None:
+        priority.bulk_thread()
         peerwire.low_priority(sock)
         conn = Conn(sock)
         node = None

@@ -23,7 +23,7 @@ import threading
 from typing import Callable, Deque, List
 
 from easyckpt import faults
-from easyckpt.agent import slots
+from easyckpt.agent import priority, slots
 from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.jobs import (
@@ -77,6 +77,9 @@ class Persister:
         return self._results.take()
 
     def _serve(self) -> None:
+        # the persist (kernel copies, checksums) yields the CPU to the trainers when both want it, and
+        # still gets all of it while they wait (a SIGTERM save, a final flush)
+        priority.bulk_thread()
         while True:
             with self._cond:
                 while not (self._urgent or self._persists):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from easyckpt import console
-from easyckpt.agent import slots
+from easyckpt.agent import priority, slots
 from easyckpt.agent.cadence import Cadence
 from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.peerserve import PeerServer, Warm, receive_slot, send_slot
@@ -260,6 +260,7 @@ class Replicas:
     # ---- sending ------------------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
+        priority.bulk_thread()
         while not self._closed:
             self._wake.wait(POLL)
             self._wake.clear()

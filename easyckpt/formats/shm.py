@@ -202,24 +202,13 @@ class Slot:
                         f"({exc.strerror}); {shm_advice()}") from exc
         finally:
             os.close(fd)
-        slot = cls(path, writable=True)
-        if current < size and touch:
-            slot.touch(current)
+        # the new pages mapped in one pass of the kernel (MAP_POPULATE; the GIL is released meanwhile): the
+        # first copy into unmapped shm runs ~5x slower than into mapped memory
+        slot = cls(path, writable=True, populate=touch and current < size)
         if current == 0:   # a fresh slot names its owner at once, so no one mistakes it for a leftover
             assert slot.mm is not None
             slot.mm[:_HDR.size] = _HDR.pack(MAGIC, VERSION, EMPTY, -1, 0, 0, 0, 0, 0, 0, os.getpid(), 0, 0)
         return slot
-
-    def touch(self, start: int) -> None:
-        """Fault every page in once: the first copy into fresh shm runs ~5x slower than a warm one."""
-        assert self.mm is not None
-        page = mmap.PAGESIZE
-        zero = bytes(1 << 20)
-        pos = start - start % page
-        while pos < self.size:
-            n = min(len(zero), self.size - pos)
-            self.mm[pos:pos + n] = zero[:n]
-            pos += n
 
     def close(self) -> None:
         if self.mm is not None:

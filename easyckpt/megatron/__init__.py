@@ -36,6 +36,7 @@ from easyckpt.errors import ConfigError, EasyCkptError
 from easyckpt.megatron import reshard_torch as _reshard
 from easyckpt.megatron import state as _state
 from easyckpt.megatron import torchdist as _dist
+from easyckpt.trainer import estimate
 from easyckpt.trainer.checkpointer import DefaultCheckpointer
 from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
@@ -96,6 +97,18 @@ class MegatronState:
                                 _reshard.shard_map(self.model, self.optimizer, self.layout()),
                                 persist=where.writes_model))
         return shards
+
+    def snapshot_bytes(self) -> int:
+        """About what the first snapshot holds (the slots are reserved ahead, trainer/estimate.py): the
+        model chunks' tensors, each optimizer's state and, with the DistributedOptimizer, its fp32 main
+        parameters (saved beside their moments)."""
+        total = sum(estimate.tensor_bytes(t) for t in _reshard.live_tensors(_state.chunks(self.model)).values())
+        for opt in _state.optimizers(self.optimizer):
+            inner = getattr(opt, "optimizer", None)
+            total += estimate.optimizer_bytes(inner)
+            if _state.is_distributed(opt) and inner is not None:
+                total += sum(estimate.tensor_bytes(g["params"]) for g in inner.param_groups)
+        return total
 
     def needed(self, manifest: Dict[str, Any]) -> List[Tuple[Any, ...]]:
         where = _state.parallel()

@@ -98,8 +98,13 @@ class Checkpointer:
         if loaded is None:
             self.engine.log.emit("load", step=0, rank=self.rank, source="none",
                                  message="no checkpoint found: starting from scratch")
-            return None
-        return state.restore(loaded)
+        restored = None if loaded is None else state.restore(loaded)
+        # the snapshot slots are reserved while the first iterations run (an adapter that can say how
+        # large its state will be: ``snapshot_bytes``)
+        estimate = getattr(state, "snapshot_bytes", None)
+        if callable(estimate):
+            self.engine.prepare(estimate())
+        return restored
 
     def is_committed(self, step: int, directory: Optional[str] = None) -> bool:
         """Whether ``step`` is committed (its manifest verifies) in ``directory`` (default: save_dir)."""

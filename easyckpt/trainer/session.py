@@ -304,6 +304,11 @@ class Engine:
 
     # ---- load ----------------------------------------------------------------------------
 
+    def prepare(self, data_bytes: int) -> None:
+        """Get both snapshot slots ready for about ``data_bytes`` of state while training starts (after
+        the load), so that the first snapshot costs what a steady one does."""
+        self.snapshotter.prepare(data_bytes)
+
     def load(self, needed: Needed, layout: Optional[str] = None) -> Optional[Loaded]:
         self.settle()
         self._introduce()

@@ -1,7 +1,9 @@
 """Trainer side of a snapshot: copy one rank's state into a free shared-memory slot.
 
 The layout (where each tensor lives in the slot) is computed on the first snapshot and reused as
-long as the state has the same tensors; both slots are allocated and touched at that moment, so a
+long as the state has the same tensors. Both slots are allocated and mapped before the first snapshot
+when the adapter can say how large its state will be (``prepare``, right after the load: a thread
+reserves the memory while the first iterations run), else at the first snapshot; either way a
 steady-state snapshot is a plain copy into warm memory, with no allocation and no pickling.
 
 Slot choice. The agent may be reading a slot (busy) or owe it a persist (requested, not yet
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from easyckpt import faults
-from easyckpt.errors import ShmCapacityError
+from easyckpt.errors import EasyCkptError, ShmCapacityError
 from easyckpt.formats import shm, slotread
 from easyckpt.formats.shardfile import dtype_name
 from easyckpt.trainer import pinned, shardload
@@ -100,6 +103,9 @@ class Snapshotter:
         self.layout: Optional[_Layout] = None
         self._views: List[Optional[List[torch.Tensor]]] = [None, None]
         self.generation = 0
+        self._preparing: Optional[threading.Thread] = None
+        self._prepared: List[Optional[shm.Slot]] = [None, None]
+        self.prepare_wait = 0.0       # what the first snapshot waited for the preparation (seconds)
         self.rescan()
 
     def rescan(self) -> None:
@@ -119,8 +125,46 @@ class Snapshotter:
         assert self.layout is not None
         return shm.slot_size(self.layout.data_bytes, meta_len)
 
+    def prepare(self, data_bytes: int) -> None:
+        """Reserve and map both slots for about ``data_bytes`` of tensors on a thread of their own
+        (posix_fallocate and a populated mapping: system calls that release the GIL), so that the first
+        snapshot finds them ready and waits only for what is left. Best effort: with no room in
+        /dev/shm for the estimate nothing is prepared, and the first snapshot's own check says so."""
+        if self._preparing is not None or data_bytes <= 0 or any(s is not None for s in self.slots):
+            return
+        size = shm.slot_size(data_bytes, 0)
+        need = sum(max(0, size - _file_size(p)) for p in self.paths)
+        if need and need + 2 * size * self.replica_copies > shm.free_bytes():
+            return
+
+        def run() -> None:
+            for i, path in enumerate(self.paths):
+                try:
+                    self._prepared[i] = shm.Slot.create_or_grow(path, size) if _file_size(path) < size \
+                        else shm.Slot(path, writable=True, populate=True)
+                except (OSError, EasyCkptError):
+                    return          # the first snapshot allocates, and reports, by itself
+
+        self._preparing = threading.Thread(target=run, daemon=True, name="easyckpt-slots")
+        self._preparing.start()
+
+    def wait_prepared(self) -> None:
+        if self._preparing is None:
+            return
+        t0 = time.perf_counter()
+        self._preparing.join()
+        self.prepare_wait = time.perf_counter() - t0
+        self._preparing = None
+        for i, slot in enumerate(self._prepared):
+            if slot is not None and self.slots[i] is None:
+                self.slots[i] = slot
+            elif slot is not None:
+                slot.close()
+        self._prepared = [None, None]
+
     def _ensure_slots(self, meta_len: int) -> None:
         """Allocate (or grow) both slots before the first copy, after checking /dev/shm has room."""
+        self.wait_prepared()
         size = self._slot_size(meta_len)
         need = 0
         for i, path in enumerate(self.paths):
@@ -129,8 +173,8 @@ class Snapshotter:
                 need += max(0, size - current)
         if need == 0:
             for i in (0, 1):
-                if self.slots[i] is None:
-                    self.slots[i] = shm.Slot(self.paths[i], writable=True)
+                if self.slots[i] is None:    # a slot of an earlier run of this job: mapped in one pass
+                    self.slots[i] = shm.Slot(self.paths[i], writable=True, populate=True)
             return
         free = shm.free_bytes()
         replicas = 2 * size * self.replica_copies     # peers' snapshots, double-buffered like the slots
@@ -235,6 +279,7 @@ class Snapshotter:
         self.slots[i] = None
 
     def close(self, unlink: bool) -> None:
+        self.wait_prepared()
         for i in (0, 1):
             self._close_slot(i)
         if unlink:

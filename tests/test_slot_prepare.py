@@ -1,0 +1,90 @@
+"""Snapshot slots reserved ahead of the first snapshot (Snapshotter.prepare, right after the load):
+a thread allocates and maps both slots for the adapter's estimate of its state, the first snapshot then
+uses them as they are; an estimate /dev/shm has no room for prepares nothing (the first snapshot's own
+check speaks); and the estimate of an optimizer that has not stepped yet counts the moments its first
+step creates. Sizes and identities are checked, never times."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+from harness import wait_no_agent
+
+import easyckpt
+from easyckpt.formats import shm
+from easyckpt.trainer import estimate
+from easyckpt.trainer.snapshot import ShardSpec, Snapshotter
+
+
+def state(n: int = 1 << 16):
+    return [ShardSpec("model.safetensors", {"w": torch.arange(n, dtype=torch.float32)})]
+
+
+def test_prepared_slots_are_the_ones_the_first_snapshot_writes(tmp_path):
+    snap = Snapshotter(f"t{uuid.uuid4().hex[:10]}", 0, 1)
+    try:
+        snap.prepare(4 << 18)            # 1 MiB of tensors, more than the state's 256 KiB
+        snap.wait_prepared()
+        prepared = list(snap.slots)
+        assert all(s is not None and s.size >= shm.slot_size(4 << 18, 0) for s in prepared)
+        result = snap.snapshot(1, state(), persist=False)
+        assert result is not None and result.step == 1
+        assert snap.slots == prepared and [os.path.getsize(p) for p in snap.paths] == [s.size for s in prepared]
+    finally:
+        snap.close(unlink=True)
+
+
+def test_a_state_larger_than_the_estimate_grows_the_prepared_slots(tmp_path):
+    snap = Snapshotter(f"t{uuid.uuid4().hex[:10]}", 0, 1)
+    try:
+        snap.prepare(1 << 10)
+        result = snap.snapshot(1, state(1 << 18), persist=False)      # 1 MiB
+        assert result is not None
+        assert all(os.path.getsize(p) >= shm.HEADER_BYTES + (1 << 20) for p in snap.paths)
+    finally:
+        snap.close(unlink=True)
+
+
+def test_an_estimate_that_does_not_fit_in_dev_shm_prepares_nothing():
+    snap = Snapshotter(f"t{uuid.uuid4().hex[:10]}", 0, 1)
+    try:
+        snap.prepare(shm.free_bytes() + (1 << 30))
+        snap.wait_prepared()
+        assert snap.slots == [None, None] and not any(os.path.exists(p) for p in snap.paths)
+        assert snap.snapshot(1, state(), persist=False) is not None     # the first snapshot allocates
+    finally:
+        snap.close(unlink=True)
+
+
+def test_the_estimate_of_adam_before_its_first_step_is_its_state_after_it():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4).to(torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = estimate.optimizer_bytes(opt)
+    assert before > 0
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert estimate.optimizer_bytes(opt) == before == estimate.tensor_bytes(opt.state_dict()["state"])
+    assert estimate.optimizer_bytes(torch.optim.SGD(model.parameters(), lr=0.1)) == 0   # no state to come
+
+
+def test_load_checkpoint_reserves_the_slots_before_the_first_save(tmp_path):
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.Adam(model.parameters())
+    easyckpt.initialize_easyckpt(str(tmp_path / "ckpt"), save_mem_interval=1, save_storage_interval=100,
+                                 log_file_path=str(tmp_path / "audit.jsonl"), agent_idle_timeout=1)
+    try:
+        assert easyckpt.load_checkpoint(model, opt) == (0, None)
+        from easyckpt.pytorch import _default
+        snap = _default.require().engine.snapshotter
+        snap.wait_prepared()
+        sizes = [os.path.getsize(p) for p in snap.paths]
+        assert all(n >= shm.HEADER_BYTES + 3 * 256 * 257 * 4 for n in sizes), sizes   # params + 2 moments
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        easyckpt.save_checkpoint_if_needed(1, model, opt)
+        assert [os.path.getsize(p) for p in snap.paths] == sizes        # written as prepared, not grown
+    finally:
+        easyckpt.finalize_easyckpt()
+    wait_no_agent(tmp_path / "ckpt")
