@@ -264,19 +264,20 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[Any, ...]
             trees[rel] = None
             nbytes += n
             continue
+        algo = man.get("checksum", mf.ALGO)
         try:
-            buf = stepfiles.read_entry(step_dir, rel, on_bytes)
+            buf, digest = stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes)
         except ManifestError as exc:
             return None, str(exc), 0, man
         except OSError as exc:
             return None, f"{rel}: unreadable ({exc})", 0, man
-        problem = mf.check_bytes(rel, buf, man)
+        problem = mf.compare(rel, len(buf), lambda: digest, man["files"][rel], algo)
         if problem:
             return None, problem, 0, man
         try:
             fmt = man["files"][rel].get("format", "safetensors")
             if fmt == "torch":
-                trees[rel] = safe_torch_load(bytes(buf))
+                trees[rel] = safe_torch_load(buf)
             elif fmt == "raw":
                 trees[rel] = bytes(buf)
             elif fmt == "dcp":     # checked; the framework's own reader takes the items it needs from the file

@@ -8,6 +8,7 @@ with the path that holds it, instead of silently pickling code into a checkpoint
 from __future__ import annotations
 
 import base64
+import io
 import functools
 from typing import Any, Dict, Iterable, List, Tuple
 
@@ -354,12 +355,38 @@ def _allow(names: Iterable[str]) -> List[Any]:
     return allowed
 
 
-def safe_torch_load(data: bytes) -> Any:
+class _MemoryFile(io.RawIOBase):
+    """A read-only file over bytes already in memory, without copying them (torch.load reads records
+    out of it one by one)."""
+
+    def __init__(self, data: Any):
+        self._view, self._pos = memoryview(data).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def safe_torch_load(data: Any) -> Any:
     """torch.load with weights_only=True, allowing argparse.Namespace, Enum classes of the known
     frameworks and the few data classes in SAFE_CLASSES (their modules are imported from the installed
-    packages, never from the file)."""
-    import io
-
-    allowed = _allow(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+    packages, never from the file). ``data``: the file's bytes (any buffer; not copied)."""
+    allowed = _allow(torch.serialization.get_unsafe_globals_in_checkpoint(io.BufferedReader(_MemoryFile(data))))
     with torch.serialization.safe_globals(allowed):
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        return torch.load(io.BufferedReader(_MemoryFile(data)), weights_only=True, map_location="cpu")

@@ -1,0 +1,49 @@
+"""Whole-file reads at the disk's speed (storage/fastread.py): parallel O_DIRECT reads into one aligned
+buffer, checksummed in file order on the way. The bytes and the checksum equal a plain read's for files
+that are not a multiple of the block size, of one chunk and of several; a file shorter than its size
+says so; a file system that refuses O_DIRECT is read through the page cache."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from easyckpt.formats import manifest as mf
+from easyckpt.storage import fastread
+
+
+def opener(path):
+    return lambda extra: os.open(path, os.O_RDONLY | extra)
+
+
+@pytest.mark.parametrize("size", [10, fastread.SMALL + 123, 2 * fastread.CHUNK + 4097])
+def test_the_bytes_and_their_checksum_are_the_files(tmp_path, size):
+    path = tmp_path / "f.bin"
+    data = os.urandom(size)
+    path.write_bytes(data)
+    got = []
+    buf, digest = fastread.read_hashed(opener(str(path)), size, on_bytes=got.append)
+    assert bytes(buf) == data and digest == mf.checksum(data) and sum(got) == size
+
+
+def test_a_file_shorter_than_its_size_is_an_error(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(fastread.CHUNK + 10))
+    with pytest.raises(OSError, match="shrank"):
+        fastread.read_hashed(opener(str(path)), 2 * fastread.CHUNK, what="f.bin")
+
+
+def test_without_o_direct_the_page_cache_serves(tmp_path):
+    path = tmp_path / "f.bin"
+    data = os.urandom(fastread.SMALL * 2)
+    path.write_bytes(data)
+    flags = []
+
+    def refuse_direct(extra):
+        flags.append(extra)
+        if extra:
+            raise OSError(22, "Invalid argument")
+        return os.open(str(path), os.O_RDONLY)
+
+    buf, digest = fastread.read_hashed(refuse_direct, len(data))
+    assert bytes(buf) == data and digest == mf.checksum(data) and flags == [os.O_DIRECT, 0]
