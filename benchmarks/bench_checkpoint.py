@@ -57,6 +57,7 @@ from common import (  # noqa: E402
     median,
     nbytes_of,
     raw_copy,
+    raw_read_direct,
     raw_write,
     raw_write_direct,
     remove,
@@ -89,6 +90,8 @@ GOALS = [  # (key, text, test)
     ("step_overhead", "step-time overhead, default (mem 1, storage 10)", lambda v: v <= 0.03, "<= 3%"),
     ("storage_over_memory", "restore: storage / memory", lambda v: v >= 5, ">= 5"),
     ("first_over_steady", "first snapshot stall / steady (slots prepared)", lambda v: v <= 1.5, "<= 1.5"),
+    ("storage_over_direct_read", "restore: storage (cold) / raw O_DIRECT read", lambda v: v <= 1.2, "<= 1.2"),
+    ("storage_over_torch_load", "restore: storage (cold) / torch.load (cold)", lambda v: v <= 0.5, "<= 0.5"),
 ]
 
 
@@ -111,7 +114,8 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
     raw_copy(dsts, srcs)          # fault the destination in: the floor is a copy into warm memory
     out: Dict[str, Any] = {"state_bytes": nbytes, "tensors": len(srcs)}
     s: Dict[str, List[float]] = {k: [] for k in ("snapshot", "raw_copy", "persist", "raw_write", "raw_write_direct",
-                                                 "alloc_copy", "restore_memory", "restore_storage", "torch_load")}
+                                                 "alloc_copy", "restore_memory", "restore_storage", "torch_load",
+                                                 "raw_read_direct")}
     save_dir = os.path.join(work, f"ezck-{gb:g}")     # a job of its own per size
     engine = _engine(save_dir, save_dir + ".log")
     step = 0
@@ -152,7 +156,6 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
             if written:
                 s["raw_write_direct"].append(sec)
             remove(raw_path)
-        dbuf.close()
         needed = lambda man: [(MODEL, False), (OPTIM, False)]
         step_dir = os.path.join(save_dir, engine.cfg.naming.dir_name(step))
         torch_file = os.path.join(work, "state.pt")
@@ -172,6 +175,11 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
             evict(torch_file)
             warm_free_memory(pool)
             s["torch_load"].append(_timed_dropped(lambda: torch.load(torch_file, weights_only=True)))
+            # the limit: the step's files read back with O_DIRECT, no checksum, nothing kept
+            sec, got = timed(lambda: raw_read_direct(step_dir, dbuf))
+            if got:
+                s["raw_read_direct"].append(sec)
+        dbuf.close()
         remove(torch_file)
     finally:
         engine.finalize(persist=False)
@@ -321,7 +329,10 @@ def ratios(r: Dict[str, Any]) -> Dict[str, float]:
            "memory_over_fresh_copy": m["restore_memory"] / m["alloc_copy"],
            "persist_over_dcp_total": m["persist"] / dcp_total,
            "storage_over_memory": m["restore_storage"] / m["restore_memory"],
-           "first_over_steady": r["easyckpt"]["first_snapshot"] / m["snapshot"]}
+           "first_over_steady": r["easyckpt"]["first_snapshot"] / m["snapshot"],
+           "storage_over_torch_load": m["restore_storage"] / m["torch_load"]}
+    if m.get("raw_read_direct"):
+        out["storage_over_direct_read"] = m["restore_storage"] / m["raw_read_direct"]
     loop = r.get("loop")
     if loop:
         out["overlap_over_copy"] = loop["overlap"]["stall"] / loop["none"]["raw_copy"]
@@ -367,7 +378,9 @@ def rows_of(r: Dict[str, Any]) -> List[tuple]:
              ("persist", "DCP async_save until durable", median([x["total"] for x in dcp]), nb),
              ("restore", "easyckpt from memory", m["restore_memory"], nb),
              ("restore", "easyckpt from storage (verified)", m["restore_storage"], nb),
-             ("restore", "torch.load", m["torch_load"], nb)]
+             ("restore", "torch.load", m["torch_load"], nb)] + \
+        ([("restore", "raw O_DIRECT read of the step's files", m["raw_read_direct"], nb)]
+         if m.get("raw_read_direct") else [])
     return rows
 
 
