@@ -33,7 +33,7 @@ from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
-from easyckpt.trainer import adopt, shardload, snapshot, torchparts
+from easyckpt.trainer import adopt, estimate, shardload, snapshot, torchparts
 from easyckpt.trainer.dist import all_gather
 from easyckpt.trainer.peers import Remote
 from easyckpt.trainer.tree import safe_torch_load, unflatten
@@ -101,7 +101,7 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
         gathered = all_gather((err, source), world_size)
         verdicts = [v for v, _ in gathered]
         if all(v is None for v in verdicts):
-            nbytes = _nbytes(trees)
+            nbytes = estimate.tensor_bytes(trees)
             pulled = tuple(r for r, (_, where) in enumerate(gathered) if where == "peer")
             return Loaded(best_mem, source, None, trees, nbytes, time.perf_counter() - t0, from_peers=pulled)
         bad = "; ".join(f"rank {r}: {v}" for r, v in enumerate(verdicts) if v is not None)
@@ -240,38 +240,24 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[Any, ...]
         problems = stepfiles.check_sizes(step_dir, man, [rel])
         if problems:
             return None, problems[0], 0, man
-        if len(want) > 2 and callable(want[2]):
-            try:
-                tree, problem, n = torchparts.read(step_dir, rel, man, want[2], trees, on_bytes)
-            except ManifestError as exc:
-                return None, str(exc), 0, man
-            except OSError as exc:
-                return None, f"{rel}: unreadable ({exc})", 0, man
+        if len(want) > 2:
+            if callable(want[2]):   # a torch.save file: its pickle and the tensors ``pick`` chooses
+                read = lambda: torchparts.read(step_dir, rel, man, want[2], trees, on_bytes)  # noqa: E731
+            else:                   # these items only: the framework's reader takes them from the file
+                read = lambda: (None,) + stepfiles.read_items(step_dir, rel, man, want[2], on_bytes)  # noqa: E731
+            got, problem = _attempt(rel, read)
+            if problem is None:
+                tree, problem, n = got
             if problem:
                 return None, problem, 0, man
             trees[rel] = tree
             nbytes += n
             continue
-        if len(want) > 2:          # these items only: the framework's reader takes them from the file
-            try:
-                problem, n = stepfiles.read_items(step_dir, rel, man, want[2], on_bytes)
-            except ManifestError as exc:
-                return None, str(exc), 0, man
-            except OSError as exc:
-                return None, f"{rel}: unreadable ({exc})", 0, man
-            if problem:
-                return None, problem, 0, man
-            trees[rel] = None
-            nbytes += n
-            continue
         algo = man.get("checksum", mf.ALGO)
-        try:
-            buf, digest = stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes)
-        except ManifestError as exc:
-            return None, str(exc), 0, man
-        except OSError as exc:
-            return None, f"{rel}: unreadable ({exc})", 0, man
-        problem = mf.compare(rel, len(buf), lambda: digest, man["files"][rel], algo)
+        got, problem = _attempt(rel, lambda: stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes))
+        if problem is None:
+            buf, digest = got
+            problem = mf.compare(rel, len(buf), lambda: digest, man["files"][rel], algo)
         if problem:
             return None, problem, 0, man
         try:
@@ -291,12 +277,12 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[Any, ...]
     return trees, None, nbytes, man
 
 
-def _nbytes(tree: Any) -> int:
-    import torch
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(_nbytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_nbytes(v) for v in tree)
-    return 0
+def _attempt(rel: str, read: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
+    """(what ``read`` returned, None), or (None, the problem): a path that leaves the step, a file that
+    cannot be read. Either rejects the step."""
+    try:
+        return read(), None
+    except ManifestError as exc:
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"{rel}: unreadable ({exc})"
