@@ -6,6 +6,7 @@ import argparse
 import enum
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -80,6 +81,10 @@ def test_framework_enums_and_namespace_are_allowed_but_foreign_classes_are_not()
     buf = io.BytesIO()
     torch.save({"a": argparse.Namespace(x=1), "d": torch.float16}, buf)
     assert safe_torch_load(buf.getvalue())["a"].x == 1
+    # Megatron-LM's arguments hold args.exit_signal, a signal.Signals
+    buf = io.BytesIO()
+    torch.save({"args": argparse.Namespace(exit_signal=signal.SIGTERM)}, buf)
+    assert safe_torch_load(buf.getvalue())["args"].exit_signal is signal.SIGTERM
 
     buf = io.BytesIO()
     torch.save({"e": _Local.A}, buf)

@@ -326,6 +326,9 @@ def _allowed(name: str) -> Any:
 
     if name == "argparse.Namespace":
         return argparse.Namespace
+    if name == "signal.Signals":     # Megatron-LM's args.exit_signal: an IntEnum rebuilt from its number
+        import signal
+        return signal.Signals
     module, _, qual = name.rpartition(".")
     if not (module + ".").startswith(SAFE_MODULE_PREFIXES):
         return None
@@ -349,7 +352,8 @@ def _allow(names: Iterable[str]) -> List[Any]:
         obj = _allowed(name)
         if obj is None:
             raise CheckpointError(f"refusing to load: the file references {name}, which is not on easyckpt's "
-                                  f"allow-list (tensors, containers, argparse.Namespace, framework enums, "
+                                  f"allow-list (tensors, containers, argparse.Namespace, framework enums and "
+                                  f"signal.Signals, "
                                   f"DeepSpeed's loss scaler and fragment addresses, numpy arrays)")
         allowed.extend(obj if isinstance(obj, list) else [obj])
     return allowed
