@@ -47,3 +47,29 @@ def test_without_o_direct_the_page_cache_serves(tmp_path):
 
     buf, digest = fastread.read_hashed(refuse_direct, len(data))
     assert bytes(buf) == data and digest == mf.checksum(data) and flags == [os.O_DIRECT, 0]
+
+
+def test_a_read_that_stops_delivering_is_given_up_with_what_it_waited_for(tmp_path, monkeypatch):
+    """A hung file system (a network mount that stopped answering): the caller is not kept waiting for
+    ever; it hears which bytes of which file did not arrive. The stuck read is simulated by a chunk
+    reader that blocks until the test ends."""
+    import threading
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(2 * fastread.CHUNK))
+    release = threading.Event()
+    real = fastread._read_range
+
+    def stuck(fd, view, start, end, what, room=-1):
+        if start >= fastread.CHUNK:
+            release.wait(30)
+            return
+        real(fd, view, start, end, what, room)
+
+    monkeypatch.setattr(fastread, "_read_range", stuck)
+    monkeypatch.setattr(fastread, "STALL", 0.5)
+    try:
+        with pytest.raises(OSError, match=rf"f.bin: no data arrived for 0.5 s reading bytes {fastread.CHUNK}\.\."):
+            fastread.read_hashed(opener(str(path)), 2 * fastread.CHUNK, what="f.bin")
+    finally:
+        release.set()

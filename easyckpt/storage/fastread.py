@@ -20,6 +20,7 @@ from easyckpt.formats import manifest as mf
 CHUNK = 32 << 20          # bytes per read request: large enough for the device's full speed
 THREADS = 4               # requests in flight
 SMALL = 4 << 20           # below this, one plain read
+STALL = 300.0             # seconds a chunk may take before the read is given up (a hung network mount)
 _ALIGN = 4096             # O_DIRECT: offsets, lengths and the buffer's address on this boundary
 
 
@@ -75,7 +76,9 @@ def read_hashed(open_fd: Callable[[int], int], size: int, algo: str = mf.ALGO,
         for w in workers:
             w.start()
         for i in range(count):
-            done[i].wait()
+            if not done[i].wait(STALL):
+                errors.append(OSError(f"{what}: no data arrived for {STALL:g} s reading bytes "
+                                      f"{i * CHUNK}..{min(size, (i + 1) * CHUNK)} (a hung file system?)"))
             if errors:
                 break
             start = i * CHUNK
@@ -86,7 +89,7 @@ def read_hashed(open_fd: Callable[[int], int], size: int, algo: str = mf.ALGO,
         with lock:
             state["next"] = count        # the workers stop taking chunks
         for w in workers:
-            w.join()
+            w.join(STALL)      # a reader stuck in the kernel stays behind (a daemon); its fd is closed below
         os.close(fd)
     if errors:
         raise errors[0]

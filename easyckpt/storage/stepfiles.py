@@ -192,11 +192,12 @@ def read_verified(step_dir: str, rel: str, manifest: Dict[str, Any]) -> bytes:
     listed (ManifestError is a ValueError too: a path that leaves the step)."""
     if rel not in manifest["files"]:
         raise CheckpointError(f"{rel}: not in the manifest; refusing to read a file that is not part of the checkpoint")
-    data = bytes(read_entry(step_dir, rel))
-    problem = mf.check_bytes(rel, data, manifest)
+    algo = manifest.get("checksum", mf.ALGO)
+    data, digest = read_entry_hashed(step_dir, rel, algo)     # one pass: read and checksum together
+    problem = mf.compare(rel, len(data), lambda: digest, manifest["files"][rel], algo)
     if problem:
         raise CheckpointError(problem)
-    return data
+    return bytes(data)
 
 
 def verify_file(step_dir: str, rel: str, manifest: Dict[str, Any],
