@@ -144,6 +144,29 @@ class _Session:
         shards.append(ShardSpec(STATE, self._trainer_state_json(), persist=writer, fmt="raw"))
         return shards
 
+    def snapshot_bytes(self) -> int:
+        """About what the first snapshot holds (the slots are reserved ahead, trainer/estimate.py). The
+        Trainer creates its optimizer inside train(), after the resume point is chosen: without one
+        yet, an Adam-family ``args.optim`` counts two moments of every trainable parameter. Under
+        DeepSpeed the engine, and with it how ZeRO partitions the state, does not exist yet: no estimate
+        (the first snapshot allocates)."""
+        from easyckpt.trainer import estimate
+
+        dse = self.ds_engine
+        if dse is not None:
+            if not hasattr(dse, "zero_optimization"):      # still the bare model: train() wraps it later
+                return 0
+            return ds.snapshot_bytes(dse) + (0 if dse.zero_optimization_partition_weights()
+                                            else estimate.tensor_bytes(self._model_state()))
+        total = estimate.tensor_bytes(self._model_state())
+        opt = self.trainer.optimizer
+        if opt is not None:
+            return total + estimate.optimizer_bytes(opt)
+        if "adam" in str(getattr(self.args.optim, "value", self.args.optim)).lower():
+            total += sum(2 * p.numel() * p.element_size() + 4 for p in self.trainer.model.parameters()
+                         if p.requires_grad)
+        return total
+
     def info(self) -> Dict[str, Any]:
         state = self.trainer.state
         best = _step_of(state.best_model_checkpoint)

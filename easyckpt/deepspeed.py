@@ -41,6 +41,7 @@ from easyckpt.trainer.deepspeed_state import (
     restore_universal,
     same_layout,
 )
+from easyckpt.trainer.deepspeed_state import snapshot_bytes as ds_snapshot_bytes
 from easyckpt.trainer.load import Loaded
 from easyckpt.trainer.snapshot import ShardSpec
 
@@ -79,6 +80,10 @@ class DeepSpeedState:
         shards = native_shards(self.engine, NAMING.dir_name(step), client_state=self.client_state)
         shards.append(ShardSpec(_rng_file(self.ckpt.rank), {"iteration": step, "rng": rng.capture()}))
         return shards
+
+    def snapshot_bytes(self) -> int:
+        """About what the first snapshot holds (the slots are reserved ahead, trainer/estimate.py)."""
+        return ds_snapshot_bytes(self.engine)
 
     def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
         files = needed_files("", dp_rank(self.engine), dp_size(self.engine), manifest)

@@ -210,6 +210,24 @@ def events(log: Path) -> List[dict]:
     return [json.loads(l) for l in log.read_text().splitlines() if l.strip()] if log.exists() else []
 
 
+def assert_prepared(log: Path, nproc: int, estimated: bool = True) -> None:
+    """Each rank reserved its snapshot slots at its first load, for its adapter's estimate of the state
+    (the "prepare" event), and its first snapshot then fitted them: the estimate covers that snapshot's
+    bytes (within the slots' 1 MiB of metadata room) and is not far above it. ``estimated=False``: the
+    adapter could not estimate yet, and the event says so."""
+    evs = events(log)
+    for rank in range(nproc):
+        prep = next((e for e in evs if e["event"] == "prepare" and e.get("rank") == rank), None)
+        snap = next((e for e in evs if e["event"] == "snapshot" and e.get("rank") == rank), None)
+        assert prep is not None and snap is not None, f"rank {rank}: no prepare or no snapshot event in {log}"
+        assert evs.index(prep) < evs.index(snap), f"rank {rank}: the slots were prepared after the first snapshot"
+        if not estimated:
+            assert prep.get("skipped"), prep
+            continue
+        assert "skipped" not in prep, prep
+        assert snap["bytes"] - (1 << 20) <= prep["bytes"] <= 1.25 * snap["bytes"] + (1 << 20), (prep, snap)
+
+
 def shm_segments() -> List[str]:
     # EASYCKPT_SHM_DIR lets two test runs on one machine keep out of each other's segments
     return sorted(n for n in os.listdir(os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm")) if n.startswith("easyckpt-"))

@@ -20,6 +20,7 @@ from harness import (
     assert_losses_close,
     assert_console,
     assert_losses_equal,
+    assert_prepared,
     cli,
     cli_json,
     events,
@@ -80,6 +81,7 @@ def test_kill9_and_sigterm_resume_with_equal_losses_and_deepspeed_reads_the_chec
     resumed = starts(loss)[1:]
     assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at - 1, resumed
     assert any(e["event"] == "load" and e.get("source") == "memory" for e in events(log))
+    assert_prepared(log, 2)       # ZeRO's partitions and moments estimated before the first step
     assert_console(tmp_path, last, resumed, ckpt, "global_step{}".format, nproc=2)
     assert re.search(rf"^easyckpt: global_step{ITERS} committed \(", last.stdout + last.stderr, re.M), last.stderr
     wait_no_agent(ckpt)

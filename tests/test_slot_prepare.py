@@ -88,3 +88,32 @@ def test_load_checkpoint_reserves_the_slots_before_the_first_save(tmp_path):
     finally:
         easyckpt.finalize_easyckpt()
     wait_no_agent(tmp_path / "ckpt")
+
+
+def test_the_first_snapshot_takes_the_first_slot_while_the_second_is_still_being_prepared(monkeypatch):
+    """The first snapshot needs one slot: it does not wait for the second (fresh memory is slow to come by
+    on some machines, and the first iteration would pay for both). The next snapshot waits for it and
+    writes it, so the first snapshot is still in memory while the second is written."""
+    import threading
+
+    snap = Snapshotter(f"t{uuid.uuid4().hex[:10]}", 0, 1)
+    release, real = threading.Event(), shm.Slot.create_or_grow
+
+    def slow_second(path, size):
+        if path == snap.paths[1]:
+            assert release.wait(30), "the test never released the second slot"
+        return real(path, size)
+
+    monkeypatch.setattr(shm.Slot, "create_or_grow", staticmethod(slow_second))
+    try:
+        snap.prepare(4 << 18)
+        first = snap.snapshot(1, state(), persist=False)
+        assert first is not None and first.slot == 0
+        assert snap.slots[1] is None and not release.is_set()       # taken before the second was ready
+        release.set()
+        second = snap.snapshot(2, state(), persist=False)
+        assert second is not None and second.slot == 1 and snap.slots[1] is not None
+        assert snap.slots[0].read_header().step == 1 and snap.slots[1].read_header().step == 2
+    finally:
+        release.set()
+        snap.close(unlink=True)

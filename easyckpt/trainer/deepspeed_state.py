@@ -117,6 +117,29 @@ def native_shards(engine: Any, tag: str, prefix: str = "",
             for rel, tree in files.saved]
 
 
+def snapshot_bytes(engine: Any) -> int:
+    """About the tensor bytes of this rank's files of a save (what native_shards captures), without
+    making one: the module's state (ZeRO-3 saves placeholders instead) and the optimizer's. Under ZeRO,
+    the torch optimizer inside its wrapper steps fp32 partitions, which the optimizer-states file holds
+    next to that optimizer's state; the Adam moments its first step creates are counted before it."""
+    from easyckpt.trainer import estimate
+
+    stage = engine.zero_optimization_stage() if engine.zero_optimization() else 0
+    total = 0 if stage == 3 else estimate.tensor_bytes(engine.module.state_dict())
+    opt = engine.optimizer
+    if opt is None:
+        return total
+    basic = getattr(opt, "optimizer", opt)      # ZeRO's and the fp16/bf16 wrappers hold the torch optimizer
+    # ZeRO-3 hands its fp32 partitions to the torch optimizer only for the length of a step
+    flats = list(getattr(opt, "fp32_partitioned_groups_flat", None) or
+                 [p for g in basic.param_groups for p in g["params"]])
+    nbytes = [p.numel() * p.element_size() for p in flats]
+    state = sum(estimate.tensor_bytes(v) for v in basic.state.values())
+    if not state and any("betas" in g for g in basic.param_groups):   # Adam's moments, from its first step
+        state = sum(2 * n + 4 for n in nbytes)
+    return total + (sum(nbytes) if stage else 0) + state
+
+
 def _universal_info() -> Dict[str, Any]:
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_VERSION_KEY,

@@ -307,7 +307,9 @@ class Engine:
     def prepare(self, data_bytes: int) -> None:
         """Get both snapshot slots ready for about ``data_bytes`` of state while training starts (after
         the load), so that the first snapshot costs what a steady one does."""
-        self.snapshotter.prepare(data_bytes)
+        skipped = self.snapshotter.prepare(data_bytes)
+        # logged: the audit shows the estimate next to the first snapshot's bytes
+        self.log.emit("prepare", rank=self.rank, bytes=data_bytes, **({"skipped": skipped} if skipped else {}))
 
     def load(self, needed: Needed, layout: Optional[str] = None) -> Optional[Loaded]:
         self.settle()

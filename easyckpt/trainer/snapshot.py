@@ -105,7 +105,7 @@ class Snapshotter:
         self.generation = 0
         self._preparing: Optional[threading.Thread] = None
         self._prepared: List[Optional[shm.Slot]] = [None, None]
-        self.prepare_wait = 0.0       # what the first snapshot waited for the preparation (seconds)
+        self._ready = [threading.Event(), threading.Event()]    # set when the thread is done with slot i
         self.rescan()
 
     def rescan(self) -> None:
@@ -125,35 +125,43 @@ class Snapshotter:
         assert self.layout is not None
         return shm.slot_size(self.layout.data_bytes, meta_len)
 
-    def prepare(self, data_bytes: int) -> None:
+    def prepare(self, data_bytes: int) -> Optional[str]:
         """Reserve and map both slots for about ``data_bytes`` of tensors on a thread of their own
         (posix_fallocate and a populated mapping: system calls that release the GIL), so that the first
         snapshot finds them ready and waits only for what is left. Best effort: with no room in
-        /dev/shm for the estimate nothing is prepared, and the first snapshot's own check says so."""
-        if self._preparing is not None or data_bytes <= 0 or any(s is not None for s in self.slots):
-            return
+        /dev/shm for the estimate nothing is prepared, and the first snapshot's own check says so.
+        Returns why nothing is prepared, or None when the thread started."""
+        if self._preparing is not None or any(s is not None for s in self.slots):
+            return "the slots are already mapped"
+        if data_bytes <= 0:
+            return "no estimate of the state's size"
         size = shm.slot_size(data_bytes, 0)
         need = sum(max(0, size - _file_size(p)) for p in self.paths)
         if need and need + 2 * size * self.replica_copies > shm.free_bytes():
-            return
+            return f"{shm.SHM_DIR} has {human(shm.free_bytes())} free, the slots need {human(need)} more"
 
         def run() -> None:
-            for i, path in enumerate(self.paths):
-                try:
+            try:
+                for i, path in enumerate(self.paths):
                     self._prepared[i] = shm.Slot.create_or_grow(path, size) if _file_size(path) < size \
                         else shm.Slot(path, writable=True, populate=True)
-                except (OSError, EasyCkptError):
-                    return          # the first snapshot allocates, and reports, by itself
+                    self._ready[i].set()
+            except (OSError, EasyCkptError):
+                pass                # the first snapshot allocates, and reports, by itself
+            finally:
+                for ready in self._ready:
+                    ready.set()
 
+        for ready in self._ready:
+            ready.clear()
         self._preparing = threading.Thread(target=run, daemon=True, name="easyckpt-slots")
         self._preparing.start()
+        return None
 
     def wait_prepared(self) -> None:
         if self._preparing is None:
             return
-        t0 = time.perf_counter()
-        self._preparing.join()
-        self.prepare_wait = time.perf_counter() - t0
+        self._preparing.join()      # bounded: posix_fallocate and a populated mapping of a known size
         self._preparing = None
         for i, slot in enumerate(self._prepared):
             if slot is not None and self.slots[i] is None:
@@ -163,7 +171,17 @@ class Snapshotter:
         self._prepared = [None, None]
 
     def _ensure_slots(self, meta_len: int) -> None:
-        """Allocate (or grow) both slots before the first copy, after checking /dev/shm has room."""
+        """Allocate (or grow) both slots before the first copy, after checking /dev/shm has room.
+        The first snapshot needs one slot: while the preparation still works on the second, it takes
+        the first as soon as that one is ready (the second is waited for at the next snapshot). Fresh
+        memory is slow to hand out on some machines, and the first iteration pays for half of it."""
+        if self._preparing is not None and all(s is None for s in self.slots):
+            self._ready[0].wait()          # bounded: one fallocate and one populated mapping
+            first = self._prepared[0]
+            if first is not None and first.size >= shm.HEADER_BYTES + self.layout.data_bytes + meta_len:
+                self.slots[0], self._prepared[0] = first, None
+                if not self._ready[1].is_set():
+                    return
         self.wait_prepared()
         size = self._slot_size(meta_len)
         need = 0
@@ -206,6 +224,8 @@ class Snapshotter:
         best, best_step = None, None
         for i in (0, 1):
             slot = self.slots[i]
+            if slot is None:               # the second slot, still being prepared (the first snapshot)
+                continue
             hdr = slot.read_header()
             if slot.reserved(hdr):
                 continue
