@@ -15,12 +15,15 @@ readers re-check the generation after reading.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import mmap
 import os
 import re
 import stat
 import struct
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -150,6 +153,28 @@ def open_checked(path: str, flags: int) -> int:
     return fd
 
 
+_MADV_POPULATE_WRITE = 23      # linux/mman.h, since Linux 5.14
+
+
+def _populate_write(mm: mmap.mmap) -> bool:
+    """Fault every page of a shared writable mapping in for writing, in one pass of the kernel. Through
+    ctypes, which releases the GIL for the call (mmap.madvise holds it: seconds at a few GB). False where
+    the kernel refuses it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    buf = ctypes.c_char.from_buffer(mm)
+    try:
+        return _libc().madvise(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(len(mm)),
+                               _MADV_POPULATE_WRITE) == 0
+    finally:
+        del buf           # the buffer export, or mm.close() would refuse
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 class Slot:
     """One mapped slot file. Trainers open it read-write; the agent and loaders open it read-only.
     Whether a snapshot in it is complete is decided by slotread.py alone. Page-locking for CUDA is the
@@ -171,6 +196,14 @@ class Slot:
             self.mm = None
             return
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+        # a mapping we write: faulted in for writing, or the first copy into it write-faults every page
+        # again (measured: 0.48 s instead of 0.36 s for the first 4 GB copy); MAP_POPULATE maps shared
+        # pages for reading only, and stays the way where the kernel has no MADV_POPULATE_WRITE (< 5.14)
+        if populate and self.writable:
+            self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, prot)
+            if _populate_write(self.mm):
+                return
+            self.mm.close()
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self.mm = mmap.mmap(self.fd, self.size, flags, prot)
 
