@@ -44,7 +44,9 @@ from common import GB, median, settle_disk, warm_free_memory  # noqa: E402
 
 FIGURES = ("init", "load", "first_iteration", "first_save", "first_total", "second_save", "steady_save",
            "durable_blocking", "durable_no_fsync", "durable")
-GROWTH = ("first_save", "steady_save", "durable")       # the costs whose growth with the size is judged
+GROWTH = ("first_save", "first_total", "steady_save", "durable")   # the costs whose growth is judged
+CHARTED = {"first_total": "first iteration + first save", "steady_save": "steady save (stall)",
+           "durable": "save -> durable (fsync'd)"}
 RUN_TIMEOUT = 1800          # seconds for one launch (an 8 GB state persisted twice over on a slow disk)
 # what one rank holds at its peak, in units of its state: the state, its gradients (a third: the
 # parameters' size) and, for easyckpt, both snapshot slots; DLRover keeps one shared-memory copy
@@ -211,17 +213,20 @@ def chart(cells: List[Dict[str, Any]], path: str) -> Optional[str]:
     except ImportError:
         return "matplotlib is not installed (EXTRAS=all,test,bench bash scripts/bootstrap.sh): no chart"
     rank_counts = sorted({c["ranks"] for c in cells})
-    fig, axes = plt.subplots(1, len(GROWTH), figsize=(5 * len(GROWTH), 4.5))
-    for ax, key in zip(axes, GROWTH):
+    fig, axes = plt.subplots(1, len(CHARTED), figsize=(5 * len(CHARTED), 4.5))
+    sizes = sorted({c["gb"] for c in cells})
+    for ax, (key, title) in zip(axes, CHARTED.items()):
         for ranks in rank_counts:
             row = [c for c in cells if c["ranks"] == ranks]
             for fw, style in (("easyckpt", "-o"), ("dlrover", "--s")):
                 ax.plot([c["gb"] for c in row], [c[fw][key] for c in row], style, label=f"{fw}, {ranks} rank(s)")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(sizes, [f"{g:g}" for g in sizes])
+        ax.minorticks_off()
         ax.set_xlabel("state per rank, GB")
         ax.set_ylabel("seconds (slowest rank)")
-        ax.set_title(key.replace("_", " "))
+        ax.set_title(title)
         ax.legend(fontsize=7)
     fig.suptitle("easyckpt vs DLRover flash checkpoint (one run)")
     fig.tight_layout()
