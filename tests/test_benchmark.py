@@ -8,7 +8,8 @@ import ast
 import json
 import sys
 
-from harness import ROOT, run
+import pytest
+from harness import ROOT, run, wait_no_agent
 
 BENCH = ROOT / "benchmarks" / "bench_checkpoint.py"
 
@@ -38,3 +39,46 @@ def _goal_keys():
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "GOALS":
             return [elt.elts[0].value for elt in node.value.elts]
     raise AssertionError("no GOALS in the benchmark")
+
+
+PEER = ROOT / "benchmarks" / "bench_peer.py"
+WORKER = ROOT / "benchmarks" / "peer_worker.py"
+
+
+def test_the_head_to_head_worker_measures_easyckpt_on_two_ranks(tmp_path):
+    """easyckpt's side of bench_peer.py (DLRover's needs its own venv, which CI does not build): two ranks
+    under torchrun, each its own shard, every figure measured and the durable step committed."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+         "--framework", "easyckpt", "--gb", "0.01", "--dir", str(ckpt), "--out", str(out), "--saves", "2"],
+        timeout=300)
+    for rank in (0, 1):
+        fig = json.loads((out / f"easyckpt-rank{rank}.json").read_text())
+        assert fig["rank"] == rank and fig["world"] == 2 and len(fig["saves"]) == 2
+        assert 0 < fig["durable_blocking"] <= fig["durable"] and fig["first_save"] > 0 and fig["steady_save"] > 0
+        assert fig["first_total"] == fig["first_iteration"] + fig["first_save"]
+        assert 0.009e9 < fig["state_bytes"] < 0.011e9
+    step = ckpt / "step_00000004"          # 2 + saves: the durable one
+    names = set(p.name for p in step.iterdir())
+    assert {"model_rank00000.safetensors", "model_rank00001.safetensors", "optim_rank00001.safetensors"} <= names
+    wait_no_agent(ckpt)
+
+
+def test_the_head_to_head_without_dlrovers_venv_says_how_to_make_it(tmp_path):
+    proc = run([sys.executable, str(PEER), "--dlrover-python", str(tmp_path / "none" / "python")],
+               timeout=60, check=False)
+    assert proc.returncode == 2 and "bash benchmarks/setup_dlrover.sh" in proc.stderr, proc.stderr
+
+
+def test_the_head_to_head_judges_growth_per_gb_and_skips_what_does_not_fit():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_peer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cells = [{"ranks": 1, "gb": gb, "easyckpt": {"durable": sec}} for gb, sec in ((0.5, 9.0), (1, 1.0), (2, 2.0), (4, 5.2))]
+    per_gb, spread = bench_peer.growth(cells, 1, "easyckpt", "durable")
+    assert per_gb == pytest.approx([1.0, 1.0, 1.3]) and spread == pytest.approx(1.3)   # from 1 GB on
+    assert bench_peer.growth(cells, 2, "easyckpt", "durable") is None
+    assert bench_peer.needs(2, 4) > 2 * bench_peer.needs(1, 4) - 1 and bench_peer.needs(1, 8) > 24 * 10**9
