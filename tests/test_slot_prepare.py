@@ -38,10 +38,10 @@ def test_prepared_slots_are_the_ones_the_first_snapshot_writes(tmp_path):
 def test_a_state_larger_than_the_estimate_grows_the_prepared_slots(tmp_path):
     snap = Snapshotter(f"t{uuid.uuid4().hex[:10]}", 0, 1)
     try:
-        snap.prepare(1 << 10)
-        result = snap.snapshot(1, state(1 << 18), persist=False)      # 1 MiB
+        snap.prepare(1 << 10)       # its slots: 1 KiB of tensors and the 1 MiB of metadata room
+        result = snap.snapshot(1, state(1 << 20), persist=False)      # 4 MiB: more than either holds
         assert result is not None
-        assert all(os.path.getsize(p) >= shm.HEADER_BYTES + (1 << 20) for p in snap.paths)
+        assert all(os.path.getsize(p) >= shm.HEADER_BYTES + (4 << 20) for p in snap.paths)
     finally:
         snap.close(unlink=True)
 
