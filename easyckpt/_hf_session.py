@@ -152,19 +152,14 @@ class _Session:
         (the first snapshot allocates)."""
         from easyckpt.trainer import estimate
 
-        dse = self.ds_engine
-        if dse is not None:
-            if not hasattr(dse, "zero_optimization"):      # still the bare model: train() wraps it later
-                return 0
-            return ds.snapshot_bytes(dse) + (0 if dse.zero_optimization_partition_weights()
-                                            else estimate.tensor_bytes(self._model_state()))
+        if self.trainer.is_deepspeed_enabled:
+            return 0
         total = estimate.tensor_bytes(self._model_state())
         opt = self.trainer.optimizer
         if opt is not None:
             return total + estimate.optimizer_bytes(opt)
         if "adam" in str(getattr(self.args.optim, "value", self.args.optim)).lower():
-            total += sum(2 * p.numel() * p.element_size() + 4 for p in self.trainer.model.parameters()
-                         if p.requires_grad)
+            total += estimate.adam_moments(p for p in self.trainer.model.parameters() if p.requires_grad)
         return total
 
     def info(self) -> Dict[str, Any]:

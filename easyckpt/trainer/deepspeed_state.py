@@ -133,11 +133,10 @@ def snapshot_bytes(engine: Any) -> int:
     # ZeRO-3 hands its fp32 partitions to the torch optimizer only for the length of a step
     flats = list(getattr(opt, "fp32_partitioned_groups_flat", None) or
                  [p for g in basic.param_groups for p in g["params"]])
-    nbytes = [p.numel() * p.element_size() for p in flats]
     state = sum(estimate.tensor_bytes(v) for v in basic.state.values())
     if not state and any("betas" in g for g in basic.param_groups):   # Adam's moments, from its first step
-        state = sum(2 * n + 4 for n in nbytes)
-    return total + (sum(nbytes) if stage else 0) + state
+        state = estimate.adam_moments(flats)
+    return total + (estimate.tensor_bytes(flats) if stage else 0) + state
 
 
 def _universal_info() -> Dict[str, Any]:

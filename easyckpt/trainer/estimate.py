@@ -21,6 +21,12 @@ def tensor_bytes(tree: Any) -> int:
     return 0
 
 
+def adam_moments(params: Any) -> int:
+    """What an Adam-family first step adds for ``params``: two moments of each one's shape and dtype, and
+    a 4-byte step."""
+    return sum(2 * p.numel() * p.element_size() + 4 for p in params)
+
+
 def optimizer_bytes(opt: Any) -> int:
     """A torch optimizer's state now, plus what its first step adds (Adam, AdamW: two moments of each
     parameter's shape and dtype, and a step)."""
@@ -30,9 +36,7 @@ def optimizer_bytes(opt: Any) -> int:
         return 0
     total = sum(tensor_bytes(v) for v in state.values())
     for group in groups:
-        if "betas" not in group:
-            continue
-        for p in group.get("params", ()):
-            if isinstance(p, torch.Tensor) and not state.get(p):
-                total += 2 * p.numel() * p.element_size() + 4
+        if "betas" in group:
+            total += adam_moments(p for p in group.get("params", ())
+                                  if isinstance(p, torch.Tensor) and not state.get(p))
     return total
