@@ -22,7 +22,7 @@ durable     from the save call until the step is on disk and fsynced: easyckpt's
 It prints the ratios of the issue's goals with PASS/MISS, each cost in seconds per GB across the sizes
 (its growth), writes peer.json and, with matplotlib, peer.png (--out). Temporary files go under --dir
 and are removed; DLRover's own leftovers (its /dev/shm segments, /tmp/ckpt_sock/<job>, /tmp/dlrover)
-are removed when they were not there before the run.
+are removed when they appeared during its run.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def launch(framework: str, ranks: int, gb: float, args: argparse.Namespace, work
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     settle_disk()
     warm_free_memory(min(needs(ranks, gb), mem_available() // 2))
-    before = _leftovers()
+    before = _dlrover_leftovers()
     log = os.path.join(work, f"{framework}-{ranks}x{gb:g}.log")
     try:
         with open(log, "w") as f:
@@ -96,7 +96,8 @@ def launch(framework: str, ranks: int, gb: float, args: argparse.Namespace, work
     except subprocess.TimeoutExpired:
         raise SystemExit(f"bench_peer: {framework} at {ranks} x {gb:g} GB ran past {RUN_TIMEOUT} s; log: {_tail(log)}")
     finally:
-        _clean(before)
+        if framework == "dlrover":      # easyckpt cleans up after itself: a leftover of its would be a bug
+            _clean(before)
         shutil.rmtree(save_dir, ignore_errors=True)
     if proc.returncode != 0:
         raise SystemExit(f"bench_peer: {framework} at {ranks} x {gb:g} GB failed (exit {proc.returncode}):\n{_tail(log)}")
@@ -114,17 +115,19 @@ def _tail(path: str, n: int = 30) -> str:
         return "".join(f.readlines()[-n:])
 
 
-def _leftovers() -> set:
-    """What DLRover may leave behind (its shared memory, socket and event directories), before a run."""
-    found = {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm")}
+def _dlrover_leftovers() -> set:
+    """What DLRover leaves behind, by its own naming: its shared-memory segments (``<job>_ckpt_shm_<n>``)
+    and its hard-coded socket and event directories. Only what appears during a DLRover run is removed
+    after it: another job's files on this machine are never touched."""
+    found = {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if "_ckpt_shm_" in n}
     for d in ("/tmp/ckpt_sock", "/tmp/dlrover"):
-        if os.path.exists(d):
+        if os.path.isdir(d) and not os.path.islink(d):
             found |= {d} | {os.path.join(d, n) for n in os.listdir(d)}
     return found
 
 
 def _clean(before: set) -> None:
-    for path in sorted(_leftovers() - before, key=len, reverse=True):
+    for path in sorted(_dlrover_leftovers() - before, key=len, reverse=True):
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
