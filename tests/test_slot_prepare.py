@@ -117,3 +117,49 @@ def test_the_first_snapshot_takes_the_first_slot_while_the_second_is_still_being
     finally:
         release.set()
         snap.close(unlink=True)
+
+
+def _resident_bytes(path: str) -> int:
+    """Bytes of this process's mappings of ``path`` that are in its page tables (/proc/self/smaps Rss)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:          # a mapping's first line: range, perms, ..., path
+                inside = len(head) >= 6 and head[5] == path
+            elif inside and head[0] == "Rss:":
+                rss += int(head[1]) * 1024
+    return rss
+
+
+def test_a_slot_is_faulted_in_piece_by_piece_to_its_last_page(monkeypatch):
+    """Populated in POPULATE_CHUNK pieces (one call over a whole slot held the mmap lock through it and
+    stalled the training thread's allocations); every page is mapped, the last, partial piece included."""
+    if not shm.sys.platform.startswith("linux") or not os.path.exists("/proc/self/smaps"):
+        import pytest
+        pytest.skip("needs Linux's /proc/self/smaps to see which pages are mapped")
+    calls = []
+    libc = shm._libc()
+
+    class Counting:
+        def madvise(self, addr, length, advice):
+            rc = libc.madvise(addr, length, advice)
+            calls.append((length.value, rc))
+            return rc
+
+    monkeypatch.setattr(shm, "POPULATE_CHUNK", 64 << 10)
+    monkeypatch.setattr(shm, "_libc", lambda: Counting())
+    path = f"/dev/shm/easyckpt-t{uuid.uuid4().hex[:10]}-piecewise"
+    size = (1 << 20) + 3 * 4096 + 100                 # not a whole number of pieces, nor of pages
+    slot = shm.Slot.create_or_grow(path, size)
+    try:
+        if not calls or calls[0][1] != 0:
+            import pytest
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (before Linux 5.14): MAP_POPULATE maps the slot")
+        assert slot.size == size
+        lengths = [n for n, _ in calls]
+        assert sum(lengths) == size and max(lengths) == 64 << 10 and len(lengths) == -(-size // (64 << 10))
+        assert _resident_bytes(path) == -(-size // 4096) * 4096
+    finally:
+        slot.close()
+        os.unlink(path)
