@@ -7,6 +7,13 @@ checksums the chunks in file order as they arrive (xxh3 and the reads release th
 costs no pass of its own. The caller gets the bytes (tensors are then views into them: no further copy)
 and their checksum. Where O_DIRECT is refused (tmpfs, some network file systems) the same reads go
 through the page cache.
+
+Why not straight into the model's own tensors. O_DIRECT needs the memory address block-aligned, and
+torch's CPU allocator places a tensor 64 bytes past a page boundary, so reading into a parameter would
+mean the page cache (a copy anyway) or a bounce buffer (a copy). The optimizer's state adopts the
+views into this buffer as they are (``Optimizer.load_state_dict`` casts to the parameter's dtype and
+device, a no-op here), so only the model's parameters are copied once, by ``load_state_dict``:
+0.06-0.17 s of a 1.4-1.5 s restore of a 2 GB Adam state from a cold cache, measured on the test VM.
 """
 from __future__ import annotations
 
