@@ -244,7 +244,7 @@ class Slot:
                         f"({exc.strerror}); {shm_advice()}") from exc
         finally:
             os.close(fd)
-        # the new pages mapped in one pass of the kernel (MAP_POPULATE; the GIL is released meanwhile): the
+        # the new pages faulted in now, for writing (_populate_write; the GIL is released meanwhile): the
         # first copy into unmapped shm runs ~5x slower than into mapped memory
         slot = cls(path, writable=True, populate=touch and current < size)
         if current == 0:   # a fresh slot names its owner at once, so no one mistakes it for a leftover
