@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import uuid
 
+import pytest
 import torch
 from harness import wait_no_agent
 
@@ -136,7 +137,6 @@ def test_a_slot_is_faulted_in_piece_by_piece_to_its_last_page(monkeypatch):
     """Populated in POPULATE_CHUNK pieces (one call over a whole slot held the mmap lock through it and
     stalled the training thread's allocations); every page is mapped, the last, partial piece included."""
     if not shm.sys.platform.startswith("linux") or not os.path.exists("/proc/self/smaps"):
-        import pytest
         pytest.skip("needs Linux's /proc/self/smaps to see which pages are mapped")
     calls = []
     libc = shm._libc()
@@ -154,7 +154,6 @@ def test_a_slot_is_faulted_in_piece_by_piece_to_its_last_page(monkeypatch):
     slot = shm.Slot.create_or_grow(path, size)
     try:
         if not calls or calls[0][1] != 0:
-            import pytest
             pytest.skip("this kernel has no MADV_POPULATE_WRITE (before Linux 5.14): MAP_POPULATE maps the slot")
         assert slot.size == size
         lengths = [n for n, _ in calls]
