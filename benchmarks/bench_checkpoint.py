@@ -39,7 +39,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -113,21 +113,24 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
     dsts = [torch.empty_like(t) for t in srcs]
     raw_copy(dsts, srcs)          # fault the destination in: the floor is a copy into warm memory
     out: Dict[str, Any] = {"state_bytes": nbytes, "tensors": len(srcs)}
-    s: Dict[str, List[float]] = {k: [] for k in ("snapshot", "raw_copy", "persist", "raw_write", "raw_write_direct",
+    s: Dict[str, List[float]] = {k: [] for k in ("prepare", "first_snapshot", "snapshot", "raw_copy",
+                                                 "persist", "raw_write", "raw_write_direct",
                                                  "alloc_copy", "restore_memory", "restore_storage", "torch_load",
                                                  "raw_read_direct")}
+    # the first snapshot of a job, once per repeat, each in a job of its own (one sample swung 1.1-2.4x
+    # the steady stall between runs)
+    for rep in range(repeats):
+        prep, first = _first_snapshot(os.path.join(work, f"ezck-{gb:g}-first{rep}"), nbytes, shards)
+        s["prepare"].append(prep)
+        s["first_snapshot"].append(first)
     save_dir = os.path.join(work, f"ezck-{gb:g}")     # a job of its own per size
     engine = _engine(save_dir, save_dir + ".log")
     step = 0
     try:
         step += 1
-        # what load_checkpoint does: both slots reserved and mapped on a thread while the first iterations
-        # run (their time, off the training thread); then the first snapshot
-        t0 = time.perf_counter()
         engine.prepare(nbytes)
-        engine.snapshotter.wait_prepared()
-        out["prepare"] = time.perf_counter() - t0
-        out["first_snapshot"] = timed(lambda: engine.maybe_save(step, shards))[0]
+        engine.maybe_save(step, shards)
+        engine.snapshotter.wait_prepared()    # the second slot: the steady snapshots below alternate both
         for rep in range(repeats):
             for pair in range(3):   # (snapshot, raw copy) pairs, alternating which goes first
                 step += 1
@@ -138,7 +141,7 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
                 s["snapshot"].append(sec)
                 if not pair % 2:
                     s["raw_copy"].append(timed(lambda: raw_copy(dsts, srcs))[0])
-        del dsts      # the copy floor's buffer: 4 GB states need the room for the disk phase
+        dsts.clear()      # the copy floor's buffer: 4 GB states need the room for the disk phase
         gc.collect()
         dbuf = direct_buffer()
         for rep in range(repeats):
@@ -190,6 +193,25 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
     out["samples"] = s
     out["median"] = {k: median(v) for k, v in s.items() if v}
     return out
+
+
+def _first_snapshot(save_dir: str, nbytes: int, shards: Callable[[], List[ShardSpec]]) -> Tuple[float, float]:
+    """What load_checkpoint does, then the first snapshot: both slots reserved and mapped on a thread while
+    the first iterations run (their time, off the training thread). Returns (preparation, first snapshot)
+    seconds; the job's slots and files are gone afterwards."""
+    engine = _engine(save_dir, save_dir + ".log")
+    try:
+        t0 = time.perf_counter()
+        engine.prepare(nbytes)
+        engine.snapshotter.wait_prepared()
+        prep = time.perf_counter() - t0
+        first = timed(lambda: engine.maybe_save(1, shards))[0]
+    finally:
+        engine.finalize(persist=False)
+        shutil.rmtree(save_dir, ignore_errors=True)
+        remove(save_dir + ".log")
+    gc.collect()
+    return prep, first
 
 
 def _timed_dropped(fn: Callable[[], Any]) -> float:
@@ -329,7 +351,7 @@ def ratios(r: Dict[str, Any]) -> Dict[str, float]:
            "memory_over_fresh_copy": m["restore_memory"] / m["alloc_copy"],
            "persist_over_dcp_total": m["persist"] / dcp_total,
            "storage_over_memory": m["restore_storage"] / m["restore_memory"],
-           "first_over_steady": r["easyckpt"]["first_snapshot"] / m["snapshot"],
+           "first_over_steady": m["first_snapshot"] / m["snapshot"],
            "storage_over_torch_load": m["restore_storage"] / m["torch_load"]}
     if m.get("raw_read_direct"):
         out["storage_over_direct_read"] = m["restore_storage"] / m["raw_read_direct"]
@@ -390,8 +412,8 @@ def print_report(results: List[Dict[str, Any]], repeats: int) -> None:
     for r in results:
         e = r["easyckpt"]
         print(f"\n== state {e['state_bytes'] / GB:.3f} GB, {e['tensors']} tensors "
-              f"(slots prepared off the training thread in {e['prepare']:.3f} s; first snapshot "
-              f"{e['first_snapshot']:.3f} s)")
+              f"(slots prepared off the training thread in {e['median']['prepare']:.3f} s; first snapshot "
+              f"{e['median']['first_snapshot']:.3f} s; medians of {len(e['samples']['first_snapshot'])} jobs)")
         print(f"{'':9}{'measurement':<42}{'seconds':>10}{'GB/s':>9}")
         for group, name, sec, nb in rows_of(r):
             bw = f"{nb / sec / GB:9.2f}" if nb else f"{'':>9}"
