@@ -204,6 +204,12 @@ def report(cells: List[Dict[str, Any]], skipped: List[str], args: argparse.Names
                 per_gb, spread = g
                 print(f"  {ranks} rank(s) {fw:<9}{key:<13}" + " ".join(f"{v:8.4f}" for v in per_gb)
                       + f"   {spread:5.2f}x {'PASS' if spread <= 1.3 else 'MISS'}")
+    for c in cells:
+        for fw in ("easyckpt", "dlrover"):
+            steps = sorted({st for run in c["runs"][fw] for r in run["ranks"] for st in r.get("skipped", [])})
+            if steps:      # not in steady_save: a snapshot skipped while the second slot was prepared
+                print(f"{c['ranks']} x {c['gb']:g} GB: {fw} skipped the memory save of step(s) "
+                      f"{', '.join(map(str, steps))} (second slot still being prepared)")
     for s in skipped:
         print(f"not measured: {s}")
 
@@ -242,7 +248,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--sizes", default="0.25,0.5,1,2,4,8", help="GB of state per rank, comma-separated")
     p.add_argument("--ranks", default="1,2", help="ranks on the node, comma-separated")
     p.add_argument("--rounds", type=int, default=1, help="launches per library and cell (medians)")
-    p.add_argument("--saves", type=int, default=3, help="steady saves per launch")
+    p.add_argument("--saves", type=int, default=5, help="saves to memory per launch after the first")
     p.add_argument("--dlrover-python", default=os.path.join(ROOT, ".venv-dlrover", "bin", "python"),
                    help="the python of DLRover's venv (benchmarks/setup_dlrover.sh makes .venv-dlrover)")
     p.add_argument("--dir", default=None, help="where temporary files go (default: the system's temp dir)")

@@ -93,9 +93,12 @@ def test_load_checkpoint_reserves_the_slots_before_the_first_save(tmp_path):
 
 def test_the_first_snapshot_takes_the_first_slot_while_the_second_is_still_being_prepared(monkeypatch):
     """The first snapshot needs one slot: it does not wait for the second (fresh memory is slow to come by
-    on some machines, and the first iteration would pay for both). The next snapshot waits for it and
-    writes it, so the first snapshot is still in memory while the second is written."""
+    on some machines, and the first iteration would pay for both). A later snapshot for memory alone waits
+    a little for the second slot, then is skipped, saying why, and the first slot keeps step 1; one to be
+    persisted waits for the second slot and writes it, so step 1 is still in memory while it is written."""
     import threading
+
+    from easyckpt.trainer import snapshot as snapshot_mod
 
     snap = Snapshotter(f"t{uuid.uuid4().hex[:10]}", 0, 1)
     release, real = threading.Event(), shm.Slot.create_or_grow
@@ -106,18 +109,59 @@ def test_the_first_snapshot_takes_the_first_slot_while_the_second_is_still_being
         return real(path, size)
 
     monkeypatch.setattr(shm.Slot, "create_or_grow", staticmethod(slow_second))
+    monkeypatch.setattr(snapshot_mod, "SECOND_SLOT_WAIT", 0.05)
     try:
         snap.prepare(4 << 18)
         first = snap.snapshot(1, state(), persist=False)
-        assert first is not None and first.slot == 0
+        assert first is not None and first.slot == 0 and snap.skipped is None
         assert snap.slots[1] is None and not release.is_set()       # taken before the second was ready
-        release.set()
-        second = snap.snapshot(2, state(), persist=False)
-        assert second is not None and second.slot == 1 and snap.slots[1] is not None
-        assert snap.slots[0].read_header().step == 1 and snap.slots[1].read_header().step == 2
+        assert snap.snapshot(2, state(), persist=False) is None     # memory only: skipped, not waited for
+        assert "second snapshot slot is still being prepared" in snap.skipped
+        assert snap.slots[1] is None and snap.slots[0].read_header().step == 1
+        threading.Timer(0.2, release.set).start()
+        third = snap.snapshot(3, state(), persist=True)             # to be persisted: waits for the slot
+        assert release.is_set() and snap.skipped is None
+        assert third is not None and third.slot == 1 and snap.slots[1] is not None
+        assert snap.slots[0].read_header().step == 1 and snap.slots[1].read_header().step == 3
+        assert snap.snapshot(4, state(), persist=False).slot == 0    # both ready: alternating again
     finally:
         release.set()
         snap.close(unlink=True)
+
+
+def test_a_skipped_snapshot_is_logged_with_its_reason(tmp_path, monkeypatch):
+    """The engine's log says which snapshot was skipped and why (the second slot, not storage)."""
+    import json
+    import threading
+
+    from easyckpt.config import Config
+    from easyckpt.trainer import snapshot as snapshot_mod
+    from easyckpt.trainer.session import Engine
+
+    release, real = threading.Event(), shm.Slot.create_or_grow
+    monkeypatch.setattr(snapshot_mod, "SECOND_SLOT_WAIT", 0.05)
+    log = tmp_path / "audit.jsonl"
+    engine = Engine(Config(save_dir=str(tmp_path / "ckpt"), save_mem_interval=1, save_storage_interval=100,
+                           log_file_path=str(log), autocheckpoint_on_sigterm=False, agent_idle_timeout=1))
+
+    def slow_second(path, size):
+        if path == engine.snapshotter.paths[1]:
+            assert release.wait(30), "the test never released the second slot"
+        return real(path, size)
+
+    monkeypatch.setattr(shm.Slot, "create_or_grow", staticmethod(slow_second))
+    try:
+        engine.prepare(4 << 18)
+        assert engine.maybe_save(1, state).step == 1
+        assert engine.maybe_save(2, state) is None
+        release.set()
+    finally:
+        release.set()
+        engine.finalize(persist=False)
+    wait_no_agent(tmp_path / "ckpt")
+    skips = [e for e in map(json.loads, log.read_text().splitlines()) if e.get("event") == "skip"]
+    assert [(e["step"], e["behind"]) for e in skips] == [(2, 1)], skips
+    assert "second snapshot slot is still being prepared" in skips[0]["message"], skips
 
 
 def _resident_bytes(path: str) -> int:

@@ -128,7 +128,7 @@ class Engine:
         defer = self.watch.deferrable() if overlap else None
         shards = collect()
         result = self.snapshotter.snapshot(step, shards, persist, info, defer)
-        if result is None and not self.client.alive():
+        if result is None and self.snapshotter.skipped is None and not self.client.alive():
             # both slots reserved by an agent that died: a new agent releases them (promise 10)
             self.client.reattach("both snapshot slots stay reserved by it")
             result = self.snapshotter.snapshot(step, shards, persist, info, defer)
@@ -139,11 +139,12 @@ class Engine:
             return None
         if result is None:
             behind = step - (self.last_complete_step if self.last_complete_step is not None else 0)
+            why = self.snapshotter.skipped or (f"both snapshot slots are still being persisted (storage is slower "
+                                               f"than save_storage_interval={self.cfg.save_storage_interval})")
             self.log.emit("skip", step=step, rank=self.rank, behind=behind,
-                          message=f"rank {self.rank}: snapshot of step {step} skipped: both snapshot slots are still "
-                                  f"being persisted (storage is slower than save_storage_interval="
-                                  f"{self.cfg.save_storage_interval}); a crash now would lose {behind} iterations on "
-                                  f"this rank, more than save_mem_interval={self.cfg.save_mem_interval}")
+                          message=f"rank {self.rank}: snapshot of step {step} skipped: {why}; a crash now would lose "
+                                  f"{behind} iterations on this rank, more than save_mem_interval="
+                                  f"{self.cfg.save_mem_interval}")
             return None
         self._snapshot_done(result, persist)
         return result
