@@ -130,7 +130,7 @@ def test_only_optimizer_owned_tensors_are_deferred():
 
 def test_auto_overlap_only_when_a_core_is_free(tmp_path):
     """snapshot_overlap=None: on a CPU box whose cores all compute, the copy stays synchronous (a copy
-    thread would slow every step more); the decision and its reason are in the audit log."""
+    thread would compete with the training for cores); the decision and its reason are in the audit log."""
     log = tmp_path / "audit.log"
     run(train_cmd(tmp_path / "ckpt", 2, "--iters", "2", "--log-file", str(log)))
     wait_no_agent(tmp_path / "ckpt")
