@@ -27,7 +27,7 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 from easyckpt.errors import ShmCapacityError, UntrustedFileError
 from easyckpt.units import human
@@ -154,12 +154,13 @@ def open_checked(path: str, flags: int) -> int:
 
 
 _MADV_POPULATE_WRITE = 23      # linux/mman.h, since Linux 5.14
-POPULATE_CHUNK = 64 << 20      # bytes faulted in per call (_populate_write says why)
+POPULATE_CHUNK = 64 << 20      # bytes faulted in per call (populate_write says why)
 
 
-def _populate_write(mm: mmap.mmap) -> bool:
-    """Fault every page of a shared writable mapping in for writing. Through ctypes, which releases the
-    GIL for the call (mmap.madvise holds it: seconds at a few GB). False where the kernel refuses it.
+def populate_write(mm: mmap.mmap, stop: Optional[Callable[[], bool]] = None) -> bool:
+    """Fault every page of a writable mapping (a slot, or a restore's read buffer) in for writing, front
+    to back. Through ctypes, which releases the GIL for the call (mmap.madvise holds it: seconds at a few
+    GB). False where the kernel refuses it. ``stop``: asked between pieces; True ends the walk early.
 
     In POPULATE_CHUNK pieces: the kernel holds the process's mmap lock for reading through one call, so
     one call over a whole slot made the training thread's every mmap/munmap (a new tensor, a freed one)
@@ -171,6 +172,8 @@ def _populate_write(mm: mmap.mmap) -> bool:
     try:
         base, size = ctypes.addressof(buf), len(mm)
         for off in range(0, size, POPULATE_CHUNK):
+            if stop is not None and stop():
+                return True
             if _libc().madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(min(POPULATE_CHUNK, size - off)),
                                _MADV_POPULATE_WRITE) != 0:
                 return False
@@ -210,7 +213,7 @@ class Slot:
         # pages for reading only, and stays the way where the kernel has no MADV_POPULATE_WRITE (< 5.14)
         if populate and self.writable:
             self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, prot)
-            if _populate_write(self.mm):
+            if populate_write(self.mm):
                 return
             self.mm.close()
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
@@ -244,7 +247,7 @@ class Slot:
                         f"({exc.strerror}); {shm_advice()}") from exc
         finally:
             os.close(fd)
-        # the new pages faulted in now, for writing (_populate_write; the GIL is released meanwhile): the
+        # the new pages faulted in now, for writing (populate_write; the GIL is released meanwhile): the
         # first copy into unmapped shm runs ~5x slower than into mapped memory
         slot = cls(path, writable=True, populate=touch and current < size)
         if current == 0:   # a fresh slot names its owner at once, so no one mistakes it for a leftover

@@ -1,10 +1,14 @@
 """Reading a whole checkpoint file at the disk's speed: a restore from storage is what every rank of a
 restarted job waits for.
 
-Large files are read around the page cache (O_DIRECT, where the file system allows it) by a few threads
-at once, in large aligned requests, into one page-aligned anonymous mapping; the calling thread
+Large files are read around the page cache (O_DIRECT, where the file system allows it) by several
+threads at once, in large aligned requests, into one page-aligned anonymous mapping; the calling thread
 checksums the chunks in file order as they arrive (xxh3 and the reads release the GIL), so the checksum
-costs no pass of its own. The caller gets the bytes (tensors are then views into them: no further copy)
+costs no pass of its own. A thread faults the mapping in ahead of the readers: a read into memory not
+yet faulted in first faults every page of its request in the kernel, and no request is in flight
+meanwhile. Measured on a 4 GB file from a cold cache, nine reads each (the test VM, medians): 3.07 s
+with four readers, 2.68 s with eight, 2.64 s with four and the fault-ahead thread, 2.22 s with eight
+and the thread; into memory faulted in beforehand, 1.9-2.4 s. The caller gets the bytes (tensors are then views into them: no further copy)
 and their checksum. Where O_DIRECT is refused (tmpfs, some network file systems) the same reads go
 through the page cache.
 
@@ -23,9 +27,10 @@ import threading
 from typing import Callable, List, Optional, Tuple
 
 from easyckpt.formats import manifest as mf
+from easyckpt.formats import shm
 
 CHUNK = 32 << 20          # bytes per read request: large enough for the device's full speed
-THREADS = 4               # requests in flight
+THREADS = 8               # requests in flight (more keep the device busy while a reader faults pages in)
 SMALL = 4 << 20           # below this, one plain read
 STALL = 300.0             # seconds a chunk may take before the read is given up (a hung network mount)
 _ALIGN = 4096             # O_DIRECT: offsets, lengths and the buffer's address on this boundary
@@ -55,6 +60,10 @@ def read_hashed(open_fd: Callable[[int], int], size: int, algo: str = mf.ALGO,
         flags, fd = 0, open_fd(0)          # the file system refuses O_DIRECT
     room = -(-size // _ALIGN) * _ALIGN
     mem = mmap.mmap(-1, room)             # page-aligned, as O_DIRECT wants
+    finished = threading.Event()
+    ahead = threading.Thread(target=shm.populate_write, args=(mem, finished.is_set), daemon=True,
+                             name="easyckpt-fault-ahead")
+    ahead.start()
     view = memoryview(mem)
     count = -(-size // CHUNK)
     done = [threading.Event() for _ in range(count)]
@@ -97,6 +106,8 @@ def read_hashed(open_fd: Callable[[int], int], size: int, algo: str = mf.ALGO,
             state["next"] = count        # the workers stop taking chunks
         for w in workers:
             w.join(STALL)      # a reader stuck in the kernel stays behind (a daemon); its fd is closed below
+        finished.set()
+        ahead.join(STALL)      # it holds the mapping (a buffer export) until it returns: at most one more piece
         os.close(fd)
     if errors:
         raise errors[0]
