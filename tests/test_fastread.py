@@ -26,6 +26,31 @@ def test_the_bytes_and_their_checksum_are_the_files(tmp_path, size):
     assert bytes(buf) == data and digest == mf.checksum(data) and sum(got) == size
 
 
+def test_the_read_buffer_is_faulted_in_ahead_and_the_thread_ends_with_the_read(tmp_path, monkeypatch):
+    """A thread faults the buffer in ahead of the readers (a read into memory not yet faulted in first
+    faults its whole request in the kernel, with nothing in flight meanwhile): it is given the whole
+    buffer, and it has ended when the read returns (it holds the mapping while it runs)."""
+    import threading
+
+    from easyckpt.formats import shm
+
+    walked, real = [], shm.populate_write
+
+    def recording(mm, stop=None):
+        walked.append(len(mm))
+        return real(mm, stop)
+
+    monkeypatch.setattr(shm, "populate_write", recording)
+    size = 2 * fastread.CHUNK + 4097
+    data = os.urandom(size)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    buf, digest = fastread.read_hashed(opener(str(path)), size)
+    assert bytes(buf) == data and digest == mf.checksum(data)
+    assert walked == [-(-size // 4096) * 4096]
+    assert not [t for t in threading.enumerate() if t.name == "easyckpt-fault-ahead"]
+
+
 def test_a_file_shorter_than_its_size_is_an_error(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(fastread.CHUNK + 10))

@@ -206,3 +206,28 @@ def test_a_slot_is_faulted_in_piece_by_piece_to_its_last_page(monkeypatch):
     finally:
         slot.close()
         os.unlink(path)
+
+
+def test_faulting_in_stops_between_pieces_when_asked(monkeypatch):
+    """populate_write asks ``stop`` before each piece (a restore's fault-ahead thread ends with the read)."""
+    import mmap
+
+    calls = []
+    libc = shm._libc()
+
+    class Counting:
+        def madvise(self, addr, length, advice):
+            rc = libc.madvise(addr, length, advice)
+            calls.append(rc)
+            return rc
+
+    monkeypatch.setattr(shm, "POPULATE_CHUNK", 64 << 10)
+    monkeypatch.setattr(shm, "_libc", lambda: Counting())
+    mm = mmap.mmap(-1, 1 << 20)
+    try:
+        done = shm.populate_write(mm, stop=lambda: len(calls) >= 3)
+        if calls and calls[0] != 0:
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (before Linux 5.14)")
+        assert done is True and len(calls) == 3            # of the 16 pieces
+    finally:
+        mm.close()
