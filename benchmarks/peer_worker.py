@@ -17,7 +17,8 @@ way each library's users do:
   wait polls every 3 s) and then every file of the step fsynced, which DLRover does not do itself
 
 Between the load and the first save, and between two saves, runs the cheapest possible iteration, one
-Adam step over the state, on both (untimed between saves). Figures are seconds of this rank, written as JSON to ``--out``/<framework>-rank<N>.json.
+Adam step over the state, on both (untimed between saves). Figures are seconds of this rank, written as
+JSON to ``--out``/<framework>-rank<N>.json.
 This file runs under DLRover's venv too: it imports nothing of easyckpt's at module level.
 """
 from __future__ import annotations
@@ -199,8 +200,9 @@ def main() -> int:
     out.update(rank=rank, world=dist.get_world_size(), gb=args.gb,
                state_bytes=sum(t.numel() * t.element_size() for t in
                                list(model.parameters()) + [v for s in opt.state.values() for v in s.values()]),
-               # the saves taken: one easyckpt skips while its second slot is still being prepared (the
-               # first slot keeps the newest snapshot) waits a little and is shown in second_save
+               # the saves taken: one easyckpt skipped (its second slot still being prepared after a
+               # short wait; the first slot keeps the newest snapshot) is left out; second_save is the
+               # save after the first, taken or skipped
                steady_save=median([sec for step, sec in enumerate(out["saves"], 2) if step not in out["skipped"]]
                                   or out["saves"]),
                second_save=out["saves"][0],

@@ -8,9 +8,9 @@ costs no pass of its own. A thread faults the mapping in ahead of the readers: a
 yet faulted in first faults every page of its request in the kernel, and no request is in flight
 meanwhile. Measured on a 4 GB file from a cold cache, nine reads each (the test VM, medians): 3.07 s
 with four readers, 2.68 s with eight, 2.64 s with four and the fault-ahead thread, 2.22 s with eight
-and the thread; into memory faulted in beforehand, 1.9-2.4 s. The caller gets the bytes (tensors are then views into them: no further copy)
-and their checksum. Where O_DIRECT is refused (tmpfs, some network file systems) the same reads go
-through the page cache.
+and the thread; into memory faulted in beforehand, 1.9-2.4 s. The caller gets the bytes (tensors are
+then views into them: no further copy) and their checksum. Where O_DIRECT is refused (tmpfs, some
+network file systems) the same reads go through the page cache.
 
 Why not straight into the model's own tensors. O_DIRECT needs the memory address block-aligned, and
 torch's CPU allocator places a tensor 64 bytes past a page boundary, so reading into a parameter would
