@@ -64,9 +64,9 @@ def auto_overlap(optimizer: Any, ranks_on_node: int) -> Tuple[bool, str]:
     Device tensors: the copy is DMA on a side stream and the host has nothing else to do. Host tensors:
     the copy thread needs a core of its own; when the training's threads already use every core
     (torch threads x ranks on the node), it competes with them for cores and memory bandwidth and saves
-    nothing measurable: in eight runs of bench_checkpoint's loop on a 2-core box the overlapped copy's
-    step-time cost was below the synchronous one's five times and above it three times, by 0.1-4.8
-    points, 0.1 on average. The copy then stays synchronous, whose cost is the copy's and shows in the
+    nothing measurable: in nine runs of bench_checkpoint's loop on a 2-core box the overlapped copy's
+    step-time cost was below the synchronous one's five times and above it four times, by 0.1-4.8
+    points, 0.1 lower on average. The copy then stays synchronous, whose cost is the copy's and shows in the
     stall it reports."""
     for opt in torch_optimizers(optimizer):
         if any(p.is_cuda for group in opt.param_groups for p in group["params"]):
