@@ -20,6 +20,7 @@ from easyckpt.formats.layout import NAMINGS, Naming  # noqa: F401
 from easyckpt.storage.posix import probe_writable
 
 DEFAULT_LOG_NAME = "easyckpt.log"
+NO_VALID_CHECKPOINT = ("error", "start_fresh")
 
 
 def log_setting(value: Any) -> Union[str, bool, None]:
@@ -96,6 +97,10 @@ class Config:
     replication_jump: int = 1
     replica_interval: int = 1
     replica_bandwidth: float = 1e9
+    # committed steps of this job exist and no rank can restore any of them (each corrupt or incompatible):
+    # "error" stops before training, listing each with its verdict; "start_fresh" sets them aside
+    # (quarantined-<name>-<stamp>, kept whole) and trains from the beginning, never reusing their names
+    on_no_valid_checkpoint: str = "error"
     naming: Naming = field(default_factory=Naming)
 
     @property
@@ -129,7 +134,7 @@ class Config:
 ADVANCED = ("job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout",
             "autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "grace_deadline",
             "snapshot_overlap", "direct_io", "replication_factor", "replication_jump", "replica_interval",
-            "replica_bandwidth")
+            "replica_bandwidth", "on_no_valid_checkpoint")
 
 
 def check_advanced(verb: str, advanced: Mapping[str, Any]) -> None:
@@ -192,6 +197,9 @@ def check_values(cfg: Config) -> None:
     for name in ("autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "direct_io"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{name}={getattr(cfg, name)!r} must be True or False")
+    if cfg.on_no_valid_checkpoint not in NO_VALID_CHECKPOINT:
+        raise ConfigError(f"on_no_valid_checkpoint={cfg.on_no_valid_checkpoint!r} must be one of "
+                          f"{', '.join(map(repr, NO_VALID_CHECKPOINT))}")
     if cfg.snapshot_overlap is not None and not isinstance(cfg.snapshot_overlap, bool):
         raise ConfigError(f"snapshot_overlap={cfg.snapshot_overlap!r} must be True, False or None (auto)")
     for name in ("commit_timeout", "agent_idle_timeout", "agent_start_timeout", "grace_deadline"):

@@ -18,7 +18,8 @@ catches them. This module imports nothing: the agent, the formats and the adapte
         ├── ManifestError                        a manifest that cannot be trusted
         ├── UnsafePath                           a file name leaving its step directory
         ├── BadSlotMeta                          a snapshot slot's metadata fails its checks
-        └── SlotNotComplete                      a slot holds no usable snapshot (torn, changed, other step)
+        ├── SlotNotComplete                      a slot holds no usable snapshot (torn, changed, other step)
+        └── NoValidCheckpoint                    this job's committed steps exist, none can be restored
 """
 from __future__ import annotations
 
@@ -104,7 +105,16 @@ class SlotNotComplete(CheckpointError):
     step / generation asked for. Its message says which."""
 
 
+class NoValidCheckpoint(CheckpointError):
+    """Committed steps of this job exist and no rank could restore any of them. Training does not start
+    over them silently: ``verdicts`` (formats/verdicts.Verdict, newest first) say why each was refused."""
+
+    def __init__(self, message: str, verdicts: "list" = ()):  # type: ignore[assignment]
+        super().__init__(message)
+        self.verdicts = list(verdicts)
+
+
 __all__ = ["EasyCkptError", "ConfigError", "UnknownSettingError", "ShmCapacityError", "AgentError",
            "SnapshotChanged", "PreemptionError", "PeerError", "PeerNotReady", "ProtocolError", "BadMessage", "CatalogError",
            "UntrustedFileError", "CheckpointError", "ManifestError", "UnsafePath", "BadSlotMeta",
-           "SlotNotComplete"]
+           "SlotNotComplete", "NoValidCheckpoint"]

@@ -164,6 +164,7 @@ class TrainerWrapper:
                  replication_jump: int = DEFAULT.replication_jump,
                  replica_interval: int = DEFAULT.replica_interval,
                  replica_bandwidth: float = DEFAULT.replica_bandwidth,
+                 on_no_valid_checkpoint: str = DEFAULT.on_no_valid_checkpoint,
                  config: Optional[Config] = None, **unknown: Any) -> None:
         given = settings("TrainerWrapper", config, unknown, **signature_keywords(locals()))
         object.__setattr__(self, "_trainer", trainer)
@@ -225,6 +226,7 @@ class EasyCkptCallback(TrainerCallback):
                  replication_jump: int = DEFAULT.replication_jump,
                  replica_interval: int = DEFAULT.replica_interval,
                  replica_bandwidth: float = DEFAULT.replica_bandwidth,
+                 on_no_valid_checkpoint: str = DEFAULT.on_no_valid_checkpoint,
                  config: Optional[Config] = None, **unknown: Any) -> None:
         self._settings = settings("EasyCkptCallback", config, unknown, **signature_keywords(locals()))
         self._attached: Optional[_Attached] = None

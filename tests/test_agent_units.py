@@ -340,6 +340,7 @@ EXAMPLES = [protocol.Hello(rank=1, world_size=4, local_rank=1, pid=4242),
             protocol.Term(rank=0, at=1712345678.25),
             protocol.TermStep(rank=0, step=120),
             protocol.Damaged(step=100, reason="manifest checksum mismatch"),
+            protocol.Quarantine(step=100, reason="incompatible: another layout"),
             protocol.Status(),
             protocol.Listen(addr="10.213.77.2"),
             protocol.Peers(node=1, nnodes=2, ranks_per_node=2, secret="ab" * 32,
@@ -351,7 +352,7 @@ EXAMPLES = [protocol.Hello(rank=1, world_size=4, local_rank=1, pid=4242),
 def test_there_is_a_typed_message_for_each_of_the_protocols_operations():
     assert sorted(protocol.OPS) == sorted(type(m).op for m in EXAMPLES)
     assert sorted(protocol.OPS) == ["bye", "damaged", "flush", "hello", "listen", "peers", "persist",
-                                    "replica_fetch", "replica_list", "status", "term", "term_step"]
+                                    "quarantine", "replica_fetch", "replica_list", "status", "term", "term_step"]
 
 
 @pytest.mark.parametrize("fields, bad", [

@@ -89,7 +89,7 @@ class Agent:
         self._handlers: Dict[type, Callable[[socket.socket, Client, Any], None]] = {
             protocol.Hello: self._hello, protocol.Persist: self._persist, protocol.Flush: self._flush,
             protocol.Bye: self._bye, protocol.Term: self._term, protocol.TermStep: self._term_step,
-            protocol.Damaged: self._damaged, protocol.Status: self._status, protocol.Listen: self._listen,
+            protocol.Damaged: self._damaged, protocol.Quarantine: self._quarantine, protocol.Status: self._status, protocol.Listen: self._listen,
             protocol.Peers: self._peers, protocol.ReplicaList: self._replica_list,
             protocol.ReplicaFetch: self._replica_fetch}
 
@@ -292,6 +292,9 @@ class Agent:
 
     def _damaged(self, conn: socket.socket, client: Client, msg: protocol.Damaged) -> None:
         self.coordinator.damaged(msg.step, msg.reason)
+
+    def _quarantine(self, conn: socket.socket, client: Client, msg: protocol.Quarantine) -> None:
+        self.coordinator.quarantine(msg.step, msg.reason)
 
     def _status(self, conn: socket.socket, client: Client, msg: protocol.Status) -> None:
         co = self.coordinator

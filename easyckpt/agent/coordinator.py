@@ -30,6 +30,7 @@ from easyckpt.agent.jobs import (
     AbandonJob,
     CommitJob,
     DamagedJob,
+    QuarantineJob,
     DropJob,
     Job,
     PersistJob,
@@ -176,6 +177,9 @@ class Coordinator:
 
     def damaged(self, step: int, reason: str) -> None:
         self._submit(DamagedJob(step, reason))
+
+    def quarantine(self, step: int, reason: str) -> None:
+        self._submit(QuarantineJob(step, reason))
 
     def trainers_died(self, keep: Optional[int]) -> None:
         """Every local trainer died: a step some rank had not handed over yet can never be completed by

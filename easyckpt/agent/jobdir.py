@@ -22,7 +22,7 @@ from easyckpt.storage.savedir import SaveDir
 class JobDir:
     def __init__(self, cfg: Config, log: AuditLog):
         self.cfg, self.log = cfg, log
-        self.sd = SaveDir(cfg.save_dir, cfg.naming, cfg.job_id)
+        self.sd = SaveDir.of(cfg)
 
     @property
     def storage(self) -> Storage:
@@ -59,6 +59,9 @@ class JobDir:
 
     def mark_damaged(self, step: int, reason: str) -> None:
         self.sd.mark_damaged(step, reason, self.log)
+
+    def quarantine(self, step: int, reason: str) -> None:
+        self.sd.quarantine(step, reason, self.log)
 
     def drop(self, step: int) -> None:
         """Remove ``step``'s staging dir (a failed or superseded step)."""

@@ -52,7 +52,14 @@ class DamagedJob:
     reason: str
 
 
-Job = Union[PersistJob, CommitJob, AbandonJob, DropJob, DamagedJob]
+@dataclass(frozen=True)
+class QuarantineJob:
+    """A fresh start was allowed over committed ``step``, which no rank could restore: set it aside, whole."""
+    step: int
+    reason: str
+
+
+Job = Union[PersistJob, CommitJob, AbandonJob, DropJob, DamagedJob, QuarantineJob]
 
 
 @dataclass(frozen=True)

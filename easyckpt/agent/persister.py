@@ -30,6 +30,7 @@ from easyckpt.agent.jobs import (
     AbandonJob,
     CommitJob,
     DamagedJob,
+    QuarantineJob,
     DropJob,
     Job,
     PersistJob,
@@ -119,6 +120,8 @@ def disk_work(job_id: str, jobdir: JobDir, log: AuditLog, direct_io: bool) -> Ca
             jobdir.drop(job.step)
         elif isinstance(job, DamagedJob):
             jobdir.mark_damaged(job.step, job.reason)
+        elif isinstance(job, QuarantineJob):
+            jobdir.quarantine(job.step, job.reason)
         else:
             raise ValueError(f"unknown job {job!r}")
         return Result(job)

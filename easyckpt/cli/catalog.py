@@ -60,7 +60,8 @@ class Entry:
     job_id: Optional[str] = None
     picked: bool = False               # the one easyckpt's loader would pick
     staging: bool = False              # a step being written (or left by a crash), not yet visible
-    # complete | plain (the HF Trainer's own, no manifest) | incomplete (never committed) | damaged | staging
+    # complete | plain (the HF Trainer's own, no manifest) | incomplete (never committed) | damaged | staging |
+    # quarantined (set aside whole by a fresh start or a newer run's commit of its name: never loaded or pruned)
     state: str = ""
 
     def __post_init__(self) -> None:
@@ -83,7 +84,7 @@ class Catalog:
 
     def step(self, step: Optional[int]) -> Entry:
         """The entry of ``step``, or the loader's pick when None; CatalogError when there is none."""
-        visible = [e for e in self.entries if not e.staging]
+        visible = [e for e in self.entries if not e.staging and e.state != "quarantined"]
         if step is None:
             chosen = self.picked or (visible[0] if visible else None)
             if chosen is None:
@@ -110,10 +111,11 @@ def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False
     sd = SaveDir(save_dir, nm)
     entries = [_entry(step, path, framework) for step, path in sd.step_dirs()]
     entries += _staging(sd, framework)
-    entries.sort(key=lambda e: (e.step, not e.staging), reverse=True)
+    entries += _quarantined(sd, framework)
+    entries.sort(key=lambda e: (e.step, not e.staging, e.state != "quarantined"), reverse=True)
     if checksums:
         for e in entries:
-            if e.complete:
+            if e.complete and e.state != "quarantined":
                 problems = verify(e, on_bytes)
                 if problems:
                     e.complete, e.state, e.why = False, "damaged", problems[0] + (f" (and {len(problems) - 1} more)"
@@ -178,6 +180,27 @@ def _entry(step: int, path: str, framework: str) -> Entry:
     return Entry(step, path, why is None, why, man.get("framework", framework), float(man.get("created") or 0),
                  sum(int(e["size"]) for e in man["files"].values()), len(man["files"]),
                  layout_of(path, framework, man), man.get("job_id"))
+
+
+def step_entry(step: int, path: str, framework: str) -> Entry:
+    """The catalog entry of one step directory (sizes checked, no checksum read)."""
+    return _entry(step, path, framework)
+
+
+def _quarantined(sd: SaveDir, framework: str) -> List[Entry]:
+    """Steps set aside whole (SaveDir.quarantine): listed with what they were, never picked."""
+    out = []
+    for final, path in sd.quarantined():
+        step = sd.naming.parse(final)
+        if step is None:
+            continue
+        e = _entry(step, path, framework)
+        e.complete, e.picked, e.state = False, False, "quarantined"
+        e.why = (f"set aside as {os.path.basename(path)} (was {final}): a fresh start could not restore it, or a "
+                 f"newer run committed its name again; kept whole, never loaded or pruned: move it back or delete "
+                 f"it by hand")
+        out.append(e)
+    return out
 
 
 def _manifest(path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:

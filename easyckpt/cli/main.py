@@ -175,10 +175,21 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print(f"easyckpt prune: no checkpoint of job {args.job_id} in {args.dir} (jobs: {', '.join(jobs) or 'none'})",
               file=sys.stderr)
         return 2
-    sd = SaveDir(args.dir, naming, job)
+    newest = next(e for e in cat.entries if e.complete and e.job_id == job)
+    # the job's name, where its manifests carry one: the steps of a copied or moved directory are the job's too
+    sd = SaveDir(args.dir, naming, job, job_name=(stepfiles.read(newest.path) or {}).get("job"))
     committed = sd.committed(own=True)
     policy = retention.KeepLast(args.keep, retention.protected(committed[0][1]))
     doomed = policy.to_delete(committed)
+    # the newest step stays whatever --keep says: it must verify (every byte) before anything older goes, or a
+    # silently damaged newest step would be all that is left (promise 12)
+    if doomed and not args.dry_run:
+        problems = catalog.verify(catalog.step_entry(committed[0][0], committed[0][1], cat.framework))
+        if problems:
+            print(f"easyckpt prune: the newest step kept, {committed[0][1]}, fails verification: "
+                  f"{'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}. Nothing was deleted: the older "
+                  f"steps may be the only intact ones (`easyckpt verify {args.dir}` checks them all)", file=sys.stderr)
+            return 1
     others = [j for j in jobs if j != job]
     report: Dict[str, Any] = {"job_id": job, "keep": args.keep, "dry_run": args.dry_run,
                               "kept": [s for s, _ in committed if s not in {d for d, _ in doomed}],

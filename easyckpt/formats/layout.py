@@ -9,6 +9,9 @@ storage/savedir.py is the only user that turns them into paths; nobody else form
     .easyckpt-trash-<job>-<victim>-<pid>  a directory on its way out (rename first: atomic; delete after)
     .easyckpt-done-rank-RRRRR.json   in a staging dir: rank R's files are durable (its marker)
     .easyckpt-damaged.json           step dirs the loader rejected, with why (retention orders deletes by it)
+    quarantined-<step dir>-<stamp>   a committed step set aside, kept whole: one a fresh start could not restore,
+                                     or an older run's step whose name a newer run commits again; no loader or
+                                     retention ever takes it, ``easyckpt ls`` lists it, the operator decides
     <tracker>                        the framework's tracker file, Naming.tracker_text(step) inside
 
 A name that does not parse (another tool's file, another framework's directory) is foreign: ``None``, and
@@ -25,6 +28,9 @@ TRASH_PREFIX = ".easyckpt-trash-"
 MARKER_PREFIX = ".easyckpt-done-rank-"
 MARKER_SUFFIX = ".json"
 DAMAGED_NAME = ".easyckpt-damaged.json"
+# visible (an operator must see it) and not a prefix any framework's own rotation globs (``checkpoint-*``)
+QUARANTINE_PREFIX = "quarantined-"
+_QUARANTINE = re.compile(r"^quarantined-(?P<final>[A-Za-z0-9_.\-]+)-(?P<stamp>\d+)$")
 _JOB_ID = re.compile(r"^[0-9a-f]{12}$")       # Config.job_id: 12 hex digits
 _MARKER = re.compile(r"^\.easyckpt-done-rank-(\d{5,})\.json$")
 
@@ -99,6 +105,16 @@ def parse_staging(name: str) -> Optional[Tuple[str, str]]:
 
 def trash_name(job_id: str, victim: str, pid: int) -> str:
     return f"{TRASH_PREFIX}{job_id}-{victim}-{pid}"
+
+
+def quarantine_name(final_name: str, stamp: int) -> str:
+    return f"{QUARANTINE_PREFIX}{final_name}-{stamp}"
+
+
+def parse_quarantine(name: str) -> Optional[Tuple[str, int]]:
+    """(the step directory's former name, stamp) of a quarantined step's name; None for any other name."""
+    m = _QUARANTINE.match(name)
+    return (m.group("final"), int(m.group("stamp"))) if m else None
 
 
 def own_prefixes(job_id: str) -> Tuple[str, str]:

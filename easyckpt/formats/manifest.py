@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.errors import CheckpointError, ManifestError
 from easyckpt.formats import paths
@@ -64,10 +64,38 @@ def checksum(data, algo: str = ALGO) -> str:
 
 
 def build(step: int, job_id: str, framework: str, world_size: int, files: Dict[str, Dict[str, Any]],
-          extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+          extra: Optional[Dict[str, Any]] = None, job_name: Optional[str] = None) -> Dict[str, Any]:
+    """``job_id`` names the job where it runs (save dir and job name, hashed); ``job_name`` (the setting,
+    "" when unset) is what makes a step this job's wherever the directory is copied or moved to."""
     return {"format_version": FORMAT_VERSION, "step": step, "job_id": job_id, "framework": framework,
             "world_size": world_size, "created": time.time(), "checksum": ALGO,
+            **({} if job_name is None else {"job": job_name}),
             "files": dict(sorted(files.items())), **(extra or {})}
+
+
+def same_job(man: Dict[str, Any], job_id: str, job_name: Optional[str]) -> bool:
+    """Whether a (validated) manifest is a step of this job. By job name where both sides know it, so that a
+    copied or moved save dir stays the job's own; by job id for manifests written before names were kept."""
+    if "job" in man and job_name is not None:
+        return man["job"] == job_name
+    return man.get("job_id") == job_id
+
+
+def job_words(man: Dict[str, Any]) -> str:
+    """How a console names the job that committed a step."""
+    return (f"job_name={man['job']!r}, " if "job" in man else "") + f"job id {man.get('job_id')}"
+
+
+def run_of(man: Dict[str, Any]) -> float:
+    """When the run that committed this step started (its trainers' clock, recorded by the engine); 0 for
+    steps committed before runs were recorded. Steps are ordered by (run, step): a new run's commits are newer
+    than an older run's higher step numbers."""
+    run = (man.get("info") or {}).get("run", 0)
+    return float(run) if isinstance(run, (int, float)) and not isinstance(run, bool) and run >= 0 else 0.0
+
+
+def order_key(step: int, man: Dict[str, Any]) -> Tuple[float, int]:
+    return run_of(man), step
 
 
 # ---- validation ---------------------------------------------------------------------------------------
@@ -110,6 +138,8 @@ def validate(data: Any) -> Dict[str, Any]:
     files = need("files", lambda v: isinstance(v, dict), "an object of file name -> entry")
     if "created" in data and not (isinstance(data["created"], (int, float)) and not isinstance(data["created"], bool)):
         raise ManifestError(f"field 'created' is {data['created']!r}, expected a number")
+    if "job" in data and not isinstance(data["job"], str):
+        raise ManifestError(f"field 'job' is {data['job']!r}, expected a string (the job's name)")
     if "info" in data and not isinstance(data["info"], dict):
         raise ManifestError(f"field 'info' is {data['info']!r}, expected an object")
     for rel, entry in files.items():

@@ -20,7 +20,9 @@ The seven operations, in the order a trainer sends them (the agent answers only 
 Side channels, each on a connection of its own whose one message carries ``key`` (client.one_shot):
   5. term      Term(rank, at)          a SIGTERM arrived at wall time ``at``: the grace clock starts
   6. term_step TermStep(rank, step)    the step the trainers agreed to save for it
-  7. damaged   Damaged(step, reason)   the loader rejected a committed step
+  7. damaged   Damaged(step, reason)   the loader rejected a committed step as corrupt
+  +  quarantine Quarantine(step, reason) a fresh start was allowed over a step no rank could restore: set
+                                       it aside, kept whole (SaveDir.quarantine)
   +  status    Status()                → the agent's state (a query, not a command)
 Peer replicas (agent/replicas.py), on the trainer's own connection, after hello:
   listen        Listen(addr)                          → {ok, port}: the agent's TCP endpoint for its peers
@@ -141,6 +143,13 @@ class Damaged(_Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class Quarantine(_Message):
+    op: ClassVar[str] = "quarantine"
+    step: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Status(_Message):
     op: ClassVar[str] = "status"
 
@@ -204,8 +213,8 @@ class ReplicaFetch(_Message):
     step: int
 
 
-Message = Union[Hello, Persist, Flush, Bye, Term, TermStep, Damaged, Status, Listen, Peers, ReplicaList, ReplicaFetch]
-OPS: Dict[str, Type[_Message]] = {cls.op: cls for cls in (Hello, Persist, Flush, Bye, Term, TermStep, Damaged,
+Message = Union[Hello, Persist, Flush, Bye, Term, TermStep, Damaged, Quarantine, Status, Listen, Peers, ReplicaList, ReplicaFetch]
+OPS: Dict[str, Type[_Message]] = {cls.op: cls for cls in (Hello, Persist, Flush, Bye, Term, TermStep, Damaged, Quarantine,
                                                           Status, Listen, Peers, ReplicaList, ReplicaFetch)}
 _TYPES: Dict[type, Dict[str, type]] = {}
 
@@ -337,6 +346,6 @@ def same_user(sock: socket.socket) -> bool:
     return peer_uid(sock) == os.geteuid()
 
 
-__all__ = ["BadMessage", "Bye", "Damaged", "Flush", "Hello", "LineReader", "Listen", "Message", "OPS", "Peers",
+__all__ = ["BadMessage", "Bye", "Damaged", "Flush", "Hello", "LineReader", "Listen", "Message", "OPS", "Peers", "Quarantine",
            "Persist", "Received", "ReplicaFetch", "ReplicaList", "Status", "Term", "TermStep", "address", "agent_listening", "encode", "encode_reply",
            "from_wire", "parse", "peer_uid", "recv_one", "same_user"]

@@ -32,7 +32,7 @@ import torch
 
 from easyckpt import console
 from easyckpt.config import Config, adapter_config
-from easyckpt.errors import ConfigError, EasyCkptError
+from easyckpt.errors import CheckpointError, ConfigError, EasyCkptError
 from easyckpt.megatron import reshard_torch as _reshard
 from easyckpt.megatron import state as _state
 from easyckpt.megatron import torchdist as _dist
@@ -123,8 +123,9 @@ class MegatronState:
         # a DP change too goes through the reshard, which joins them
         if set(moved) - {"dp"} or (moved and (_reshard.expert_split(saved) or _reshard.expert_split(now))):
             if not self.concat:
-                # not a ValueError: that would reject the step as damaged and fall back to an older one
-                raise EasyCkptError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; "
+                # a CheckpointError from needed() is the verdict "incompatible" (trainer/load.py): the step is
+                # kept as it is, an older one of this layout is tried, and none: the job stops naming this
+                raise CheckpointError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; "
                                     f"this run is {now}: pass load_checkpoint(..., concat=True) to reshard it")
             return _reshard.needed(manifest, saved, now, manifest["step"],
                                    _reshard.shard_map(self.model, self.optimizer, now))

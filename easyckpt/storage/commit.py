@@ -52,7 +52,8 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     for rank in sorted(markers, reverse=True):   # what the adapter said on rank 0 wins
         files.update(markers[rank]["files"])
         info.update(markers[rank].get("info") or {})
-    manifest = mf.build(step, job_id, sd.naming.framework, world_size, files, {**(extra or {}), "info": info})
+    manifest = mf.build(step, job_id, sd.naming.framework, world_size, files, {**(extra or {}), "info": info},
+                        job_name=sd.job_name)
     final = sd.step_path(step)
     try:
         sd.write_manifest(staging, manifest)
@@ -62,7 +63,7 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
         sd.storage.sync_dir(staging)
         faults.inject("agent.before_rename")
         if sd.storage.exists(final):
-            _retire_existing(sd, final, log)
+            _retire_existing(sd, step, final, manifest, log)
         sd.storage.rename_noreplace(staging, final)
     except Exception:
         sd.remove_staging(log, step=step)    # (a crash leaves it instead: the job's next start removes it)
@@ -77,13 +78,22 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     return final, sum(f["size"] for f in files.values())
 
 
-def _retire_existing(sd: "SaveDir", final: str, log: AuditLog) -> None:
-    """A step directory of the same name exists (a run resumed from an older step reached it again).
-    Replace it only if it is a checkpoint of this job: a foreign directory is never touched (promise 4)."""
+def _retire_existing(sd: "SaveDir", step: int, final: str, new: Dict[str, Any], log: AuditLog) -> None:
+    """A step directory of the same name exists. A foreign one (not easyckpt's, another job's) is never
+    touched (promise 4). One of this job is replaced only when nothing is lost by it: committed by this
+    same run (a fresh snapshot of the step, e.g. with evaluation results) or rejected as damaged by the
+    loader; any other (an older run's step a fresh start or a resume from an older step reaches again) is
+    quarantined: renamed aside, kept whole, listed by ``easyckpt ls`` (promise 12)."""
     man = stepfiles.read(final)
     if man is None and sd.storage.listdir(final):
         raise FileExistsError(f"{final} exists and is not an easyckpt checkpoint; refusing to replace it")
-    if man is not None and man.get("job_id") != sd.job_id:
-        raise FileExistsError(f"{final} holds a checkpoint of another job ({man.get('job_id')}); refusing to "
+    if man is not None and not sd.owns(man):
+        raise FileExistsError(f"{final} holds a checkpoint of another job ({mf.job_words(man)}); refusing to "
                               f"replace it: move it away, or give this job another save_dir")
-    sd.delete_dir(final, log, "replaced by a newer commit of the same step")
+    damaged = sd.read_damaged().get(os.path.basename(final))
+    if man is None or damaged is not None or mf.run_of(man) == mf.run_of(new):
+        why = (f"replaced by a newer commit of the same step (the old one was rejected: {damaged})" if damaged
+               else "replaced by a newer commit of the same step")
+        sd.delete_dir(final, log, why)
+        return
+    sd.quarantine(step, "an older run's commit of this step; a newer run committed it again", log)

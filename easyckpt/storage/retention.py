@@ -58,14 +58,21 @@ class KeepLast:
 
 
 def prune(sd: "SaveDir", policy: RetentionPolicy, log: AuditLog) -> List[int]:
+    """This job's committed steps, newest commit first (run, then step: SaveDir.committed), go through
+    ``policy``; a damaged one goes once a newer verified one exists, and nothing newer than the newest
+    verified one is ever deleted."""
     deleted = []
     ours = sd.committed(own=True)
     damaged = sd.read_damaged()
     verified = [(s, p) for s, p in ours if os.path.basename(p) not in damaged]
+    newest_verified = next((i for i, (_, p) in enumerate(ours) if os.path.basename(p) not in damaged), None)
+    if newest_verified is None:
+        return []
     victims = [(s, p, "retention") for s, p in policy.to_delete(verified)]
-    victims += [(s, p, f"damaged ({damaged[os.path.basename(p)]})") for s, p in ours[1:]
-                if os.path.basename(p) in damaged and any(v > s for v, _ in verified)]
-    for step, path, why in sorted(victims, reverse=True):
+    victims += [(s, p, f"damaged ({damaged[os.path.basename(p)]})") for s, p in ours[newest_verified + 1:]
+                if os.path.basename(p) in damaged]
+    rank = {p: i for i, (_, p) in enumerate(ours)}
+    for step, path, why in sorted(victims, key=lambda v: rank[v[1]]):
         sd.delete_dir(path, log, why, step=step)
         deleted.append(step)
     return deleted

@@ -5,19 +5,22 @@ directory goes through ``self.storage``. What each verb does to disk, in order, 
 why that order, commit.py's; what may be deleted, retention.py's.
 
     names       step_path(step), staging_path(step), marker name, tracker, trash, damaged record
-    listing     step_dirs() (named like a step), committed() (with a manifest of that step),
-                staging_dirs() (this job's), staging_entries() (every job's, for the operator tools)
+    listing     step_dirs() (named like a step), committed() (with a manifest of that step, newest commit
+                first: by run, then step), owns(manifest), staging_dirs() (this job's),
+                staging_entries() (every job's, for the operator tools), quarantined()
     per rank    write_marker(step, rank, ...), read_markers(step), ready_ranks(step)
     commit      commit(step, world_size, log)   (commit.py: markers → manifest → rename → fsync → tracker)
     deletes     prune(policy, log)              (retention.py) and remove_staging(log): both through
                 delete_dir(), the one trash-then-delete
     damaged     mark_damaged(step, why, log), read_damaged()
+    quarantine  quarantine(step, why, log): a committed step renamed aside, kept whole, out of every listing
     derived     add_file(step_dir, rel, data), add_to_manifest(step_dir, entries) (converters' outputs)
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from easyckpt.errors import CheckpointError
@@ -36,14 +39,22 @@ _MAX_RECORD_BYTES = 1 << 20     # markers and the damaged record are small JSON;
 
 
 class SaveDir:
-    """``job_id`` None: a reader that does not belong to a job (``easyckpt ls``): it may list, not write."""
+    """``job_id`` None: a reader that does not belong to a job (``easyckpt ls``): it may list, not write.
+    ``job_name``: the job's name setting ("" when unset); a step is this job's when its manifest carries the
+    same name (mf.same_job), so a copied or moved directory stays the job's own. None: by job id alone."""
 
     def __init__(self, save_dir: str, naming: Naming, job_id: Optional[str] = None,
-                 storage: Optional[Storage] = None):
+                 storage: Optional[Storage] = None, job_name: Optional[str] = None):
         self.root = str(save_dir)
         self.naming = naming
         self.job_id = job_id
+        self.job_name = job_name
         self.storage: Storage = storage if storage is not None else PosixStorage()
+
+    @classmethod
+    def of(cls, cfg: Any, storage: Optional[Storage] = None) -> "SaveDir":
+        """The save directory of the job ``cfg`` (a Config) describes."""
+        return cls(cfg.save_dir, cfg.naming, cfg.job_id, storage, job_name=cfg.job_name or "")
 
     def _job(self) -> str:
         if self.job_id is None:
@@ -84,18 +95,38 @@ class SaveDir:
         return sorted(out, reverse=True)
 
     def committed(self, own: bool = False) -> List[Tuple[int, str]]:
-        """Step directories with a valid manifest of the same step (only this job's if ``own``), newest first."""
-        job = self._job() if own else None
+        """Step directories with a valid manifest of the same step (only this job's if ``own``), newest
+        commit first: by run, then step (mf.order_key), so that a new run's commits are never taken for older
+        than a previous run's higher step numbers."""
+        return [(step, path) for step, path, _ in self.committed_manifests(own)]
+
+    def committed_manifests(self, own: bool = False) -> List[Tuple[int, str, Dict[str, Any]]]:
+        """committed(), each with its manifest."""
+        if own:
+            self._job()
         out = []
         for step, path in self.step_dirs():
             man = stepfiles.read(path)
-            if man is not None and man["step"] == step and (job is None or man.get("job_id") == job):
-                out.append((step, path))
-        return out
+            if man is not None and man["step"] == step and (not own or self.owns(man)):
+                out.append((step, path, man))
+        return sorted(out, key=lambda e: mf.order_key(e[0], e[2]), reverse=True)
+
+    def owns(self, man: Dict[str, Any]) -> bool:
+        """Whether a validated manifest is a step of this job (mf.same_job)."""
+        return mf.same_job(man, self._job(), self.job_name)
 
     def is_committed(self, step: int) -> bool:
         man = stepfiles.read(self.step_path(step))
         return man is not None and man["step"] == step
+
+    def quarantined(self) -> List[Tuple[str, str]]:
+        """(former step directory name, path) of every quarantined step, oldest first."""
+        out = []
+        for name in sorted(self._names()):
+            parsed = layout.parse_quarantine(name)
+            if parsed is not None and self.naming.parse(parsed[0]) is not None and self.storage.is_dir(self.path(name)):
+                out.append((parsed[1], parsed[0], self.path(name)))
+        return [(final, path) for _, final, path in sorted(out)]
 
     def staging_dirs(self) -> List[str]:
         """This job's staging directories."""
@@ -194,6 +225,25 @@ class SaveDir:
                 continue
             log.emit("delete", path=path, reason="staging leftover")
             self.storage.delete(path)
+
+    def quarantine(self, step: int, reason: str, log: AuditLog) -> Optional[str]:
+        """Set committed step ``step`` aside under a quarantine name (layout.quarantine_name), whole: no
+        loader, retention or commit takes it any more, nothing in it changes. Logged first. Returns the new
+        path, or None when the step directory is not there."""
+        final = self.step_path(step)
+        if not self.storage.is_dir(final):
+            return None
+        stamp = time.time_ns() // 1000
+        while True:
+            dest = self.path(layout.quarantine_name(os.path.basename(final), stamp))
+            if not self.storage.exists(dest):
+                break
+            stamp += 1
+        log.emit("quarantine", step=step, path=final, to=dest, reason=reason[:500])
+        self.storage.rename_noreplace(final, dest)
+        self.storage.sync_dir(self.root)
+        self.clear_damaged(os.path.basename(final))
+        return dest
 
     # ---- the damaged record ----------------------------------------------------------------------------
 

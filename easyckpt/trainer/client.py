@@ -108,7 +108,7 @@ class AgentClient:
         return os.path.join(self.cfg.save_dir, agent_log_name(socket.gethostname()))
 
     def _spawn(self) -> None:
-        _, fd = SaveDir(self.cfg.save_dir, self.cfg.naming, self.cfg.job_id).open_agent_log(socket.gethostname())
+        _, fd = SaveDir.of(self.cfg).open_agent_log(socket.gethostname())
         try:
             self._spawned = subprocess.Popen(
                 [sys.executable, "-m", "easyckpt.agent", json.dumps(self.cfg.to_json())],

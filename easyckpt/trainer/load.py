@@ -11,6 +11,12 @@ Order:
      and checksums against the manifest; all ranks exchange the verdict; any failure anywhere
      rejects the step for everyone (loudly) and the next older one is tried.
 The tracker file is ignored: manifests are the truth (a tracker can be stale, empty or garbage).
+Only this job's committed steps are candidates (SaveDir.owns: by job name, so a copied directory stays the
+job's own), newest commit first (run, then step); another job's steps are named on the console, never loaded.
+Each rank's verdict on a step is a formats/verdicts.Verdict: only a CORRUPT one (the step's own bytes fail)
+is reported to the agent as damaged; an INCOMPATIBLE or UNREADABLE one leaves the step as it is. When this
+job's committed steps exist and none can be restored, NoValidCheckpoint lists each with its verdict: the
+engine stops there unless ``on_no_valid_checkpoint="start_fresh"`` (promise 12).
 A step whose manifest is invalid (not JSON, a field missing or of the wrong type, a file named outside the
 step) is no candidate: it is logged as rejected, with the reason, and older steps are tried. Only files
 the manifest lists are read, each through manifest.read_entry (inside the step, no symlink out).
@@ -27,8 +33,10 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from easyckpt import console
 from easyckpt.config import Config
-from easyckpt.errors import ManifestError
+from easyckpt.errors import ManifestError, NoValidCheckpoint
 from easyckpt.formats import manifest as mf
+from easyckpt.formats import verdicts
+from easyckpt.formats.verdicts import Verdict
 from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
@@ -62,7 +70,7 @@ class Loaded:
 def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog,
                 on_rejected: Optional[Callable[[int, str], None]] = None,
                 remote: Optional[Remote] = None, layout: Optional[str] = None) -> Optional[Loaded]:
-    """``on_rejected(step, why)``: called on rank 0 for each committed step rejected as damaged.
+    """``on_rejected(step, why)``: called on rank 0 for each committed step rejected as corrupt.
     ``remote``: this rank's replicas on peer nodes (None: replicas are off). ``layout``: the adapter's
     parallel layout now (e.g. Megatron's TP/PP sizes); a snapshot taken on another one is not used."""
     # a snapshot taken with another world size or layout holds another layout's shards: storage serves that
@@ -70,15 +78,20 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
            if s.world_size == world_size and (layout is None or s.layout == layout)]
     on_peer = sorted({s for s, w, _ in (remote.steps() if remote else []) if w == world_size}
                      - {s.step for s in mem})
-    sd = SaveDir(cfg.save_dir, cfg.naming, cfg.job_id)
-    stored = sd.committed()
-    _log_invalid_manifests(sd, {s for s, _ in stored}, log)
+    sd = SaveDir.of(cfg)
+    every = sd.committed_manifests()
+    stored = [(s, p) for s, p, man in every if sd.owns(man)]
+    runs = {s: mf.run_of(man) for s, _, man in every if sd.owns(man)}
+    _say_other_jobs([(s, p, man) for s, p, man in every if not sd.owns(man)], rank, log)
+    _log_invalid_manifests(sd, {s for s, _, _ in every}, log)
     native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own
     views = all_gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native], on_peer),
                        world_size)
     common_mem = set.intersection(*(set(m) | set(p) for m, _, _, p in views))
     common_nat = set.intersection(*(set(n) for _, _, n, _ in views))
-    common_sto = sorted(set.intersection(*(set(s) for _, s, _, _ in views)) | common_nat, reverse=True)
+    # newest commit first (run, then step: SaveDir.committed's order); the framework's own have no run (0)
+    common_sto = sorted(set.intersection(*(set(s) for _, s, _, _ in views)) | common_nat,
+                        key=lambda s: (runs.get(s, 0.0), s), reverse=True)
     best_mem = max(common_mem) if common_mem else None
     _say_lost_memory(views, rank, log)
 
@@ -99,12 +112,12 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
         except Exception as exc:  # noqa: BLE001 - any failure means: use storage instead
             err = f"{type(exc).__name__}: {exc}"
         gathered = all_gather((err, source), world_size)
-        verdicts = [v for v, _ in gathered]
-        if all(v is None for v in verdicts):
+        errors = [v for v, _ in gathered]
+        if all(v is None for v in errors):
             nbytes = estimate.tensor_bytes(trees)
             pulled = tuple(r for r, (_, where) in enumerate(gathered) if where == "peer")
             return Loaded(best_mem, source, None, trees, nbytes, time.perf_counter() - t0, from_peers=pulled)
-        bad = "; ".join(f"rank {r}: {v}" for r, v in enumerate(verdicts) if v is not None)
+        bad = "; ".join(f"rank {r}: {v}" for r, v in enumerate(errors) if v is not None)
         log.record("warning", step=best_mem, message=f"memory snapshot unusable on some rank: {bad}; "
                                                     f"falling back to storage")
         if rank == 0:
@@ -112,25 +125,52 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
 
     paths = dict(stored)
     foreign = {c.step: c for c in native if c.step in common_nat}
+    rejected: List[Verdict] = []
     for step in common_sto:
-        if step in foreign:
+        if step in foreign and step not in paths:
             loaded = _adopt(foreign[step], cfg, rank, world_size, needed, log)
             if loaded is not None:
                 return loaded
             continue
         t0 = time.perf_counter()
-        trees, problem, nbytes, man = _read_step(paths[step], needed, progress=rank == 0)
-        verdicts = all_gather(problem, world_size)
-        bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
-        if not bad:
+        trees, mine, nbytes, man = _read_step(paths[step], needed, progress=rank == 0)
+        verdict = verdicts.combine(step, paths[step], all_gather(mine, world_size))
+        if verdict is None:
             return Loaded(step, "storage", paths[step], trees, nbytes, time.perf_counter() - t0, man)
-        message = "; ".join(f"rank {r}: {v}" for r, v in bad)
-        log.emit("error", step=step, path=paths[step], message=f"checkpoint rejected: {message}")
-        if on_rejected is not None and rank == 0:
-            on_rejected(step, message)
-        log.emit("warning", step=step, message="falling back to the previous committed checkpoint")
+        rejected.append(verdict)
+        log.emit("error" if verdict.corrupt else "warning", step=step, path=paths[step], verdict=verdict.kind.value,
+                 message=f"checkpoint rejected: {verdict.reason}")
+        if rank == 0:
+            console.warning(f"{verdict.words()}: " + ("marked damaged, " if verdict.corrupt else "kept as it is, ")
+                            + "trying the previous checkpoint")
+        if verdict.corrupt and on_rejected is not None and rank == 0:
+            on_rejected(step, verdict.reason)
+    # this job's steps existed on every rank and none could be restored: never a silent fresh start over them
+    if rejected:
+        raise NoValidCheckpoint(_none_restorable(cfg, rejected), rejected)
     return None
 
+
+def _none_restorable(cfg: Config, rejected: List[Verdict]) -> str:
+    lines = "\n".join(f"  {v.words()}" for v in rejected)
+    return (f"{len(rejected)} committed checkpoint(s) of this job in {cfg.save_dir}, and none can be restored "
+            f"here:\n{lines}\nNothing was deleted. Fix what the verdicts name (a corrupt step: restore its files "
+            f"from a copy; an incompatible one: relaunch with the layout, model or settings it was saved with), "
+            f"or set on_no_valid_checkpoint=\"start_fresh\" to train from the beginning: these steps are then set "
+            f"aside as quarantined-<name>-<stamp>, kept whole, and their names never reused")
+
+
+def _say_other_jobs(others: List[Tuple[int, str, Dict[str, Any]]], rank: int, log: AuditLog) -> None:
+    """Committed steps of other jobs in the save dir: never resumed, said once (promise 12)."""
+    if not others:
+        return
+    names = sorted({mf.job_words(man) for _, _, man in others})
+    text = (f"{len(others)} committed step(s) in this save dir belong to another job ({'; '.join(names)}): "
+            f"{', '.join(os.path.basename(p) for _, p, _ in others[:8])}{' ...' if len(others) > 8 else ''}; "
+            f"not resumed (a job resumes only its own; set job_name to the job's name to resume them)")
+    log.emit("not_ours", message=text)
+    if rank == 0:
+        console.warning(text)
 
 def _say_lost_memory(views: List[Any], rank: int, log: AuditLog) -> None:
     """Ranks with no snapshot in memory anywhere, while others have one: their node and every holder of its
@@ -170,8 +210,8 @@ def _adopt(cand: adopt.Candidate, cfg: Config, rank: int, world_size: int, neede
     t0 = time.perf_counter()
     what = adopt.describe(cfg.naming, cand.path)
     trees, problem, nbytes, inv = adopt.read_candidate(cand, needed, progress=rank == 0)
-    verdicts = all_gather(problem, world_size)
-    bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    problems = all_gather(problem, world_size)
+    bad = [(r, v) for r, v in enumerate(problems) if v is not None]
     if bad:
         message = "; ".join(f"rank {r}: {v}" for r, v in bad)
         log.record("error", step=cand.step, path=cand.path, message=f"{what} not adopted: {message}")
@@ -195,17 +235,19 @@ def _console(rank: int, log: AuditLog) -> Callable[[str], None]:
 
 
 def _read_step(step_dir: str, needed: Needed, progress: bool = False
-               ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Optional[Dict[str, Any]]]:
+               ) -> Tuple[Optional[Dict[str, Any]], Optional[Verdict], int, Optional[Dict[str, Any]]]:
     try:
         man = stepfiles.load(step_dir)
     except ManifestError as exc:
-        return None, str(exc), 0, None
+        return None, verdicts.corrupt(str(exc)), 0, None
+    except FileNotFoundError:
+        return None, verdicts.corrupt(f"{mf.MANIFEST_NAME} missing"), 0, None
     except OSError as exc:
-        return None, f"{mf.MANIFEST_NAME} missing or unreadable ({exc})", 0, None
+        return None, verdicts.unreadable(f"{mf.MANIFEST_NAME} unreadable ({exc})"), 0, None
     try:
         wanted = needed(man)
-    except ValueError as exc:
-        return None, str(exc), 0, man
+    except ValueError as exc:   # ConfigError, CheckpointError: the adapter cannot restore this step into this job
+        return None, verdicts.incompatible(str(exc)), 0, man
     # a bar on rank 0 when asked for (EASYCKPT_PROGRESS=1) or on a terminal: a large load takes minutes
     total = sum(_wanted_bytes(man, want) for want in wanted)
     with Progress(total if progress else 0, f"load {os.path.basename(step_dir)}") as bar:
@@ -228,7 +270,7 @@ def _wanted_bytes(man: Dict[str, Any], want: Tuple[Any, ...]) -> int:
 
 def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[Any, ...]],
                 on_bytes: Optional[Callable[[int], None]]
-                ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Optional[Dict[str, Any]]]:
+                ) -> Tuple[Optional[Dict[str, Any]], Optional[Verdict], int, Optional[Dict[str, Any]]]:
     trees: Dict[str, Any] = {}
     nbytes = 0
     for want in wanted:
@@ -236,30 +278,33 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[Any, ...]
         if rel not in man["files"]:
             if optional:
                 continue
-            return None, f"{rel}: not in the manifest", 0, man
+            # the step is whole; this job needs a file it never had (another world size or layout)
+            return None, verdicts.incompatible(f"{rel}: needed here, and not part of this checkpoint"), 0, man
         problems = stepfiles.check_sizes(step_dir, man, [rel])
         if problems:
-            return None, problems[0], 0, man
+            return None, verdicts.corrupt(problems[0]), 0, man
         if len(want) > 2:
             if callable(want[2]):   # a torch.save file: its pickle and the tensors ``pick`` chooses
                 read = lambda: torchparts.read(step_dir, rel, man, want[2], trees, on_bytes)  # noqa: E731
             else:                   # these items only: the framework's reader takes them from the file
                 read = lambda: (None,) + stepfiles.read_items(step_dir, rel, man, want[2], on_bytes)  # noqa: E731
-            got, problem = _attempt(rel, read)
-            if problem is None:
+            got, verdict = _attempt(rel, read)
+            if verdict is None:
                 tree, problem, n = got
-            if problem:
-                return None, problem, 0, man
+                verdict = verdicts.corrupt(problem) if problem else None
+            if verdict:
+                return None, verdict, 0, man
             trees[rel] = tree
             nbytes += n
             continue
         algo = man.get("checksum", mf.ALGO)
-        got, problem = _attempt(rel, lambda: stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes))
-        if problem is None:
+        got, verdict = _attempt(rel, lambda: stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes))
+        if verdict is None:
             buf, digest = got
             problem = mf.compare(rel, len(buf), lambda: digest, man["files"][rel], algo)
-        if problem:
-            return None, problem, 0, man
+            verdict = verdicts.corrupt(problem) if problem else None
+        if verdict:
+            return None, verdict, 0, man
         try:
             fmt = man["files"][rel].get("format", "safetensors")
             if fmt == "torch":
@@ -271,18 +316,20 @@ def _read_files(step_dir: str, man: Dict[str, Any], wanted: List[Tuple[Any, ...]
             else:
                 skeleton, tensors = shardload.decode(buf)
                 trees[rel] = unflatten(skeleton, tensors)
-        except Exception as exc:  # noqa: BLE001 - any unreadable shard rejects the step
-            return None, f"{rel}: unreadable ({exc})", 0, man
+        except Exception as exc:  # noqa: BLE001 - a listed file whose checksum matched and does not decode
+            return None, verdicts.corrupt(f"{rel}: unreadable ({exc})"), 0, man
         nbytes += len(buf)
     return trees, None, nbytes, man
 
 
-def _attempt(rel: str, read: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
-    """(what ``read`` returned, None), or (None, the problem): a path that leaves the step, a file that
-    cannot be read. Either rejects the step."""
+def _attempt(rel: str, read: Callable[[], Any]) -> Tuple[Any, Optional[Verdict]]:
+    """(what ``read`` returned, None), or (None, the verdict): a path that leaves the step or a missing
+    file (corrupt: the step's own files), a file the system will not read (unreadable)."""
     try:
         return read(), None
     except ManifestError as exc:
-        return None, str(exc)
+        return None, verdicts.corrupt(str(exc))
+    except FileNotFoundError:
+        return None, verdicts.corrupt(f"{rel}: missing")
     except OSError as exc:
-        return None, f"{rel}: unreadable ({exc})"
+        return None, verdicts.unreadable(f"{rel}: unreadable ({exc})")

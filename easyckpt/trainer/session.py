@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from easyckpt import console
 from easyckpt.config import Config, validate
-from easyckpt.errors import AgentError, EasyCkptError, TornSnapshot
+from easyckpt.errors import AgentError, EasyCkptError, NoValidCheckpoint, TornSnapshot
 from easyckpt.formats.reap import reap_dead_jobs
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
@@ -52,7 +52,7 @@ class Engine:
         self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
         console.install(self.rank, to_stdout=cfg.naming.framework == "megatron")   # as print_rank_0
         self.log = AuditLog(cfg.audit_log, f"rank{self.rank}")
-        self.savedir = SaveDir(cfg.save_dir, cfg.naming, cfg.job_id)   # read only: the agent writes there
+        self.savedir = SaveDir.of(cfg)   # read only: the agent writes there
         reap_dead_jobs(self.log, keep=cfg.job_id)
         self.snapshotter = Snapshotter(cfg.job_id, self.rank, self.world_size,
                                        peers.replica_copies(cfg, self.world_size, self.rank))
@@ -68,6 +68,9 @@ class Engine:
         self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
+        # recorded in every manifest's info (rank 0's wins): retention and the loader order this job's steps
+        # by (run, step), so a new run's commits are never older than a previous run's higher step numbers
+        self.run_started = round(time.time(), 6)
         self.progress = runlog.Progress(self.rank)
         # overlap (overlap.py): a snapshot whose optimizer-owned tensors are still being copied
         self.pending: Optional[PendingSnapshot] = None
@@ -127,6 +130,7 @@ class Engine:
         self._introduce()
         defer = self.watch.deferrable() if overlap else None
         shards = collect()
+        info = {**(info or {}), "run": self.run_started}
         result = self.snapshotter.snapshot(step, shards, persist, info, defer)
         if result is None and self.snapshotter.skipped is None and not self.client.alive():
             # both slots reserved by an agent that died: a new agent releases them (promise 10)
@@ -315,10 +319,19 @@ class Engine:
     def load(self, needed: Needed, layout: Optional[str] = None) -> Optional[Loaded]:
         self.settle()
         self._introduce()
-        loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log,
-                             on_rejected=lambda step, why: one_shot(self.cfg.job_id, {
-                                 "op": "damaged", "step": step, "reason": why}), remote=self.remote,
-                             layout=layout)
+        fresh: List[int] = []
+        try:
+            loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log,
+                                 on_rejected=lambda step, why: one_shot(self.cfg.job_id, {
+                                     "op": "damaged", "step": step, "reason": why}), remote=self.remote,
+                                 layout=layout)
+        except NoValidCheckpoint as exc:
+            # every rank raised the same (the verdicts were gathered): all stop, or all start fresh
+            self.log.emit("error", message=str(exc))
+            if self.cfg.on_no_valid_checkpoint != "start_fresh":
+                raise
+            loaded, fresh = None, [v.step for v in exc.verdicts]
+            self._quarantine(exc.verdicts)
         if loaded is not None and loaded.source == "peer":
             self.snapshotter.rescan()    # the pulled slot carries the agent's generation count
         if loaded is not None:
@@ -326,11 +339,24 @@ class Engine:
                           bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
             self.last_step = loaded.step
             self.progress.mark(loaded.step)
-        console.info(_resumed(loaded, self.cfg.save_dir, self.world_size))
+        console.info(_resumed(loaded, self.cfg.save_dir, self.world_size, fresh))
         if self.rank == 0:
             runlog.record("resume", step=loaded.step if loaded else 0, source=loaded.source if loaded else "none",
                           seconds=round(loaded.seconds, 6) if loaded else 0.0)
         return loaded
+
+    def _quarantine(self, rejected: Sequence[Any]) -> None:
+        """A fresh start over steps no rank could restore: rank 0 has the agent set each aside, kept whole,
+        before the first commit of this run (its queue runs these before any persist), so that no new commit
+        reuses their names or prunes them."""
+        if self.rank != 0:
+            return
+        for verdict in rejected:
+            console.warning(f"start_fresh: setting aside {verdict.words()}")
+            # on this rank's own connection: the agent queues it before any persist this rank asks for later,
+            # and a step commits only with rank 0's shard
+            self.client.send({"op": "quarantine", "step": verdict.step,
+                              "reason": f"{verdict.kind.value}: {verdict.reason}"[:500]})
 
     # ---- finalize ------------------------------------------------------------------------
 
@@ -400,9 +426,13 @@ class Engine:
                 else "every shard is there; the coordinator's agent did not commit (see its log)")
 
 
-def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int) -> str:
+def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int, fresh: Sequence[int] = ()) -> str:
+    if loaded is None and fresh:
+        return (f"none of this job's {len(fresh)} committed step(s) in {save_dir} ({', '.join(map(str, fresh))}) can "
+                f"be restored here: training starts from the beginning, as on_no_valid_checkpoint='start_fresh' "
+                f"allows; they are set aside as quarantined-<name>-<stamp>, kept whole (`easyckpt ls` lists them)")
     if loaded is None:
-        return f"nothing to resume from in {save_dir}: training starts from the beginning"
+        return f"no checkpoint of this job in {save_dir}: training starts from the beginning"
     where = {"memory": "memory (the snapshot that outlived the last run)",
              "peer": "a peer node's memory (the replica of this node's snapshot)",
              "storage": f"storage ({loaded.path}, verified)"}.get(loaded.source, f"{loaded.path} ({loaded.source})")

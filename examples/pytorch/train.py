@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--job-name", default=None)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-resume", action="store_true", help="start from scratch (a new run in the same save dir)")
+    p.add_argument("--start-fresh", action="store_true",
+                   help="on_no_valid_checkpoint='start_fresh': when no committed step of this job can be restored, "
+                        "set them aside and start from scratch (default: stop, listing each step and why)")
     p.add_argument("--no-exit-on-sigterm", action="store_true",
                    help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--grace", type=float, default=300.0, help="grace deadline after SIGTERM, seconds")
@@ -128,6 +131,7 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
                                  log_file_path=args.log_file, job_name=args.job_name, grace_deadline=args.grace,
                                  exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm,
                                  snapshot_overlap={"auto": None, "on": True, "off": False}[args.overlap],
+                                 on_no_valid_checkpoint="start_fresh" if args.start_fresh else "error",
                                  **hooks.settings())
     t0 = time.perf_counter()
     # extra: what the loop needs besides the model, optimizer and scheduler (here the data position)
