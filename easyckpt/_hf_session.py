@@ -219,6 +219,9 @@ class _Session:
 
     def _load_best_model(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            # the Trainer loads the best weights in place: the last snapshot's background copy ends first (else
+            # it would be torn, and the user told to turn the overlap off for what the Trainer did)
+            self.engine.settle()
             best = _step_of(self.trainer.state.best_model_checkpoint)
             if best is not None and best in self.requested:
                 self.engine.wait_committed(best)      # its persist may still be under way

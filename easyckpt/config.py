@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Type, TypeVar, Union
 from easyckpt.errors import ConfigError, UnknownSettingError
 
 # the save-dir names (formats/layout.py); re-exported: adapters and settings name them from here
+from easyckpt.formats import paths
 from easyckpt.formats.layout import NAMINGS, Naming  # noqa: F401
 from easyckpt.storage.posix import probe_writable
 
@@ -233,8 +234,8 @@ def validate(cfg: Config) -> Config:
         log = Path(cfg.audit_log)
         try:
             log.parent.mkdir(parents=True, exist_ok=True)
-            os.close(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+            os.close(paths.open_regular(str(log), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
         except OSError as exc:
-            raise ConfigError(f"log_file_path={str(log)!r} cannot be appended to ({exc.strerror}; a symlink is "
+            raise ConfigError(f"log_file_path={str(log)!r} cannot be appended to ({exc.strerror or exc}; a symlink is "
                               f"never followed); choose a writable path, or False for no audit log") from exc
     return cfg

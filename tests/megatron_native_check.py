@@ -41,7 +41,7 @@ def main():
     (model_a,), opt_a, sched_a = P.build_model_and_optimizer(args)     # one chunk each (no --vp)
     (model_b,), opt_b, sched_b = P.build_model_and_optimizer(args)
 
-    em.initialize_easyckpt(1, 1, None, save_dir=save, args=args, job_name="native-check", agent_idle_timeout=1)
+    em.initialize_easyckpt(1, 1, None, save_dir=save, args=args, agent_idle_timeout=1)
     iteration, _ = em.load_checkpoint([model_a], opt_a, sched_a, concat=concat)
     assert iteration > 0, "nothing loaded"
 

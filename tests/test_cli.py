@@ -147,7 +147,7 @@ def test_prune_keeps_the_newest_n_of_the_job_touches_nothing_else_and_logs_every
     other = step_dir(ckpt, 1)
     shutil.copytree(step_dir(ckpt, steps[0]), other)
     man = json.loads((other / MANIFEST_NAME).read_text())
-    man.update(step=1, job_id="someotherjob")
+    man.update(step=1, job_id="someotherjob", job="another-job")
     (other / MANIFEST_NAME).write_text(json.dumps(man))
     before = sorted(p.name for p in ckpt.iterdir())
 
@@ -197,9 +197,9 @@ def test_a_load_from_storage_draws_a_progress_bar_when_asked(ckpt, tmp_path):
     draws one on stderr for the files it reads (rank 0)."""
     steps = committed_steps(ckpt)
     out = run(train_cmd(ckpt, 1, "--iters", str(steps[-1]), "--idle-timeout", "1", "--hidden", str(HIDDEN),
-                        "--job-name", "progress-probe"), extra_env={"EASYCKPT_PROGRESS": "1"}, timeout=120)
+                        ), extra_env={"EASYCKPT_PROGRESS": "1"}, timeout=120)
     assert f"load step_{steps[-1]:08d}" in out.stderr and "100%" in out.stderr, out.stderr[-2000:]
-    wait_no_agent(ckpt, job_name="progress-probe")
+    wait_no_agent(ckpt)
 
 
 def test_version_prints_the_packages_version_and_exits_0():

@@ -54,13 +54,27 @@ ROWS = {
     26: "test_adopt.py::test_megatrons_own_checkpoint_is_adopted_and_later_saves_commit",
     27: "test_preemption.py::test_sigterm_to_every_process_with_dataloader_workers_saves_the_agreed_step",
     28: "test_trust.py::test_skipped_snapshots_under_back_pressure_are_said_on_the_console_with_the_iterations_at_risk",
+    29: "test_verdicts.py::test_every_step_rejected_stops_the_job_and_a_fresh_start_sets_them_aside_whole",
+    30: "test_megatron.py::test_a_wrong_flag_at_relaunch_is_incompatible_and_costs_no_checkpoint",
+    31: "test_verdicts.py::test_a_job_never_resumes_another_jobs_steps_and_says_whose_they_are",
+    32: "test_verdicts.py::test_a_new_runs_commits_are_never_pruned_for_an_older_runs_higher_steps",
+    33: "test_verdicts.py::test_prune_deletes_nothing_when_the_newest_step_it_would_keep_is_damaged",
+    34: "test_verdicts.py::test_a_copied_save_dir_resumes_commits_and_prunes",
+    35: "test_planted.py::test_a_fifo_planted_under_a_replica_slot_name_never_blocks_the_agent",
+    36: "test_planted.py::test_a_fifo_planted_as_the_key_or_a_slot_stops_the_job_at_once_naming_it",
+    37: "test_planted.py::test_a_stopped_agent_costs_training_only_skipped_persists",
+    38: "test_planted.py::test_a_fifo_in_a_step_blocks_neither_the_tools_nor_the_loader",
+    39: "test_planted.py::test_refused_connections_are_counted_not_logged_one_line_each",
+    40: "test_planted.py::test_a_staging_dir_planted_mid_run_is_refused_and_no_committed_step_belongs_to_another_user",
+    41: "test_replicas.py::test_slow_strangers_on_the_peer_port_never_starve_the_jobs_own_nodes",
+    42: "test_many_nodes.py::test_the_replica_secret_is_not_in_the_jobs_store_and_replicas_still_flow",
 }
 
 
 def test_every_row_of_the_matrix_has_its_test():
     """docs/reliability.md lists the rows of the matrix, each with the test that proves it."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
-    assert sorted(ROWS) == list(range(1, 29))
+    assert sorted(ROWS) == list(range(1, 43))
     for row, ref in ROWS.items():
         module, name = ref.split("::")
         assert hasattr(importlib.import_module(module[:-3]), name), f"row {row}: {ref} does not exist"

@@ -34,12 +34,14 @@ def train(ckpt: Path, *args: str, env=None, check=True, nproc=1):
 
 
 def probe(ckpt: Path, tmp: Path, name: str):
-    """Load the newest checkpoint as another job would (no memory snapshot of ours to see); its agent
-    removes the slots of jobs that are dead (no agent, no writer) at once."""
-    log, dump = tmp / f"{name}.jsonl", tmp / f"{name}.pt"
-    train(ckpt, "--iters", "0", "--job-name", name, "--log-file", str(log), "--dump-loaded", str(dump),
+    """Load the newest checkpoint from storage: the job relaunched on a copy of its directory (a job resumes
+    only its own steps, and the copy's memory snapshots are none: its job id is another); its agent removes
+    the slots of jobs that are dead (no agent, no writer) at once."""
+    log, dump, copy = tmp / f"{name}.jsonl", tmp / f"{name}.pt", tmp / f"{name}-copy"
+    shutil.copytree(ckpt, copy, symlinks=True)
+    train(copy, "--iters", "0", "--log-file", str(log), "--dump-loaded", str(dump),
           env={"EASYCKPT_SHM_LEFTOVER_SECONDS": "0"})
-    wait_no_agent(ckpt, job_name=name)
+    wait_no_agent(copy)
     loads = [e for e in events(log) if e["event"] == "load"]
     return loads[-1]["step"], torch.load(dump), events(log)
 

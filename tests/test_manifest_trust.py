@@ -58,11 +58,12 @@ def list_file(step: Path, rel: str, data: bytes, fmt: str = "raw") -> None:
 
 
 def probe(ckpt: Path, tmp: Path, nproc: int = 2):
-    """A 2-rank job that loads the newest checkpoint and stops: (step loaded, audit events)."""
+    """A 2-rank run of the job (``ckpt`` is a copy: no memory snapshot of it exists) that loads the newest
+    checkpoint and stops: (step loaded, audit events)."""
     log = tmp / "probe.jsonl"
-    run(train_cmd(ckpt, nproc, "--iters", "0", "--hidden", "8", "--job-name", "probe", "--log-file", str(log),
+    run(train_cmd(ckpt, nproc, "--iters", "0", "--hidden", "8", "--log-file", str(log),
                   *FAST), extra_env={"EASYCKPT_SHM_LEFTOVER_SECONDS": "0"}, timeout=180)
-    wait_no_agent(ckpt, job_name="probe")
+    wait_no_agent(ckpt)
     ev = events(log)
     return [e for e in ev if e["event"] == "load"][-1]["step"], ev
 

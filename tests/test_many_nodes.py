@@ -321,6 +321,42 @@ def test_a_lost_node_replaced_resumes_from_its_replica_in_a_peers_memory(tmp_pat
     assert_losses(loss, ref)
 
 
+STORE_PROBE = """
+import datetime, json, sys
+from torch.distributed import TCPStore
+store = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=datetime.timedelta(seconds=20))
+print(json.dumps(store.list_keys()))
+"""
+
+
+def test_the_replica_secret_is_not_in_the_jobs_store_and_replicas_still_flow(tmp_path, cluster):
+    """Row 42: any host that reaches the job's c10d store (no authentication) lists its keys from another
+    node's network: the agents' endpoints are there, the replica secret is not (before: `easyckpt/<job>/secret`
+    was, and with it a stranger fetched rank 0's snapshot and planted a forged replica); the nodes' agents
+    still authenticate each other with the secret the ranks exchanged over their process group."""
+    c = cluster(2)
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmds = c.train_cmds(ckpt, 1, *COMMON, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05",
+                        "--idle-timeout", "2")
+    port = next(a.split("=", 1)[1] for a in cmds[0] if a.startswith("--master_port="))
+    runs = [node.launch(cmd, c.log("run", node.index)) for node, cmd in zip(c.nodes, cmds)]
+    wait_for_iteration(loss, 8, runs[1].proc, TIMEOUT, rank=1)
+    probe = runs[1].enter([sys.executable, "-c", STORE_PROBE, c.nodes[0].addr, port], tmp_path / "probe.out")
+    assert probe.wait(timeout=60) == 0, (tmp_path / "probe.out").read_text()[-2000:]
+    keys = json.loads((tmp_path / "probe.out").read_text().strip().splitlines()[-1])
+    job = ckpt_job(ckpt)
+    assert any(k.endswith(f"easyckpt/{job}/agent0") for k in keys), keys
+    assert not [k for k in keys if "secret" in k], keys
+    assert c.wait(runs, TIMEOUT) == [0, 0]
+    sent = [e for e in events(log) if e["event"] == "replica_sent"]
+    assert {e["host"] for e in sent} == {"node0", "node1"}, "the agents did not authenticate each other"
+
+
+def ckpt_job(ckpt: Path) -> str:
+    from harness import job_id
+    return job_id(ckpt)
+
+
 @pytest.mark.slow
 def test_two_lost_nodes_of_one_replica_group_resume_from_storage_loudly(tmp_path, cluster, tmp_path_factory):
     """Node 1 and node 2, which holds node 1's replica, are lost together (3 nodes, replication_factor 2):

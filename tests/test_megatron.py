@@ -180,6 +180,31 @@ def test_without_concat_the_torch_layout_refuses_another_tp_size_clearly(tmp_pat
     wait_no_agent(ckpt)
 
 
+def test_a_wrong_flag_at_relaunch_is_incompatible_and_costs_no_checkpoint(tmp_path):
+    """Row 30: saved on DP=2 without the DistributedOptimizer, relaunched on one rank with it and concat=True:
+    the adapter finds no optimizer shards to merge (its needed() raises a CheckpointError, a ValueError). The
+    verdict is "incompatible": the job stops naming it and the step is neither marked damaged nor changed
+    (before, it was rejected as damaged, training started over and the next commit replaced it); relaunched
+    as saved, the job resumes it."""
+    ckpt, loss = tmp_path / "ckpt", tmp_path / "loss"
+    run(cmd(ckpt, loss, "--iters", "4"), timeout=300)
+    wait_no_agent(ckpt)
+    step = ckpt / "iter_0000004"
+    before = {str(p.relative_to(step)): p.read_bytes() for p in sorted(step.rglob("*")) if p.is_file()}
+    out = run(cmd(ckpt, loss, "--iters", "8", "--use-distributed-optimizer", "--concat", "--agent-idle-timeout", "2",
+                  nproc=1), timeout=300, check=False)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-3000:]
+    assert f"step 4 {step}: incompatible" in text and "on_no_valid_checkpoint" in text, text[-3000:]
+    wait_no_agent(ckpt)
+    damaged = ckpt / ".easyckpt-damaged.json"
+    assert not damaged.exists() or "iter_0000004" not in damaged.read_text()
+    assert {str(p.relative_to(step)): p.read_bytes() for p in sorted(step.rglob("*")) if p.is_file()} == before
+    run(cmd(ckpt, loss, "--iters", "6"), timeout=300)
+    wait_no_agent(ckpt)
+    assert starts(loss)[-1] == 4
+
+
 @pytest.mark.slow   # the refusal's message; the same check guards the concat tests' layouts
 def test_without_concat_a_different_data_parallel_size_is_refused_clearly(tmp_path):
     ckpt, loss = tmp_path / "ckpt", tmp_path / "loss"
@@ -214,7 +239,7 @@ def test_native_keys_and_converter_output_load_through_megatrons_own_paths(tmp_p
     check = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                  str(ROOT / "tests" / "megatron_native_check.py"), str(ckpt)], timeout=300)
     assert check.stdout.count("NATIVE OK at iteration 6") == 2, check.stdout[-3000:]
-    wait_no_agent(ckpt, job_name="native-check")
+    wait_no_agent(ckpt)
 
 
 @pytest.mark.slow   # the single-optimizer converter runs in the default tier (above)
@@ -235,7 +260,7 @@ def test_the_converter_writes_a_chained_optimizer_as_megatron_does_for_moe(tmp_p
     check = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                  str(ROOT / "tests" / "megatron_native_check.py"), str(ckpt), "--", *moe], timeout=300)
     assert check.stdout.count("NATIVE OK at iteration 6") == 2, check.stdout[-3000:]
-    wait_no_agent(ckpt, job_name="native-check")
+    wait_no_agent(ckpt)
 
 
 @pytest.mark.slow   # the same promises in the plain layout run in CI (test_faults, test_cli)
@@ -295,7 +320,7 @@ def test_concat_state_equals_megatrons_own_resharding_of_the_converted_checkpoin
     check = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                  str(ROOT / "tests" / "megatron_native_check.py"), str(ckpt), "--concat"], timeout=300)
     assert check.stdout.count("NATIVE OK at iteration 6") == 1, check.stdout[-3000:]
-    wait_no_agent(ckpt, job_name="native-check")
+    wait_no_agent(ckpt)
 
 
 def test_the_hook_says_clearly_when_megatron_training_is_missing():

@@ -348,3 +348,37 @@ def test_kept_mappings_follow_their_file_and_let_go_of_an_unlinked_one(cfg, shm_
     finally:
         warm.close()
         cleanup(job)
+
+
+def test_slow_strangers_on_the_peer_port_never_starve_the_jobs_own_nodes(cfg, node1, holder, monkeypatch):
+    """Row 41: 64 connections from other addresses that trickle bytes and never authenticate: each is cut off
+    once the handshake deadline passes, they never hold more than their own pool (per address and in all),
+    and node 1, whose address is in the job's table, still authenticates meanwhile (before: the 64 held every
+    connection slot, one byte every 10 s, and no replica was sent while they lasted)."""
+    monkeypatch.setattr(peerwire, "HANDSHAKE_TIMEOUT", 1.5)
+    holder.peer_addrs = frozenset({"127.0.0.1"})
+    slow = []
+    try:
+        for i in range(64):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((f"127.0.0.{2 + i % 16}", 0))
+            s.settimeout(10)
+            s.connect(("127.0.0.1", holder.port))
+            slow.append(s)
+        node1._connect(node1.table, 0).close()            # the job's own node is served at once
+        t0 = time.monotonic()
+        served = []
+        for s in slow:
+            try:
+                s.sendall(b"{")                            # a byte, as a slow client would
+                while s.recv(65536):
+                    pass
+            except OSError:
+                pass
+            served.append(time.monotonic() - t0)
+        assert max(served) < 10, "a stranger's connection outlived the handshake deadline"
+        assert any("still in their handshake" in r for r in holder.refused), holder.refused[:3]
+        assert any("handshake took longer" in r for r in holder.refused), holder.refused[:3]
+    finally:
+        for s in slow:
+            s.close()

@@ -1,4 +1,4 @@
-"""Decisions that must never throw good state away (docs/reliability.md rows 31-36): what the loader
+"""Decisions that must never throw good state away (docs/reliability.md rows 29 and 31-34): what the loader
 concludes about a step, which steps are this job's, in what order retention sees them, and what the
 operator's prune may delete. Each test drives the real example trainer (tests/worker_pytorch.py under
 torchrun) and the real agent, or the real `easyckpt` command, in processes; nothing is mocked.
@@ -36,7 +36,7 @@ def _tree(root: Path) -> Dict[str, bytes]:
 
 
 def test_every_step_rejected_stops_the_job_and_a_fresh_start_sets_them_aside_whole(tmp_path):
-    """Row 31: every committed step fails its checksum: the relaunch stops before training, listing each step
+    """Row 29: every committed step fails its checksum: the relaunch stops before training, listing each step
     with its verdict and the setting that allows a fresh start, and nothing in the steps changes; with
     on_no_valid_checkpoint="start_fresh" they are quarantined, kept byte for byte, listed by `easyckpt ls`, and
     the new run's commits never take their names."""
@@ -75,7 +75,7 @@ def test_every_step_rejected_stops_the_job_and_a_fresh_start_sets_them_aside_who
 
 
 def test_a_job_never_resumes_another_jobs_steps_and_says_whose_they_are(tmp_path):
-    """Row 33: job b in job a's save dir starts from the beginning, naming a's steps as another job's; job a
+    """Row 31: job b in job a's save dir starts from the beginning, naming a's steps as another job's; job a
     relaunched resumes its own step, not b's newer one."""
     save, loss_a, loss_b = tmp_path / "ckpt", tmp_path / "a", tmp_path / "b"
     run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--job-name", "a", "--loss-file", str(loss_a)),
@@ -97,7 +97,7 @@ def test_a_job_never_resumes_another_jobs_steps_and_says_whose_they_are(tmp_path
 
 
 def test_a_new_runs_commits_are_never_pruned_for_an_older_runs_higher_steps(tmp_path):
-    """Row 34: a --no-resume run in a directory holding an older run's steps 10-20: its commits 4 and 8 are
+    """Row 32: a --no-resume run in a directory holding an older run's steps 10-20: its commits 4 and 8 are
     the newest (retention orders by run, then step) and stay; the older run's go beyond max_ckpt_num; the
     run's finalize returns as soon as its last step is committed."""
     save = tmp_path / "ckpt"
@@ -114,7 +114,7 @@ def test_a_new_runs_commits_are_never_pruned_for_an_older_runs_higher_steps(tmp_
 
 
 def test_prune_deletes_nothing_when_the_newest_step_it_would_keep_is_damaged(tmp_path):
-    """Row 35: `easyckpt prune --keep 1` verifies the step it keeps: silently damaged, nothing is deleted and
+    """Row 33: `easyckpt prune --keep 1` verifies the step it keeps: silently damaged, nothing is deleted and
     the exit status is 1; once it verifies, the older ones go."""
     save = tmp_path / "ckpt"
     run(train_cmd(save, 1, "--iters", "15", "--storage-interval", "5", "--max-ckpt", "3"), timeout=RUN_TIMEOUT)
@@ -131,7 +131,7 @@ def test_prune_deletes_nothing_when_the_newest_step_it_would_keep_is_damaged(tmp
 
 
 def test_a_copied_save_dir_resumes_commits_and_prunes(tmp_path):
-    """Row 36: a copy of the save dir whose newest step is damaged: the relaunch from the copy falls back to
+    """Row 34: a copy of the save dir whose newest step is damaged: the relaunch from the copy falls back to
     the step before (losses equal to the original run's), commits over the damaged one and prunes as usual."""
     save, loss = tmp_path / "ckpt", tmp_path / "loss"
     run(train_cmd(save, 1, "--iters", "20", "--storage-interval", "5", "--max-ckpt", "3", "--loss-file", str(loss)),

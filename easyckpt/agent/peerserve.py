@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.agent import priority, slots
 from easyckpt.errors import BadMessage, BadSlotMeta, PeerError, PeerNotReady, ShmCapacityError, SlotNotComplete
@@ -25,7 +25,14 @@ from easyckpt.formats.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.units import human
 
-MAX_CONNECTIONS = 64      # peers' connections served at once (each node sends one rank at a time per holder)
+# Capacity (promise 14): connections still in their handshake (peerwire.HANDSHAKE_TIMEOUT at most) are capped
+# per pool and per address, and the job's own nodes (the addresses of its table) have a pool of their own,
+# so that strangers' connections, however many or slow, never starve replication; authenticated ones have
+# their own cap, against a runaway only.
+MAX_CONNECTIONS = 64      # authenticated peers' connections served at once (one rank at a time per holder)
+MAX_HANDSHAKING = 32      # unauthenticated, from addresses outside the job's table
+MAX_HANDSHAKING_PEERS = 32  # unauthenticated, from the job's own nodes' addresses
+MAX_PER_ADDRESS = 8       # unauthenticated, from any one address
 
 
 class Warm:
@@ -71,6 +78,10 @@ class PeerServer:
     def __init__(self, job_id: str, addr: str, log: AuditLog, error: Callable[[str], None]):
         self.job_id, self.addr, self.log, self.error = job_id, addr, log, error
         self.secret: Optional[str] = None
+        self.table: Any = None                   # replicas.Table once the trainers introduced the nodes
+        self.peer_addrs: frozenset = frozenset()  # its endpoints' addresses: the reserved handshake pool
+        self._pending: Dict[str, int] = {}
+        self._pools = {"peer": 0, "other": 0}
         self.sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((addr, 0))
@@ -95,22 +106,44 @@ class PeerServer:
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self.sock.accept()
+                sock, peer = self.sock.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):    # a flood of connections gets no thread each
+            addr = str(peer[0])
+            pool = "peer" if addr in self.peer_addrs else "other"
+            with self._lock:
+                cap = MAX_HANDSHAKING_PEERS if pool == "peer" else MAX_HANDSHAKING
+                full = self._pools[pool] >= cap or self._pending.get(addr, 0) >= MAX_PER_ADDRESS
+                if not full:
+                    self._pools[pool] += 1
+                    self._pending[addr] = self._pending.get(addr, 0) + 1
+            if full:          # a flood of connections gets no thread each
                 sock.close()
-                self.error(f"replica connection refused: {MAX_CONNECTIONS} are open already")
+                self.error(f"replica connection from {addr} refused: too many connections still in their handshake")
                 continue
-            threading.Thread(target=self._serve, args=(sock,), daemon=True, name="easyckpt-peer").start()
+            threading.Thread(target=self._serve, args=(sock, addr, pool), daemon=True, name="easyckpt-peer").start()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _handshake_over(self, addr: str, pool: str) -> None:
+        with self._lock:
+            self._pools[pool] -= 1
+            self._pending[addr] -= 1
+            if not self._pending[addr]:
+                del self._pending[addr]
+
+    def _serve(self, sock: socket.socket, addr: str, pool: str) -> None:
         priority.bulk_thread()
         peerwire.low_priority(sock)
         conn = Conn(sock)
         node = None
+        authed = False
         try:
-            node = peerwire.serve_auth(conn, self.secret)
+            try:
+                node = peerwire.serve_auth(conn, self.secret)
+            finally:
+                self._handshake_over(addr, pool)
+            if not self._slots.acquire(blocking=False):
+                raise PeerError(f"{MAX_CONNECTIONS} authenticated replica connections are open already")
+            authed = True
             req = peerwire.request(conn.read_line())
             if req["op"] == "put":
                 self._put(conn, node, req)
@@ -129,7 +162,8 @@ class PeerServer:
                 pass
         finally:
             conn.close()
-            self._slots.release()
+            if authed:
+                self._slots.release()
 
     def _paths(self, rank: int) -> List[str]:
         return [shm.replica_path(self.job_id, rank, i) for i in (0, 1)]
@@ -139,6 +173,12 @@ class PeerServer:
 
     def _put(self, conn: Conn, node: int, req: Dict[str, int]) -> None:
         rank, step = req["rank"], req["step"]
+        t = self.table
+        # a node puts only its own ranks' replicas, of the job's world size, on a node that holds its replicas
+        if t is not None and (t.node_of(rank) != node or req["world_size"] != t.nnodes * t.ranks_per_node
+                              or t.node not in t.targets(node)):
+            raise PeerError(f"node {node} may not put rank {rank} (world_size {req['world_size']}) here: rank {rank} "
+                            f"runs on node {t.node_of(rank)}, node {node}'s replicas go to nodes {t.targets(node)}")
         if any(d is not None and d.step == step and d.header.world_size == req["world_size"]
                for d in self._held(rank)):
             conn.send_line({"ok": True, "want": False})

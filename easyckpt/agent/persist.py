@@ -47,7 +47,7 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
         files: Dict[str, Any] = {}
         total = 0
         made_dirs = {staging}
-        storage.makedirs(staging)
+        storage.make_own_dir(staging)      # never a directory another user made first in a shared save dir
         written: List[Writer] = []
         try:
             with memoryview(slot.mm) as view:

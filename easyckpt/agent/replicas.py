@@ -28,7 +28,7 @@ import concurrent.futures
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from easyckpt import console
@@ -37,7 +37,7 @@ from easyckpt.agent.cadence import Cadence
 from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.peerserve import PeerServer, Warm, receive_slot, send_slot
 from easyckpt.config import Config
-from easyckpt.errors import BadSlotMeta, PeerError, PeerNotReady, SlotNotComplete
+from easyckpt.errors import BadSlotMeta, PeerError, PeerNotReady, SlotNotComplete, UntrustedFileError
 from easyckpt.formats import peerwire, shm, slotread
 from easyckpt.formats.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
@@ -53,7 +53,7 @@ class Table:
     node: int
     nnodes: int
     ranks_per_node: int
-    secret: str
+    secret: str = field(repr=False)
     endpoints: Dict[int, Tuple[str, int]]
     factor: int
     jump: int
@@ -112,6 +112,8 @@ class Replicas:
                     del self.sent[node]
             self._seen, self._retry_at = (), {}
         if self.server is not None:
+            self.server.table = table
+            self.server.peer_addrs = frozenset(a for a, _ in table.endpoints.values())
             self.server.secret = table.secret
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, daemon=True, name="easyckpt-replicate")
@@ -174,6 +176,9 @@ class Replicas:
             if seg.replica:
                 try:
                     done = slotread.read_complete(seg.path)
+                except UntrustedFileError as exc:   # planted (a FIFO, another user's file): named, never waited on
+                    self._error(str(exc))
+                    continue
                 except OSError:
                     continue
                 if done is not None:

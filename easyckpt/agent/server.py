@@ -10,6 +10,11 @@ Order of events for a connection:
 
 It owns the connections and what it knows of each (``Client``); what a message means is the
 handler's business (agent.py).
+
+Refusals are counted, not written one line each (promise 13): another local user looping connections must
+not fill the save dir through the audit log. The first REFUSED_FREE of each REFUSED_EVERY seconds are
+logged whole, the rest as one summary line per interval with their count. A reply to a client that reads
+nothing waits REPLY_WAIT at most, then that client is dropped: the loop serves every other client.
 """
 from __future__ import annotations
 
@@ -17,11 +22,44 @@ import hmac
 import os
 import selectors
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Protocol
 
 from easyckpt.formats import protocol
 from easyckpt.storage.auditlog import AuditLog
+
+
+REFUSED_FREE = 10       # refusals logged whole per interval
+REFUSED_EVERY = 60.0    # seconds; the rest of an interval's refusals are one summary line
+REPLY_WAIT = 1.0        # seconds a reply may take to leave; a client that reads nothing is dropped
+
+
+class Refusals:
+    """The audit log's view of refused connections and messages: bounded in lines per interval."""
+
+    def __init__(self, log: AuditLog, clock: Any = time.monotonic) -> None:
+        self.log, self.clock = log, clock
+        self.since, self.logged, self.held, self.total, self.last = clock(), 0, 0, 0, ""
+
+    def __call__(self, **fields: Any) -> None:
+        self.flush()
+        self.total += 1
+        if self.logged < REFUSED_FREE:
+            self.logged += 1
+            self.log.emit("refused", **fields)
+        else:
+            self.held, self.last = self.held + 1, str(fields.get("message", ""))[:200]
+
+    def flush(self, force: bool = False) -> None:
+        now = self.clock()
+        if not force and now - self.since < REFUSED_EVERY:
+            return
+        if self.held:
+            self.log.emit("refused", count=self.held, seconds=round(now - self.since, 1),
+                          message=f"{self.held} more connections or messages refused in the last "
+                                  f"{now - self.since:.0f} s (the last: {self.last})")
+        self.since, self.logged, self.held = now, 0, 0
 
 
 @dataclass
@@ -50,6 +88,7 @@ class Server:
         self.sel.register(self.listener, selectors.EVENT_READ)
         self.clients: Dict[socket.socket, Client] = {}
         self.handler: Optional[Handler] = None
+        self.refusals = Refusals(log)
 
     def watch(self, fd: int) -> None:
         """Wake ``poll`` when ``fd`` is readable (the persist worker's results)."""
@@ -62,15 +101,19 @@ class Server:
                 self._accept()
             elif key.fileobj in self.clients:
                 self._read(key.fileobj)   # type: ignore[arg-type]
+        self.refusals.flush()
 
     def trainers(self) -> List[Client]:
         return [c for c in self.clients.values() if c.rank is not None]
 
     def send(self, conn: socket.socket, reply: Dict[str, Any]) -> None:
         try:
-            conn.setblocking(True)
+            conn.settimeout(REPLY_WAIT)
             conn.sendall(protocol.encode_reply(reply))
             conn.setblocking(False)
+        except socket.timeout:        # it reads nothing: the loop must not wait on it
+            if conn in self.clients:
+                self.disconnect(conn)
         except OSError:
             pass   # the trainer is gone; its disconnect is handled by the loop
 
@@ -85,12 +128,13 @@ class Server:
         """Stop listening (first, at exit: no trainer attaches to an agent that is leaving)."""
         self.sel.unregister(self.listener)
         self.listener.close()
+        self.refusals.flush(force=True)
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
         uid = protocol.peer_uid(conn)
         if uid != os.geteuid():     # promise 9: another user's process never gets a word in
-            self.log.emit("refused", message=f"connection from uid {uid} (not this job's user) closed")
+            self.refusals(message=f"connection from uid {uid} (not this job's user) closed")
             conn.close()
             return
         conn.setblocking(False)
@@ -140,5 +184,5 @@ class Server:
         return msg
 
     def _refuse(self, conn: socket.socket, client: Client, why: str) -> None:
-        self.log.emit("refused", rank=client.rank, message=f"bad message: {why}")
+        self.refusals(rank=client.rank, message=f"bad message: {why}")
         self.send(conn, {"op": "error", "ok": False, "error": why})

@@ -16,7 +16,6 @@ Decisions:
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -216,11 +215,7 @@ def _manifest(path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
 
 
 def _trainer_step(path: str) -> Optional[int]:
-    try:
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            return int(json.load(f)["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return stepfiles.trainer_state_step(path)
 
 
 def _staging(sd: SaveDir, framework: str) -> List[Entry]:

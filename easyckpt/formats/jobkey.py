@@ -14,7 +14,7 @@ import secrets
 import stat
 
 from easyckpt.errors import AgentError
-from easyckpt.formats import shm
+from easyckpt.formats import paths, shm
 
 _LEN = 64
 
@@ -26,7 +26,7 @@ def path(job_id: str) -> str:
 def read(job_id: str) -> str:
     """The job's key; AgentError when the file exists but cannot be trusted."""
     p = path(job_id)
-    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = paths.open_regular(p)     # a planted FIFO or device: refused at once, named with its owner
     try:
         st = os.fstat(fd)
         shm.check_owner(p, st)

@@ -5,12 +5,21 @@ A path is accepted only if it is relative, made of plain components (no empty, `
 component, no NUL or backslash) and, once joined to its step directory, still lies inside it with
 symlinks resolved. Anything else is refused with the reason: the path may have been written by
 someone else.
+
+``open_regular`` is the one way easyckpt opens a file it reads (or appends to) in /dev/shm or a save dir:
+a FIFO there would block an ordinary open for ever, a device or a symlink to /dev/zero would feed it
+without end (promise 13). It opens without blocking and without following a symlink, checks with fstat
+that the file is a regular one (and, if asked, how large), and names the file and its owner otherwise.
 """
 from __future__ import annotations
 
+import errno
 import os
+import pwd
+import stat
+from typing import Optional
 
-from easyckpt.errors import UnsafePath
+from easyckpt.errors import UnsafePath, UntrustedFileError
 
 MAX_RELPATH = 1024
 
@@ -37,3 +46,51 @@ def inside(base: str, rel: object) -> str:
     if os.path.commonpath([real_base, real]) != real_base or real == real_base:
         raise UnsafePath(f"file name {rel!r} resolves to {real}, outside the step directory {base}")
     return path
+
+
+_KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
+
+
+def owner_name(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _not_regular(path: str, st: os.stat_result) -> UntrustedFileError:
+    kind = next((name for test, name in _KINDS if test(st.st_mode)), f"of mode {stat.filemode(st.st_mode)}")
+    return UntrustedFileError(f"refusing {path}: it is {kind} owned by {owner_name(st.st_uid)}, not a regular file; "
+                              f"another user may have planted it. Remove it (as its owner or root) and start again")
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, max_bytes: Optional[int] = None) -> int:
+    """An fd of the regular file ``path``, opened with O_NONBLOCK (a FIFO opens at once instead of waiting
+    for a writer), O_NOFOLLOW and O_CLOEXEC, checked with fstat, then set back to blocking. UntrustedFileError
+    (a PermissionError, so an OSError) names the path, what it is and its owner: a FIFO, a device, a
+    socket, a directory, a symlink, or more than ``max_bytes``."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:      # ELOOP: a symlink; ENXIO: a FIFO opened for writing with no reader, or a socket
+        if exc.errno not in (errno.ELOOP, errno.ENXIO):
+            raise
+        try:
+            st = os.lstat(path)
+        except OSError:
+            raise exc from None
+        if stat.S_ISREG(st.st_mode):
+            raise
+        raise _not_regular(path, st) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise UntrustedFileError(f"refusing {path}: it holds {st.st_size} bytes, more than the {max_bytes} such a "
+                                     f"file may (owned by {owner_name(st.st_uid)})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

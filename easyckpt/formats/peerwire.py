@@ -3,9 +3,12 @@
 Who may talk. Anyone who can reach the port may connect, so both ends prove they know the job's replica
 secret before anything else (mutual challenge-response, HMAC-SHA256 over both nonces): the server sends
 its nonce, the client answers with its own nonce and a MAC, the server answers with a MAC of its own.
-The secret is made by global rank 0 for each start of the job and reaches every node's agent through the
-job's c10d store (trainer/peers.py) — the store every rank already trusts for the rendezvous; whoever can
-write that store can already take over the job's collectives.
+The secret is made by global rank 0 for each start of the job and reaches every rank over the job's own
+process group (a collective among its ranks), or is derived from a file the operator gives every node
+(EASYCKPT_REPLICA_SECRET_FILE); each rank hands it to its node's agent on the agent's authenticated local
+socket (trainer/peers.py). It never sits in the c10d store, which answers anyone who reaches its port.
+The handshake as a whole must end within HANDSHAKE_TIMEOUT: a connection that trickles bytes never holds
+a slot of the server for longer (agent/peerserve.py keeps its own capacity for authenticated peers).
 
 After that, one request per connection, a JSON line; every field is checked here (``request``):
 
@@ -44,6 +47,7 @@ MAX_WORLD = 1 << 20
 CHUNK = 4 << 20               # bytes per send between pauses and rate checks
 TRAILER = struct.Struct("<QB")   # checksum (the Hasher's digest as a number), intact
 IO_TIMEOUT = 30.0             # no read or write on a peer connection waits longer than this
+HANDSHAKE_TIMEOUT = 5.0       # from accept to authenticated, in all, however slowly the bytes come
 
 
 def _mac(secret: str, *parts: str) -> str:
@@ -57,12 +61,21 @@ class Conn:
         self.sock = sock
         sock.settimeout(IO_TIMEOUT)
         self.buf = b""
+        self.deadline: Optional[float] = None    # time.monotonic(): no read goes past it (the handshake's)
+
+    def _arm(self) -> None:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(f"the handshake took longer than {HANDSHAKE_TIMEOUT:g} s")
+            self.sock.settimeout(min(IO_TIMEOUT, left))
 
     def send_line(self, obj: Dict[str, Any]) -> None:
         self.sock.sendall((json.dumps(obj) + "\n").encode())
 
     def read_line(self) -> Dict[str, Any]:
         while b"\n" not in self.buf:
+            self._arm()
             data = self.sock.recv(65536)
             if not data:
                 raise PeerError("the peer closed the connection")
@@ -98,8 +111,15 @@ class Conn:
 def serve_auth(conn: Conn, secret: Optional[str]) -> int:
     """Server side of the handshake; the client's node. PeerError (after telling the client) on failure."""
     nonce = secrets.token_hex(16)
-    conn.send_line({"nonce": nonce, "ready": secret is not None})
-    hello = conn.read_line()
+    conn.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    try:
+        conn.send_line({"nonce": nonce, "ready": secret is not None})
+        hello = conn.read_line()
+    except socket.timeout:
+        raise PeerError(f"the handshake took longer than {HANDSHAKE_TIMEOUT:g} s") from None
+    finally:
+        conn.deadline = None
+        conn.sock.settimeout(IO_TIMEOUT)
     if secret is None:
         raise PeerNotReady("this agent does not know the job's replica secret yet")
     node, theirs, mac = hello.get("node"), hello.get("nonce"), hello.get("mac")

@@ -323,11 +323,16 @@ def _reply(line: bytes) -> Dict[str, Any]:
     return msg
 
 
-def agent_listening(job_id: str) -> bool:
-    """Whether anything listens on the job's agent address (connect only; nothing is sent)."""
+def agent_listening(job_id: str, timeout: float = 0.5) -> bool:
+    """Whether anything listens on the job's agent address (connect only; nothing is sent). Bounded: an
+    agent that accepts nothing (stopped, or its backlog filled by others) answers EAGAIN at once, and that
+    still counts as listening: the name is held (promise 13)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
     try:
         probe.connect(address(job_id))
+        return True
+    except (BlockingIOError, socket.timeout):
         return True
     except OSError:
         return False

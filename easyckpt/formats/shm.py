@@ -16,7 +16,6 @@ readers re-check the generation after reading.
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import mmap
 import os
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 from easyckpt.errors import ShmCapacityError, UntrustedFileError
+from easyckpt.formats import paths
 from easyckpt.units import human
 
 SHM_DIR = os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm")
@@ -137,14 +137,9 @@ def check_owner(path: str, st: os.stat_result) -> None:
 
 
 def open_checked(path: str, flags: int) -> int:
-    """An fd of ``path`` opened without following a symlink, after the owner and mode check."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UntrustedFileError(f"refusing {path}: it is a symlink (another user may have planted it); "
-                                     f"remove it and start again") from None
-        raise
+    """An fd of ``path`` opened without blocking or following a symlink (paths.open_regular: a planted FIFO
+    is refused at once, named with its owner), after the owner and mode check."""
+    fd = paths.open_regular(path, flags)
     try:
         check_owner(path, os.fstat(fd))
     except BaseException:
@@ -374,7 +369,7 @@ def is_leftover(path: str, job_alive: bool, quiet_seconds: float = LEFTOVER_SECO
 
 def segment_owner_pid(path: str) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = paths.open_regular(path)
     except OSError:
         return 0
     try:
@@ -390,7 +385,7 @@ def peek(path: str) -> Tuple[int, int, int]:
     look closer (a new snapshot?) or to wait a moment (one being copied); what is then read goes through
     slotread."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = paths.open_regular(path)
     except OSError:
         return EMPTY, 0, -1
     try:
@@ -420,6 +415,16 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def pid_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, a debugger): alive, holding its socket and slots, answering nothing."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read(1024)
+    except OSError:
+        return False
+    return raw[raw.rfind(b")") + 2:][:1] in (b"T", b"t")
 
 
 _KEY_NAME = re.compile(r"^easyckpt-([0-9a-f]{12})-key$")

@@ -5,8 +5,10 @@
                    once a newer verified step exists).
     INCOMPATIBLE   this job cannot restore it here: another layout or world size, another model, another
                    framework, another job. The step is fine; it is kept, never marked, never pruned for it.
-    UNREADABLE     the file system refused (permission, I/O error, a special file): maybe passing, maybe a
-                   disk to replace; not a judgement on the step's bytes, so it is not marked either.
+    UNREADABLE     the file system refused (permission, I/O error): maybe passing, maybe a disk to replace;
+                   not a judgement on the step's bytes, so it is not marked either.
+    UNTRUSTED      a file of the step (or the step directory) belongs to another user or is writable by
+                   others: it may have been planted or re-sealed. Refused, never marked, never deleted.
 
 Verdicts cross ranks as these objects (one all_gather), never as joined strings; ``combine`` turns the
 ranks' verdicts on one step into the step's: corrupt on any rank makes the step corrupt.
@@ -23,6 +25,7 @@ class Kind(str, enum.Enum):
     CORRUPT = "corrupt"
     INCOMPATIBLE = "incompatible"
     UNREADABLE = "unreadable"
+    UNTRUSTED = "untrusted"
 
 
 @dataclass(frozen=True)
@@ -56,13 +59,17 @@ def unreadable(reason: str) -> Verdict:
     return Verdict(Kind.UNREADABLE, reason)
 
 
+def untrusted(reason: str) -> Verdict:
+    return Verdict(Kind.UNTRUSTED, reason)
+
+
 def combine(step: int, path: Optional[str], per_rank: Sequence[Optional[Verdict]]) -> Optional[Verdict]:
     """The step's verdict from every rank's (None: that rank restored it): None when every rank could; else
-    the gravest kind any rank found (corrupt, then unreadable, then incompatible), with every rank's reason."""
+    the gravest kind any rank found (corrupt, untrusted, unreadable, incompatible), with every rank's reason."""
     bad = [(r, v) for r, v in enumerate(per_rank) if v is not None]
     if not bad:
         return None
-    order = [Kind.CORRUPT, Kind.UNREADABLE, Kind.INCOMPATIBLE]
+    order = [Kind.CORRUPT, Kind.UNTRUSTED, Kind.UNREADABLE, Kind.INCOMPATIBLE]
     kind = min((v.kind for _, v in bad), key=order.index)
     reasons: List[str] = []
     for r, v in bad:

@@ -32,7 +32,7 @@ import torch
 
 from easyckpt import console
 from easyckpt.config import Config, adapter_config
-from easyckpt.errors import CheckpointError, ConfigError, EasyCkptError
+from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.megatron import reshard_torch as _reshard
 from easyckpt.megatron import state as _state
 from easyckpt.megatron import torchdist as _dist

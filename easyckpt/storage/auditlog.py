@@ -14,6 +14,7 @@ import time
 from typing import Any, Dict, Optional
 
 from easyckpt import console
+from easyckpt.formats import paths
 
 WARNINGS = ("warning", "skip")
 
@@ -24,8 +25,8 @@ class AuditLog:
         self.source = source
         self._fd: Optional[int] = None
         if path:
-            # never through a symlink planted in the save dir (promise 9)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            # never through a symlink planted in the save dir (promise 9), never blocked by a FIFO (promise 13)
+            self._fd = paths.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def emit(self, event: str, **fields: Any) -> None:
         self.record(event, **fields)

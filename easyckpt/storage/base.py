@@ -71,6 +71,15 @@ class Storage(Protocol):
         """``path`` and its parents exist as directories (no-op for an object store)."""
         ...
 
+    def make_own_dir(self, path: str) -> None:
+        """A step's staging directory: created, or accepted only when it is this user's and no one else can
+        write it (UntrustedFileError otherwise); a no-op for an object store."""
+        ...
+
+    def check_own_dir(self, path: str) -> None:
+        """UntrustedFileError unless ``path`` is still this user's directory that no one else can write."""
+        ...
+
     def open_writer(self, path: str, direct: bool = True) -> Writer:
         """A new file, created exclusively (FileExistsError if it exists), never through a symlink.
         ``direct``: around the page cache where the back-end can."""

@@ -62,6 +62,7 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
             sd.storage.delete(os.path.join(staging, layout.marker_name(rank)))
         sd.storage.sync_dir(staging)
         faults.inject("agent.before_rename")
+        sd.storage.check_own_dir(staging)     # what becomes the step dir is ours (a rename keeps its owner)
         if sd.storage.exists(final):
             _retire_existing(sd, step, final, manifest, log)
         sd.storage.rename_noreplace(staging, final)
@@ -84,6 +85,9 @@ def _retire_existing(sd: "SaveDir", step: int, final: str, new: Dict[str, Any], 
     same run (a fresh snapshot of the step, e.g. with evaluation results) or rejected as damaged by the
     loader; any other (an older run's step a fresh start or a resume from an older step reaches again) is
     quarantined: renamed aside, kept whole, listed by ``easyckpt ls`` (promise 12)."""
+    planted = stepfiles.owner_problem(final)
+    if planted:
+        raise FileExistsError(f"{final}: {planted}; refusing to replace it")
     man = stepfiles.read(final)
     if man is None and sd.storage.listdir(final):
         raise FileExistsError(f"{final} exists and is not an easyckpt checkpoint; refusing to replace it")

@@ -8,13 +8,15 @@ agent drops it when it goes idle, so a job whose trainers are gone does not bloc
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
 import socket
 import time
 from typing import Optional
+
+from easyckpt.errors import UntrustedFileError
+from easyckpt.formats import paths
 
 LOCK_NAME = ".easyckpt.lock"
 
@@ -34,12 +36,9 @@ class JobLock:
         if self.fd is not None:
             return None
         try:   # never through a symlink planted in the save dir: it would truncate its target (promise 9)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
-            return (f"nobody: {self.path} is a symlink, which easyckpt never follows; remove it (another user "
-                    f"may have planted it)")
+            fd = paths.open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except UntrustedFileError as exc:      # a symlink, a FIFO, a device planted under the lock's name
+            return f"nobody: {exc} (easyckpt never follows a symlink nor locks a special file)"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

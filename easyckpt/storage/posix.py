@@ -18,6 +18,8 @@ import stat
 from pathlib import Path
 from typing import List, Union
 
+from easyckpt.errors import UntrustedFileError
+from easyckpt.formats.paths import owner_name
 from easyckpt.storage.base import Buffer
 from easyckpt.storage.direct import SequentialWriter
 
@@ -104,6 +106,19 @@ def probe_writable(directory: PathLike) -> None:
         _unlink_quiet(probe)
 
 
+def check_own_dir(path: PathLike) -> None:
+    """``path`` is a real directory (never a symlink) of this user that nobody else can write; else
+    UntrustedFileError naming its owner and mode (promise 13: a shared, sticky save dir lets any user create
+    a name first, a staging directory's name included)."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise UntrustedFileError(
+            f"refusing {path}: {'a directory' if stat.S_ISDIR(st.st_mode) else 'not a directory'} owned by "
+            f"{owner_name(st.st_uid)} with mode {stat.filemode(st.st_mode)}; easyckpt writes a step only into a "
+            f"directory of its own user (uid {os.geteuid()}) that no one else can write. Another user may have "
+            f"planted it in the shared save dir: remove it (as its owner or root); this step is not saved")
+
+
 def _unlink_quiet(path: PathLike) -> None:
     try:
         os.unlink(path)
@@ -119,6 +134,18 @@ class PosixStorage:
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
+
+    def make_own_dir(self, path: str) -> None:
+        # every rank of a step (on every node) makes the same staging dir: the first one creates it, and
+        # each accepts it only as a directory of this user that no one else can write (check_own_dir)
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass
+        check_own_dir(path)
+
+    def check_own_dir(self, path: str) -> None:
+        check_own_dir(path)
 
     def open_writer(self, path: str, direct: bool = True) -> SequentialWriter:
         return SequentialWriter(path, direct=direct)
@@ -136,7 +163,11 @@ class PosixStorage:
         return os.listdir(path)
 
     def is_dir(self, path: str) -> bool:
-        return os.path.isdir(path)
+        # lstat: a symlink is no step or staging directory (a step dir linked to / would have `ls` walk the disk)
+        try:
+            return stat.S_ISDIR(os.lstat(path).st_mode)
+        except OSError:
+            return False
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
+from easyckpt.formats import paths
 from easyckpt.formats.layout import Naming
 from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
@@ -107,7 +108,9 @@ class SaveDir:
         out = []
         for step, path in self.step_dirs():
             man = stepfiles.read(path)
-            if man is not None and man["step"] == step and (not own or self.owns(man)):
+            # own: what this job may prune or replace, so never a step directory another user owns
+            if man is not None and man["step"] == step and (not own or (self.owns(man) and
+                                                                        stepfiles.owner_problem(path) is None)):
                 out.append((step, path, man))
         return sorted(out, key=lambda e: mf.order_key(e[0], e[2]), reverse=True)
 
@@ -157,7 +160,7 @@ class SaveDir:
         """(path, an append-only fd) of the node agent's console log, never opened through a symlink planted
         in the save dir (promise 9); the caller hands the fd to the agent's process and closes it."""
         path = self.path(layout.agent_log_name(host))
-        return path, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        return path, paths.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     # ---- per-rank markers -----------------------------------------------------------------------------
 

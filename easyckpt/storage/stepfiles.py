@@ -21,7 +21,7 @@ import os
 import stat
 from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from easyckpt.errors import CheckpointError, ManifestError
+from easyckpt.errors import CheckpointError, ManifestError, UntrustedFileError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import paths
 from easyckpt.storage import fastread
@@ -33,9 +33,11 @@ def load(step_dir: str) -> Dict[str, Any]:
     ManifestError, with the reason, when it is unreadable, not JSON, or fails ``validate``."""
     path = os.path.join(step_dir, mf.MANIFEST_NAME)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = paths.open_regular(path, max_bytes=mf.MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         raise
+    except UntrustedFileError as exc:      # a FIFO, a device, a symlink, a huge file: never read
+        raise ManifestError(f"{mf.MANIFEST_NAME}: {exc}") from None
     except OSError as exc:
         raise ManifestError(f"{mf.MANIFEST_NAME} cannot be opened ({exc.strerror}"
                             f"{': a symlink' if exc.errno == errno.ELOOP else ''})") from None
@@ -81,11 +83,9 @@ def open_entry(step_dir: str, rel: str) -> BinaryIO:
     ManifestError for a path that leaves the step; OSError as open raises it."""
     path = entry_path(step_dir, rel)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:   # ELOOP: the last component became a symlink after entry_path looked
-            raise ManifestError(f"{rel}: is a symlink; refusing to follow it") from None
-        raise
+        fd = paths.open_regular(path)
+    except UntrustedFileError as exc:   # a symlink swapped in after entry_path looked, a FIFO, a device
+        raise ManifestError(f"{rel}: {exc}") from None
     return os.fdopen(fd, "rb", buffering=0)
 
 
@@ -98,11 +98,9 @@ def read_entry_hashed(step_dir: str, rel: str, algo: str = mf.ALGO,
 
     def open_fd(extra: int) -> int:
         try:
-            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | extra)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise ManifestError(f"{rel}: is a symlink; refusing to follow it") from None
-            raise
+            return paths.open_regular(path, os.O_RDONLY | extra)
+        except UntrustedFileError as exc:
+            raise ManifestError(f"{rel}: {exc}") from None
 
     return fastread.read_hashed(open_fd, size, algo, on_bytes, what=rel)
 
@@ -230,3 +228,34 @@ def damaged_message(step_dir: str, problems: List[str]) -> str:
     """What a tool that reads a committed step says when listed files fail their checks."""
     return (f"{step_dir} is damaged: {'; '.join(problems)}. Nothing was written; convert an older committed "
             f"step (`easyckpt verify SAVE_DIR` shows which are intact)")
+
+
+TRAINER_STATE_MAX = 64 << 20     # the Trainer's trainer_state.json: a log history, never this large
+
+
+def trainer_state_step(step_dir: str) -> Optional[int]:
+    """``global_step`` of the HF Trainer's ``trainer_state.json`` in ``step_dir``, or None: missing, not a
+    regular file (a FIFO, a link to /dev/zero), larger than TRAINER_STATE_MAX, or not what the Trainer writes."""
+    try:
+        fd = paths.open_regular(os.path.join(step_dir, "trainer_state.json"), max_bytes=TRAINER_STATE_MAX)
+        with os.fdopen(fd, "rb") as f:
+            return int(json.loads(f.read(TRAINER_STATE_MAX + 1))["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def owner_problem(step_dir: str, man: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """Why ``step_dir`` cannot be trusted as this user's own checkpoint, or None: the directory, its manifest
+    and every file ``man`` lists must be owned by this user, and none writable by others (promise 13: in a
+    shared save dir another user could have planted or re-sealed a step). Missing files are check_sizes's."""
+    uid = os.geteuid()
+    for rel in (None, mf.MANIFEST_NAME, *((man or {}).get("files") or {})):
+        try:
+            st = os.lstat(step_dir if rel is None else entry_path(step_dir, rel))
+        except (OSError, ManifestError):
+            continue
+        if st.st_uid != uid or st.st_mode & 0o002:
+            return (f"{rel or os.path.basename(step_dir)} is owned by {paths.owner_name(st.st_uid)} with mode "
+                    f"{stat.filemode(st.st_mode)}, not this job's user (uid {uid}): another user may have planted "
+                    f"or rewritten it")
+    return None

@@ -51,8 +51,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.config import Naming
-from easyckpt.errors import CheckpointError
+from easyckpt.errors import CheckpointError, UntrustedFileError
 from easyckpt.formats import manifest as mf
+from easyckpt.formats import paths
 from easyckpt.progress import Progress
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.trainer import shardload
@@ -186,7 +187,10 @@ def _read_inside(step_dir: str, rel: str, size: int, on_bytes: Optional[Callable
     real_dir = os.path.realpath(step_dir)
     if not os.path.realpath(path).startswith(real_dir + os.sep):
         raise CheckpointError("path resolves outside the step directory (a symlink?)")
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = paths.open_regular(path)      # a FIFO or device: refused at once, never waited on
+    except UntrustedFileError as exc:
+        raise CheckpointError(str(exc)) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

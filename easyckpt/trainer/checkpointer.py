@@ -111,6 +111,11 @@ class Checkpointer:
         where = directory if directory is not None else self.config.save_dir
         return stepfiles.read(os.path.join(where, self.config.naming.dir_name(step))) is not None
 
+    def settle(self) -> None:
+        """Finish the snapshot copy running in the background, if one runs: before the framework itself changes
+        the parameters in place outside an optimizer step (the Trainer loading its best model at the end)."""
+        self.engine.settle()
+
     def wait_committed(self, step: int, timeout: Optional[float] = None) -> None:
         """Block until ``step``, already handed to the agent, is committed (AgentError after ``timeout``)."""
         self.engine.wait_committed(step, timeout)

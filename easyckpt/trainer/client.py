@@ -22,6 +22,8 @@ from easyckpt.formats.layout import agent_log_name
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
 
+SEND_WAIT = 1.0     # seconds the rest of a message may take once the agent took its first bytes
+
 Request = Union[protocol.Message, Dict[str, Any]]
 
 
@@ -86,9 +88,12 @@ class AgentClient:
                                                                  self._spawned.poll() is not None):
                 self._spawn()
             if time.monotonic() > deadline:
+                log = self._agent_log()
+                where = (f"see {log} for its errors" if os.path.exists(log) else
+                         f"no agent was ever started ({log} does not exist): local rank 0 starts it, so see local "
+                         f"rank 0's own error output; it failed or hangs before it could start one")
                 raise AgentError(f"rank {self.rank}: no easyckpt agent answered for job {self.cfg.job_id} within "
-                                 f"{self.cfg.agent_start_timeout}s; local rank 0 starts it — see "
-                                 f"{self._agent_log()} for its errors")
+                                 f"{self.cfg.agent_start_timeout}s; {where}")
             time.sleep(0.05)
 
     def alive(self) -> bool:
@@ -119,12 +124,23 @@ class AgentClient:
     def send(self, msg: Request) -> None:
         """Send one message; if the agent died in the meantime, re-attach (restarting it) once."""
         msg = _typed(msg)
+        data = protocol.encode(msg)
         for attempt in (0, 1):
             try:
                 if self.sock is None:
                     self._connect()
-                self.sock.sendall(protocol.encode(msg))
+                # without blocking: an agent that reads nothing (stopped, hung) costs this message, not
+                # training's time; a small AF_UNIX send goes whole or not at all, so no line is ever torn
+                self.sock.setblocking(False)
+                sent = self.sock.send(data)
+                if sent < len(data):
+                    self.sock.settimeout(SEND_WAIT)
+                    self.sock.sendall(data[sent:])
                 return
+            except BlockingIOError:
+                stopped = " (it is stopped: SIGSTOP or a debugger)" if shm.pid_stopped(self.agent_pid or 0) else ""
+                raise AgentError(f"rank {self.rank}: the easyckpt agent (pid {self.agent_pid}) reads nothing"
+                                 f"{stopped}: {msg.op} skipped") from None
             except (OSError, AgentError) as exc:
                 self.log.emit("warning", rank=self.rank, message=f"agent connection lost ({exc}); re-attaching")
                 self.close()

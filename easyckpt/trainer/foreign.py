@@ -7,7 +7,6 @@ Those checkpoints easyckpt does read go through adopt.py (a manifest built from 
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
@@ -26,12 +25,8 @@ def newest_plain_checkpoint(output_dir: str, above: int = 0) -> Optional[str]:
     for step, path in SaveDir(output_dir, NAMINGS["transformers"]).step_dirs():
         if step <= above or stepfiles.read(path) is not None:
             continue
-        try:
-            with open(os.path.join(path, "trainer_state.json")) as f:
-                if int(json.load(f)["global_step"]) == step:
-                    found.append((step, path))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        if stepfiles.trainer_state_step(path) == step:
+            found.append((step, path))
     return max(found)[1] if found else None
 
 

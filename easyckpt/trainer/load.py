@@ -138,8 +138,8 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
         if verdict is None:
             return Loaded(step, "storage", paths[step], trees, nbytes, time.perf_counter() - t0, man)
         rejected.append(verdict)
-        log.emit("error" if verdict.corrupt else "warning", step=step, path=paths[step], verdict=verdict.kind.value,
-                 message=f"checkpoint rejected: {verdict.reason}")
+        log.record("error" if verdict.corrupt else "warning", step=step, path=paths[step],
+                   verdict=verdict.kind.value, message=f"checkpoint rejected: {verdict.reason}")
         if rank == 0:
             console.warning(f"{verdict.words()}: " + ("marked damaged, " if verdict.corrupt else "kept as it is, ")
                             + "trying the previous checkpoint")
@@ -244,6 +244,9 @@ def _read_step(step_dir: str, needed: Needed, progress: bool = False
         return None, verdicts.corrupt(f"{mf.MANIFEST_NAME} missing"), 0, None
     except OSError as exc:
         return None, verdicts.unreadable(f"{mf.MANIFEST_NAME} unreadable ({exc})"), 0, None
+    planted = stepfiles.owner_problem(step_dir, man)
+    if planted:
+        return None, verdicts.untrusted(planted), 0, man
     try:
         wanted = needed(man)
     except ValueError as exc:   # ConfigError, CheckpointError: the adapter cannot restore this step into this job

@@ -3,28 +3,40 @@ and ask the node's agent for a rank's state held on peers (agent/replicas.py doe
 
 Once per run, at the first load or snapshot (both are reached by every rank together): local rank 0 of
 each node asks its agent to listen on this node's address (the one that reaches the rendezvous host)
-and publishes ``address@port`` under the job's key in the store; global rank 0 publishes a fresh random
-secret; every rank waits (agent_start_timeout at most) for every node's entry and hands the table to its
-agent. Key names carry the job id; torchrun gives every restart of the job a store prefix of its own, so
-a restarted job never reads the last run's table.
+and publishes ``address@port`` under the job's key in the store; every rank waits (agent_start_timeout at
+most) for every node's entry and hands the table to its agent. Key names carry the job id; torchrun gives
+every restart of the job a store prefix of its own, so a restarted job never reads the last run's table.
+
+The replica secret never goes into the store (promise 14): the c10d store has no authentication, and
+anyone who reaches its port could read it and then fetch or plant replicas. Global rank 0 makes it and it
+reaches the other ranks in a collective of the job's process group (``job_secret``); or the operator gives
+every node a file (EASYCKPT_REPLICA_SECRET_FILE: a regular file of the job's user, mode 0600 or 0400), and
+the secret is derived from it and the job id. Endpoints may stay in the store: a forged one gains nothing,
+as the handshake needs the secret on both sides.
 
 Replicas are off (a console line says why) for one node, replication_factor=1, without a process group,
 or when ranks are not numbered node by node as torchrun numbers them.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import socket
+import stat
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt import console
 from easyckpt.config import Config
-from easyckpt.errors import AgentError
+from easyckpt.errors import AgentError, ConfigError
+from easyckpt.formats import paths
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.trainer.client import AgentClient
+from easyckpt.trainer.dist import all_gather
 
+SECRET_FILE_ENV = "EASYCKPT_REPLICA_SECRET_FILE"
+MAX_SECRET_FILE = 4096
 FETCH_TIMEOUT = 600.0     # a pull of a rank's state: the transfer's own reads time out after 30 s of silence
 
 
@@ -96,12 +108,17 @@ def introduce(cfg: Config, client: AgentClient, rank: int, world_size: int, loca
     if cfg.replication_factor < 2 or where is None:
         return None
     node, nnodes, per_node = where
-    if rank // per_node != node:
-        _off(rank, log, f"rank {rank} is on node {node}, not numbered node by node ({per_node} ranks per node)")
-        return None
     store = _store()
     if store is None:
         _off(rank, log, "no torch.distributed process group (its store is how the agents find each other)")
+        return None
+    try:
+        secret = job_secret(cfg.job_id, rank, world_size)      # a collective: every rank, before any may leave
+    except Exception as exc:  # noqa: BLE001 - replicas are an extra copy: without them training goes on
+        _off(rank, log, f"no replica secret ({type(exc).__name__}: {exc})")
+        return None
+    if rank // per_node != node:
+        _off(rank, log, f"rank {rank} is on node {node}, not numbered node by node ({per_node} ranks per node)")
         return None
     prefix = f"easyckpt/{cfg.job_id}/"
     try:
@@ -111,12 +128,9 @@ def introduce(cfg: Config, client: AgentClient, rank: int, world_size: int, loca
             if reply.get("ok") is not True:
                 raise AgentError(str(reply.get("error")))
             store.set(f"{prefix}agent{node}", f"{addr}@{reply['port']}")
-        if rank == 0:
-            store.set(f"{prefix}secret", secrets.token_hex(32))
-        keys = [f"{prefix}agent{i}" for i in range(nnodes)] + [f"{prefix}secret"]
+        keys = [f"{prefix}agent{i}" for i in range(nnodes)]
         store.wait(keys, timedelta(seconds=cfg.agent_start_timeout))
-        endpoints = ",".join(f"{i}={store.get(k).decode()}" for i, k in enumerate(keys[:-1]))
-        secret = store.get(keys[-1]).decode()
+        endpoints = ",".join(f"{i}={store.get(k).decode()}" for i, k in enumerate(keys))
         reply = client.request({"op": "peers", "node": node, "nnodes": nnodes, "ranks_per_node": per_node,
                                 "secret": secret, "endpoints": endpoints}, cfg.agent_start_timeout)
         if reply.get("ok") is not True:
@@ -128,6 +142,43 @@ def introduce(cfg: Config, client: AgentClient, rank: int, world_size: int, loca
     log.emit("replicas", rank=rank, node=node, nnodes=nnodes, factor=cfg.replication_factor,
              jump=cfg.replication_jump, endpoints=endpoints)
     return Remote(client, rank)
+
+
+def job_secret(job_id: str, rank: int, world_size: int) -> str:
+    """The replicas' secret, 64 hex digits, the same on every rank: from the operator's file when global rank
+    0 has one (every node must), else rank 0's random choice; either way sent among the job's ranks over
+    the process group, never through the store. A collective: every rank calls it."""
+    path = os.environ.get(SECRET_FILE_ENV)
+    offer = (("file", None) if path else ("made", secrets.token_hex(32))) if rank == 0 else None
+    kind, made = all_gather(offer, world_size)[0]
+    if kind == "made":
+        return str(made)
+    if not path:
+        raise ConfigError(f"global rank 0 takes the replica secret from {SECRET_FILE_ENV}, which is not set on "
+                          f"rank {rank}'s node: set it on every node")
+    return secret_from_file(path, job_id)
+
+
+def secret_from_file(path: str, job_id: str) -> str:
+    """The secret derived from an operator's file (16 to MAX_SECRET_FILE bytes of random data) and the job:
+    the file must be a regular file of this user, readable by nobody else (0600 or 0400), never a symlink."""
+    try:
+        fd = paths.open_regular(path, max_bytes=MAX_SECRET_FILE)
+    except OSError as exc:
+        raise ConfigError(f"{SECRET_FILE_ENV}={path}: {exc}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) not in (0o600, 0o400):
+            raise ConfigError(f"{SECRET_FILE_ENV}={path} is owned by {paths.owner_name(st.st_uid)} with mode "
+                              f"{stat.filemode(st.st_mode)}: it must be this user's (uid {os.geteuid()}), mode 0600 "
+                              f"or 0400 (chmod 600 {path})")
+        raw = os.read(fd, MAX_SECRET_FILE + 1).strip()
+    finally:
+        os.close(fd)
+    if len(raw) < 16:
+        raise ConfigError(f"{SECRET_FILE_ENV}={path} holds {len(raw)} bytes: give it 16 to {MAX_SECRET_FILE} bytes "
+                          f"of random data (e.g. `openssl rand -hex 32 > {path}; chmod 600 {path}`)")
+    return hashlib.sha256(b"easyckpt replica secret\0" + job_id.encode() + b"\0" + raw).hexdigest()
 
 
 def _store() -> Any:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from easyckpt import console
 from easyckpt.config import Config, validate
 from easyckpt.errors import AgentError, EasyCkptError, NoValidCheckpoint, TornSnapshot
+from easyckpt.formats import shm
 from easyckpt.formats.reap import reap_dead_jobs
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
@@ -41,6 +42,8 @@ from easyckpt.trainer.snapshot import (
 from easyckpt.units import human
 
 Collect = Callable[[], Sequence[ShardSpec]]
+STATUS_WAIT = 0.5       # seconds the training thread waits for the agent's status reply
+STATUS_BACKOFF = 10.0   # seconds it then asks no more when the agent is alive but did not answer
 # what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})
 Info = Optional[Dict[str, Any]]
 
@@ -65,6 +68,7 @@ class Engine:
         self.last_complete_step: Optional[int] = None   # newest snapshot a crash would resume from
         self.reports = StatusReports(self.rank, cfg.naming, self.log)
         self._next_status = 0.0        # rank 0 asks the agent for new commits now and then
+        self._quiet_until, self._silent, self._silent_said = 0.0, 0, False   # an agent that stopped answering
         self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
@@ -143,12 +147,19 @@ class Engine:
             return None
         if result is None:
             behind = step - (self.last_complete_step if self.last_complete_step is not None else 0)
-            why = self.snapshotter.skipped or (f"both snapshot slots are still being persisted (storage is slower "
-                                               f"than save_storage_interval={self.cfg.save_storage_interval})")
-            self.log.emit("skip", step=step, rank=self.rank, behind=behind,
-                          message=f"rank {self.rank}: snapshot of step {step} skipped: {why}; a crash now would lose "
-                                  f"{behind} iterations on this rank, more than save_mem_interval="
-                                  f"{self.cfg.save_mem_interval}")
+            pid = self.client.agent_pid
+            why = self.snapshotter.skipped or (
+                f"the easyckpt agent (pid {pid}) is stopped and holds both snapshot slots" if pid and shm.pid_stopped(pid)
+                else f"both snapshot slots are still being persisted (storage is slower than "
+                     f"save_storage_interval={self.cfg.save_storage_interval})")
+            # on the console only when the loss bound does not hold (promise 10): a skip that leaves the newest
+            # snapshot within save_mem_interval (the same step snapshotted again at the end) risks nothing
+            say = self.log.emit if behind > self.cfg.save_mem_interval else self.log.record
+            say("skip", step=step, rank=self.rank, behind=behind,
+                message=f"rank {self.rank}: snapshot of step {step} skipped: {why}; a crash now would lose "
+                        f"{behind} iterations on this rank" + (f", more than save_mem_interval="
+                                                              f"{self.cfg.save_mem_interval}"
+                                                              if behind > self.cfg.save_mem_interval else ""))
             return None
         self._snapshot_done(result, persist)
         return result
@@ -246,8 +257,30 @@ class Engine:
         self.status()
 
     def status(self) -> Dict[str, Any]:
-        """The agent's status ({} when none answers); what is new in it is said on the console."""
-        status = one_shot(self.cfg.job_id, {"op": "status"}) or {}
+        """The agent's status ({} when none answers); what is new in it is said on the console. Bounded for
+        the training thread (promise 13): an agent that is alive but silent (stopped, hung) is asked at most
+        STATUS_WAIT once every STATUS_BACKOFF seconds, and the console says so once."""
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return {}
+        got = one_shot(self.cfg.job_id, {"op": "status"}, timeout=STATUS_WAIT)
+        pid = self.client.agent_pid
+        if got is None and pid is not None and shm.pid_alive(pid):
+            self._quiet_until = time.monotonic() + STATUS_BACKOFF
+            self._silent += 1
+            stopped = shm.pid_stopped(pid)
+            why = (f"rank {self.rank}: the easyckpt agent (pid {pid}) did not answer within {STATUS_WAIT:g} s"
+                   f"{' (it is stopped: SIGSTOP or a debugger)' if stopped else ''}; training goes on: snapshots "
+                   f"whose slots it holds are skipped and persists wait until it answers again")
+            self.log.record("warning", rank=self.rank, message=why)
+            if (stopped or self._silent > 1) and not self._silent_said:
+                self._silent_said = True
+                console.warning(why)
+        elif got is not None:
+            if self._silent_said:
+                console.info(f"rank {self.rank}: the easyckpt agent answers again")
+            self._silent, self._silent_said = 0, False
+        status = got or {}
         self.reports.take(status)
         self._next_status = time.monotonic() + 0.25
         return status
@@ -327,7 +360,7 @@ class Engine:
                                  layout=layout)
         except NoValidCheckpoint as exc:
             # every rank raised the same (the verdicts were gathered): all stop, or all start fresh
-            self.log.emit("error", message=str(exc))
+            self.log.record("error", message=str(exc))     # the console shows it once, as the raised error
             if self.cfg.on_no_valid_checkpoint != "start_fresh":
                 raise
             loaded, fresh = None, [v.step for v in exc.verdicts]
