@@ -126,6 +126,32 @@ def test_a_failed_persist_fails_the_step_and_answers_its_flush_with_the_error():
     assert RemoveStaging(5) in out and node.co.failed[5].startswith("rank 0: OSError")
 
 
+def test_a_shard_written_after_its_step_failed_never_holds_the_agent_for_commit_timeout():
+    """ENOSPC on rank 0's shard of the final step while rank 1's persist of it is queued: rank 1's shard, written
+    after the failure (into space the failed one freed), fails too, at once, with the step's reason; nothing
+    is left pending, so the agent is idle (and gives the job lock back) at once, not after commit_timeout
+    (before: the step was pending again for 600 s, and the agent lived on about 11 minutes)."""
+    node = Node(world_size=2, commit_timeout=600.0)
+    node.co.flush("c0", 0, 5, 0, 6)
+    node.co.flush("c1", 1, 5, 0, 6)
+    first, second = node.jobs(node.take())
+    enospc = "OSError: [Errno 28] No space left on device"
+    out = node.persisted(first, error=enospc)
+    assert Answer("c0", 5, enospc) in out and RemoveStaging(5) in out
+    out = node.persisted(second)
+    answer, = [a for a in out if isinstance(a, Answer)]
+    assert answer.to == "c1" and answer.error and "step 5 failed: rank 0: OSError" in answer.error
+    assert RemoveStaging(5) in out
+    assert not node.co.pending and not node.co.busy(), node.co.pending
+    # the trainers die; the agent persists step 5 again for them: rank 1 fits, rank 0 fails again
+    node.co.trainers_died(5)
+    node.take()
+    first, second = node.persist(0, 5), node.persist(1, 5)
+    node.persisted(first, error=enospc)
+    node.persisted(second)
+    assert not node.co.pending, "the step saved for dead trainers waits commit_timeout for a shard that failed"
+
+
 def test_a_failed_commit_fails_the_step_and_a_later_step_still_commits():
     node = Node(world_size=1)
     commit, = node.jobs(node.persisted(node.persist(0, 5)))

@@ -139,7 +139,14 @@ class Agent:
             return now - self.idle_since > min(HELLO_WAIT, self.cfg.agent_start_timeout)
         if not self.dead_ranks:
             return True          # every trainer said bye: the job is done
-        return now - self.idle_since > self.cfg.agent_idle_timeout
+        if now - self.idle_since <= self.cfg.agent_idle_timeout:
+            return False
+        co = self.coordinator
+        self.log.record("idle_exit", ranks=sorted(self.dead_ranks), failed_steps=sorted(co.failed),
+                        message=f"the trainers of ranks {sorted(self.dead_ranks)} are gone and none came back within "
+                                f"agent_idle_timeout={self.cfg.agent_idle_timeout:g}s; nothing is left to persist"
+                                + (f" (last error: {co.last_error})" if co.last_error else ""))
+        return True
 
     def _serve_grace(self) -> bool:
         """Serve the grace deadline; True when the agent must leave now."""

@@ -112,6 +112,9 @@ class Coordinator:
         self.waiters: List[Tuple[Any, int, int]] = []          # flushes: (handle, rank, step)
         self.persisting: Dict[Tuple[int, int], int] = {}        # (epoch, step) -> persists without a result
         self.abandon_due = False              # the trainers died: their other steps' staging goes next
+        # (rank, step) persists queued or running when their step failed: a shard they write can never
+        # complete it (the failed rank's shard and the staging dir are gone, and no one asks again)
+        self.orphans: Set[Tuple[int, int]] = set()
         self._out: List[Action] = []
 
     def take(self) -> List[Action]:
@@ -141,6 +144,7 @@ class Coordinator:
         # answer the new run's flush or commit wait for it
         self.failed.clear()
         self.done.clear()
+        self.orphans.clear()
         keep = self.death_step
         if keep is not None and self.step_world.get(keep, world_size) != world_size:
             # the job came back on another layout (a node lost for good): the step saved for the dead
@@ -189,6 +193,9 @@ class Coordinator:
         self.epoch += 1
         self.abandon_epoch, self.death_step = self.epoch, keep
         self.newest_committed = -1   # restarted trainers may resume from an older step and redo newer ones
+        # a persist of the step saved for them, still in flight, counts as that save's shard (it is not
+        # asked for again: persist() dedups on queued); orphans of other steps are stale from now on
+        self.orphans.clear()
         for step in sorted(set(self.pending) - {keep}):
             self.pending.pop(step)
         self._out.append(Cancel(keep, self.epoch))
@@ -229,6 +236,20 @@ class Coordinator:
 
     def _persisted(self, job: PersistJob, err: Optional[str]) -> None:
         stale = job.epoch < self.epoch and job.step != self.death_step
+        key = (job.rank, job.step)
+        if key in self.orphans:
+            self.orphans.discard(key)
+            if err is None and not stale:
+                # its step failed while it was queued: pending it would hold the agent and the job lock for
+                # commit_timeout waiting for a shard that never comes; fail this rank's shard too, at once
+                self.queued.discard(key)
+                why = self.failed.get(job.step, "another rank's shard failed")
+                self.done[key] = f"step {job.step} failed: {why}"
+                self._out.append(Log("abandon", {"step": job.step, "rank": job.rank, "message":
+                                     f"rank {job.rank}'s shard was written after step {job.step} failed ({why}); "
+                                     f"it is removed with the step's staging"}))
+                self._out.append(RemoveStaging(job.step))
+                return
         if err is None and self.commits:
             if stale and job.epoch < self.abandon_epoch:
                 # its trainers died while it was being written: a step it completes still commits (every
@@ -344,6 +365,7 @@ class Coordinator:
         self._error(f"step {step}", err, step, rank)
         self.pending.pop(step, None)
         self.failed[step] = f"rank {rank}: {err}" if rank is not None else err
+        self.orphans |= {k for k in self.queued if k[1] == step}
         # the staging dir goes with every rank's shard in it: no rank's shard of this step counts as done
         # any more, so a later persist of the step (after the trainers' death, a finalize) writes them all
         for key, done in list(self.done.items()):

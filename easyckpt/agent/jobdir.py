@@ -53,8 +53,8 @@ class JobDir:
         return nbytes
 
     def newest_committed(self) -> Optional[int]:
-        """The newest step committed in the directory (by any job), or None."""
-        done = self.sd.committed()
+        """This job's newest commit (run, then step: SaveDir.committed's order), or None."""
+        done = self.sd.committed(own=True)
         return done[0][0] if done else None
 
     def mark_damaged(self, step: int, reason: str) -> None:

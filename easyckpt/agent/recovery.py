@@ -45,9 +45,11 @@ class Recovery:
             self.log.emit("deadline_fallback", step=step, message="already committed")
 
     def _persist(self, step: int, per_rank: slots.PerRank, reason: str) -> bool:
-        """Persist ``step`` of every rank in ``per_rank`` unless storage already has it; True if it had to."""
+        """Persist ``step`` of every rank in ``per_rank`` unless it is this job's newest commit already; True if it
+        had to. Only that exact step counts: another job's or an older run's higher step numbers say nothing
+        about this run's snapshot (a new run at step 7 beside an old run's step 20 must still be persisted)."""
         newest = self.jobdir.newest_committed()
-        if newest is not None and newest >= step:
+        if newest is not None and newest == step:
             return False
         event = "persist_after_death" if reason == "trainer died" else "deadline_fallback"
         self.log.emit(event, step=step, ranks=sorted(per_rank))
