@@ -44,9 +44,9 @@ def test_only_the_items_asked_for_are_read_and_checked(tmp_path):
     assert problem is None and nbytes == 120
     damage(step, 160)                      # item 2
     _, problem, _, _ = _read_files(str(step), man, [("__0_0.distcp", False, [1, 2])], None)
-    assert problem and "item 2" in problem and "corrupted" in problem
+    assert problem and problem.corrupt and "item 2" in problem.reason and "corrupted" in problem.reason
     _, problem, _, _ = _read_files(str(step), man, [("__0_0.distcp", False, [7])], None)
-    assert problem and "no item 7" in problem
+    assert problem and "no item 7" in problem.reason
 
 
 @pytest.mark.parametrize("items", [

@@ -336,11 +336,11 @@ def test_the_replica_secret_is_not_in_the_jobs_store_and_replicas_still_flow(tmp
     still authenticate each other with the secret the ranks exchanged over their process group."""
     c = cluster(2)
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
-    cmds = c.train_cmds(ckpt, 1, *COMMON, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05",
-                        "--idle-timeout", "2")
+    cmds = c.train_cmds(ckpt, 1, *COMMON, "--iters", "150", "--loss-file", str(loss), "--log-file", str(log),
+                        "--step-sleep", "0.1", "--idle-timeout", "2")
     port = next(a.split("=", 1)[1] for a in cmds[0] if a.startswith("--master_port="))
     runs = [node.launch(cmd, c.log("run", node.index)) for node, cmd in zip(c.nodes, cmds)]
-    wait_for_iteration(loss, 8, runs[1].proc, TIMEOUT, rank=1)
+    wait_for_iteration(loss, 8, runs[1].proc, TIMEOUT, rank=1)     # the job runs on while the probe looks
     probe = runs[1].enter([sys.executable, "-c", STORE_PROBE, c.nodes[0].addr, port], tmp_path / "probe.out")
     assert probe.wait(timeout=60) == 0, (tmp_path / "probe.out").read_text()[-2000:]
     keys = json.loads((tmp_path / "probe.out").read_text().strip().splitlines()[-1])

@@ -30,12 +30,10 @@ from harness import (
     wait_for_iteration,
     wait_no_agent,
 )
-from test_trust import _agent_pid, _finish_holder, _holder
+from test_trust import AS_ROOT, _agent_pid, _finish_holder, _holder
 
 from easyckpt.formats import shm
 
-AS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
-                             reason="needs root and runuser to act as a second local user (nobody); CI runs as root")
 QUICK = 60      # seconds: a refusal must come this fast, far below any timeout of the job's
 
 

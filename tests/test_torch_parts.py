@@ -83,7 +83,7 @@ def test_a_damaged_picked_storage_rejects_the_step_and_an_unpicked_one_is_not_re
     data[items[1][0] + 3] ^= 0xFF             # model a.weight: picked
     path.write_bytes(bytes(data))
     trees, problem, _, _ = _read_files(str(step), man, [(REL, False, pick_model_a)], None)
-    assert trees is None and f"{REL}: item 1" in problem and "corrupted" in problem
+    assert trees is None and problem.corrupt and f"{REL}: item 1" in problem.reason and "corrupted" in problem.reason
 
 
 def test_items_that_disagree_with_the_pickle_are_refused(tmp_path):
@@ -91,11 +91,11 @@ def test_items_that_disagree_with_the_pickle_are_refused(tmp_path):
     entry = man["files"][REL]
     entry["items"] = entry["items"][:3]       # a storage the pickle names is not listed
     problem = _read_files(str(step), man, [(REL, False, pick_model_a)], None)[1]
-    assert "which its items do not list" in problem
+    assert problem.corrupt and "which its items do not list" in problem.reason
     _, step2, man2 = make_step(tmp_path / "2")
     items = man2["files"][REL]["items"]
     items[1][1] += 4                         # a storage of another size than the pickle says
     items[1][2] = mf.checksum((step2 / REL).read_bytes()[items[1][0]:items[1][0] + items[1][1]])
-    assert "the pickle says" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1]
+    assert "the pickle says" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason
     man2["files"][REL]["items"] = items[1:]  # no head
-    assert "do not begin with the file's head" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1]
+    assert "do not begin with the file's head" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason

@@ -371,6 +371,27 @@ def test_a_shard_that_failed_on_one_rank_is_rewritten_on_every_rank_after_the_tr
         p.unlink()
 
 
+def test_an_agent_whose_last_step_failed_leaves_within_its_idle_timeout_not_commit_timeout(tmp_path):
+    """Row 22, its end: rank 0's shard fails every time (ENOSPC), rank 1's fits. The final step fails, the
+    trainers exit with the error, the agent's after-death persist fails again on rank 0 (rank 1's shard, written
+    after, fails with it): the agent leaves within its idle timeout, saying why, and gives the directory back
+    (before: rank 1's late shard left the step pending for commit_timeout, and the agent, holding the job lock,
+    lived on about 11 minutes)."""
+    save = tmp_path / "ckpt"
+    out = run(train_cmd(save, 2, "--iters", "4", "--storage-interval", "5", "--commit-timeout", "600",
+                        "--idle-timeout", "2"), extra_env={"EASYCKPT_FAULTS": "agent.persist_file@0=enospc"},
+              check=False)
+    assert out.returncode != 0 and "No space left on device" in out.stdout + out.stderr
+    t0 = time.monotonic()
+    wait_no_agent(save, timeout=60)
+    assert time.monotonic() - t0 < 60
+    idle = [e for e in events(save / "easyckpt.log") if e["event"] == "idle_exit"]
+    assert idle and "No space left on device" in idle[-1]["message"], idle
+    assert not list(save.glob(".easyckpt-staging-*")), "a failed step's staging was left"
+    for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):     # the dead trainers' slots, kept for a restart
+        p.unlink()
+
+
 def test_a_new_run_in_the_dir_of_a_crashed_run_whose_agent_lives_commits_its_own_steps(tmp_path):
     """Row 23: run 1 is killed at iteration 12 (its agent persists 12 after the death and lives on); run 2
     starts from scratch in the same directory: its steps 5 and 10 are committed with its own state, never

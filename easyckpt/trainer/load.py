@@ -168,9 +168,8 @@ def _say_other_jobs(others: List[Tuple[int, str, Dict[str, Any]]], rank: int, lo
     text = (f"{len(others)} committed step(s) in this save dir belong to another job ({'; '.join(names)}): "
             f"{', '.join(os.path.basename(p) for _, p, _ in others[:8])}{' ...' if len(others) > 8 else ''}; "
             f"not resumed (a job resumes only its own; set job_name to the job's name to resume them)")
-    log.emit("not_ours", message=text)
-    if rank == 0:
-        console.warning(text)
+    _say(rank, log, text, "not_ours")
+
 
 def _say_lost_memory(views: List[Any], rank: int, log: AuditLog) -> None:
     """Ranks with no snapshot in memory anywhere, while others have one: their node and every holder of its
@@ -180,9 +179,7 @@ def _say_lost_memory(views: List[Any], rank: int, log: AuditLog) -> None:
         why = (f"rank(s) {empty} have no snapshot in memory, neither on their node nor on a peer node (their node "
                f"and the holders of its replicas were lost, or replicas are off): resuming from storage, which "
                f"may be older than the other ranks' memory")
-        log.record("warning", message=why)
-        if rank == 0:
-            console.warning(why)
+        _say(rank, log, why)
 
 
 def _log_invalid_manifests(sd: SaveDir, valid: Set[int], log: AuditLog) -> None:
@@ -226,12 +223,15 @@ def _adopt(cand: adopt.Candidate, cfg: Config, rank: int, world_size: int, neede
 
 
 def _console(rank: int, log: AuditLog) -> Callable[[str], None]:
-    """Audit log on every rank, the console once (rank 0): what the loader passed over and why."""
-    def say(text: str) -> None:
-        log.emit("not_adopted", message=text)
-        if rank == 0:
-            console.warning(text)
-    return say
+    """What the loader passed over of the framework's own checkpoints, and why (``_say``)."""
+    return lambda text: _say(rank, log, text, "not_adopted")
+
+
+def _say(rank: int, log: AuditLog, text: str, event: str = "warning") -> None:
+    """The audit log on every rank, the console once (rank 0): the ranks agree, so one line says it."""
+    log.record(event, message=text)
+    if rank == 0:
+        console.warning(text)
 
 
 def _read_step(step_dir: str, needed: Needed, progress: bool = False
