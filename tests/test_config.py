@@ -20,6 +20,7 @@ from easyckpt import ConfigError
     ({"max_ckpt_num": 0}, "max_ckpt_num=0 must be a positive integer"),
     ({"max_ckpt_num": True}, "max_ckpt_num=True"),
     ({"agent_idle_timeout": -1}, "agent_idle_timeout=-1 must be a positive number of seconds"),
+    ({"on_no_valid_checkpoint": "restart"}, "on_no_valid_checkpoint='restart' must be one of 'error', 'start_fresh'"),
 ])
 def test_bad_argument_names_itself_and_the_fix(tmp_path, kwargs, needle):
     with pytest.raises(ConfigError) as err:

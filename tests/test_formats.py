@@ -161,3 +161,16 @@ def test_distcp_shards_hold_each_tensor_item_as_torch_saves_it_at_the_stated_off
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(build(3, "x", "t", 1, files)))
     trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m["files"]])
     assert problem is None and trees == {"__0_0.distcp": None}
+
+
+def test_a_steps_verdict_is_the_gravest_any_rank_found_with_every_ranks_reason():
+    from easyckpt.formats import verdicts
+    assert verdicts.combine(5, "p", [None, None]) is None
+    v = verdicts.combine(5, "p", [verdicts.incompatible("another layout"), verdicts.corrupt("a.bin: checksum"),
+                                  verdicts.corrupt("b.bin: missing")])
+    assert v.corrupt and v.ranks == (1, 2) and v.reason == "rank 1: a.bin: checksum; rank 2: b.bin: missing"
+    v = verdicts.combine(7, None, [verdicts.incompatible("needs rank_00003.safetensors")])
+    assert not v.corrupt and v.kind is verdicts.Kind.INCOMPATIBLE and v.reason == "needs rank_00003.safetensors"
+    assert v.words() == "step 7: incompatible (rank 0): needs rank_00003.safetensors"
+    assert verdicts.combine(1, None, [verdicts.unreadable("EIO"), verdicts.untrusted("owned by uid 65534")]).kind \
+        is verdicts.Kind.UNTRUSTED

@@ -317,3 +317,45 @@ def test_a_new_commit_under_a_damaged_name_is_verified_again(sd):
     stage(sd, 1)
     sd.commit(1, 1, LOG)                          # the same step redone (a resumed run reached it again)
     assert sd.read_damaged() == {} and intact(sd, 1)
+
+
+# ---- runs and jobs (promise 12) ------------------------------------------------------------------------
+
+def _commit_in_run(sd: SaveDir, step: int, run: float) -> None:
+    stage(sd, step)
+    marker = sd.read_markers(step)[0]
+    sd.write_marker(step, 0, marker["files"], {"run": run})      # what the engine records: its run's start
+    sd.commit(step, 1, LOG)
+
+
+def test_retention_orders_by_run_then_step_and_a_newer_run_sets_an_older_runs_step_aside(tmp_path):
+    sd = SaveDir(str(tmp_path), NAMINGS["deepspeed"], JOB, PosixStorage(), job_name="")
+    for step in (10, 20):
+        _commit_in_run(sd, step, run=100.0)
+    for step in (4, 8):                                  # a new run from scratch: its steps are the newest
+        _commit_in_run(sd, step, run=200.0)
+    assert [s for s, _ in sd.committed(own=True)] == [8, 4, 20, 10]
+    assert sd.prune(KeepLast(3), LOG) == [10]
+    _commit_in_run(sd, 20, run=200.0)                  # the new run reaches the old run's name: set aside, kept
+    (name, path), = sd.quarantined()
+    assert name == "global_step20" and json_step(path) == 20
+    assert [s for s, _ in sd.committed(own=True)] == [20, 8, 4]
+    _commit_in_run(sd, 20, run=200.0)                  # again in the same run (a fresh snapshot): replaced
+    assert len(sd.quarantined()) == 1 and intact(sd, 20)
+
+
+def test_a_step_is_the_jobs_by_its_name_wherever_the_directory_is(tmp_path):
+    sd = SaveDir(str(tmp_path), NAMINGS["deepspeed"], JOB, PosixStorage(), job_name="a")
+    _commit_in_run(sd, 5, run=1.0)
+    moved = SaveDir(str(tmp_path), NAMINGS["deepspeed"], "0123456789ab", PosixStorage(), job_name="a")
+    other = SaveDir(str(tmp_path), NAMINGS["deepspeed"], JOB, PosixStorage(), job_name="b")
+    assert [s for s, _ in moved.committed(own=True)] == [5]     # another job id (a copy elsewhere), same job
+    assert other.committed(own=True) == [] and [s for s, _ in other.committed()] == [5]
+    stage(other, 5)
+    with pytest.raises(FileExistsError, match="another job"):
+        other.commit(5, 1, LOG)
+    assert intact(sd, 5)
+
+
+def json_step(path: str) -> int:
+    return int(stepfiles.read(path)["step"])

@@ -154,12 +154,12 @@ class Engine:
                      f"save_storage_interval={self.cfg.save_storage_interval})")
             # on the console only when the loss bound does not hold (promise 10): a skip that leaves the newest
             # snapshot within save_mem_interval (the same step snapshotted again at the end) risks nothing
-            say = self.log.emit if behind > self.cfg.save_mem_interval else self.log.record
-            say("skip", step=step, rank=self.rank, behind=behind,
-                message=f"rank {self.rank}: snapshot of step {step} skipped: {why}; a crash now would lose "
-                        f"{behind} iterations on this rank" + (f", more than save_mem_interval="
-                                                              f"{self.cfg.save_mem_interval}"
-                                                              if behind > self.cfg.save_mem_interval else ""))
+            over = behind > self.cfg.save_mem_interval
+            bound = f", more than save_mem_interval={self.cfg.save_mem_interval}" if over else ""
+            (self.log.emit if over else self.log.record)(
+                "skip", step=step, rank=self.rank, behind=behind,
+                message=f"rank {self.rank}: snapshot of step {step} skipped: {why}; a crash now would lose {behind} "
+                        f"iterations on this rank{bound}")
             return None
         self._snapshot_done(result, persist)
         return result
