@@ -1,4 +1,4 @@
-"""Fault injection by name, for the tests of RELIABILITY.md. A no-op unless the environment asks.
+"""Fault injection by name, for the tests of docs/reliability.md. A no-op unless the environment asks.
 
 ``EASYCKPT_FAULTS`` is a comma-separated list of ``point[@rank][=action]`` where action is ``kill``
 (SIGKILL this process, the default), ``raise``, ``enospc`` (an OSError "No space left on device",

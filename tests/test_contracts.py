@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md hold: the agent never imports torch, pickle or trainer-side code; formats
+"""The import rules of .importlinter hold: the agent never imports torch, pickle or trainer-side code; formats
 stay torch-free and shared; adapters never import the agent or the storage layer, nor each other; storage
 never imports torch or either process's code. The contracts live in .importlinter; this runs them.
 """

@@ -1,4 +1,4 @@
-"""RELIABILITY.md's fault-injection matrix: rows 4, 8, 11, 12 and 14 here, and the index of every row's
+"""docs/reliability.md's fault-injection matrix: rows 4, 8, 11, 12 and 14 here, and the index of every row's
 test (``ROWS``), checked below so that a row cannot lose its test unnoticed."""
 from __future__ import annotations
 

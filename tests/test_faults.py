@@ -1,4 +1,4 @@
-"""Fault-injection rows of RELIABILITY.md for the core engine (rows 1, 2, 6, 7, 9, 10, 13, 15) and
+"""Fault-injection rows of docs/reliability.md for the core engine (rows 1, 2, 6, 7, 9, 10, 13, 15) and
 pruning. Single-process runs where a row does not need two ranks: each launch costs seconds."""
 from __future__ import annotations
 

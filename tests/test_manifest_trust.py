@@ -1,4 +1,4 @@
-"""Manifests are data from disk (RELIABILITY.md rows 16, 20, 25): what they name is read only inside its
+"""Manifests are data from disk (docs/reliability.md rows 16, 20, 25): what they name is read only inside its
 step, a malformed one rejects its step (logged, the job starts from the previous one), the operator tools
 report it in one line, and DeepSpeed's converters read only listed, verified files, never running a pickle.
 

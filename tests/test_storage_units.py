@@ -319,7 +319,7 @@ def test_a_new_commit_under_a_damaged_name_is_verified_again(sd):
     assert sd.read_damaged() == {} and intact(sd, 1)
 
 
-# ---- runs and jobs (promise 12) ------------------------------------------------------------------------
+# ---- runs and jobs (docs/reliability.md promise 12) ------------------------------------------------------
 
 def _commit_in_run(sd: SaveDir, step: int, run: float) -> None:
     stage(sd, step)

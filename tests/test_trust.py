@@ -1,4 +1,4 @@
-"""The threat model (RELIABILITY.md rows 17-20) and the Trust issue's failure paths (rows 21-24, 28).
+"""The threat model (docs/reliability.md rows 17-20) and the Trust issue's failure paths (rows 21-24, 28).
 
 The multi-user tests run as root with a second local user (`nobody`), as CI does, and skip elsewhere.
 Each test drives the real trainer (tests/worker_pytorch.py or a small easyckpt script) and the real

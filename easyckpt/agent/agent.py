@@ -260,7 +260,7 @@ class Agent:
         self.server.send(conn, {"op": "hello", "ok": True, "agent_pid": os.getpid()})
 
     def _refusal(self, msg: protocol.Hello, client: Client) -> Optional[str]:
-        """Why a hello cannot be accepted (promise 8: one job per directory), or None."""
+        """Why a hello cannot be accepted (docs/reliability.md promise 8: one job per directory), or None."""
         rank, pid, world_size = msg.rank, msg.pid, msg.world_size
         live = [c for c in self.server.trainers() if c is not client and shm.pid_alive(c.pid)]
         known = self.coordinator.world_size

@@ -25,7 +25,8 @@ from easyckpt.formats.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.units import human
 
-# Capacity (promise 14): connections still in their handshake (peerwire.HANDSHAKE_TIMEOUT at most) are capped
+# Capacity (docs/reliability.md promise 14): connections still in their handshake (peerwire.HANDSHAKE_TIMEOUT
+# at most) are capped
 # per pool and per address, and the job's own nodes (the addresses of its table) have a pool of their own,
 # so that strangers' connections, however many or slow, never starve replication; authenticated ones have
 # their own cap, against a runaway only.

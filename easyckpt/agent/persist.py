@@ -7,8 +7,8 @@ Framework-native torch.save files are assembled from the trainer's pickle and th
 (torchzip.py): the agent never unpickles. Every file name comes from the slot's checked metadata
 (slotmeta.py) and stays inside the staging directory (paths.py); files are created exclusively, never
 through a symlink. After the last byte the slot's generation is checked again: if the trainer had
-started to overwrite the slot, the shard is discarded (promise 3: the values persisted for step S are
-the values of step S).
+started to overwrite the slot, the shard is discarded (docs/reliability.md promise 3: the values
+persisted for step S are the values of step S).
 """
 from __future__ import annotations
 

@@ -11,10 +11,11 @@ Order of events for a connection:
 It owns the connections and what it knows of each (``Client``); what a message means is the
 handler's business (agent.py).
 
-Refusals are counted, not written one line each (promise 13): another local user looping connections must
-not fill the save dir through the audit log. The first REFUSED_FREE of each REFUSED_EVERY seconds are
-logged whole, the rest as one summary line per interval with their count. A reply to a client that reads
-nothing waits REPLY_WAIT at most, then that client is dropped: the loop serves every other client.
+Refusals are counted, not written one line each (docs/reliability.md promise 13): another local user
+looping connections must not fill the save dir through the audit log. The first REFUSED_FREE of each
+REFUSED_EVERY seconds are logged whole, the rest as one summary line per interval with their count. A
+reply to a client that reads nothing waits REPLY_WAIT at most, then that client is dropped: the loop
+serves every other client.
 """
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ class Server:
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
         uid = protocol.peer_uid(conn)
-        if uid != os.geteuid():     # promise 9: another user's process never gets a word in
+        if uid != os.geteuid():     # docs/reliability.md promise 9: another user's process never gets a word in
             self.refusals(message=f"connection from uid {uid} (not this job's user) closed")
             conn.close()
             return

@@ -12,7 +12,7 @@ What is read (found from the step's manifest, not guessed from directory names):
         ``pytorch_model.bin`` (+ its index), keys as the Trainer stored them (kind ``hf``).
 
 Decisions:
-- Safety (promise 7): a checkpoint's pickles go through ``safe_torch_load`` only. DeepSpeed's merge
+- Safety (docs/reliability.md promise 7): a checkpoint's pickles go through ``safe_torch_load`` only. DeepSpeed's merge
   (``deepspeed/utils/zero_to_fp32.py``) is reused rather than re-derived — its padding and alignment rules
   change between releases — but it calls ``torch.load(weights_only=False)``. So for the duration of one
   call, and only inside that module, its global name ``torch`` is a stand-in whose ``load`` serves

@@ -182,7 +182,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     policy = retention.KeepLast(args.keep, retention.protected(committed[0][1]))
     doomed = policy.to_delete(committed)
     # the newest step stays whatever --keep says: it must verify (every byte) before anything older goes, or a
-    # silently damaged newest step would be all that is left (promise 12)
+    # silently damaged newest step would be all that is left (docs/reliability.md promise 12)
     if doomed and not args.dry_run:
         problems = catalog.verify(catalog.step_entry(committed[0][0], committed[0][1], cat.framework))
         if problems:

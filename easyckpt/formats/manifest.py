@@ -7,7 +7,7 @@ costs little; zlib's crc32 is the fallback when xxhash is missing.
 This module is the format only (fields, validation, checksums, comparing a file against its entry);
 reading a step's manifest and the files it lists is storage/stepfiles.py's.
 
-Trust (promise 9, rows 20 and 25): a manifest is data from disk, checked like safetensors checks its
+Trust (docs/reliability.md promise 9, rows 20 and 25): a manifest is data from disk, checked like safetensors checks its
 header before anything in it is used: ``validate`` type-checks every field and every file entry and
 raises ManifestError naming the field; ``check_relpath`` refuses absolute paths, ``..``, empty, ``.``,
 NUL or backslash components in a listed name.

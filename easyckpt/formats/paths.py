@@ -1,5 +1,5 @@
 """Relative paths inside a step directory: the one check every path taken from a slot, a manifest or a
-marker passes before it touches the file system (promise 9).
+marker passes before it touches the file system (docs/reliability.md promise 9).
 
 A path is accepted only if it is relative, made of plain components (no empty, ``.`` or ``..``
 component, no NUL or backslash) and, once joined to its step directory, still lies inside it with
@@ -8,8 +8,8 @@ someone else.
 
 ``open_regular`` is the one way easyckpt opens a file it reads (or appends to) in /dev/shm or a save dir:
 a FIFO there would block an ordinary open for ever, a device or a symlink to /dev/zero would feed it
-without end (promise 13). It opens without blocking and without following a symlink, checks with fstat
-that the file is a regular one (and, if asked, how large), and names the file and its owner otherwise.
+without end (docs/reliability.md promise 13). It opens without blocking and without following a symlink,
+checks with fstat that the file is a regular one (and, if asked, how large), and names the file and its owner otherwise.
 """
 from __future__ import annotations
 

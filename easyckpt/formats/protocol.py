@@ -1,7 +1,7 @@
 """Trainer ↔ agent protocol: JSON lines over an abstract Unix socket (no file on disk; the name is
 free again the moment the agent dies, which also makes it the agent's single-instance lock).
 
-Who may talk (promise 9). The name of an abstract socket is public (/proc/net/unix) and carries no
+Who may talk (docs/reliability.md promise 9). The name of an abstract socket is public (/proc/net/unix) and carries no
 file permissions, so both ends check the other: the agent accepts a connection only from a process of
 its own user (SO_PEERCRED), and the first message of every connection must carry the job's key — 32
 random bytes in a 0600 file in /dev/shm that only the job's user can read (jobkey.py). A trainer, in
@@ -326,7 +326,7 @@ def _reply(line: bytes) -> Dict[str, Any]:
 def agent_listening(job_id: str, timeout: float = 0.5) -> bool:
     """Whether anything listens on the job's agent address (connect only; nothing is sent). Bounded: an
     agent that accepts nothing (stopped, or its backlog filled by others) answers EAGAIN at once, and that
-    still counts as listening: the name is held (promise 13)."""
+    still counts as listening: the name is held (docs/reliability.md promise 13)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(timeout)
     try:

@@ -3,7 +3,7 @@
 Any easyckpt start on a node (a trainer's Engine, an agent) removes this user's slots and keys of jobs
 whose agent no longer listens and whose writers are dead, after they have been quiet for a while (a
 slot being set up by a trainer whose agent is still starting must survive). So a killed job's memory
-does not wait for that same job to come back (promise 6). Other users' files are never touched.
+does not wait for that same job to come back (docs/reliability.md promise 6). Other users' files are never touched.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from easyckpt.storage.auditlog import AuditLog
 def reap_dead_jobs(log: AuditLog, keep: str) -> None:
     """Remove this user's segments (and keys) of jobs whose agent and writers are gone: any easyckpt
     start on the node does this, so a killed job's memory does not wait for that same job to return
-    (promise 6). Other users' files are never touched."""
+    (docs/reliability.md promise 6). Other users' files are never touched."""
     alive: Dict[str, bool] = {}
     for path, job, *_ in shm.list_segments():
         if job == keep or not shm.owned_by_me(path):

@@ -220,10 +220,11 @@ class Slot:
         the new pages into this mapping too (a replica receiver maps the slot populated instead).
 
         posix_fallocate makes tmpfs allocate the pages up front: running out of /dev/shm is an
-        ENOSPC here, before any copy, instead of a SIGBUS in the middle of a snapshot (promise 6).
+        ENOSPC here, before any copy, instead of a SIGBUS in the middle of a snapshot (docs/reliability.md promise 6).
         Slots only grow: a reader may hold a mapping of the old size, and shrinking would SIGBUS it.
         """
-        try:   # exclusively, never through a symlink: a pre-created slot is someone else's (promise 9)
+        # exclusively, never through a symlink: a pre-created slot is someone else's (docs/reliability.md promise 9)
+        try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             fd = open_checked(path, os.O_RDWR)   # ours from an earlier run of this job, or refused

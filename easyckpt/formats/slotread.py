@@ -72,7 +72,7 @@ def ensure_unchanged(slot: shm.Slot, found: CompleteSlot) -> None:
 def read_complete(path: str, expect_step: Optional[int] = None) -> Optional[CompleteSlot]:
     """The complete snapshot in the slot file ``path``, or None when there is none (no file, or any
     check above fails). A file of another user or a symlink is not None but UntrustedFileError
-    (promise 9): callers report it rather than treat it as an empty slot."""
+    (docs/reliability.md promise 9): callers report it rather than treat it as an empty slot."""
     try:
         slot = shm.Slot(path, writable=False)
     except FileNotFoundError:

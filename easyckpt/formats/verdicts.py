@@ -1,4 +1,4 @@
-"""What the loader may conclude about a committed step, as typed values (promise 12).
+"""What the loader may conclude about a committed step, as typed values (docs/reliability.md promise 12).
 
     CORRUPT        the step's own bytes fail: a checksum, a size, a listed file missing, a manifest or a
                    file that does not decode. Only this marks a step damaged (retention may then remove it

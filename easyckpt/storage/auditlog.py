@@ -25,7 +25,8 @@ class AuditLog:
         self.source = source
         self._fd: Optional[int] = None
         if path:
-            # never through a symlink planted in the save dir (promise 9), never blocked by a FIFO (promise 13)
+            # never through a symlink planted in the save dir, never blocked by a FIFO (docs/reliability.md
+            # promises 9 and 13)
             self._fd = paths.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def emit(self, event: str, **fields: Any) -> None:

@@ -1,6 +1,6 @@
 """The commit: the sequence that makes a staged step a checkpoint (SaveDir.commit runs it).
 
-Order of operations (RELIABILITY.md, "the durable sequence"); the order IS the design:
+Order of operations (docs/reliability.md, "The durable sequence"); the order IS the design:
 
   all ranks, per shard (agent/persist.py): write files into the staging dir → fsync each file and dir
   all ranks:        SaveDir.write_marker()    rank r's files are durable (temp, fsync, rename)
@@ -81,10 +81,10 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
 
 def _retire_existing(sd: "SaveDir", step: int, final: str, new: Dict[str, Any], log: AuditLog) -> None:
     """A step directory of the same name exists. A foreign one (not easyckpt's, another job's) is never
-    touched (promise 4). One of this job is replaced only when nothing is lost by it: committed by this
-    same run (a fresh snapshot of the step, e.g. with evaluation results) or rejected as damaged by the
-    loader; any other (an older run's step a fresh start or a resume from an older step reaches again) is
-    quarantined: renamed aside, kept whole, listed by ``easyckpt ls`` (promise 12)."""
+    touched (docs/reliability.md promise 4). One of this job is replaced only when nothing is lost by it:
+    committed by this same run (a fresh snapshot of the step, e.g. with evaluation results) or rejected as
+    damaged by the loader; any other (an older run's step a fresh start or a resume from an older step reaches again) is
+    quarantined: renamed aside, kept whole, listed by ``easyckpt ls`` (docs/reliability.md promise 12)."""
     planted = stepfiles.owner_problem(final)
     if planted:
         raise FileExistsError(f"{final}: {planted}; refusing to replace it")

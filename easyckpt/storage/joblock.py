@@ -1,4 +1,4 @@
-"""One job per save directory (RELIABILITY promise 8).
+"""One job per save directory (docs/reliability.md, promise 8).
 
 The coordinator's agent (the one serving global rank 0) holds an exclusive ``flock`` on
 ``SAVE_DIR/.easyckpt.lock`` while its job is active: trainers attached, or disk work not done. A second
@@ -35,7 +35,8 @@ class JobLock:
         """None when this job holds the lock now; else a message naming the job that holds it."""
         if self.fd is not None:
             return None
-        try:   # never through a symlink planted in the save dir: it would truncate its target (promise 9)
+        # never through a symlink planted in the save dir: it would truncate its target (docs/reliability.md promise 9)
+        try:
             fd = paths.open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except UntrustedFileError as exc:      # a symlink, a FIFO, a device planted under the lock's name
             return f"nobody: {exc} (easyckpt never follows a symlink nor locks a special file)"

@@ -2,7 +2,7 @@
 fsync discipline, no-replace rename, atomic small-file writes.
 
 Everything that makes bytes durable or visible on disk goes through these few functions, so the rules
-of the durable sequence (RELIABILITY.md) are enforced in one place:
+of the durable sequence (docs/reliability.md) are enforced in one place:
 - a file is durable after ``fsync(file)``; its *name* is durable only after ``fsync(parent dir)``;
 - a directory becomes visible by ``rename`` and must never replace an existing one;
 - a small file (manifest, tracker, marker) is written to a temp name, fsynced, then renamed.
@@ -108,8 +108,8 @@ def probe_writable(directory: PathLike) -> None:
 
 def check_own_dir(path: PathLike) -> None:
     """``path`` is a real directory (never a symlink) of this user that nobody else can write; else
-    UntrustedFileError naming its owner and mode (promise 13: a shared, sticky save dir lets any user create
-    a name first, a staging directory's name included)."""
+    UntrustedFileError naming its owner and mode (docs/reliability.md promise 13: a shared, sticky save dir
+    lets any user create a name first, a staging directory's name included)."""
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
         raise UntrustedFileError(

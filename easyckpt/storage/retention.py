@@ -1,9 +1,10 @@
 """Which committed checkpoints stay: pruning after a successful commit (SaveDir.prune runs it).
 
-Rules (promise 4): only directories that match the framework's naming AND carry a manifest of this
+Rules (docs/reliability.md promise 4): only directories that match the framework's naming AND carry a manifest of this
 job; never the newest committed one; every delete is logged before it happens; a checkpoint the
 loader rejected (SaveDir.mark_damaged) never counts towards the ones kept, and goes once a newer
-verified one exists, so a verified checkpoint is never deleted while a damaged one stays (promise 10).
+verified one exists, so a verified checkpoint is never deleted while a damaged one stays
+(docs/reliability.md promise 10).
 Each delete is SaveDir.delete_dir: renamed out of sight (atomic), then removed, so a crash mid-delete
 never leaves a half-deleted directory under a checkpoint's name.
 

@@ -158,7 +158,8 @@ class SaveDir:
 
     def open_agent_log(self, host: str) -> Tuple[str, int]:
         """(path, an append-only fd) of the node agent's console log, never opened through a symlink planted
-        in the save dir (promise 9); the caller hands the fd to the agent's process and closes it."""
+        in the save dir (docs/reliability.md promise 9); the caller hands the fd to the agent's process and
+        closes it."""
         path = self.path(layout.agent_log_name(host))
         return path, paths.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
@@ -232,9 +233,12 @@ class SaveDir:
     def quarantine(self, step: int, reason: str, log: AuditLog) -> Optional[str]:
         """Set committed step ``step`` aside under a quarantine name (layout.quarantine_name), whole: no
         loader, retention or commit takes it any more, nothing in it changes. Logged first. Returns the new
-        path, or None when the step directory is not there."""
+        path, or None when there is no committed step of this job by that name (a request from a trainer
+        never sets aside another job's step, nor one another user owns)."""
         final = self.step_path(step)
-        if not self.storage.is_dir(final):
+        man = stepfiles.read(final) if self.storage.is_dir(final) else None
+        if man is None or man["step"] != step or not self.owns(man) or stepfiles.owner_problem(final):
+            log.emit("warning", step=step, path=final, message="not set aside: no committed step of this job there")
             return None
         stamp = time.time_ns() // 1000
         while True:

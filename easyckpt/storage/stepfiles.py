@@ -244,12 +244,13 @@ def trainer_state_step(step_dir: str) -> Optional[int]:
         return None
 
 
-def owner_problem(step_dir: str, man: Optional[Dict[str, Any]] = None) -> Optional[str]:
+def owner_problem(step_dir: str, rels: Iterable[str] = ()) -> Optional[str]:
     """Why ``step_dir`` cannot be trusted as this user's own checkpoint, or None: the directory, its manifest
-    and every file ``man`` lists must be owned by this user, and none writable by others (promise 13: in a
-    shared save dir another user could have planted or re-sealed a step). Missing files are check_sizes's."""
+    and the listed files ``rels`` (those a rank reads) must be owned by this user, and none writable by others
+    (docs/reliability.md promise 13: in a shared save dir another user could have planted or re-sealed a
+    step). Missing files are check_sizes's."""
     uid = os.geteuid()
-    for rel in (None, mf.MANIFEST_NAME, *((man or {}).get("files") or {})):
+    for rel in (None, mf.MANIFEST_NAME, *rels):
         try:
             st = os.lstat(step_dir if rel is None else entry_path(step_dir, rel))
         except (OSError, ManifestError):

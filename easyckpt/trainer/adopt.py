@@ -1,4 +1,5 @@
-"""Adoption: the framework's own checkpoints (no easyckpt manifest) as resume candidates (promise 11).
+"""Adoption: the framework's own checkpoints (no easyckpt manifest) as resume candidates
+(docs/reliability.md promise 11).
 
 A job that adds easyckpt halfway (Megatron-LM with ``--save`` = ``--load``, a DeepSpeed loop, an HF
 Trainer run) has the framework's own step directories in the save dir. Ignoring them would restart

@@ -16,7 +16,7 @@ job's own), newest commit first (run, then step); another job's steps are named 
 Each rank's verdict on a step is a formats/verdicts.Verdict: only a CORRUPT one (the step's own bytes fail)
 is reported to the agent as damaged; an INCOMPATIBLE or UNREADABLE one leaves the step as it is. When this
 job's committed steps exist and none can be restored, NoValidCheckpoint lists each with its verdict: the
-engine stops there unless ``on_no_valid_checkpoint="start_fresh"`` (promise 12).
+engine stops there unless ``on_no_valid_checkpoint="start_fresh"`` (docs/reliability.md promise 12).
 A step whose manifest is invalid (not JSON, a field missing or of the wrong type, a file named outside the
 step) is no candidate: it is logged as rejected, with the reason, and older steps are tried. Only files
 the manifest lists are read, each through manifest.read_entry (inside the step, no symlink out).
@@ -80,9 +80,10 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
                      - {s.step for s in mem})
     sd = SaveDir.of(cfg)
     every = sd.committed_manifests()
-    stored = [(s, p) for s, p, man in every if sd.owns(man)]
-    runs = {s: mf.run_of(man) for s, _, man in every if sd.owns(man)}
-    _say_other_jobs([(s, p, man) for s, p, man in every if not sd.owns(man)], rank, log)
+    ours = [e for e in every if sd.owns(e[2])]
+    stored = [(s, p) for s, p, _ in ours]
+    runs = {s: mf.run_of(man) for s, _, man in ours}
+    _say_other_jobs([e for e in every if not sd.owns(e[2])], rank, log)
     _log_invalid_manifests(sd, {s for s, _, _ in every}, log)
     native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own
     views = all_gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native], on_peer),
@@ -161,7 +162,7 @@ def _none_restorable(cfg: Config, rejected: List[Verdict]) -> str:
 
 
 def _say_other_jobs(others: List[Tuple[int, str, Dict[str, Any]]], rank: int, log: AuditLog) -> None:
-    """Committed steps of other jobs in the save dir: never resumed, said once (promise 12)."""
+    """Committed steps of other jobs in the save dir: never resumed, said once (docs/reliability.md promise 12)."""
     if not others:
         return
     names = sorted({mf.job_words(man) for _, _, man in others})
@@ -244,13 +245,14 @@ def _read_step(step_dir: str, needed: Needed, progress: bool = False
         return None, verdicts.corrupt(f"{mf.MANIFEST_NAME} missing"), 0, None
     except OSError as exc:
         return None, verdicts.unreadable(f"{mf.MANIFEST_NAME} unreadable ({exc})"), 0, None
-    planted = stepfiles.owner_problem(step_dir, man)
-    if planted:
-        return None, verdicts.untrusted(planted), 0, man
     try:
         wanted = needed(man)
     except ValueError as exc:   # ConfigError, CheckpointError: the adapter cannot restore this step into this job
         return None, verdicts.incompatible(str(exc)), 0, man
+    # only what this rank reads: every rank checking every rank's files would be world_size² lstats
+    planted = stepfiles.owner_problem(step_dir, [w[0] for w in wanted if w[0] in man["files"]])
+    if planted:
+        return None, verdicts.untrusted(planted), 0, man
     # a bar on rank 0 when asked for (EASYCKPT_PROGRESS=1) or on a terminal: a large load takes minutes
     total = sum(_wanted_bytes(man, want) for want in wanted)
     with Progress(total if progress else 0, f"load {os.path.basename(step_dir)}") as bar:

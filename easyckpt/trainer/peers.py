@@ -7,7 +7,7 @@ and publishes ``address@port`` under the job's key in the store; every rank wait
 most) for every node's entry and hands the table to its agent. Key names carry the job id; torchrun gives
 every restart of the job a store prefix of its own, so a restarted job never reads the last run's table.
 
-The replica secret never goes into the store (promise 14): the c10d store has no authentication, and
+The replica secret never goes into the store (docs/reliability.md promise 14): the c10d store has no authentication, and
 anyone who reaches its port could read it and then fetch or plant replicas. Global rank 0 makes it and it
 reaches the other ranks in a collective of the job's process group (``job_secret``); or the operator gives
 every node a file (EASYCKPT_REPLICA_SECRET_FILE: a regular file of the job's user, mode 0600 or 0400), and

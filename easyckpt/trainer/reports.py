@@ -62,7 +62,7 @@ class StatusReports:
 
     def _failures(self, failed: Dict[int, str]) -> None:
         """A step that cannot be committed is said on the console once (rank 0), while training goes on
-        and later steps still commit (promise 2)."""
+        and later steps still commit (docs/reliability.md promise 2)."""
         for step in sorted(set(failed) - self.failures):
             self.failures.add(step)
             if self.rank == 0:

@@ -2,7 +2,7 @@
 
 The Hugging Face Trainer's tokenizer or processor can only save itself into a directory, its resume path
 reads ``trainer_state.json`` from one, and DeepSpeed ships a helper script as a file of its package.
-Adapters hold no file I/O (DESIGN.md), so they come here. A scratch directory is named by
+Adapters hold no file I/O (.importlinter keeps them from storage/), so they come here. A scratch directory is named by
 formats/layout.py's ``scratch_name`` (job and, where ranks differ, rank: two jobs or ranks on one output
 directory never share one); it is created, written and removed through the Storage interface, and whoever
 made it removes it.

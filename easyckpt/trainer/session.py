@@ -137,7 +137,7 @@ class Engine:
         info = {**(info or {}), "run": self.run_started}
         result = self.snapshotter.snapshot(step, shards, persist, info, defer)
         if result is None and self.snapshotter.skipped is None and not self.client.alive():
-            # both slots reserved by an agent that died: a new agent releases them (promise 10)
+            # both slots reserved by an agent that died: a new agent releases them (docs/reliability.md promise 10)
             self.client.reattach("both snapshot slots stay reserved by it")
             result = self.snapshotter.snapshot(step, shards, persist, info, defer)
         if isinstance(result, PendingSnapshot):
@@ -152,8 +152,9 @@ class Engine:
                 f"the easyckpt agent (pid {pid}) is stopped and holds both snapshot slots" if pid and shm.pid_stopped(pid)
                 else f"both snapshot slots are still being persisted (storage is slower than "
                      f"save_storage_interval={self.cfg.save_storage_interval})")
-            # on the console only when the loss bound does not hold (promise 10): a skip that leaves the newest
-            # snapshot within save_mem_interval (the same step snapshotted again at the end) risks nothing
+            # on the console only when the loss bound does not hold (docs/reliability.md promise 10): a skip
+            # that leaves the newest snapshot within save_mem_interval (the same step snapshotted again at the
+            # end) risks nothing
             over = behind > self.cfg.save_mem_interval
             bound = f", more than save_mem_interval={self.cfg.save_mem_interval}" if over else ""
             (self.log.emit if over else self.log.record)(
@@ -176,7 +177,7 @@ class Engine:
     def settle(self) -> None:
         """Finish the background snapshot copy, if one runs: called by the watched optimizers' step
         pre-hook (the copy must end before the parameters change), and before anything else that
-        snapshots, loads or finalizes. A failed copy is logged; training goes on (promise 2)."""
+        snapshots, loads or finalizes. A failed copy is logged; training goes on (docs/reliability.md promise 2)."""
         pending = self.pending
         if pending is None:
             return
@@ -232,7 +233,8 @@ class Engine:
             self.log.emit("error", step=step, rank=self.rank, message=f"SIGTERM checkpoint failed: {exc}")
             if self.cfg.exit_after_ondemand_checkpoint:
                 raise      # exiting as if it had been saved would lose progress silently
-            return         # promise 2: a failed save does not stop training the user wanted to go on
+            # a failed save does not stop training the user wanted to go on (docs/reliability.md promise 2)
+            return
         self.log.emit("sigterm_save", step=step, rank=self.rank, seconds=round(time.time() - t0, 6),
                       since_signal=None if since is None else round(time.time() - since, 6),
                       exit=self.cfg.exit_after_ondemand_checkpoint)
@@ -252,14 +254,14 @@ class Engine:
                               "generation": result.generation, "step": result.step})
             self.last_persisted_step = result.step
             self.reports.requested(result.step)
-        except AgentError as exc:   # never take training down for a failed persist (promise 2)
+        except AgentError as exc:   # never take training down for a failed persist (docs/reliability.md promise 2)
             self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
         self.status()
 
     def status(self) -> Dict[str, Any]:
         """The agent's status ({} when none answers); what is new in it is said on the console. Bounded for
-        the training thread (promise 13): an agent that is alive but silent (stopped, hung) is asked at most
-        STATUS_WAIT once every STATUS_BACKOFF seconds, and the console says so once."""
+        the training thread (docs/reliability.md promise 13): an agent that is alive but silent (stopped,
+        hung) is asked at most STATUS_WAIT once every STATUS_BACKOFF seconds, and the console says so once."""
         now = time.monotonic()
         if now < self._quiet_until:
             return {}
@@ -434,7 +436,7 @@ class Engine:
         while True:
             if self.savedir.is_committed(step):
                 return
-            if time.monotonic() > next_check:     # fail at once, not at the deadline (promise 10)
+            if time.monotonic() > next_check:     # fail at once, not at the deadline (docs/reliability.md promise 10)
                 next_check = time.monotonic() + 0.25
                 failed = self.failed_steps()
                 if step in failed:

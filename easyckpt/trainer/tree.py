@@ -1,7 +1,7 @@
 """Split a state tree into tensors and a JSON "skeleton" that records where each tensor sits.
 
 The skeleton is plain JSON with a few tags, so that loading a checkpoint never unpickles anything
-(promise 7). Supported leaves: tensors, numpy arrays, None, bool, int, float, str, bytes, tuples,
+(docs/reliability.md promise 7). Supported leaves: tensors, numpy arrays, None, bool, int, float, str, bytes, tuples,
 lists, dicts (any JSON-able keys), torch.dtype, torch.Size. Anything else is refused at save time
 with the path that holds it, instead of silently pickling code into a checkpoint.
 """
@@ -113,7 +113,7 @@ def _hashable(key: Any) -> Any:
 # enums). For such shards the TRAINER produces the pickle part of the torch.save file itself (``data.pkl``,
 # with every tensor a persistent reference to storage record i, exactly as torch.save writes it); the
 # agent only assembles the zip archive from those bytes and the tensor bytes in the slot
-# (torchzip.py), so it never unpickles anything (promise 9). Checkpoint files and snapshots are only
+# (torchzip.py), so it never unpickles anything (docs/reliability.md promise 9). Checkpoint files and snapshots are only
 # ever read back through the weights-only unpickler with an explicit allow-list (safe_torch_load,
 # rebuild).
 
