@@ -27,7 +27,7 @@ setup(
         "megatron": ["megatron-core>=0.16,<0.17", "six", "einops", "pyyaml", "regex", "pydantic", "psutil"],
         "deepspeed": ["deepspeed>=0.19"],
         "transformers": ["transformers>=5", "accelerate>=1"],
-        "test": ["pytest>=8", "pytest-timeout", "import-linter>=2"],
+        "test": ["pytest>=8", "pytest-timeout", "import-linter>=2", "mypy>=1.10"],
         "bench": ["matplotlib"],
         "all": ["megatron-core>=0.16,<0.17", "six", "einops", "pyyaml", "regex", "pydantic", "psutil",
                 "deepspeed>=0.19", "transformers>=5", "accelerate>=1"],

@@ -18,9 +18,9 @@ from typing import Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from easyckpt.config import Config  # noqa: E402
-from easyckpt.formats import protocol  # noqa: E402
+from easyckpt.engine.client import AgentClient  # noqa: E402
+from easyckpt.ipc import agentsocket  # noqa: E402
 from easyckpt.storage.auditlog import AuditLog  # noqa: E402
-from easyckpt.trainer.client import AgentClient  # noqa: E402
 
 
 def _spin(stop: "multiprocessing.synchronize.Event") -> None:
@@ -40,7 +40,7 @@ def ready_seconds(work: str, n: int) -> List[float]:
         out.append(time.perf_counter() - t0)
         client.close()
         deadline = time.monotonic() + 30
-        while protocol.agent_listening(cfg.job_id) and time.monotonic() < deadline:
+        while agentsocket.agent_listening(cfg.job_id) and time.monotonic() < deadline:
             time.sleep(0.05)
     return out
 

@@ -69,10 +69,10 @@ from common import (  # noqa: E402
 
 import easyckpt  # noqa: E402
 from easyckpt.config import Config  # noqa: E402
-from easyckpt.trainer import load as ez_load  # noqa: E402
-from easyckpt.trainer.overlap import auto_overlap  # noqa: E402
-from easyckpt.trainer.session import Engine  # noqa: E402
-from easyckpt.trainer.snapshot import ShardSpec  # noqa: E402
+from easyckpt.engine import load as ez_load  # noqa: E402
+from easyckpt.engine.overlap import auto_overlap  # noqa: E402
+from easyckpt.engine.session import Engine  # noqa: E402
+from easyckpt.engine.snapshot import ShardSpec  # noqa: E402
 
 MODEL, OPTIM = "model.safetensors", "optimizer.safetensors"
 LOOP_WIDTH = 2048          # the loop's MLP: Linear(2048, 2048) layers, as many as the size needs
@@ -495,7 +495,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def check_space(sizes: List[float], work: str) -> None:
     from common import free_bytes
 
-    from easyckpt.formats import shm
+    from easyckpt.ipc import shm
     big = max(sizes) * GB
     problems = []
     if free_bytes(shm.SHM_DIR) < 2.2 * big:

@@ -57,8 +57,8 @@ from harness import committed_steps, events, last_iteration, starts  # noqa: E40
 from easyckpt.agent.peerserve import PeerServer  # noqa: E402
 from easyckpt.agent.replicas import Replicas, Table  # noqa: E402
 from easyckpt.config import Config  # noqa: E402
-from easyckpt.formats import shm  # noqa: E402
 from easyckpt.formats.manifest import ALGO, Hasher  # noqa: E402
+from easyckpt.ipc import shm  # noqa: E402
 from easyckpt.storage.auditlog import AuditLog  # noqa: E402
 
 MB = 10**6

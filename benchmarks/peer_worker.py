@@ -73,8 +73,8 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def run_easyckpt(args: argparse.Namespace, model: Params, opt: torch.optim.Adam, rank: int) -> Dict[str, Any]:
     from easyckpt import Checkpointer, Config
-    from easyckpt.trainer import estimate
-    from easyckpt.trainer.snapshot import ShardSpec
+    from easyckpt.engine import estimate
+    from easyckpt.engine.snapshot import ShardSpec
 
     class RankState:
         """This rank's own shard of the job's state (every rank persists its own files)."""

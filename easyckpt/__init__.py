@@ -16,13 +16,13 @@ from easyckpt.errors import (
 )
 
 if TYPE_CHECKING:   # what __getattr__ below resolves, for type checkers and IDEs
+    from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
     from easyckpt.pytorch import (
         finalize_easyckpt,
         initialize_easyckpt,
         load_checkpoint,
         save_checkpoint_if_needed,
     )
-    from easyckpt.trainer.checkpointer import Checkpointer, FrameworkState
 
 __all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt",
            "Checkpointer", "FrameworkState", "Config", "EasyCkptError", "ConfigError", "ShmCapacityError",
@@ -36,6 +36,6 @@ def __getattr__(name: str) -> Any:
         from easyckpt import pytorch
         return getattr(pytorch, name)
     if name in ("Checkpointer", "FrameworkState"):
-        from easyckpt.trainer import checkpointer
+        from easyckpt.engine import checkpointer
         return getattr(checkpointer, name)
     raise AttributeError(f"module 'easyckpt' has no attribute {name!r}")

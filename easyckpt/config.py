@@ -11,7 +11,17 @@ import hashlib
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional, Type, TypeVar, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Iterable,
+    Mapping,
+    Optional,
+    Type,
+    TypeVar,
+    Union,
+)
 
 from easyckpt.errors import ConfigError, UnknownSettingError
 
@@ -29,7 +39,10 @@ def log_setting(value: Any) -> Union[str, bool, None]:
     return value if value is None or isinstance(value, bool) else str(value)
 
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")     # the decorator reads the fields of a dataclass
 
 
 def _unknown(where: str, given: Iterable[str], known: Iterable[str]) -> None:
@@ -84,7 +97,7 @@ class Config:
     autocheckpoint_on_sigterm: bool = True
     exit_after_ondemand_checkpoint: bool = False
     grace_deadline: float = 300.0
-    # copy the tensors the optimizer owns while the next forward/backward runs (trainer/overlap.py);
+    # copy the tensors the optimizer owns while the next forward/backward runs (engine/overlap.py);
     # None = auto: when they are on a GPU, or when the CPU has a core the training does not compute on
     snapshot_overlap: Optional[bool] = None
     # the agent writes checkpoint files with O_DIRECT (around the page cache) where the file system

@@ -36,7 +36,7 @@ class _ConsoleHandler(logging.StreamHandler):
         super().__init__()
         self.to_stdout = to_stdout
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> TextIO:
         return sys.stdout if self.to_stdout else sys.stderr
 
@@ -47,7 +47,7 @@ class _ConsoleHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         tqdm = sys.modules.get("tqdm")
         bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
-        if bars:      # a bar is on the screen: tqdm clears it, writes the line, redraws it
+        if bars and tqdm is not None:      # a bar is on the screen: tqdm clears it, writes the line, redraws it
             try:
                 tqdm.tqdm.write(self.format(record), file=self.stream)
                 return

@@ -21,10 +21,15 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from easyckpt.config import NAMINGS, Config, adapter_config
-from easyckpt.trainer import estimate, rng
-from easyckpt.trainer.checkpointer import Checkpointer, DefaultCheckpointer
-from easyckpt.trainer.load import Loaded
-from easyckpt.trainer.snapshot import ShardSpec
+from easyckpt.engine import estimate, rng
+from easyckpt.engine.checkpointer import (
+    Checkpointer,
+    DefaultCheckpointer,
+    FrameworkState,
+)
+from easyckpt.engine.load import Loaded
+from easyckpt.engine.reads import as_reads
+from easyckpt.engine.snapshot import ShardSpec
 
 NAMING = NAMINGS["pytorch"]
 MODEL, OPTIM = "model.safetensors", "optimizer.safetensors"
@@ -41,7 +46,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @dataclass
-class PytorchState:
+class PytorchState(FrameworkState[Any]):
     """A plain training loop's objects on one rank (the FrameworkState of this adapter)."""
 
     ckpt: Checkpointer
@@ -68,10 +73,11 @@ class PytorchState:
         return shards
 
     def snapshot_bytes(self) -> int:
-        """About what the first snapshot holds (the slots are reserved ahead, trainer/estimate.py)."""
+        """About what the first snapshot holds (the slots are reserved ahead, engine/estimate.py)."""
         model = estimate.tensor_bytes(_unwrap(self.model).state_dict())
         return model + (estimate.optimizer_bytes(self.optimizer) if self.optimizer is not None else 0)
 
+    @as_reads
     def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
         files = [(MODEL, False)]
         if self.optimizer is not None or self.lr_scheduler is not None:

@@ -5,7 +5,7 @@
 Run with TORCH_EXTENSIONS_DIR holding ``deepspeed_shm_comm/lock`` and ``fused_adam/lock`` that no process
 holds. ``bare``: DeepSpeed alone; ``deepspeed.init_distributed`` waits on the shm op's lock, and after
 SECONDS the stacks are dumped and the process exits (so the test sees where it waits, never for ever).
-``switch``: ``easyckpt.cpu.deepspeed_on_cpu()`` first; init_distributed must return, then loading the
+``switch``: ``easyckpt.deepspeed.cpu.deepspeed_on_cpu()`` first; init_distributed must return, then loading the
 fused Adam op must fail with EasyCkptError naming its lock. A single process, its own rendezvous.
 """
 from __future__ import annotations
@@ -22,12 +22,13 @@ def main() -> int:
         os.environ.setdefault(name, value)
     os.environ.setdefault("MASTER_PORT", sys.argv[3] if len(sys.argv) > 3 else "29533")
     if mode == "switch":
-        from easyckpt.cpu import deepspeed_on_cpu
+        from easyckpt.deepspeed.cpu import deepspeed_on_cpu
         assert deepspeed_on_cpu() is True
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     print("init_distributed returned", flush=True)
     from deepspeed.ops.op_builder import FusedAdamBuilder
+
     from easyckpt.errors import EasyCkptError
     try:
         FusedAdamBuilder().load()

@@ -336,9 +336,34 @@ def committed_steps(save_dir: Path, pattern: str = "step_*") -> List[int]:
 
 
 def cli(*args: str, expect: Optional[int] = 0, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``easyckpt ARGS`` as a user runs it (a subprocess); its exit status must be ``expect`` (None: any)."""
+    """``easyckpt ARGS`` through ``easyckpt.cli.main(argv)`` in this process, its stdout and stderr captured;
+    its exit status must be ``expect`` (None: any). ``easyckpt run`` (which hands the terminal to a training
+    command) and the entry point itself run as processes: cli_process."""
+    if args and str(args[0]) == "run":
+        return cli_process(*args, expect=expect, timeout=timeout)
+    import contextlib
+    import io
+
+    from easyckpt.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:       # argparse: --version, --help, a usage error
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    proc = subprocess.CompletedProcess(["easyckpt", *map(str, args)], code, out.getvalue(), err.getvalue())
+    return _expect(proc, args, expect)
+
+
+def cli_process(*args: str, expect: Optional[int] = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``easyckpt ARGS`` as a user runs it (``python -m easyckpt.cli`` in a subprocess)."""
     proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", *map(str, args)], env=env(), capture_output=True,
                           text=True, timeout=timeout)
+    return _expect(proc, args, expect)
+
+
+def _expect(proc: subprocess.CompletedProcess, args: Sequence[Any], expect: Optional[int]
+            ) -> subprocess.CompletedProcess:
     if expect is not None and proc.returncode != expect:
         raise AssertionError(f"easyckpt {' '.join(map(str, args))} exited {proc.returncode}, expected {expect}\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")

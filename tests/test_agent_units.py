@@ -21,6 +21,7 @@ from easyckpt.agent.coordinator import (
 from easyckpt.agent.grace import Grace
 from easyckpt.agent.jobs import AbandonJob, CommitJob, DropJob, PersistJob, Result
 from easyckpt.formats import protocol
+from easyckpt.ipc import agentsocket
 
 
 class FakeClock:
@@ -459,7 +460,7 @@ def test_a_key_that_is_not_a_string_counts_as_no_key():
 
 
 def test_the_line_reader_splits_lines_and_refuses_an_endless_one():
-    reader = protocol.LineReader()
+    reader = agentsocket.LineReader()
     assert list(reader.feed(b'{"op": "st')) == []
     assert list(reader.feed(b'atus"}\n\n{"op": "bye", "rank": 0}\n')) == [b'{"op": "status"}',
                                                                             b'{"op": "bye", "rank": 0}']

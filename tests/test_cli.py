@@ -1,6 +1,7 @@
-"""The operator tools as a user runs them (``python -m easyckpt.cli ...`` in a subprocess) on the
-checkpoints of a real 2-rank DDP training run (tests/worker_pytorch.py under torchrun): ls, inspect,
-verify and prune, on intact, interrupted and damaged checkpoints, text and --json output, exit statuses.
+"""The operator tools (``easyckpt.cli.main(argv)``, in this process; the entry point itself as a process in
+the version test) on the checkpoints of a real 2-rank DDP training run (tests/worker_pytorch.py under
+torchrun): ls, inspect, verify and prune, on intact, interrupted and damaged checkpoints, text and --json
+output, exit statuses.
 The same commands on Megatron, DeepSpeed and Trainer checkpoints are checked in those frameworks' tests,
 on the checkpoints their runs leave (test_megatron, test_deepspeed, test_transformers).
 """
@@ -15,6 +16,7 @@ import pytest
 from harness import (
     cli,
     cli_json,
+    cli_process,
     committed_steps,
     events,
     run,
@@ -204,5 +206,5 @@ def test_a_load_from_storage_draws_a_progress_bar_when_asked(ckpt, tmp_path):
 
 def test_version_prints_the_packages_version_and_exits_0():
     import easyckpt
-    assert cli("--version").stdout.strip() == f"easyckpt {easyckpt.__version__}"
-    assert cli(expect=2).stderr, "no command is still a usage error"
+    assert cli_process("--version").stdout.strip() == f"easyckpt {easyckpt.__version__}"
+    assert cli_process(expect=2).stderr, "no command is still a usage error"

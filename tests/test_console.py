@@ -1,4 +1,4 @@
-"""The console lines (easyckpt/console.py, trainer/reports.py, the audit log's warnings), in process.
+"""The console lines (easyckpt/console.py, engine/reports.py, the audit log's warnings), in process.
 What a real run prints is checked in test_resume.py, test_preemption.py and the framework tests."""
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import logging
 import pytest
 
 from easyckpt import console
+from easyckpt.engine.reports import StatusReports
 from easyckpt.formats.layout import NAMINGS
+from easyckpt.formats.replies import status_from_wire
 from easyckpt.storage.auditlog import AuditLog
-from easyckpt.trainer.reports import StatusReports
 
 
 @pytest.fixture(autouse=True)
@@ -107,25 +108,25 @@ def test_status_reports_say_each_commit_once_and_ignore_what_is_malformed(tmp_pa
     console.install(0)
     log = AuditLog(None, "rank0")
     reports = StatusReports(0, NAMINGS["transformers"], log)
-    reports.take({"commits": [[5, 1024, 0.5]]})
+    reports.take(status_from_wire({"commits": [[5, 1024, 0.5]]}))
     assert capsys.readouterr().err == ""              # no request of this run yet: an earlier run's commit
     reports.requested(10)
     assert reports.waiting(10)
     bad = [[10, "x", 0.1], [11, -1, 0.1], ["12", 1, 0.1], [13, 1], "14", [15, 2048, None]]
-    reports.take({"commits": [[5, 1024, 0.5], [10, 1536, 0.25]] + bad, "failed_steps": {"9": "disk full", "x": 1}})
-    reports.take({"commits": [[10, 1536, 0.25]], "failed_steps": {"9": "disk full"}})
+    reports.take(status_from_wire({"commits": [[5, 1024, 0.5], [10, 1536, 0.25]] + bad, "failed_steps": {"9": "disk full", "x": 1}}))
+    reports.take(status_from_wire({"commits": [[10, 1536, 0.25]], "failed_steps": {"9": "disk full"}}))
     assert capsys.readouterr().err == ("easyckpt: checkpoint-10 committed (1.5 KiB, written in 0.25 s)\n"
                                        "easyckpt: step 9 was not committed: disk full; training goes on and "
                                        "later steps are still saved\n")
     assert not reports.waiting(10)
     reports.requested(15)
     assert reports.waiting(15)
-    reports.take({"failed_steps": {"15": "disk full"}})      # a failed step is not polled for
+    reports.take(status_from_wire({"failed_steps": {"15": "disk full"}}))      # a failed step is not polled for
     assert not reports.waiting(15)
     capsys.readouterr()
-    reports.take({"commits": "garbage", "failed_steps": ["9"], "refused": 2, "last_refused": [3, "rank 2 was refused"]})
+    reports.take(status_from_wire({"commits": "garbage", "failed_steps": ["9"], "refused": 2, "last_refused": [3, "rank 2 was refused"]}))
     assert capsys.readouterr().err == "easyckpt: agent: rank 2 was refused\n"
     other = StatusReports(1, NAMINGS["transformers"], log)
     other.requested(10)
-    other.take({"commits": [[10, 1536, 0.25]], "failed_steps": {"9": "disk full"}})
+    other.take(status_from_wire({"commits": [[10, 1536, 0.25]], "failed_steps": {"9": "disk full"}}))
     assert capsys.readouterr().err == "" and not other.waiting(10)

@@ -17,8 +17,8 @@ import sys
 import pytest
 from harness import (
     ROOT,
-    assert_losses_close,
     assert_console,
+    assert_losses_close,
     assert_losses_equal,
     assert_prepared,
     cli,
@@ -150,7 +150,7 @@ def _free_port() -> str:
 
 
 def test_deepspeed_on_cpu_lets_a_plain_trainer_under_zero2_start_and_train_despite_a_dead_build_lock(tmp_path):
-    """The example calls easyckpt.cpu.deepspeed_on_cpu() before TrainingArguments: a plain Trainer under
+    """The example calls easyckpt.deepspeed.cpu.deepspeed_on_cpu() before TrainingArguments: a plain Trainer under
     ZeRO-2 starts and trains although the shared-memory op's build directory holds a lock left by a killed
     build, on which DeepSpeed alone waits for ever (the slow test below shows where)."""
     loss = tmp_path / "loss"

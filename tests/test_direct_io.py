@@ -9,8 +9,9 @@ import random
 
 import pytest
 
+from easyckpt.formats.shardfile import BLOCK
 from easyckpt.storage import direct
-from easyckpt.storage.direct import BLOCK, BOUNCE, SequentialWriter
+from easyckpt.storage.direct import BOUNCE, SequentialWriter
 
 
 def _supports_direct(directory: str) -> bool:

@@ -32,15 +32,15 @@ def test_the_read_buffer_is_faulted_in_ahead_and_the_thread_ends_with_the_read(t
     buffer, and it has ended when the read returns (it holds the mapping while it runs)."""
     import threading
 
-    from easyckpt.formats import shm
+    from easyckpt import pages
 
-    walked, real = [], shm.populate_write
+    walked, real = [], pages.populate_write
 
     def recording(mm, stop=None):
         walked.append(len(mm))
         return real(mm, stop)
 
-    monkeypatch.setattr(shm, "populate_write", recording)
+    monkeypatch.setattr(pages, "populate_write", recording)
     size = 2 * fastread.CHUNK + 4097
     data = os.urandom(size)
     path = tmp_path / "f.bin"

@@ -218,6 +218,7 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
     from easyckpt.pytorch import NAMING
     from easyckpt.storage import retention, stepfiles
     from easyckpt.storage.auditlog import AuditLog
+    from easyckpt.storage.commit import commit
     from easyckpt.storage.savedir import SaveDir
     rnd = random.Random(SEED)
     log = AuditLog(None, "test")
@@ -241,11 +242,11 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
         def save(s: int) -> None:
             stage(s)
             try:
-                final, _ = sd.commit(s, 1, log)
+                done = commit(sd, s, 1, log)
             except FileExistsError:     # another job's directory of that name: refused, as the agent does
                 sd.remove_staging(log, step=s)
                 return
-            sd.prune(retention.KeepLast(n_keep, retention.protected(final)), log)
+            retention.prune(sd, retention.KeepLast(n_keep, retention.protected(done.manifest)), log)
 
         for _ in range(30):
             newest_before = sd.committed(own=True)[:1]
@@ -273,7 +274,7 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
             elif op == "prune":
                 committed = sd.committed(own=True)
                 if committed:
-                    sd.prune(retention.KeepLast(n_keep, retention.protected(committed[0][1])), log)
+                    retention.prune(sd, retention.KeepLast(n_keep, retention.protected(sd.committed_manifests(own=True)[0][2])), log)
             else:                         # another job's checkpoint and staging, an unrelated file
                 other = d / NAMING.dir_name(rnd.randint(1, 200))
                 made = [d / f"notes-{rnd.randint(0, 9)}.txt",

@@ -11,12 +11,12 @@ import signal
 import pytest
 import torch
 
-from easyckpt.agent.persist import persist_slot
-from easyckpt.formats import shm
+from easyckpt.agent.stepwriter import persist_slot
+from easyckpt.engine.load import _read_step
+from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
+from easyckpt.engine.tree import safe_torch_load
 from easyckpt.formats.manifest import MANIFEST_NAME, build
-from easyckpt.trainer.load import _read_step
-from easyckpt.trainer.snapshot import ShardSpec, Snapshotter, read_snapshot
-from easyckpt.trainer.tree import safe_torch_load
+from easyckpt.ipc import shm
 
 
 class _Local(enum.Enum):   # an enum outside the frameworks' packages
@@ -140,7 +140,7 @@ def test_distcp_shards_hold_each_tensor_item_as_torch_saves_it_at_the_stated_off
     slices the file there), and a bytes item must be there verbatim."""
     import io
 
-    from easyckpt.trainer.tree import dcp_item_size
+    from easyckpt.engine.tree import dcp_item_size
     items = [b"object-bytes\x00\x01", torch.randn(3, 5), torch.arange(7, dtype=torch.int64),
              torch.randn(2, 2, dtype=torch.bfloat16)[:, 1], b""]
     res = snap.snapshot(3, [ShardSpec("__0_0.distcp", items, True, fmt="dcp")], persist=True)

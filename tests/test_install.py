@@ -18,8 +18,9 @@ import sysconfig
 from pathlib import Path
 from typing import List
 
-import easyckpt
 from harness import ROOT
+
+import easyckpt
 
 # the adapters and both processes' entry points: each imports its framework, so this also proves that the
 # installed package finds its dependencies, not only its own files

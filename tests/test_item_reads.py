@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from easyckpt.engine.load import _read_files
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.megatron import torchdist
 from easyckpt.megatron.state import Parallel
-from easyckpt.trainer.load import _read_files
 
 ITEMS = [b"a" * 100, b"b" * 50, b"c" * 70]
 

@@ -196,9 +196,9 @@ def test_size_and_checksum_messages_say_exactly_what_differs_in_readable_units(t
 
 
 def test_shm_capacity_message_names_a_small_shortfall_in_readable_units(monkeypatch):
+    from easyckpt.engine import snapshot
     from easyckpt.errors import ShmCapacityError
-    from easyckpt.formats import shm
-    from easyckpt.trainer import snapshot
+    from easyckpt.ipc import shm
     monkeypatch.setattr(shm, "free_bytes", lambda: 1000)     # /dev/shm with 1000 bytes left
     snap = snapshot.Snapshotter("0badc0ffee00", rank=0, world_size=1)
     try:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+import nodes
 import pytest
 from harness import (
     TRAIN,
@@ -28,8 +29,6 @@ from harness import (
     wait_for_iteration,
     wait_no_agent,
 )
-
-import nodes
 
 WHY_NOT = nodes.unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))

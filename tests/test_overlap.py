@@ -25,17 +25,17 @@ from harness import (
 )
 from safetensors.torch import load_file
 
-from easyckpt.formats import shm
-from easyckpt.storage.stepfiles import read_entry
-from easyckpt.trainer.overlap import OptimizerWatch
-from easyckpt.trainer.shardload import decode
-from easyckpt.trainer.snapshot import (
+from easyckpt.engine.overlap import OptimizerWatch
+from easyckpt.engine.shardload import decode
+from easyckpt.engine.snapshot import (
     PendingSnapshot,
     ShardSpec,
     Snapshotter,
     read_snapshot,
 )
-from easyckpt.trainer.tree import rebuild
+from easyckpt.engine.tree import rebuild
+from easyckpt.ipc import shm
+from easyckpt.storage.stepfiles import read_entry
 
 SLOW_COPY = {"EASYCKPT_FAULTS": "trainer.background_copy=sleep:0.3"}
 

@@ -32,7 +32,7 @@ from harness import (
 )
 from test_trust import AS_ROOT, _agent_pid, _finish_holder, _holder
 
-from easyckpt.formats import shm
+from easyckpt.ipc import shm
 
 QUICK = 60      # seconds: a refusal must come this fast, far below any timeout of the job's
 

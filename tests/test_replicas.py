@@ -1,6 +1,6 @@
-"""Peer replicas in process: the agent-to-agent wire (formats/peerwire.py), a node's replica store
+"""Peer replicas in process: the agent-to-agent wire (ipc/peerwire.py), a node's replica store
 (agent/peerserve.py) and the sender and restorer (agent/replicas.py), over real TCP on loopback between a
-PeerServer playing node 0 and a Replicas playing node 1. Slots are written by hand through formats/shm.py in
+PeerServer playing node 0 and a Replicas playing node 1. Slots are written by hand through ipc/shm.py in
 a private directory standing in for /dev/shm. The same code across simulated nodes: test_many_nodes.py.
 """
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import struct
+import subprocess
 import time
 
 import pytest
@@ -17,12 +17,13 @@ import pytest
 from easyckpt.agent.peerserve import PeerServer, Warm
 from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.config import Config
+from easyckpt.engine.peers import Remote
 from easyckpt.errors import AgentError, BadMessage, PeerError
-from easyckpt.formats import peerwire, shm, slotread
 from easyckpt.formats.manifest import checksum
-from easyckpt.formats.peerwire import Conn
+from easyckpt.formats.replies import reply_from_wire
+from easyckpt.ipc import peerwire, shm, slotread
+from easyckpt.ipc.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
-from easyckpt.trainer.peers import Remote
 
 SECRET = "5e" * 32
 RANK = 1
@@ -283,8 +284,8 @@ def test_no_room_for_replicas_is_a_clear_error_naming_the_size_and_the_setting(t
     with the same advice and keeps what it has."""
     import torch
 
+    from easyckpt.engine.snapshot import ShardSpec, Snapshotter
     from easyckpt.errors import ShmCapacityError
-    from easyckpt.trainer.snapshot import ShardSpec, Snapshotter
     tiny = tmp_path / "tiny"
     tiny.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(tiny)], check=True, timeout=30)
@@ -315,12 +316,13 @@ def test_a_rank_that_cannot_ask_its_agent_for_replicas_resumes_without_them(caps
     """load_newest asks for peer steps before its first collective: an agent that does not answer, or answers
     nonsense, means "no replicas" (a console line), never a failed load."""
     class Gone:
-        def request(self, msg, timeout):
+        def request(self, msg, kind, timeout):
             raise AgentError("no answer from the agent within 600 s")
 
-    class Odd:
-        def request(self, msg, timeout):
-            return {"ok": True, "steps": [[4, 2, 0], [5, "2", 0], [1, 2], "x", [6, 2, -1], [7, True, 0]]}
+    class Odd:       # the reply as the client parses it off the socket
+        def request(self, msg, kind, timeout):
+            return reply_from_wire({"op": "replica_list", "ok": True,
+                                    "steps": [[4, 2, 0], [5, "2", 0], [1, 2], "x", [6, 2, -1], [7, True, 0]]})
 
     assert Remote(Gone(), RANK).steps() == []
     assert "could not ask for replicas" in capsys.readouterr().err
@@ -382,3 +384,43 @@ def test_slow_strangers_on_the_peer_port_never_starve_the_jobs_own_nodes(cfg, no
     finally:
         for s in slow:
             s.close()
+
+
+def test_status_is_answered_while_the_sender_thread_replicates_and_the_table_changes(cfg, node1, holder):
+    """The agent's threads: the loop asks status, unsent and kick while the sender thread sends and records
+    what it sent, and new tables drop holders from ``sent``; no call may raise ("dictionary changed size
+    during iteration" killed the agent's loop) and the sender keeps going."""
+    job = cfg.job_id
+    far = Table(node=1, nnodes=3, ranks_per_node=1, secret=SECRET,
+                endpoints={0: ("127.0.0.1", holder.port), 1: ("127.0.0.1", 9), 2: ("127.0.0.1", holder.port)},
+                factor=3, jump=1)
+    near = Table(node=1, nnodes=3, ranks_per_node=1, secret=SECRET,
+                 endpoints={0: ("127.0.0.1", holder.port), 1: ("127.0.0.1", 9)}, factor=3, jump=1)
+    node1.table = None
+    try:
+        write_slot(job, step=2, slot=0, generation=1)
+        node1.set_table(far)                     # starts the sender thread
+        step, calls, deadline = 2, 0, time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            status = node1.status()
+            assert isinstance(status.sent, dict) and isinstance(status.errors, list)
+            node1.unsent()
+            node1.kick()
+            calls += 1
+            if calls % 200 == 0:
+                node1.set_table(near if calls % 400 else far)    # holder 2 comes and goes
+            if calls % 500 == 0:
+                step += 2
+                write_slot(job, step=step, slot=(step // 2) % 2, generation=step)
+        node1.set_table(far)
+        node1.kick()
+        wait_until = time.monotonic() + 10
+        while time.monotonic() < wait_until and getattr(node1.status().sent.get(0), "step", None) != step:
+            node1.kick()
+            time.sleep(0.05)
+        assert node1._sender is not None and node1._sender.is_alive()
+        assert node1.status().sent[0].step == step, node1.status()
+        assert not [e for e in node1.status().errors if e.startswith("replicating failed")]
+    finally:
+        node1.close()
+        cleanup(job)

@@ -1,6 +1,6 @@
-"""The snapshot slot format, in process: the one reader (formats/slotread.py) accepts a complete slot and
+"""The snapshot slot format, in process: the one reader (ipc/slotread.py) accepts a complete slot and
 rejects every way a slot can be incomplete, torn, damaged, hostile or planted, each with a result that
-says why. Slots are written by hand through formats/shm.py (no torch, no trainer), in a private
+says why. Slots are written by hand through ipc/shm.py (no torch, no trainer), in a private
 directory standing in for /dev/shm, so nothing here touches the real one.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import struct
 import pytest
 
 from easyckpt.errors import CheckpointError, UntrustedFileError
-from easyckpt.formats import shm, slotread
 from easyckpt.formats.slotmeta import BadSlotMeta
+from easyckpt.ipc import shm, slotread
 
 JOB = "5107f0a7ab1e"
 DATA = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0) + struct.pack("<2q", 7, 8)
@@ -211,7 +211,7 @@ def test_a_rejected_slot_is_a_checkpoint_error_for_callers_that_raise_it():
 def test_the_trainers_loader_and_the_one_reader_agree(shm_dir):
     """The loader's list of complete snapshots is the one reader's answer (the agent's recovery, persist
     and `easyckpt status` call the same reader)."""
-    from easyckpt.trainer import snapshot
+    from easyckpt.engine import snapshot
     write_slot(step=5, generation=1, slot=0)
     write_slot(step=6, generation=2, slot=1, files=_files(w=(0, 16), n=(8, 24), end=24))   # bad metadata
     assert [(s.slot, s.step) for s in snapshot.complete_snapshots(JOB, 0)] == [(0, 5)]

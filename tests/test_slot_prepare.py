@@ -13,9 +13,10 @@ import torch
 from harness import wait_no_agent
 
 import easyckpt
-from easyckpt.formats import shm
-from easyckpt.trainer import estimate
-from easyckpt.trainer.snapshot import ShardSpec, Snapshotter
+from easyckpt import pages
+from easyckpt.engine import estimate
+from easyckpt.engine.snapshot import ShardSpec, Snapshotter
+from easyckpt.ipc import shm
 
 
 def state(n: int = 1 << 16):
@@ -98,7 +99,7 @@ def test_the_first_snapshot_takes_the_first_slot_while_the_second_is_still_being
     persisted waits for the second slot and writes it, so step 1 is still in memory while it is written."""
     import threading
 
-    from easyckpt.trainer import snapshot as snapshot_mod
+    from easyckpt.engine import snapshot as snapshot_mod
 
     snap = Snapshotter(f"t{uuid.uuid4().hex[:10]}", 0, 1)
     release, real = threading.Event(), shm.Slot.create_or_grow
@@ -135,8 +136,8 @@ def test_a_skipped_snapshot_is_logged_with_its_reason(tmp_path, monkeypatch):
     import threading
 
     from easyckpt.config import Config
-    from easyckpt.trainer import snapshot as snapshot_mod
-    from easyckpt.trainer.session import Engine
+    from easyckpt.engine import snapshot as snapshot_mod
+    from easyckpt.engine.session import Engine
 
     release, real = threading.Event(), shm.Slot.create_or_grow
     monkeypatch.setattr(snapshot_mod, "SECOND_SLOT_WAIT", 0.05)
@@ -179,10 +180,10 @@ def _resident_bytes(path: str) -> int:
 def test_a_slot_is_faulted_in_piece_by_piece_to_its_last_page(monkeypatch):
     """Populated in POPULATE_CHUNK pieces (one call over a whole slot held the mmap lock through it and
     stalled the training thread's allocations); every page is mapped, the last, partial piece included."""
-    if not shm.sys.platform.startswith("linux") or not os.path.exists("/proc/self/smaps"):
+    if not pages.sys.platform.startswith("linux") or not os.path.exists("/proc/self/smaps"):
         pytest.skip("needs Linux's /proc/self/smaps to see which pages are mapped")
     calls = []
-    libc = shm._libc()
+    libc = pages._libc()
 
     class Counting:
         def madvise(self, addr, length, advice):
@@ -190,8 +191,8 @@ def test_a_slot_is_faulted_in_piece_by_piece_to_its_last_page(monkeypatch):
             calls.append((length.value, rc))
             return rc
 
-    monkeypatch.setattr(shm, "POPULATE_CHUNK", 64 << 10)
-    monkeypatch.setattr(shm, "_libc", lambda: Counting())
+    monkeypatch.setattr(pages, "POPULATE_CHUNK", 64 << 10)
+    monkeypatch.setattr(pages, "_libc", lambda: Counting())
     path = f"/dev/shm/easyckpt-t{uuid.uuid4().hex[:10]}-piecewise"
     size = (1 << 20) + 3 * 4096 + 100                 # not a whole number of pieces, nor of pages
     slot = shm.Slot.create_or_grow(path, size)
@@ -212,7 +213,7 @@ def test_faulting_in_stops_between_pieces_when_asked(monkeypatch):
     import mmap
 
     calls = []
-    libc = shm._libc()
+    libc = pages._libc()
 
     class Counting:
         def madvise(self, addr, length, advice):
@@ -220,11 +221,11 @@ def test_faulting_in_stops_between_pieces_when_asked(monkeypatch):
             calls.append(rc)
             return rc
 
-    monkeypatch.setattr(shm, "POPULATE_CHUNK", 64 << 10)
-    monkeypatch.setattr(shm, "_libc", lambda: Counting())
+    monkeypatch.setattr(pages, "POPULATE_CHUNK", 64 << 10)
+    monkeypatch.setattr(pages, "_libc", lambda: Counting())
     mm = mmap.mmap(-1, 1 << 20)
     try:
-        done = shm.populate_write(mm, stop=lambda: len(calls) >= 3)
+        done = pages.populate_write(mm, stop=lambda: len(calls) >= 3)
         if calls and calls[0] != 0:
             pytest.skip("this kernel has no MADV_POPULATE_WRITE (before Linux 5.14)")
         assert done is True and len(calls) == 3            # of the 16 pieces

@@ -16,8 +16,9 @@ from easyckpt.formats.layout import NAMINGS
 from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage, Writer
+from easyckpt.storage.commit import commit
 from easyckpt.storage.posix import PosixStorage
-from easyckpt.storage.retention import KeepLast
+from easyckpt.storage.retention import KeepLast, prune
 from easyckpt.storage.savedir import SaveDir
 
 JOB, OTHER_JOB = "0123456789ab", "ffffffffffff"
@@ -180,7 +181,7 @@ def test_posix_storage_is_a_storage():
 def test_a_commit_makes_the_calls_in_the_documented_order(sd):
     stage(sd, 1, world=2)
     sd.storage.arm()
-    final, nbytes = sd.commit(1, 2, LOG)
+    final, nbytes, _ = commit(sd, 1, 2, LOG)
     assert final == sd.step_path(1) and nbytes == 100 + 101 and intact(sd, 1)
     stg = os.path.basename(sd.staging_path(1))
     assert sd.storage.calls == [
@@ -197,12 +198,12 @@ def test_a_commit_makes_the_calls_in_the_documented_order(sd):
 @pytest.mark.parametrize("fault", ["manifest write", "staging fsync", "rename"])
 def test_a_failed_commit_shows_nothing_keeps_the_previous_step_and_cleans_its_staging(sd, fault):
     stage(sd, 1)
-    sd.commit(1, 1, LOG)
+    commit(sd, 1, 1, LOG)
     stage(sd, 2)
     sd.storage.arm(write_at=1 if fault == "manifest write" else None, sync=fault == "staging fsync",
                    rename=fault == "rename")
     with pytest.raises(OSError, match="injected"):
-        sd.commit(2, 1, LOG)
+        commit(sd, 2, 1, LOG)
     assert not os.path.lexists(sd.step_path(2)), "a half-committed step is visible"
     assert sd.committed(own=True) == [(1, sd.step_path(1))] and intact(sd, 1)
     assert sd.staging_dirs() == [], "the failed step's staging dir stays"
@@ -213,7 +214,7 @@ def test_a_failed_tracker_write_leaves_a_complete_step_the_loader_trusts(sd):
     stage(sd, 1)
     sd.storage.arm(write_at=2)          # 1: the manifest, 2: the tracker
     with pytest.raises(OSError, match="injected"):
-        sd.commit(1, 1, LOG)
+        commit(sd, 1, 1, LOG)
     assert intact(sd, 1) and sd.committed(own=True) == [(1, sd.step_path(1))] and sd.tracker_step() is None
 
 
@@ -224,7 +225,7 @@ def test_a_failed_shard_write_never_gets_a_marker_so_it_cannot_commit(sd, n):
         stage(sd, 1)
     assert sd.ready_ranks(1) == set()
     with pytest.raises(RuntimeError, match="refusing to commit step 1"):
-        sd.commit(1, 1, LOG)
+        commit(sd, 1, 1, LOG)
     assert not os.path.lexists(sd.step_path(1))
     sd.remove_staging(LOG, step=1)       # what the agent does with a failed step
     assert sd.staging_dirs() == [] and sd.ready_ranks(1) is None
@@ -233,10 +234,10 @@ def test_a_failed_shard_write_never_gets_a_marker_so_it_cannot_commit(sd, n):
 def test_a_commit_never_replaces_another_jobs_step(sd, tmp_path):
     other = SaveDir(sd.root, sd.naming, OTHER_JOB)
     stage(other, 3)
-    other.commit(3, 1, LOG)
+    commit(other, 3, 1, LOG)
     stage(sd, 3)
     with pytest.raises(FileExistsError, match="another job"):
-        sd.commit(3, 1, LOG)
+        commit(sd, 3, 1, LOG)
     assert stepfiles.read(sd.step_path(3))["job_id"] == OTHER_JOB and intact(sd, 3) and sd.staging_dirs() == []
 
 
@@ -253,13 +254,13 @@ def test_remove_staging_removes_only_this_jobs_leftovers(sd):
 def test_a_failed_prune_leaves_every_checkpoint_whole(sd):
     for step in (1, 2, 3):
         stage(sd, step)
-        sd.commit(step, 1, LOG)
+        commit(sd, step, 1, LOG)
     sd.storage.arm(rename=True)
     with pytest.raises(OSError, match="injected"):
-        sd.prune(KeepLast(1), LOG)
+        prune(sd, KeepLast(1), LOG)
     assert [s for s, _ in sd.committed(own=True)] == [3, 2, 1] and all(intact(sd, s) for s in (1, 2, 3))
     sd.storage.arm()
-    assert sd.prune(KeepLast(1), LOG) == [2, 1]
+    assert prune(sd, KeepLast(1), LOG) == [2, 1]
     assert [c[0] for c in sd.storage.calls] == ["rename_noreplace", "sync_dir", "delete"] * 2
     assert [s for s, _ in sd.committed(own=True)] == [3] and intact(sd, 3)
     assert not [n for n in os.listdir(sd.root) if n.startswith(layout.TRASH_PREFIX)]
@@ -287,20 +288,20 @@ def test_retention_over_a_sequence_of_commits_keeps_the_newest_the_protected_and
     sd = SaveDir(str(tmp_path), NAMINGS["pytorch"], JOB, FaultyStorage())
     other = SaveDir(str(tmp_path), NAMINGS["pytorch"], OTHER_JOB)
     stage(other, 1000)
-    other.commit(1000, 1, LOG)                  # another job's, newer than all of ours: never touched
+    commit(other, 1000, 1, LOG)                  # another job's, newer than all of ours: never touched
     keep, step = rnd.randint(1, 3), 0
     state: List[int] = []
     for _ in range(25):
         step += rnd.randint(1, 3)
         stage(sd, step)
-        final, _ = sd.commit(step, 1, LOG)
+        final, _, _ = commit(sd, step, 1, LOG)
         state.append(step)
         if len(state) > 1 and rnd.random() < 0.3:        # the loader rejected an older one
             sd.mark_damaged(rnd.choice(state[:-1]), "checksum mismatch", LOG)
         protect = {rnd.choice(state)} if rnd.random() < 0.3 else set()
         damaged = {NAMINGS["pytorch"].parse(n) for n in sd.read_damaged()}
         want = _expected(state, damaged, keep, protect)
-        sd.prune(KeepLast(keep, protect), LOG)
+        prune(sd, KeepLast(keep, protect), LOG)
         state = [s for s, _ in sd.committed(own=True)]
         assert state == want, f"seed {seed}, keep {keep}, protect {protect}, damaged {sorted(damaged)}"
         assert state[0] == step, "the newest committed step was deleted"
@@ -311,11 +312,11 @@ def test_retention_over_a_sequence_of_commits_keeps_the_newest_the_protected_and
 
 def test_a_new_commit_under_a_damaged_name_is_verified_again(sd):
     stage(sd, 1)
-    sd.commit(1, 1, LOG)
+    commit(sd, 1, 1, LOG)
     sd.mark_damaged(1, "torn", LOG)
     assert sd.read_damaged() == {"global_step1": "torn"}
     stage(sd, 1)
-    sd.commit(1, 1, LOG)                          # the same step redone (a resumed run reached it again)
+    commit(sd, 1, 1, LOG)                          # the same step redone (a resumed run reached it again)
     assert sd.read_damaged() == {} and intact(sd, 1)
 
 
@@ -325,7 +326,7 @@ def _commit_in_run(sd: SaveDir, step: int, run: float) -> None:
     stage(sd, step)
     marker = sd.read_markers(step)[0]
     sd.write_marker(step, 0, marker["files"], {"run": run})      # what the engine records: its run's start
-    sd.commit(step, 1, LOG)
+    commit(sd, step, 1, LOG)
 
 
 def test_retention_orders_by_run_then_step_and_a_newer_run_sets_an_older_runs_step_aside(tmp_path):
@@ -335,7 +336,7 @@ def test_retention_orders_by_run_then_step_and_a_newer_run_sets_an_older_runs_st
     for step in (4, 8):                                  # a new run from scratch: its steps are the newest
         _commit_in_run(sd, step, run=200.0)
     assert [s for s, _ in sd.committed(own=True)] == [8, 4, 20, 10]
-    assert sd.prune(KeepLast(3), LOG) == [10]
+    assert prune(sd, KeepLast(3), LOG) == [10]
     _commit_in_run(sd, 20, run=200.0)                  # the new run reaches the old run's name: set aside, kept
     (name, path), = sd.quarantined()
     assert name == "global_step20" and json_step(path) == 20
@@ -353,7 +354,7 @@ def test_a_step_is_the_jobs_by_its_name_wherever_the_directory_is(tmp_path):
     assert other.committed(own=True) == [] and [s for s, _ in other.committed()] == [5]
     stage(other, 5)
     with pytest.raises(FileExistsError, match="another job"):
-        other.commit(5, 1, LOG)
+        commit(other, 5, 1, LOG)
     assert intact(sd, 5)
 
 

@@ -10,11 +10,11 @@ import mmap
 
 import torch
 
-from easyckpt.agent.persist import _write_torch
+from easyckpt.agent.stepwriter import _write_torch
+from easyckpt.engine.load import _read_files
+from easyckpt.engine.tree import flatten_pickled
 from easyckpt.formats import manifest as mf
 from easyckpt.storage.posix import PosixStorage
-from easyckpt.trainer.load import _read_files
-from easyckpt.trainer.tree import flatten_pickled
 
 REL = "mp_rank_00/model_optim_rng.pt"
 

@@ -17,8 +17,8 @@ import signal
 import pytest
 from harness import (
     ROOT,
-    assert_losses_close,
     assert_console,
+    assert_losses_close,
     assert_losses_equal,
     assert_prepared,
     cli,

@@ -261,10 +261,10 @@ def test_a_slot_whose_file_names_leave_the_step_is_refused_by_the_agent(tmp_path
     nothing is written outside the staging directory."""
     import torch
 
-    from easyckpt.agent.persist import persist_slot
-    from easyckpt.formats import shm
+    from easyckpt.agent.stepwriter import persist_slot
+    from easyckpt.engine.snapshot import ShardSpec, Snapshotter
     from easyckpt.formats.slotmeta import BadSlotMeta
-    from easyckpt.trainer.snapshot import ShardSpec, Snapshotter
+    from easyckpt.ipc import shm
 
     for bad in ("../../escape.safetensors", str(tmp_path / "abs.safetensors")):
         snap = Snapshotter("feedfaceca11", 0, 1)
@@ -292,10 +292,10 @@ def test_a_malicious_object_in_a_torch_shard_runs_neither_in_the_agent_nor_on_lo
     the agent's code without unpickling it, and refused both when restored from memory and from storage."""
     import torch
 
-    from easyckpt.agent.persist import persist_slot
-    from easyckpt.formats import shm
-    from easyckpt.trainer.snapshot import ShardSpec, Snapshotter, read_snapshot
-    from easyckpt.trainer.tree import safe_torch_load
+    from easyckpt.agent.stepwriter import persist_slot
+    from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
+    from easyckpt.engine.tree import safe_torch_load
+    from easyckpt.ipc import shm
 
     marker = tmp_path / "pwned"
     snap = Snapshotter("feedfaceca12", 0, 1)
@@ -470,7 +470,7 @@ def test_skipped_snapshots_under_back_pressure_are_said_on_the_console_with_the_
 def test_an_agent_nobody_says_hello_to_leaves_within_seconds(tmp_path):
     """Smaller item 17: an agent whose trainer died before its hello does not linger for a minute."""
     from easyckpt.config import Config
-    from easyckpt.formats import jobkey
+    from easyckpt.ipc import jobkey
 
     cfg = Config(save_dir=str(tmp_path / "ckpt"))
     (tmp_path / "ckpt").mkdir()
@@ -543,7 +543,7 @@ def test_the_audit_log_is_on_by_default_inside_the_save_dir_and_can_be_turned_of
 def test_any_easyckpt_start_reaps_only_this_users_dead_jobs(tmp_path):
     """Item 17: a dead job's segments go at the next easyckpt start of any job (not only of that job's own
     agent), and only those of this user: another user's file is never touched."""
-    from easyckpt.formats.reap import reap_dead_jobs
+    from easyckpt.ipc.reap import reap_dead_jobs
     from easyckpt.storage.auditlog import AuditLog
 
     dead = subprocess.Popen(["true"])

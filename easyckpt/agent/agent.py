@@ -30,8 +30,9 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Set
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
+from easyckpt import console
 from easyckpt.agent import slots
 from easyckpt.agent.coordinator import (
     Action,
@@ -46,14 +47,24 @@ from easyckpt.agent.coordinator import (
 )
 from easyckpt.agent.grace import Grace
 from easyckpt.agent.jobdir import JobDir
-from easyckpt.agent.jobs import CommitJob, PersistJob
-from easyckpt.agent.persister import Persister, disk_work
+from easyckpt.agent.jobs import CommitJob, Job, PersistJob, Result
+from easyckpt.agent.persister import Persister, Worker, disk_work
 from easyckpt.agent.recovery import Recovery
 from easyckpt.agent.replicas import Replicas, Table
-from easyckpt.agent.server import Client, Server
-from easyckpt import console
+from easyckpt.agent.server import Client, Server, Transport
 from easyckpt.config import Config
-from easyckpt.formats import jobkey, protocol, shm
+from easyckpt.formats import protocol
+from easyckpt.formats.replies import (
+    FlushReply,
+    HelloReply,
+    ListenReply,
+    PeersReply,
+    ReplicaFetchReply,
+    ReplicaListReply,
+    StatusReply,
+    reply_from_wire,
+)
+from easyckpt.ipc import jobkey, shm
 from easyckpt.storage.auditlog import AuditLog
 
 HELLO_WAIT = 10.0   # seconds a new agent waits for its first trainer before it leaves
@@ -61,18 +72,22 @@ POLL = 0.05         # the loop's longest sleep: commit deadlines and the grace c
 
 
 class Agent:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, server: Optional[Transport] = None,
+                 persister: Optional[Callable[[Callable[[Job], Result]], Worker]] = None):
+        """``server``: where messages come from (server.Server on the job's socket by default; an in-process
+        one in easyckpt/_testing/); ``persister``: what runs the disk work (the Persister thread by default)."""
         self.cfg = cfg
         self.job_id = cfg.job_id
         self.log = AuditLog(cfg.audit_log, "agent")
-        self.server = Server(self.job_id, jobkey.read(self.job_id), self.log)  # the key: refused if planted
+        self.server: Transport = server if server is not None else Server(
+            self.job_id, jobkey.read(self.job_id), self.log)    # the key: refused if planted
         self.server.handler = self
         self.jobdir = JobDir(cfg, self.log)
         self.lock = self.jobdir.lock()
         self.coordinator = Coordinator(cfg.commit_timeout, time.monotonic, self.jobdir.shards)
         self.grace = Grace(cfg.grace_deadline)
         self.recovery = Recovery(self.job_id, self.jobdir, self.coordinator, self.log)
-        self.persister = Persister(disk_work(self.job_id, self.jobdir, self.log, cfg.direct_io))
+        self.persister: Worker = (persister or Persister)(disk_work(self.job_id, self.jobdir, self.log, cfg.direct_io))
         self.server.watch(self.persister.wake_fd())
         self.replicas = Replicas(cfg, self.log)
         self.server.watch(self.replicas.wake_fd())
@@ -85,7 +100,7 @@ class Agent:
         self.got_sigterm = False
         # for the trainers' console ("checkpoint-15 committed (1.2 GiB, 0.4 s ...)"), through status
         self.asked: Dict[int, float] = {}       # step -> when a trainer first asked to persist it
-        self.commits: Deque[List[Any]] = collections.deque(maxlen=8)   # [step, bytes, seconds]
+        self.commits: Deque[Tuple[int, int, float]] = collections.deque(maxlen=8)   # step, bytes, seconds
         self._handlers: Dict[type, Callable[[socket.socket, Client, Any], None]] = {
             protocol.Hello: self._hello, protocol.Persist: self._persist, protocol.Flush: self._flush,
             protocol.Bye: self._bye, protocol.Term: self._term, protocol.TermStep: self._term_step,
@@ -97,30 +112,40 @@ class Agent:
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "got_sigterm", True))
-        self.log.emit("agent_start", job_id=self.job_id, save_dir=self.cfg.save_dir)
-        self.jobdir.clean_leftovers()
+        self.start()
         while True:
             self.server.poll(POLL)
-            for conn, reply in self.replicas.replies():
-                self.server.send(conn, reply)
-            for result in self.persister.results():
-                if isinstance(result.job, PersistJob) and result.error is None:
-                    self.grace.wrote(result.seconds)
-                if isinstance(result.job, CommitJob) and result.error is None:
-                    step = result.job.step
-                    asked = self.asked.pop(step, None)
-                    self.commits.append([step, result.nbytes,
-                                         0.0 if asked is None else round(time.monotonic() - asked, 3)])
-                    for older in [s for s in self.asked if s < step]:
-                        del self.asked[older]     # superseded or failed: never committed now
-                self.coordinator.on_result(result)
-            self.coordinator.tick()
-            self._execute()
-            if self._serve_grace() or self._should_exit():
+            if self.turn():
                 break
-            if self.lock.held and not self._busy():
-                self.lock.release()     # idle: another job may use the directory now
-        self._shutdown()
+        self.shutdown()
+
+    def start(self) -> None:
+        self.log.emit("agent_start", job_id=self.job_id, save_dir=self.cfg.save_dir)
+        self.jobdir.clean_leftovers()
+
+    def turn(self) -> bool:
+        """One turn of the loop after the server delivered what came (the module docstring's order); True
+        when the agent must leave now."""
+        for conn, reply in self.replicas.replies():
+            self.server.send(conn, reply)
+        for result in self.persister.results():
+            if isinstance(result.job, PersistJob) and result.error is None:
+                self.grace.wrote(result.seconds)
+            if isinstance(result.job, CommitJob) and result.error is None:
+                step = result.job.step
+                asked = self.asked.pop(step, None)
+                self.commits.append((step, result.nbytes,
+                                     0.0 if asked is None else round(time.monotonic() - asked, 3)))
+                for older in [s for s in self.asked if s < step]:
+                    del self.asked[older]     # superseded or failed: never committed now
+            self.coordinator.on_result(result)
+        self.coordinator.tick()
+        self._execute()
+        if self._serve_grace() or self._should_exit():
+            return True
+        if self.lock.held and not self._busy():
+            self.lock.release()     # idle: another job may use the directory now
+        return False
 
     def _busy(self) -> bool:
         # connections that never said hello (liveness probes) do not count
@@ -172,7 +197,7 @@ class Agent:
         if fields is not None:
             self.log.emit("sigterm_notice", **fields)
 
-    def _shutdown(self) -> None:
+    def shutdown(self) -> None:
         self.server.close()
         self.replicas.close()
         if not any(c.rank is not None and not c.said_bye for c in self.server.clients.values()):
@@ -197,8 +222,7 @@ class Agent:
             keep, epoch = action.keep, action.epoch
             self.coordinator.cancelled(self.persister.cancel(lambda j: j.epoch < epoch and j.step != keep))
         elif isinstance(action, Answer):
-            self.server.send(action.to, {"op": "flush", "ok": action.error is None, "step": action.step,
-                                         "error": action.error})
+            self.server.send(action.to, FlushReply(action.error is None, action.step, action.error))
         elif isinstance(action, Log):
             self.log.emit(action.event, **action.fields)
         elif isinstance(action, Error):
@@ -238,7 +262,7 @@ class Agent:
             self.ever_connected = True     # an agent started only for this trainer leaves at once
             self.coordinator.refused("hello", refused, msg.rank)
             self.refused.append(f"a trainer (rank {msg.rank}, pid {msg.pid}) was refused: {refused}")
-            self.server.send(conn, {"op": "hello", "ok": False, "error": refused})
+            self.server.send(conn, HelloReply(False, error=refused))
             return
         for other_conn, other in list(self.server.clients.items()):
             if other is not client and other.rank == msg.rank:
@@ -257,7 +281,7 @@ class Agent:
         self.dead_ranks.discard(msg.rank)
         busy = {j.slot for j in self.persister.queued_persists() if j.rank == msg.rank}
         slots.release_stale(self.job_id, msg.rank, busy, self.log)
-        self.server.send(conn, {"op": "hello", "ok": True, "agent_pid": os.getpid()})
+        self.server.send(conn, HelloReply(True, agent_pid=os.getpid()))
 
     def _refusal(self, msg: protocol.Hello, client: Client) -> Optional[str]:
         """Why a hello cannot be accepted (docs/reliability.md promise 8: one job per directory), or None."""
@@ -266,8 +290,8 @@ class Agent:
         known = self.coordinator.world_size
         if live and known is not None and world_size != known:
             return (f"rank {rank} (pid {pid}) says world_size={world_size}, but this job's running trainers "
-                    f"(ranks {sorted(c.rank for c in live)}) have world_size={known}: one job per "
-                    f"save_dir and job_name; give the other job another save_dir or job_name")
+                    f"(ranks {sorted(c.rank for c in live if c.rank is not None)}) have world_size={known}: "
+                    f"one job per save_dir and job_name; give the other job another save_dir or job_name")
         for other in self.server.clients.values():
             if other is not client and other.rank == rank and other.pid != pid and shm.pid_alive(other.pid):
                 return (f"rank {rank} of this job is already running (pid {other.pid}) with save_dir "
@@ -305,32 +329,35 @@ class Agent:
 
     def _status(self, conn: socket.socket, client: Client, msg: protocol.Status) -> None:
         co = self.coordinator
-        self.server.send(conn, {
-            "op": "status", "ok": True, "agent_pid": os.getpid(), "job_id": self.job_id,
-            "save_dir": self.cfg.save_dir, "world_size": co.world_size, "coordinator": co.commits,
-            "connected": sorted(c.rank for c in self.server.trainers() if c.rank is not None),
-            "dead_ranks": sorted(self.dead_ranks), "pending_commits": sorted(co.pending),
-            "outstanding": co.outstanding, "last_error": co.last_error, "leaving": self.grace.leaving,
-            "failed_steps": {str(k): v for k, v in sorted(co.failed.items())[-16:]},
-            "refused": len(self.refused), "last_refused": self.refused[-4:], "sigterm": self.grace.status(),
-            "commits": list(self.commits), "replicas": self.replicas.status()})
+        self.server.send(conn, StatusReply(
+            ok=True, agent_pid=os.getpid(), job_id=self.job_id, save_dir=self.cfg.save_dir,
+            world_size=co.world_size, coordinator=co.commits,
+            connected=sorted(c.rank for c in self.server.trainers() if c.rank is not None),
+            dead_ranks=sorted(self.dead_ranks), pending_commits=sorted(co.pending), outstanding=co.outstanding,
+            last_error=co.last_error, leaving=self.grace.leaving, failed_steps=dict(sorted(co.failed.items())[-16:]),
+            refused=len(self.refused), last_refused=self.refused[-4:], sigterm=self.grace.status(),
+            commits=list(self.commits), replicas=self.replicas.status()))
 
     def _listen(self, conn: socket.socket, client: Client, msg: protocol.Listen) -> None:
         try:
             port = self.replicas.listen(msg.addr)
         except OSError as exc:
-            self.server.send(conn, {"op": "listen", "ok": False, "error": f"cannot listen on {msg.addr}: {exc}"})
+            self.server.send(conn, ListenReply(False, error=f"cannot listen on {msg.addr}: {exc}"))
             return
-        self.server.send(conn, {"op": "listen", "ok": True, "port": port})
+        self.server.send(conn, ListenReply(True, port=port))
 
     def _peers(self, conn: socket.socket, client: Client, msg: protocol.Peers) -> None:
         cfg = self.cfg
         self.replicas.set_table(Table(msg.node, msg.nnodes, msg.ranks_per_node, msg.secret, msg.table(),
                                       cfg.replication_factor, cfg.replication_jump))
-        self.server.send(conn, {"op": "peers", "ok": True})
+        self.server.send(conn, PeersReply(True))
 
     def _replica_list(self, conn: socket.socket, client: Client, msg: protocol.ReplicaList) -> None:
-        self.replicas.call(conn, lambda: self.replicas.remote_steps(msg.rank))
+        replicas = self.replicas
+        replicas.call(conn, lambda: reply_from_wire({"op": "replica_list", **replicas.remote_steps(msg.rank)}),
+                      lambda why: ReplicaListReply(False, error=why))
 
     def _replica_fetch(self, conn: socket.socket, client: Client, msg: protocol.ReplicaFetch) -> None:
-        self.replicas.call(conn, lambda: self.replicas.fetch(msg.rank, msg.step))
+        replicas = self.replicas
+        replicas.call(conn, lambda: reply_from_wire({"op": "replica_fetch", **replicas.fetch(msg.rank, msg.step)}),
+                      lambda why: ReplicaFetchReply(False, error=why))

@@ -30,10 +30,10 @@ from easyckpt.agent.jobs import (
     AbandonJob,
     CommitJob,
     DamagedJob,
-    QuarantineJob,
     DropJob,
     Job,
     PersistJob,
+    QuarantineJob,
     Result,
 )
 

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
+from easyckpt.formats.replies import SigtermStatus
+
 
 @dataclass(frozen=True)
 class Due:
@@ -82,9 +84,9 @@ class Grace:
             self.term_at, self.term_step = None, None
         return seconds
 
-    def status(self) -> Optional[Dict[str, Any]]:
+    def status(self) -> Optional[SigtermStatus]:
         if self.term_at is None:
             return None
         now = self.wall()
-        return {"seconds_ago": round(now - self.term_at, 3), "agreed_step": self.term_step,
-                "deadline_in": round(self.term_at + self.grace - now, 3), "fallback_done": self.fallback_done}
+        return SigtermStatus(seconds_ago=round(now - self.term_at, 3), agreed_step=self.term_step,
+                             deadline_in=round(self.term_at + self.grace - now, 3), fallback_done=self.fallback_done)

@@ -11,10 +11,11 @@ import time
 from typing import Any, Dict, Optional, Set
 
 from easyckpt.config import Config
-from easyckpt.formats.reap import reap_dead_jobs
+from easyckpt.ipc.reap import reap_dead_jobs
 from easyckpt.storage import retention
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
+from easyckpt.storage.commit import commit
 from easyckpt.storage.joblock import JobLock
 from easyckpt.storage.savedir import SaveDir
 
@@ -47,10 +48,12 @@ class JobDir:
         """Commit ``step`` (storage/commit.py's durable sequence), then prune older steps of this job.
         Returns the bytes the step holds."""
         t0 = time.perf_counter()
-        final, nbytes = self.sd.commit(step, world_size, self.log)
-        self.log.emit("commit", step=step, path=final, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
-        self.sd.prune(retention.KeepLast(self.cfg.max_ckpt_num, retention.protected(final)), self.log)
-        return nbytes
+        done = commit(self.sd, step, world_size, self.log)
+        self.log.emit("commit", step=step, path=done.path, bytes=done.nbytes,
+                      seconds=round(time.perf_counter() - t0, 6))
+        retention.prune(self.sd, retention.KeepLast(self.cfg.max_ckpt_num, retention.protected(done.manifest)),
+                        self.log)
+        return done.nbytes
 
     def newest_committed(self) -> Optional[int]:
         """This job's newest commit (run, then step: SaveDir.committed's order), or None."""
@@ -79,4 +82,4 @@ class JobDir:
         """At start: this job's staging and trash left by an agent that died, and other jobs of this
         user whose processes are all gone."""
         self.sd.remove_staging(self.log)
-        reap_dead_jobs(self.log, keep=self.cfg.job_id)
+        reap_dead_jobs(self.log.emit, keep=self.cfg.job_id)

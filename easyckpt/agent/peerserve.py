@@ -1,4 +1,4 @@
-"""The agent's side of the peer wire (formats/peerwire.py): serving other nodes' agents, and moving one
+"""The agent's side of the peer wire (ipc/peerwire.py): serving other nodes' agents, and moving one
 slot's bytes in either direction.
 
 Serving (``PeerServer``, a listener thread and one short-lived thread per connection): after the
@@ -16,12 +16,19 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from easyckpt.agent import priority, slots
-from easyckpt.errors import BadMessage, BadSlotMeta, PeerError, PeerNotReady, ShmCapacityError, SlotNotComplete
-from easyckpt.formats import peerwire, shm, slotread
-from easyckpt.formats.peerwire import Conn
+from easyckpt.errors import (
+    BadMessage,
+    BadSlotMeta,
+    PeerError,
+    PeerNotReady,
+    ShmCapacityError,
+    SlotNotComplete,
+)
+from easyckpt.ipc import peerwire, shm, slotread
+from easyckpt.ipc.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.units import human
 
@@ -80,7 +87,7 @@ class PeerServer:
         self.job_id, self.addr, self.log, self.error = job_id, addr, log, error
         self.secret: Optional[str] = None
         self.table: Any = None                   # replicas.Table once the trainers introduced the nodes
-        self.peer_addrs: frozenset = frozenset()  # its endpoints' addresses: the reserved handshake pool
+        self.peer_addrs: FrozenSet[str] = frozenset()  # its endpoints' addresses: the reserved handshake pool
         self._pending: Dict[str, int] = {}
         self._pools = {"peer": 0, "other": 0}
         self.sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
@@ -247,7 +254,7 @@ def _send(conn: Conn, slot: shm.Slot, done: slotread.CompleteSlot, pacer: peerwi
     return hdr.data_capacity + hdr.meta_len
 
 
-def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Dict[str, object],
+def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Mapping[str, object],
                  ask: bool = False, warm: Optional[Warm] = None) -> Tuple[int, int]:
     """Receive a slot's bytes described by ``head`` into whichever of ``paths`` (a rank's two slots) does not
     hold its newest complete snapshot, and publish it there once checked; (that slot's index, bytes).
@@ -259,7 +266,8 @@ def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Dict[
         raise PeerError(f"asked for rank {rank} step {step}, got rank {req['rank']} step {req['step']}")
     data_len, meta_len = req["data_len"], req["meta_len"]
     held = [slotread.read_complete(p) for p in paths]
-    index = min((0, 1), key=lambda i: -1 if held[i] is None else held[i].step)
+    held_steps = [-1 if h is None else h.step for h in held]
+    index = min((0, 1), key=lambda i: held_steps[i])
     generation = max(slots.generation_of(p) for p in paths) + 1
     shm.Slot.create_or_grow(paths[index], shm.slot_size(data_len, meta_len), touch=False).close()
     slot = warm.open(paths[index], writable=True) if warm else shm.Slot(paths[index], writable=True, populate=True)

@@ -20,42 +20,61 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Deque, List
+from typing import Callable, Deque, List, Optional, Protocol
 
-from easyckpt import faults
+from easyckpt import _faults as faults
 from easyckpt.agent import priority, slots
-from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.jobs import (
     AbandonJob,
     CommitJob,
     DamagedJob,
-    QuarantineJob,
     DropJob,
     Job,
     PersistJob,
+    QuarantineJob,
     Result,
 )
-from easyckpt.agent.persist import persist_slot
+from easyckpt.agent.mailbox import Mailbox
+from easyckpt.agent.stepwriter import persist_slot
 from easyckpt.storage.auditlog import AuditLog
 
 ABANDON_WHY = "its trainers died before every rank's shard of this step was written; a restarted job redoes it"
 
 
-class Persister:
-    """The job queue and the thread that serves it."""
+class Worker(Protocol):
+    """What the agent's loop asks of its disk worker (Persister)."""
 
-    def __init__(self, run: Callable[[Job], Result]):
+    def submit(self, job: Job) -> None: ...
+
+    def cancel(self, drop: Callable[[PersistJob], bool]) -> List[PersistJob]: ...
+
+    def queued_persists(self) -> List[PersistJob]: ...
+
+    def wake_fd(self) -> int: ...
+
+    def results(self) -> List[Result]: ...
+
+
+class Persister:
+    """The job queue and the thread that serves it. ``threaded=False`` (an agent run in a test's process):
+    no thread; ``drain()`` runs the queued jobs on the caller's thread, in the order the thread would."""
+
+    def __init__(self, run: Callable[[Job], Result], threaded: bool = True):
         self._run = run
         self._cond = threading.Condition()
         self._urgent: Deque[Job] = collections.deque()     # commit, abandon, drop, damaged
         self._persists: Deque[PersistJob] = collections.deque()
         self._results: Mailbox[Result] = Mailbox()
-        threading.Thread(target=self._serve, daemon=True, name="easyckpt-persist").start()
+        if threaded:
+            threading.Thread(target=self._serve, daemon=True, name="easyckpt-persist").start()
 
     def submit(self, job: Job) -> None:
         with self._cond:
-            (self._persists if isinstance(job, PersistJob) else self._urgent).append(job)
+            if isinstance(job, PersistJob):
+                self._persists.append(job)
+            else:
+                self._urgent.append(job)
             self._cond.notify()
 
     def cancel(self, drop: Callable[[PersistJob], bool]) -> List[PersistJob]:
@@ -77,20 +96,39 @@ class Persister:
         """Every result that came in since the last call, in the order the jobs finished."""
         return self._results.take()
 
+    def drain(self) -> int:
+        """Run every queued job now on this thread (threaded=False); how many ran."""
+        ran = 0
+        while True:
+            job = self._next(wait=False)
+            if job is None:
+                return ran
+            self._one(job)
+            ran += 1
+
+    def _next(self, wait: bool) -> Optional[Job]:
+        with self._cond:
+            while wait and not (self._urgent or self._persists):
+                self._cond.wait()
+            if self._urgent:
+                return self._urgent.popleft()
+            return self._persists.popleft() if self._persists else None
+
+    def _one(self, job: Job) -> None:
+        try:
+            result = self._run(job)
+        except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
+            result = Result(job, f"{type(exc).__name__}: {exc}")
+        self._results.put(result)
+
     def _serve(self) -> None:
         # the persist (kernel copies, checksums) yields the CPU to the trainers when both want it, and
         # still gets all of it while they wait (a SIGTERM save, a final flush)
         priority.bulk_thread()
         while True:
-            with self._cond:
-                while not (self._urgent or self._persists):
-                    self._cond.wait()
-                job = self._urgent.popleft() if self._urgent else self._persists.popleft()
-            try:
-                result = self._run(job)
-            except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
-                result = Result(job, f"{type(exc).__name__}: {exc}")
-            self._results.put(result)
+            job = self._next(wait=True)
+            if job is not None:
+                self._one(job)
 
 
 def disk_work(job_id: str, jobdir: JobDir, log: AuditLog, direct_io: bool) -> Callable[[Job], Result]:

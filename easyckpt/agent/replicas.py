@@ -8,7 +8,7 @@ way, so every agent knows where any rank's state lives without asking anyone.
 
 Who knows what. The trainers tell their agent the table (node, node count, ranks per node, every
 agent's TCP endpoint, the job's replica secret) after exchanging it through the job's c10d store
-(trainer/peers.py); the agent opens its TCP listener when asked for its endpoint. Nothing is sent before
+(engine/peers.py); the agent opens its TCP listener when asked for its endpoint. Nothing is sent before
 the table is known.
 
 Sending (one thread, ``_sender``). Every POLL seconds it looks at this node's slots: when a step is
@@ -37,9 +37,21 @@ from easyckpt.agent.cadence import Cadence
 from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.peerserve import PeerServer, Warm, receive_slot, send_slot
 from easyckpt.config import Config
-from easyckpt.errors import BadSlotMeta, PeerError, PeerNotReady, SlotNotComplete, UntrustedFileError
-from easyckpt.formats import peerwire, shm, slotread
-from easyckpt.formats.peerwire import Conn
+from easyckpt.errors import (
+    BadSlotMeta,
+    PeerError,
+    PeerNotReady,
+    SlotNotComplete,
+    UntrustedFileError,
+)
+from easyckpt.formats.replies import (
+    ReplicaHeld,
+    ReplicaSent,
+    ReplicaStatus,
+    Reply,
+)
+from easyckpt.ipc import peerwire, shm, slotread
+from easyckpt.ipc.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 
 POLL = 0.01         # how often the sender looks at the slots' headers (a few bytes each) for a new snapshot
@@ -76,6 +88,9 @@ class Replicas:
         self.cfg, self.job_id, self.log = cfg, cfg.job_id, log
         self.table: Optional[Table] = None
         self.server: Optional[PeerServer] = None
+        # Threads: the agent's loop (status, unsent, kick, set_table), the sender (_send_loop) and the fetch
+        # pool (remote_steps, fetch) all touch what follows; ``lock`` guards every field that more than one
+        # of them reads or writes (sent, _retry_at, errors, _said, _force), and readers take copies under it.
         self.lock = threading.Lock()
         self.sent: Dict[int, Dict[str, Any]] = {}      # holder node -> the last step it got: step, bytes, seconds
         self.errors: Deque[str] = collections.deque(maxlen=4)
@@ -93,7 +108,7 @@ class Replicas:
         self._closed = False
         self._sender: Optional[threading.Thread] = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="easyckpt-fetch")
-        self._done: Mailbox[Tuple[Any, Dict[str, Any]]] = Mailbox()
+        self._done: Mailbox[Tuple[Any, Reply]] = Mailbox()
 
     # ---- the loop's calls ---------------------------------------------------------------------
 
@@ -125,12 +140,14 @@ class Replicas:
         nothing when replicas are off (no sender runs to serve it)."""
         if self._sender is None:
             return
-        self._force = True
+        with self.lock:     # set and taken under the lock: a kick between the sender's read and reset stays
+            self._force = True
         self._wake.set()
 
     def busy(self) -> bool:
         """A send is under way or asked for (kick): an agent leaving after SIGTERM waits for it."""
-        return self._force or self._sending
+        with self.lock:
+            return self._force or self._sending
 
     def unsent(self) -> bool:
         """Whether this node's newest complete snapshot has still to reach a holder that takes it (a holder
@@ -142,23 +159,26 @@ class Replicas:
         step = slots.newest_common(slots.complete_snapshots(self.job_id, ranks, self.log)) if ranks else None
         if step is None:
             return False
-        return any(self.sent.get(n, {}).get("step", -1) < step for n in t.targets(t.node)
-                   if n in t.endpoints and n not in self._retry_at)
+        with self.lock:
+            sent, failing = dict(self.sent), set(self._retry_at)
+        return any(sent.get(n, {}).get("step", -1) < step for n in t.targets(t.node)
+                   if n in t.endpoints and n not in failing)
 
-    def call(self, conn: Any, fn: Callable[[], Dict[str, Any]]) -> None:
-        """Run ``fn`` (a list or fetch: network I/O) off the loop; its reply comes back through ``replies``."""
+    def call(self, conn: Any, fn: Callable[[], Reply], failed: Callable[[str], Reply]) -> None:
+        """Run ``fn`` (a list or fetch: network I/O) off the loop; its reply comes back through ``replies``
+        (``failed(why)`` when it raised)."""
         def run() -> None:
             try:
                 reply = fn()
             except Exception as exc:  # noqa: BLE001 - any failure is the trainer's answer, never the agent's end
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                reply = failed(f"{type(exc).__name__}: {exc}")
             self._done.put((conn, reply))
         self._pool.submit(run)
 
     def wake_fd(self) -> int:
         return self._done.wake_fd()
 
-    def replies(self) -> List[Tuple[Any, Dict[str, Any]]]:
+    def replies(self) -> List[Tuple[Any, Reply]]:
         return self._done.take()
 
     def close(self) -> None:
@@ -169,8 +189,10 @@ class Replicas:
             self.server.close()
         self._pool.shutdown(wait=False)
 
-    def status(self) -> Dict[str, Any]:
+    def status(self) -> ReplicaStatus:
         t = self.table
+        with self.lock:
+            sent, errors = dict(self.sent), list(self.errors)
         holds = []
         for seg in shm.list_segments(self.job_id):
             if seg.replica:
@@ -182,16 +204,14 @@ class Replicas:
                 except OSError:
                     continue
                 if done is not None:
-                    holds.append({"rank": seg.rank, "step": done.step, "bytes": done.header.data_capacity,
-                                  "from_node": t.node_of(seg.rank) if t else None})
-        return {"node": t.node if t else None, "nnodes": t.nnodes if t else None,
-                "factor": self.cfg.replication_factor,
-                "listening": f"{self.server.addr}:{self.server.port}" if self.server else None,
-                "targets": {str(n): "%s:%d" % t.endpoints[n] for n in t.targets(t.node) if n in t.endpoints}
-                if t else {},
-                "sent": {str(k): v for k, v in sorted(self.sent.items())}, "holds": holds,
-                "every": max(self.cfg.replica_interval, self.cadence.every),
-                "errors": list(self.errors)}
+                    holds.append(ReplicaHeld(rank=seg.rank, step=done.step, bytes=done.header.data_capacity,
+                                             from_node=t.node_of(seg.rank) if t else None))
+        return ReplicaStatus(
+            node=t.node if t else None, nnodes=t.nnodes if t else None, factor=self.cfg.replication_factor,
+            listening=f"{self.server.addr}:{self.server.port}" if self.server else None,
+            targets={n: "%s:%d" % t.endpoints[n] for n in t.targets(t.node) if n in t.endpoints} if t else {},
+            sent={n: ReplicaSent(**v) for n, v in sorted(sent.items())}, holds=holds, every=max(self.cfg.replica_interval, self.cadence.every),
+            errors=errors)
 
     # ---- restoring (the trainers' requests, in the pool) ------------------------------------------
 
@@ -279,7 +299,9 @@ class Replicas:
                 self._sending = False
 
     def _replicate(self) -> None:
-        force, self._force = self._force, False
+        with self.lock:
+            force, self._force = self._force, False
+            retry_at = dict(self._retry_at)
         t = self.table
         if t is None:
             return
@@ -289,10 +311,10 @@ class Replicas:
             return
         seen = self._look(ranks, sending=False)
         now = time.monotonic()
-        due = [n for n in targets if now >= self._retry_at.get(n, 0.0)]
+        due = [n for n in targets if now >= retry_at.get(n, 0.0)]
         if seen != self._seen:     # a slot changed: read the snapshots' metadata again (only then)
             self._seen, self._per_rank = seen, slots.complete_snapshots(self.job_id, ranks, self.log)
-        elif not force and not self._held_back and not any(n in self._retry_at for n in due):
+        elif not force and not self._held_back and not any(n in retry_at for n in due):
             return      # no slot changed since the last look, no failed send to retry: nothing to do
         per_rank = self._per_rank
         step = slots.newest_common(per_rank)
@@ -308,7 +330,8 @@ class Replicas:
         # every replica_interval-th snapshot at most, and less often when sends measurably slow training
         every = max(self.cfg.replica_interval, self.cadence.every) * self.cfg.save_mem_interval
         for node in due:
-            last = self.sent.get(node, {}).get("step")
+            with self.lock:
+                last = self.sent.get(node, {}).get("step")
             if last is not None and (step <= last or (step - last < every and not force)):
                 continue
             t0, nbytes = time.perf_counter(), 0
@@ -321,15 +344,16 @@ class Replicas:
                     finally:
                         conn.close()
             except (OSError, PeerError, SlotNotComplete, BadSlotMeta) as exc:
-                self._retry_at[node] = time.monotonic() + RETRY
+                with self.lock:
+                    self._retry_at[node] = time.monotonic() + RETRY
                 if isinstance(exc, PeerNotReady):    # every job's start: not worth a console line
                     self.log.record("replica_wait", step=step, node=node, message=str(exc))
                     continue
                 self._error(f"replica of step {step} to node {node} not sent: {exc}")
                 continue
-            self._retry_at.pop(node, None)
             seconds = round(time.perf_counter() - t0, 6)
             with self.lock:
+                self._retry_at.pop(node, None)
                 self.sent[node] = {"step": step, "bytes": nbytes, "seconds": seconds, "ranks": ranks}
             self.log.emit("replica_sent", step=step, node=node, ranks=ranks, bytes=nbytes, seconds=seconds)
             self.cadence.sent(time.monotonic(), seconds)
@@ -358,10 +382,11 @@ class Replicas:
     def _error(self, message: str) -> None:
         """Said once a minute at most per message: a peer that stays away must not flood the log."""
         now = time.monotonic()
-        if now - self._said.get(message, -1e9) < 60:
-            return
-        self._said[message] = now
-        self.errors.append(message)
+        with self.lock:
+            if now - self._said.get(message, -1e9) < 60:
+                return
+            self._said[message] = now
+            self.errors.append(message)
         self.log.record("warning", message=message)
         console.warning(message)
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Protocol
 
 from easyckpt.formats import protocol
+from easyckpt.formats.replies import ErrorReply, Reply, encode_reply
+from easyckpt.ipc import agentsocket
 from easyckpt.storage.auditlog import AuditLog
-
 
 REFUSED_FREE = 10       # refusals logged whole per interval
 REFUSED_EVERY = 60.0    # seconds; the rest of an interval's refusals are one summary line
@@ -65,7 +66,7 @@ class Refusals:
 
 @dataclass
 class Client:
-    reader: protocol.LineReader = field(default_factory=protocol.LineReader)
+    reader: agentsocket.LineReader = field(default_factory=agentsocket.LineReader)
     rank: Optional[int] = None
     said_bye: bool = False
     pid: int = 0
@@ -73,9 +74,49 @@ class Client:
 
 
 class Handler(Protocol):
-    def on_message(self, conn: socket.socket, client: Client, msg: protocol.Message) -> None: ...
+    def on_message(self, conn: Any, client: Client, msg: protocol.Message) -> None: ...
 
-    def on_disconnect(self, conn: socket.socket, client: Client) -> None: ...
+    def on_disconnect(self, conn: Any, client: Client) -> None: ...
+
+
+class Transport(Protocol):
+    """What the agent's loop asks of whatever brings it messages: Server on the job's socket, or an
+    in-process one (easyckpt/_testing/). A connection is any hashable token the transport hands out."""
+
+    handler: Optional[Handler]
+    clients: Dict[Any, Client]
+
+    def watch(self, fd: int) -> None: ...
+
+    def poll(self, timeout: float) -> None: ...
+
+    def trainers(self) -> List[Client]: ...
+
+    def send(self, conn: Any, reply: Reply) -> None: ...
+
+    def disconnect(self, conn: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# the ops a connection may send only after its hello, and only for the rank it said hello as
+_AFTER_HELLO = (protocol.Persist, protocol.Flush, protocol.Bye, protocol.ReplicaList, protocol.ReplicaFetch,
+                protocol.Listen, protocol.Peers)
+
+
+def admit(client: Client, msg: protocol.Message, key: Optional[str], job_key: bytes) -> None:
+    """Who may say ``msg`` (BadMessage when not): the connection's first message carries the job's key;
+    per-rank ops come after hello, for that rank only. Every transport applies it."""
+    if not client.authed:
+        if not hmac.compare_digest((key or "").encode(), job_key):
+            raise protocol.BadMessage("the first message must carry the job's key")
+        client.authed = True
+    if isinstance(msg, _AFTER_HELLO):
+        if client.rank is None:
+            raise protocol.BadMessage(f"{msg.op} before hello")
+        if getattr(msg, "rank", client.rank) != client.rank:
+            raise protocol.BadMessage(f"{msg.op} for rank {getattr(msg, 'rank', None)} on a connection that "
+                                      f"said hello as rank {client.rank}")
 
 
 class Server:
@@ -83,7 +124,7 @@ class Server:
         self.key, self.log = key.encode(), log
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(protocol.address(job_id))   # raises if an agent of this job is alive
+        self.listener.bind(agentsocket.address(job_id))   # raises if an agent of this job is alive
         self.listener.listen(64)
         self.listener.setblocking(False)
         self.sel.register(self.listener, selectors.EVENT_READ)
@@ -101,16 +142,16 @@ class Server:
             if key.fileobj is self.listener:
                 self._accept()
             elif key.fileobj in self.clients:
-                self._read(key.fileobj)   # type: ignore[arg-type]
+                self._read(key.fileobj)
         self.refusals.flush()
 
     def trainers(self) -> List[Client]:
         return [c for c in self.clients.values() if c.rank is not None]
 
-    def send(self, conn: socket.socket, reply: Dict[str, Any]) -> None:
+    def send(self, conn: socket.socket, reply: Reply) -> None:
         try:
             conn.settimeout(REPLY_WAIT)
-            conn.sendall(protocol.encode_reply(reply))
+            conn.sendall(encode_reply(reply))
             conn.setblocking(False)
         except socket.timeout:        # it reads nothing: the loop must not wait on it
             if conn in self.clients:
@@ -133,7 +174,7 @@ class Server:
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
-        uid = protocol.peer_uid(conn)
+        uid = agentsocket.peer_uid(conn)
         if uid != os.geteuid():     # docs/reliability.md promise 9: another user's process never gets a word in
             self.refusals(message=f"connection from uid {uid} (not this job's user) closed")
             conn.close()
@@ -171,19 +212,9 @@ class Server:
 
     def _check(self, client: Client, line: bytes) -> protocol.Message:
         msg, key = protocol.parse(line)
-        if not client.authed:
-            if not hmac.compare_digest((key or "").encode(), self.key):
-                raise protocol.BadMessage("the first message must carry the job's key")
-            client.authed = True
-        if isinstance(msg, (protocol.Persist, protocol.Flush, protocol.Bye, protocol.ReplicaList,
-                            protocol.ReplicaFetch, protocol.Listen, protocol.Peers)):
-            if client.rank is None:
-                raise protocol.BadMessage(f"{msg.op} before hello")
-            if getattr(msg, "rank", client.rank) != client.rank:
-                raise protocol.BadMessage(f"{msg.op} for rank {msg.rank} on a connection that said hello as "
-                                          f"rank {client.rank}")
+        admit(client, msg, key, self.key)
         return msg
 
     def _refuse(self, conn: socket.socket, client: Client, why: str) -> None:
         self.refusals(rank=client.rank, message=f"bad message: {why}")
-        self.send(conn, {"op": "error", "ok": False, "error": why})
+        self.send(conn, ErrorReply(why))

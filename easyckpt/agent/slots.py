@@ -1,4 +1,4 @@
-"""What the agent reads and writes in the trainers' shared-memory slots (formats/shm.py), in one place.
+"""What the agent reads and writes in the trainers' shared-memory slots (ipc/shm.py), in one place.
 
 The agent writes only its two words of a slot's header (busy, released: ``shm.AgentView``); it reads
 headers to find complete snapshots (after the trainers died, at the grace deadline) and to release a
@@ -11,7 +11,7 @@ import threading
 from contextlib import contextmanager
 from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
 
-from easyckpt.formats import shm, slotread
+from easyckpt.ipc import shm, slotread
 from easyckpt.storage.auditlog import AuditLog
 
 PerRank = Dict[int, Dict[int, Tuple[int, int]]]    # rank -> {step: (slot, generation)}
@@ -41,7 +41,7 @@ def _generation(job_id: str, rank: int, slot: int, log: AuditLog) -> int:
 
 def complete_snapshots(job_id: str, ranks: Iterable[int], log: AuditLog) -> PerRank:
     """rank -> {step: (slot, generation)} of its complete snapshots, by the one reader
-    (formats/slotread.py) that the trainer's loader and ``easyckpt status`` use too."""
+    (ipc/slotread.py) that the trainer's loader and ``easyckpt status`` use too."""
     per_rank: PerRank = {}
     for rank in ranks:
         per_rank[rank] = {}

@@ -21,7 +21,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from easyckpt.errors import CatalogError, ManifestError
+from easyckpt.errors import CatalogError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS, Naming
 from easyckpt.storage import stepfiles
@@ -57,6 +57,7 @@ class Entry:
     files: int
     layout: Dict[str, int] = field(default_factory=dict)    # tp, pp, dp, world
     job_id: Optional[str] = None
+    run: float = 0.0                   # when the run that committed it started (mf.run_of): orders the pick
     picked: bool = False               # the one easyckpt's loader would pick
     staging: bool = False              # a step being written (or left by a crash), not yet visible
     # complete | plain (the HF Trainer's own, no manifest) | incomplete (never committed) | damaged | staging |
@@ -119,9 +120,10 @@ def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False
                 if problems:
                     e.complete, e.state, e.why = False, "damaged", problems[0] + (f" (and {len(problems) - 1} more)"
                                                               if len(problems) > 1 else "")
-    pick = next((e for e in entries if e.complete), None)
-    if pick is not None:
-        pick.picked = True
+    complete = {e.step: e for e in entries if e.complete}
+    order = mf.newest_first(complete, {s: e.run for s, e in complete.items()})    # the loader's order
+    if order:
+        complete[order[0]].picked = True
     return Catalog(save_dir, framework, entries)
 
 
@@ -130,10 +132,10 @@ def verify(entry: Entry, on_bytes: Optional[Callable[[int], None]] = None) -> Li
     corrupted (sizes and checksums, every byte read). Empty when the step is intact."""
     if entry.state == "plain":
         return []           # no manifest: nothing recorded to check against (cmd_verify says so)
-    man, why = _manifest(entry.path)
+    man, why = stepfiles.judge(entry.path, entry.step)
     if man is None:
-        return [why or f"{mf.MANIFEST_NAME}: {entry.why}"]
-    problems = [f"{mf.MANIFEST_NAME}: of step {man['step']}, not {entry.step}"] if man["step"] != entry.step else []
+        return [f"{DAMAGED_MANIFEST}: {why}" if why else f"{mf.MANIFEST_NAME}: {entry.why}"]
+    problems = [why] if why else []
     for rel in man["files"]:
         problem = stepfiles.verify_file(entry.path, rel, man, on_bytes)
         if problem:
@@ -157,7 +159,9 @@ def require(save_dir: str, framework: Optional[str] = None, **scan_args: Any) ->
 
 
 def _entry(step: int, path: str, framework: str) -> Entry:
-    man, why = _manifest(path)
+    man, why = stepfiles.judge(path, step)
+    if man is None and why is not None:
+        why = f"{DAMAGED_MANIFEST}: {why}"
     if man is None and why is None and framework == "transformers" and _trainer_step(path) == step:
         # the Trainer's own save: TrainerWrapper resumes from it when it is the newest (nothing to verify)
         nbytes, nfiles = _disk_usage(path)
@@ -169,16 +173,12 @@ def _entry(step: int, path: str, framework: str) -> Entry:
         nbytes, nfiles = _disk_usage(path)
         return Entry(step, path, False, why, framework, os.path.getmtime(path), nbytes, nfiles,
                      layout_of(path, framework, None), state="" if damaged else "incomplete")
-    why = None
-    if man["step"] != step:
-        why = f"manifest is of step {man['step']}, not {step}"
-    else:
-        problems = stepfiles.check_sizes(path, man)
-        if problems:
-            why = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+    problems = [] if why is not None else stepfiles.check_sizes(path, man)
+    if problems:
+        why = problems[0] + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
     return Entry(step, path, why is None, why, man.get("framework", framework), float(man.get("created") or 0),
                  sum(int(e["size"]) for e in man["files"].values()), len(man["files"]),
-                 layout_of(path, framework, man), man.get("job_id"))
+                 layout_of(path, framework, man), man.get("job_id"), mf.run_of(man))
 
 
 def step_entry(step: int, path: str, framework: str) -> Entry:
@@ -200,18 +200,6 @@ def _quarantined(sd: SaveDir, framework: str) -> List[Entry]:
                  f"it by hand")
         out.append(e)
     return out
-
-
-def _manifest(path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
-    """(manifest, None) when valid; (None, None) when there is none; (None, why) when it is damaged."""
-    try:
-        return stepfiles.load(path), None
-    except FileNotFoundError:
-        return None, None
-    except ManifestError as exc:
-        return None, f"{DAMAGED_MANIFEST}: {exc}"
-    except OSError as exc:
-        return None, f"{DAMAGED_MANIFEST}: {mf.MANIFEST_NAME} unreadable ({exc.strerror or exc})"
 
 
 def _trainer_step(path: str) -> Optional[int]:

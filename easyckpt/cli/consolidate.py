@@ -51,12 +51,12 @@ import torch
 
 from easyckpt.cli import outputs
 from easyckpt.cli.outputs import ProgressFactory
+from easyckpt.engine.tree import safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import DS_MODEL_STATES, DS_OPTIM_STATES
 from easyckpt.storage import stepfiles
 from easyckpt.storage.stepfiles import damaged_message
-from easyckpt.trainer.tree import safe_torch_load
 
 Weights = Dict[str, torch.Tensor]
 
@@ -228,6 +228,7 @@ def _deepspeed_weights(plan: _Plan, reader: _Reader) -> Tuple[int, Weights]:
         return 0, _tensors_only(tree.get("module") if isinstance(tree, dict) else tree, model)
     zero_to_fp32 = _import_zero_to_fp32()
     shim = _SafeTorch(reader)
+    assert plan.ds_dir is not None      # DeepSpeed's plans name their tag directory ("" for the step dir)
     ds_path = os.path.join(reader.step_dir, plan.ds_dir)
     with _ZERO_TO_FP32_LOCK, _module_globals(zero_to_fp32, torch=shim, glob=_ListedGlob(reader), tqdm=_no_tqdm,
                                              print=_silent):
@@ -291,7 +292,7 @@ class _ListedGlob:
 
 def _native_shapes(tree: Any) -> Any:
     """DeepSpeed stores parameter shapes as torch.Size and its ZeRO-3 merge calls ``.numel()`` on them.
-    Checkpoints written before trainer/tree.py kept torch.Size through shared memory hold plain tuples
+    Checkpoints written before engine/tree.py kept torch.Size through shared memory hold plain tuples
     there; give them back their type so that those convert too (newer ones already have it)."""
     if not isinstance(tree, dict):
         return tree

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from easyckpt.cli.catalog import Entry
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.shardfile import DTYPE_NAMES
+from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.storage import stepfiles
 
 GROUPS = ("model", "optimizer", "other")
@@ -54,15 +55,15 @@ def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[s
     args: Dict[str, Any] = {}
     metadata: Dict[str, Any] = {}
     listed: List[Dict[str, Any]] = []
-    torch_bytes = sum(size for rel, size, fmt in files if fmt == "torch")
+    torch_bytes = sum(size for rel, size, fmt in files if fmt == ShardFormat.TORCH)
     bar = progress(torch_bytes, "inspect") if progress and torch_bytes else None
     try:
         for rel, size, fmt in files:
-            item: Dict[str, Any] = {"file": rel, "bytes": size, "format": fmt}
+            item: Dict[str, Any] = {"file": rel, "bytes": size, "format": fmt.value}
             try:
-                if fmt == "safetensors":
+                if fmt == ShardFormat.SAFETENSORS:
                     found = list(_safetensors_tensors(entry.path, rel))
-                elif fmt == "torch":
+                elif fmt == ShardFormat.TORCH:
                     found = _torch_tensors(entry.path, rel, args, metadata)
                     if bar is not None:
                         bar.update(size)
@@ -109,10 +110,11 @@ def group_of(rel: str, key: str) -> str:
     return "other"
 
 
-def _files(step_dir: str, man: Optional[Dict[str, Any]]) -> List[Tuple[str, int, str]]:
+def _files(step_dir: str, man: Optional[Dict[str, Any]]) -> List[Tuple[str, int, ShardFormat]]:
     """(relpath, size, format) of the step's files: the manifest's list, else what is on disk."""
     if man is not None:
-        return [(rel, int(e["size"]), e.get("format") or _format_of(rel)) for rel, e in man["files"].items()]
+        return [(rel, int(e["size"]), ShardFormat.parse(e["format"]) if e.get("format") else ShardFormat.of_filename(rel))
+                for rel, e in man["files"].items()]
     out = []
     for root, _dirs, names in os.walk(step_dir):
         for n in sorted(names):
@@ -120,16 +122,8 @@ def _files(step_dir: str, man: Optional[Dict[str, Any]]) -> List[Tuple[str, int,
             rel = os.path.relpath(p, step_dir)
             st = os.lstat(p)
             if rel != mf.MANIFEST_NAME and stat.S_ISREG(st.st_mode):     # symlinks are not followed
-                out.append((rel, st.st_size, _format_of(rel)))
+                out.append((rel, st.st_size, ShardFormat.of_filename(rel)))
     return sorted(out)
-
-
-def _format_of(rel: str) -> str:
-    if rel.endswith(".safetensors"):
-        return "safetensors"
-    if rel.endswith((".pt", ".bin", ".pth")):
-        return "torch"
-    return "raw"
 
 
 def _safetensors_tensors(step_dir: str, rel: str) -> Iterator[Tuple[str, str, List[int], int]]:
@@ -150,7 +144,7 @@ def _safetensors_tensors(step_dir: str, rel: str) -> Iterator[Tuple[str, str, Li
 def _torch_tensors(step_dir: str, rel: str, args: Dict[str, Any], metadata: Dict[str, Any]):
     import torch
 
-    from easyckpt.trainer.tree import safe_torch_load
+    from easyckpt.engine.tree import safe_torch_load
     tree = safe_torch_load(bytes(stepfiles.read_entry(step_dir, rel)))
     found = [(key, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size())
              for key, t in _walk(tree, "") if isinstance(t, torch.Tensor)]

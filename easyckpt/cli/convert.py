@@ -16,13 +16,14 @@ from typing import Any, Dict, List
 
 import torch
 
+from easyckpt.engine.tree import safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS
+from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.megatron.state import assemble
 from easyckpt.storage import stepfiles
 from easyckpt.storage.savedir import SaveDir
-from easyckpt.trainer.tree import safe_torch_load
 
 _SHARD = re.compile(r"^(mp_rank_[0-9_]+)/distrib_optim_dp(\d{3})\.pt$")
 
@@ -78,7 +79,7 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
     count = counts.pop()
     layout = (man.get("info") or {}).get("layout")
     ep = re.search(r"\.ep(\d+)$", layout) if isinstance(layout, str) else None
-    split = bool(ep) and int(ep.group(1)) > 1
+    split = ep is not None and int(ep.group(1)) > 1
     if count > 1 and not split:
         raise ValueError("a ChainedOptimizer is converted when its experts are split (EP > 1, recorded in the "
                          "manifest): this step does not say so")
@@ -102,7 +103,7 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
         buf = io.BytesIO()
         torch.save(states[0] if count == 1 else states, buf)
         rel = f"{mp_dir}/distrib_optim.pt"
-        entries[rel] = {"size": buf.getbuffer().nbytes, "checksum": mf.checksum(buf.getbuffer()), "format": "torch"}
+        entries[rel] = {"size": buf.getbuffer().nbytes, "checksum": mf.checksum(buf.getbuffer()), "format": ShardFormat.TORCH.value}
         sd.add_file(step_dir, rel, buf.getvalue())
         written.append(os.path.join(step_dir, rel))
     sd.add_to_manifest(step_dir, entries)

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-from easyckpt.trainer import runlog
+from easyckpt.engine import runlog
 
 MAX_BACKOFF = 300.0
 

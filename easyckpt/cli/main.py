@@ -30,6 +30,7 @@ from easyckpt.cli import catalog
 from easyckpt.cli.catalog import FRAMEWORKS, CatalogError
 from easyckpt.errors import EasyCkptError
 from easyckpt.formats import manifest as mf
+from easyckpt.formats.replies import ReplicaStatus, StatusReply
 from easyckpt.storage import retention, stepfiles
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.units import human
@@ -91,7 +92,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     cat = catalog.require(args.dir, args.framework)
     entries = [cat.step(args.step)] if args.step is not None else [e for e in cat.entries if not e.staging]
-    report = []
+    report: List[Dict[str, Any]] = []
     with _progress(args)(catalog.stored_bytes(entries), "verify") as bar:
         for e in entries:
             problems = catalog.verify(e, bar.update)
@@ -164,22 +165,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print("easyckpt prune: --keep must be at least 1 (the newest checkpoint is never deleted)", file=sys.stderr)
         return 2
     cat = catalog.require(args.dir, args.framework)
-    naming = catalog.naming(cat.framework)
     jobs = sorted({e.job_id for e in cat.entries if e.complete and not e.staging and e.job_id})
-    job = args.job_id or (next((e.job_id for e in cat.entries if e.complete and e.job_id), None))
-    if job is None:
-        print(f"easyckpt prune: {args.dir} holds no complete checkpoint committed by easyckpt: nothing it may prune",
-              file=sys.stderr)
+    sd = _prune_target(args, cat, jobs)
+    if sd is None:
         return 2
-    if args.job_id and args.job_id not in jobs:
-        print(f"easyckpt prune: no checkpoint of job {args.job_id} in {args.dir} (jobs: {', '.join(jobs) or 'none'})",
-              file=sys.stderr)
-        return 2
-    newest = next(e for e in cat.entries if e.complete and e.job_id == job)
-    # the job's name, where its manifests carry one: the steps of a copied or moved directory are the job's too
-    sd = SaveDir(args.dir, naming, job, job_name=(stepfiles.read(newest.path) or {}).get("job"))
-    committed = sd.committed(own=True)
-    policy = retention.KeepLast(args.keep, retention.protected(committed[0][1]))
+    job = sd._job()
+    manifests = sd.committed_manifests(own=True)
+    committed = [(step, path) for step, path, _ in manifests]
+    policy = retention.KeepLast(args.keep, retention.protected(manifests[0][2]))
     doomed = policy.to_delete(committed)
     # the newest step stays whatever --keep says: it must verify (every byte) before anything older goes, or a
     # silently damaged newest step would be all that is left (docs/reliability.md promise 12)
@@ -204,7 +197,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             return 1
         log = AuditLog(args.log_file or os.path.join(args.dir, "easyckpt-prune.log"), "cli")
         try:
-            report["deleted"] = sd.prune(policy, log)
+            report["deleted"] = retention.prune(sd, policy, log)
         finally:
             log.close()
             lock.release()
@@ -222,15 +215,33 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prune_target(args: argparse.Namespace, cat: catalog.Catalog, jobs: List[str]) -> Optional[SaveDir]:
+    """The save directory as the job to prune sees it (--job-id, else the newest commit's job); None, said
+    on stderr, when there is none."""
+    job = args.job_id or (next((e.job_id for e in cat.entries if e.complete and e.job_id), None))
+    if job is None:
+        print(f"easyckpt prune: {args.dir} holds no complete checkpoint committed by easyckpt: nothing it may prune",
+              file=sys.stderr)
+        return None
+    if args.job_id and args.job_id not in jobs:
+        print(f"easyckpt prune: no checkpoint of job {args.job_id} in {args.dir} (jobs: {', '.join(jobs) or 'none'})",
+              file=sys.stderr)
+        return None
+    newest = next(e for e in cat.entries if e.complete and e.job_id == job)
+    # the job's name, where its manifests carry one: the steps of a copied or moved directory are the job's too
+    return SaveDir(args.dir, catalog.naming(cat.framework), job,
+                   job_name=(stepfiles.read(newest.path) or {}).get("job"))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from easyckpt.config import Config
-    from easyckpt.formats import shm, slotread
-    from easyckpt.trainer.client import one_shot
+    from easyckpt.engine.client import agent_status
+    from easyckpt.ipc import shm, slotread
     cat = catalog.scan(args.dir, args.framework)
     job_id = Config(save_dir=args.dir, job_name=args.job_name).job_id
     framework, naming = cat.framework, catalog.naming(cat.framework)
-    agent = one_shot(job_id, {"op": "status"})
-    snapshots = []
+    agent = agent_status(job_id)
+    snapshots: List[Dict[str, Any]] = []
     for path, _job, rank, index, replica in shm.list_segments(job_id):
         entry = {"rank": rank, "slot": index, "path": path, "segment_bytes": os.path.getsize(path),
                  "step": None, "bytes": None, "complete": False, "replica": replica}
@@ -253,57 +264,62 @@ def cmd_status(args: argparse.Namespace) -> int:
     dev_shm = {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize,
                "used": (st.f_blocks - st.f_bfree) * st.f_frsize,
                "this_job": sum(s["segment_bytes"] for s in snapshots)}
-    report = {"save_dir": args.dir, "job_id": job_id, "framework": framework, "agent": agent,
+    report = {"save_dir": args.dir, "job_id": job_id, "framework": framework,
+              "agent": agent.to_wire() if agent is not None else None,
               "snapshots": snapshots, "newest_committed": newest, "committed_count": len(committed),
               "dev_shm": dev_shm}
     if args.json:
         say(json.dumps(report, indent=1))
         return 0
-    say(f"save dir   {args.dir}  (job {job_id}, {framework} layout)")
+    _say_status(report, agent)
+    return 0
+
+
+def _say_status(report: Dict[str, Any], agent: Optional[StatusReply]) -> None:
+    snapshots, newest, dev_shm = report["snapshots"], report["newest_committed"], report["dev_shm"]
+    say(f"save dir   {report['save_dir']}  (job {report['job_id']}, {report['framework']} layout)")
     if agent is None:
         say("agent      not running on this node")
     else:
-        say(f"agent      pid {agent['agent_pid']}, ranks attached {agent['connected']}, dead {agent['dead_ranks']}, "
-              f"pending commits {agent['pending_commits']}, jobs queued {agent['outstanding']}")
-        if agent.get("sigterm"):
-            say(f"           SIGTERM {agent['sigterm']}")
-        if agent.get("last_error"):
-            say(f"           last error: {agent['last_error']}")
+        say(f"agent      pid {agent.agent_pid}, ranks attached {agent.connected}, dead {agent.dead_ranks}, "
+            f"pending commits {agent.pending_commits}, jobs queued {agent.outstanding}")
+        if agent.sigterm is not None:
+            say(f"           SIGTERM {agent.to_wire()['sigterm']}")
+        if agent.last_error:
+            say(f"           last error: {agent.last_error}")
     if not snapshots:
         say("memory     no snapshot of this job on this node")
     for s in sorted(snapshots, key=lambda s: (s["replica"], s["rank"], s["slot"])):
         what = f"step {s['step']:>8}  {s['bytes']:>14,d} B" if s["complete"] else "(being written or torn)"
         kind = "replica    rank" if s["replica"] else "memory     rank"     # a replica: another node's rank, held here
         say(f"{kind} {s['rank']:>4} slot {s['slot']}  {what}")
-    _say_replicas((agent or {}).get("replicas"))
+    _say_replicas(agent.replicas if agent is not None else None)
     if newest is None:
         say("storage    no committed checkpoint")
     else:
-        say(f"storage    newest committed step {newest['step']} ({newest['bytes']:,d} B, {len(committed)} kept)  "
-              f"{newest['path']}")
+        say(f"storage    newest committed step {newest['step']} ({newest['bytes']:,d} B, "
+            f"{report['committed_count']} kept)  {newest['path']}")
     say(f"/dev/shm   {human(dev_shm['used'])} of {human(dev_shm['total'])} used, this job "
-          f"{human(dev_shm['this_job'])}, {human(dev_shm['free'])} free")
-    return 0
+        f"{human(dev_shm['this_job'])}, {human(dev_shm['free'])} free")
 
 
-def _say_replicas(rep: Optional[Dict[str, Any]]) -> None:
+def _say_replicas(rep: Optional[ReplicaStatus]) -> None:
     """Where this node's snapshot is replicated, and whose replicas it holds (the agent's view)."""
-    if not isinstance(rep, dict) or rep.get("node") is None:
+    if rep is None or rep.node is None:
         say("replicas   none: one node, replication_factor=1, or no trainer has introduced the agents yet")
         return
-    say(f"replicas   this is node {rep['node']} of {rep['nnodes']} (replication_factor {rep['factor']}), "
-        f"listening on {rep['listening']}")
-    every = rep.get("every")
-    if isinstance(every, int) and every > 1:
-        say(f"           sending every {every}th snapshot (what training can spare, measured by the agent)")
-    for node, where in sorted(rep.get("targets", {}).items()):
-        sent = rep.get("sent", {}).get(node)
-        got = (f"holds step {sent['step']} ({human(sent['bytes'])}, sent in {sent['seconds']:.2f} s)" if sent
+    say(f"replicas   this is node {rep.node} of {rep.nnodes} (replication_factor {rep.factor}), "
+        f"listening on {rep.listening}")
+    if rep.every > 1:
+        say(f"           sending every {rep.every}th snapshot (what training can spare, measured by the agent)")
+    for node, where in sorted(rep.targets.items()):
+        sent = rep.sent.get(node)
+        got = (f"holds step {sent.step} ({human(sent.bytes)}, sent in {sent.seconds:.2f} s)" if sent
                else "holds nothing yet")
         say(f"           own snapshot -> node {node} at {where}: {got}")
-    for h in rep.get("holds", []):
-        say(f"           holds rank {h['rank']} of node {h['from_node']}: step {h['step']} ({human(h['bytes'])})")
-    for err in rep.get("errors", []):
+    for h in rep.holds:
+        say(f"           holds rank {h.rank} of node {h.from_node}: step {h.step} ({human(h.bytes)})")
+    for err in rep.errors:
         say(f"           {err}")
 
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS, Naming
+from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles
 from easyckpt.storage.posix import PosixStorage
@@ -49,7 +50,7 @@ def write(step_dir: str, man: Dict[str, Any], files: Dict[str, bytes], progress:
             rel = relpath_inside(step_dir, path)
             if rel is not None:
                 listed[rel] = {"size": len(data), "checksum": mf.checksum(data),
-                               "format": "safetensors" if path.endswith(".safetensors") else "raw",
+                               "format": ShardFormat.of_filename(path).value,
                                "derived_by": DERIVED_BY}
     dropped = [rel for rel in map(functools.partial(relpath_inside, step_dir), stale) if rel is not None]
     if listed or dropped:

@@ -16,23 +16,25 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
-from easyckpt.errors import CheckpointError, ManifestError
+from easyckpt.errors import CheckpointError, ManifestError, UnsafePath
 from easyckpt.formats import paths
+from easyckpt.formats.shardformat import NAMES
 from easyckpt.units import size_and_bytes
 
 try:
     import xxhash
 except ImportError:  # pragma: no cover - xxhash is a declared dependency
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]  # an optional import: checked for None below
 
 MANIFEST_NAME = "easyckpt_manifest.json"
 FORMAT_VERSION = 1
 ALGO = "xxh3_64" if xxhash is not None else "crc32"
 ALGOS = ("xxh3_64", "crc32")
-FORMATS = ("safetensors", "torch", "raw", "dcp")
 MAX_MANIFEST_BYTES = 256 << 20        # a manifest lists files, it is never this large
+
+_Data = Union[bytes, bytearray, memoryview]   # what a checksum reads (storage.base.Buffer)
 
 
 class Hasher:
@@ -47,7 +49,7 @@ class Hasher:
         else:
             raise CheckpointError(f"unknown checksum algorithm {algo!r}")
 
-    def update(self, data) -> None:
+    def update(self, data: _Data) -> None:
         if self.algo == "xxh3_64":
             self._h.update(data)
         else:
@@ -57,7 +59,7 @@ class Hasher:
         return self._h.hexdigest() if self.algo == "xxh3_64" else f"{self._crc:08x}"
 
 
-def checksum(data, algo: str = ALGO) -> str:
+def checksum(data: _Data, algo: str = ALGO) -> str:
     h = Hasher(algo)
     h.update(data)
     return h.hexdigest()
@@ -77,7 +79,8 @@ def same_job(man: Dict[str, Any], job_id: str, job_name: Optional[str]) -> bool:
     """Whether a (validated) manifest is a step of this job. By job name where both sides know it, so that a
     copied or moved save dir stays the job's own; by job id for manifests written before names were kept."""
     if "job" in man and job_name is not None:
-        return man["job"] == job_name
+        job: object = man["job"]      # a str in a validated manifest
+        return job == job_name
     return man.get("job_id") == job_id
 
 
@@ -98,6 +101,13 @@ def order_key(step: int, man: Dict[str, Any]) -> Tuple[float, int]:
     return run_of(man), step
 
 
+def newest_first(steps: Iterable[int], runs: Mapping[int, float]) -> List[int]:
+    """The order the loader tries committed steps in, and so the one ``easyckpt ls`` names as its pick:
+    newest commit first, by run then step (order_key); a step with no run recorded (a framework's own
+    checkpoint, or one committed before runs were recorded) counts as run 0."""
+    return sorted(set(steps), key=lambda s: (runs.get(s, 0.0), s), reverse=True)
+
+
 # ---- validation ---------------------------------------------------------------------------------------
 
 def _is_int(v: Any) -> bool:
@@ -109,7 +119,7 @@ def check_relpath(rel: Any) -> str:
     could name a file outside the step)."""
     try:
         return paths.check_relpath(rel)
-    except paths.UnsafePath as exc:
+    except UnsafePath as exc:
         raise ManifestError(f"{exc}; a manifest lists plain paths inside its step directory") from None
 
 
@@ -158,12 +168,12 @@ def validate(data: Any) -> Dict[str, Any]:
             raise ManifestError(f"{where}.checksum is missing")
         if not (isinstance(entry["checksum"], str) and entry["checksum"]):
             raise ManifestError(f"{where}.checksum is {entry['checksum']!r}, expected a non-empty string")
-        if "format" in entry and entry["format"] not in FORMATS:
-            raise ManifestError(f"{where}.format is {entry['format']!r}, expected one of {', '.join(FORMATS)}")
+        if "format" in entry and entry["format"] not in NAMES:
+            raise ManifestError(f"{where}.format is {entry['format']!r}, expected one of {', '.join(NAMES)}")
     return data
 
 
-def check_bytes(rel: str, data, manifest: Dict[str, Any]) -> Optional[str]:
+def check_bytes(rel: str, data: _Data, manifest: Dict[str, Any]) -> Optional[str]:
     algo = manifest.get("checksum", ALGO)
     return compare(rel, len(data), lambda: checksum(data, algo), manifest["files"][rel], algo)
 

@@ -9,7 +9,8 @@ turn, talks only to an agent of its own user, so a squatter on the name gets not
 turned into a typed message by ``parse`` (the one place that validates); a bad one gets an ``error``
 reply naming the bad field, and the agent lives on.
 
-The seven operations, in the order a trainer sends them (the agent answers only hello, flush, status):
+The seven operations, in the order a trainer sends them (the agent answers only hello, flush, status;
+its replies are the typed records of formats/replies.py):
 
   1. hello     Hello(rank, world_size, local_rank, pid)   → {ok, agent_pid} or {ok: false, error}
   2. persist   Persist(rank, slot, generation, step)       after each snapshot on a storage step
@@ -43,12 +44,18 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
-import os
 import re
-import socket
-import struct
 import typing
-from typing import Any, ClassVar, Dict, Iterator, NamedTuple, Optional, Tuple, Type, Union
+from typing import (
+    Any,
+    ClassVar,
+    Dict,
+    NamedTuple,
+    Optional,
+    Tuple,
+    Type,
+    Union,
+)
 
 from easyckpt.errors import BadMessage
 
@@ -225,9 +232,10 @@ def _field(op: str, name: str, kind: type, value: Any) -> Any:
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, kind):
         raise BadMessage(f"{op}: field {name!r} must be {kind.__name__}, got {str(value)[:40]!r}")
-    if kind is int and not 0 <= value < MAX_INT:
+    # value is an instance of kind by now; the isinstance checks only tell the type checker so
+    if kind is int and isinstance(value, int) and not 0 <= value < MAX_INT:
         raise BadMessage(f"{op}: field {name!r} = {value} is out of range")
-    if kind is str and len(value) > MAX_TEXT:
+    if kind is str and isinstance(value, str) and len(value) > MAX_TEXT:
         raise BadMessage(f"{op}: field {name!r} is too long")
     return value
 
@@ -244,21 +252,12 @@ class Received(NamedTuple):
     key: Optional[str]     # the job's key, as the connection's first message carries it
 
 
-def address(job_id: str) -> str:
-    return f"\0easyckpt-agent-{job_id}"
-
-
 def encode(msg: Message, key: Optional[str] = None) -> bytes:
     """One request line; ``key`` for the first message of a connection."""
     wire = msg.to_wire()
     if key is not None:
         wire["key"] = key
-    return encode_reply(wire)
-
-
-def encode_reply(reply: Dict[str, Any]) -> bytes:
-    """One line of the agent's answer (a plain object: hello, flush, status, error)."""
-    return (json.dumps(reply) + "\n").encode()
+    return (json.dumps(wire) + "\n").encode()
 
 
 def from_wire(obj: Any) -> Message:
@@ -266,9 +265,9 @@ def from_wire(obj: Any) -> Message:
     if not isinstance(obj, dict):
         raise BadMessage("a message is a JSON object")
     op = obj.get("op")
-    cls = OPS.get(op) if isinstance(op, str) else None
-    if cls is None:
+    if not isinstance(op, str) or op not in OPS:
         raise BadMessage(f"unknown op {str(op)[:40]!r}")
+    cls = OPS[op]
     values = {}
     for name, kind in _types(cls).items():     # in field order: the first bad field is the one named
         if name not in obj:
@@ -288,69 +287,4 @@ def parse(line: bytes) -> Received:
     return Received(msg, key if isinstance(key, str) else None)
 
 
-class LineReader:
-    def __init__(self) -> None:
-        self.buf = b""
-
-    def feed(self, data: bytes) -> Iterator[bytes]:
-        """Complete lines (bytes), in order; BadMessage when a line grows past MAX_LINE."""
-        self.buf += data
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            if line.strip():
-                yield line
-        if len(self.buf) > MAX_LINE:
-            self.buf = b""
-            raise BadMessage(f"a line longer than {MAX_LINE} bytes")
-
-
-def recv_one(sock: socket.socket, reader: LineReader) -> Optional[Dict[str, Any]]:
-    """Block (under the socket's timeout) until the agent's next reply arrives; None on EOF."""
-    while True:
-        for line in reader.feed(b""):
-            return _reply(line)
-        data = sock.recv(65536)
-        if not data:
-            return None
-        for line in reader.feed(data):   # the reader yields lazily: what follows the line stays buffered
-            return _reply(line)
-
-
-def _reply(line: bytes) -> Dict[str, Any]:
-    msg = json.loads(line)
-    if not isinstance(msg, dict):
-        raise BadMessage("the agent's reply is not a JSON object")
-    return msg
-
-
-def agent_listening(job_id: str, timeout: float = 0.5) -> bool:
-    """Whether anything listens on the job's agent address (connect only; nothing is sent). Bounded: an
-    agent that accepts nothing (stopped, or its backlog filled by others) answers EAGAIN at once, and that
-    still counts as listening: the name is held (docs/reliability.md promise 13)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(timeout)
-    try:
-        probe.connect(address(job_id))
-        return True
-    except (BlockingIOError, socket.timeout):
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
-def peer_uid(sock: socket.socket) -> int:
-    """The user id of the process at the other end (SO_PEERCRED: set by the kernel, cannot be forged)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
-
-
-def same_user(sock: socket.socket) -> bool:
-    return peer_uid(sock) == os.geteuid()
-
-
-__all__ = ["BadMessage", "Bye", "Damaged", "Flush", "Hello", "LineReader", "Listen", "Message", "OPS", "Peers", "Quarantine",
-           "Persist", "Received", "ReplicaFetch", "ReplicaList", "Status", "Term", "TermStep", "address", "agent_listening", "encode", "encode_reply",
-           "from_wire", "parse", "peer_uid", "recv_one", "same_user"]
+__all__ = ["BadMessage", "Bye", "Damaged", "Flush", "Hello", "Listen", "Message", "OPS", "Peers", "Quarantine", "Persist", "Received", "ReplicaFetch", "ReplicaList", "Status", "Term", "TermStep", "encode", "from_wire", "parse"]

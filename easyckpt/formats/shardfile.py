@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from easyckpt.errors import CheckpointError
-from easyckpt.storage.direct import BLOCK
 
 SKELETON_KEY = "easyckpt.skeleton"
 
 # safetensors dtype names by torch dtype name: this module never imports torch (the agent only copies
-# bytes); the trainer maps names back to torch dtypes in trainer/shardload.py
+# bytes); the trainer maps names back to torch dtypes in engine/shardload.py
 DTYPE_NAMES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
@@ -25,8 +24,11 @@ DTYPE_NAMES = {
 }
 NAME_DTYPES = {sname: tname for tname, sname in DTYPE_NAMES.items()}
 
+BLOCK = 4096            # a multiple of every logical block size in use (512 and 4096): shard data and
+                        # torch.save records start on it so the agent can write them with O_DIRECT
 
-def dtype_name(dtype) -> str:
+
+def dtype_name(dtype: object) -> str:
     try:
         return DTYPE_NAMES[str(dtype).replace("torch.", "")]
     except KeyError:
@@ -53,10 +55,10 @@ def encode_header(entries: Sequence[Tuple[str, str, Sequence[int], int, int]], s
     return struct.pack("<Q", len(raw)) + raw
 
 
-def parse(buf: bytes) -> Tuple[Any, List[Tuple[str, str, List[int], int, int]]]:
+def parse(buf: Union[bytes, bytearray, memoryview]) -> Tuple[Any, List[Tuple[str, str, List[int], int, int]]]:
     """The skeleton and the tensor entries (key, dtype name, shape, begin, end; offsets into ``buf``) of
     a whole shard held in ``buf``. Every range is checked to lie inside ``buf``; turning entries into
-    tensors is the trainer's part (trainer/shardload.py)."""
+    tensors is the trainer's part (engine/shardload.py)."""
     if len(buf) < 8:
         raise CheckpointError("shard is shorter than its 8-byte header length")
     (n,) = struct.unpack_from("<Q", buf, 0)
@@ -77,6 +79,7 @@ def parse(buf: bytes) -> Tuple[Any, List[Tuple[str, str, List[int], int, int]]]:
     return skeleton, entries
 
 
-def file_entries(tensors: List[Tuple[str, str, List[int], int, int]], region_start: int):
+def file_entries(tensors: List[Tuple[str, str, List[int], int, int]], region_start: int
+                 ) -> List[Tuple[str, str, List[int], int, int]]:
     """Translate slot offsets to offsets relative to the file's data section."""
     return [(k, d, s, b - region_start, e - region_start) for k, d, s, b, e in tensors]

@@ -11,14 +11,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Set
 
 from easyckpt.errors import BadSlotMeta, UnsafePath
 from easyckpt.formats.paths import check_relpath
+from easyckpt.formats.shardformat import DEFAULT, NAMES, ShardFormat
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
             "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
-FORMATS = ("safetensors", "torch", "raw", "dcp")
 MAX_DIMS = 64
 
 
@@ -60,15 +60,16 @@ def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data
         rel = check_relpath(f.get("relpath"))
     except UnsafePath as exc:
         raise BadSlotMeta(f"files[{n}]: {exc}") from None
-    if not isinstance(f.get("persist"), bool) or f.get("fmt", "safetensors") not in FORMATS:
-        raise BadSlotMeta(f"{rel}: 'persist' is not a boolean or 'fmt' is not one of {FORMATS}")
+    if not isinstance(f.get("persist"), bool) or f.get("fmt", DEFAULT.value) not in NAMES:
+        raise BadSlotMeta(f"{rel}: 'persist' is not a boolean or 'fmt' is not one of {NAMES}")
     start, end = _int(f.get("start"), f"{rel}: start"), _int(f.get("end"), f"{rel}: end")
     if not data_begin <= start <= end <= data_end:
         raise BadSlotMeta(f"{rel}: bytes [{start}, {end}) lie outside the data region [{data_begin}, {data_end})")
     tensors = f.get("tensors")
     if not isinstance(tensors, list):
         raise BadSlotMeta(f"{rel}: 'tensors' is not a list")
-    pos, keys = start, set()
+    pos: int = start
+    keys: Set[str] = set()
     for t in tensors:
         if not (isinstance(t, list) and len(t) == 5 and isinstance(t[0], str) and t[1] in ITEMSIZE
                 and isinstance(t[2], list) and len(t[2]) <= MAX_DIMS):
@@ -84,39 +85,56 @@ def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data
         keys.add(key)
     if pos != end:
         raise BadSlotMeta(f"{rel}: tensors end at {pos}, the file's region at {end}")
-    skeleton = skeletons.get(rel)
-    fmt = f.get("fmt", "safetensors")
-    if fmt == "torch":
-        if not (isinstance(skeleton, dict) and isinstance(skeleton.get("__torchzip"), str)
-                and isinstance(skeleton.get("storages"), list)):
-            raise BadSlotMeta(f"{rel}: a torch shard's skeleton lacks its pickle or storage list")
-        _b64(skeleton["__torchzip"], rel)
-        if any(k not in keys for k in skeleton["storages"]):
-            raise BadSlotMeta(f"{rel}: the skeleton names a storage that is not among the file's tensors")
-    elif fmt == "raw":
-        if not (isinstance(skeleton, dict) and isinstance(skeleton.get("__raw"), str)) or tensors:
-            raise BadSlotMeta(f"{rel}: a raw shard's skeleton is not {{'__raw': base64}}")
-        _b64(skeleton["__raw"], rel)
-    elif fmt == "dcp":
-        entries = skeleton.get("__dcp") if isinstance(skeleton, dict) else None
-        if not isinstance(entries, list):
-            raise BadSlotMeta(f"{rel}: a distcp shard's skeleton lacks its item list")
-        for e in entries:
-            if isinstance(e, dict) and "id" in e:
-                e = dict(e)
-                ident = e.pop("id")
-                if not item_id_ok(ident):
-                    raise BadSlotMeta(f"{rel}: distcp item id {str(ident)[:120]} is not [name, offsets, sizes]")
-            if isinstance(e, dict) and set(e) == {"b"} and isinstance(e["b"], str):
-                _b64(e["b"], rel)
-            elif (isinstance(e, dict) and set(e) == {"t", "pkl", "n"} and e["t"] in keys
-                  and isinstance(e["pkl"], str) and type(e["n"]) is int and e["n"] > 0):
-                _b64(e["pkl"], rel)
-            else:
-                raise BadSlotMeta(f"{rel}: distcp item {str(e)[:120]} is not {{'b': data}} or "
-                                  f"{{'t': tensor, 'pkl': pickle, 'n': size}}")
-    elif rel not in skeletons:
+    SKELETON_CHECKS[ShardFormat.parse(f.get("fmt", DEFAULT.value))](rel, skeletons.get(rel), keys, tensors,
+                                                                     rel in skeletons)
+
+
+def _check_torch(rel: str, skeleton: Any, keys: Set[str], tensors: List[Any], present: bool) -> None:
+    if not (isinstance(skeleton, dict) and isinstance(skeleton.get("__torchzip"), str)
+            and isinstance(skeleton.get("storages"), list)):
+        raise BadSlotMeta(f"{rel}: a torch shard's skeleton lacks its pickle or storage list")
+    _b64(skeleton["__torchzip"], rel)
+    if any(k not in keys for k in skeleton["storages"]):
+        raise BadSlotMeta(f"{rel}: the skeleton names a storage that is not among the file's tensors")
+
+
+def _check_raw(rel: str, skeleton: Any, keys: Set[str], tensors: List[Any], present: bool) -> None:
+    if not (isinstance(skeleton, dict) and isinstance(skeleton.get("__raw"), str)) or tensors:
+        raise BadSlotMeta(f"{rel}: a raw shard's skeleton is not {{'__raw': base64}}")
+    _b64(skeleton["__raw"], rel)
+
+
+def _check_dcp(rel: str, skeleton: Any, keys: Set[str], tensors: List[Any], present: bool) -> None:
+    entries = skeleton.get("__dcp") if isinstance(skeleton, dict) else None
+    if not isinstance(entries, list):
+        raise BadSlotMeta(f"{rel}: a distcp shard's skeleton lacks its item list")
+    for e in entries:
+        if isinstance(e, dict) and "id" in e:
+            e = dict(e)
+            ident = e.pop("id")
+            if not item_id_ok(ident):
+                raise BadSlotMeta(f"{rel}: distcp item id {str(ident)[:120]} is not [name, offsets, sizes]")
+        if isinstance(e, dict) and set(e) == {"b"} and isinstance(e["b"], str):
+            _b64(e["b"], rel)
+        elif (isinstance(e, dict) and set(e) == {"t", "pkl", "n"} and e["t"] in keys
+              and isinstance(e["pkl"], str) and type(e["n"]) is int and e["n"] > 0):
+            _b64(e["pkl"], rel)
+        else:
+            raise BadSlotMeta(f"{rel}: distcp item {str(e)[:120]} is not {{'b': data}} or "
+                              f"{{'t': tensor, 'pkl': pickle, 'n': size}}")
+
+
+def _check_safetensors(rel: str, skeleton: Any, keys: Set[str], tensors: List[Any], present: bool) -> None:
+    if not present:
         raise BadSlotMeta(f"{rel}: no skeleton")
+
+
+# the slot-side half of each shard format (formats/shardformat.py): what its skeleton must hold
+SkeletonCheck = Callable[[str, Any, Set[str], List[Any], bool], None]
+SKELETON_CHECKS: Dict[ShardFormat, SkeletonCheck] = {
+    ShardFormat.SAFETENSORS: _check_safetensors, ShardFormat.TORCH: _check_torch, ShardFormat.RAW: _check_raw,
+    ShardFormat.DCP: _check_dcp,
+}
 
 
 def _b64(text: str, rel: str) -> bytes:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
-from easyckpt.storage.direct import BLOCK
+from easyckpt.formats.shardfile import BLOCK
 
 ARCHIVE = "archive/"
 HEAD = "archive/data.pkl"     # the name of a file's first item (manifest items): the records before any storage
@@ -39,7 +39,7 @@ class _Entry:
 
 
 def write_torch_file(write: Callable[[bytes], None], write_slot: Callable[[int, int], None], position: Callable[[], int],
-                     pickle_bytes: bytes, storages: Sequence[Tuple[int, int]], slot_phase: bool = True,
+                     pickle_bytes: bytes, storages: Sequence[Sequence[int]], slot_phase: bool = True,
                      at_storage: Optional[Callable[[int], None]] = None,
                      after_storage: Optional[Callable[[int], None]] = None) -> None:
     """``write(data)`` appends bytes, ``write_slot(begin, end)`` appends slot bytes, ``position()`` is the

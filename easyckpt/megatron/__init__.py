@@ -32,14 +32,16 @@ import torch
 
 from easyckpt import console
 from easyckpt.config import Config, adapter_config
+from easyckpt.engine import estimate
+from easyckpt.engine.checkpointer import DefaultCheckpointer, FrameworkState
+from easyckpt.engine.load import Loaded
+from easyckpt.engine.reads import as_reads
+from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.megatron import reshard_torch as _reshard
+from easyckpt.megatron import shardmap as _shardmap
 from easyckpt.megatron import state as _state
 from easyckpt.megatron import torchdist as _dist
-from easyckpt.trainer import estimate
-from easyckpt.trainer.checkpointer import DefaultCheckpointer
-from easyckpt.trainer.load import Loaded
-from easyckpt.trainer.snapshot import ShardSpec
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -65,7 +67,7 @@ def _megatron_args() -> Optional[argparse.Namespace]:
 
 
 @dataclass
-class MegatronState:
+class MegatronState(FrameworkState[Any]):
     """Megatron's model chunks, optimizer and scheduler on one rank (the FrameworkState of this adapter)."""
 
     model: Model
@@ -80,9 +82,10 @@ class MegatronState:
 
     def layout(self) -> str:
         # asked at every iteration's save call (the snapshot's info): fixed for a process once computed
-        if _format.get("layout") is None:
-            _format["layout"] = _dist.layout(_state.parallel(), self.model)
-        return _format["layout"]
+        layout = _format.get("layout")
+        if layout is None:
+            layout = _format["layout"] = _dist.layout(_state.parallel(), self.model)
+        return layout
 
     def collect(self) -> List[ShardSpec]:
         # everything happens here: an iteration that takes no snapshot pays for nothing
@@ -93,16 +96,16 @@ class MegatronState:
         shards = _state.collect(self.iteration, self.model, self.optimizer, self.opt_param_scheduler,
                                 self.flops or 0, _args, where)
         # where each saved tensor sits in the global one: what a resume on other TP/PP sizes needs
-        shards.append(ShardSpec(f"{where.mp_dir}/{_reshard.SHARDMAP}",
-                                _reshard.shard_map(self.model, self.optimizer, self.layout()),
+        shards.append(ShardSpec(f"{where.mp_dir}/{_shardmap.SHARDMAP}",
+                                _shardmap.shard_map(self.model, self.optimizer, self.layout()),
                                 persist=where.writes_model))
         return shards
 
     def snapshot_bytes(self) -> int:
-        """About what the first snapshot holds (the slots are reserved ahead, trainer/estimate.py): the
+        """About what the first snapshot holds (the slots are reserved ahead, engine/estimate.py): the
         model chunks' tensors, each optimizer's state and, with the DistributedOptimizer, its fp32 main
         parameters (saved beside their moments)."""
-        total = sum(estimate.tensor_bytes(t) for t in _reshard.live_tensors(_state.chunks(self.model)).values())
+        total = sum(estimate.tensor_bytes(t) for t in _shardmap.live_tensors(_state.chunks(self.model)).values())
         for opt in _state.optimizers(self.optimizer):
             inner = getattr(opt, "optimizer", None)
             total += estimate.optimizer_bytes(inner)
@@ -110,6 +113,7 @@ class MegatronState:
                 total += sum(estimate.tensor_bytes(g["params"]) for g in inner.param_groups)
         return total
 
+    @as_reads
     def needed(self, manifest: Dict[str, Any]) -> List[Tuple[Any, ...]]:
         where = _state.parallel()
         if _dist.is_torch_dist(manifest["files"]):
@@ -120,15 +124,16 @@ class MegatronState:
         now = self.layout()
         moved = _dist.changed(saved, now) if isinstance(saved, str) else []
         # with split experts the dense optimizer shards of one (tp, pp) lie in every EP rank's directory:
-        # a DP change too goes through the reshard, which joins them
-        if set(moved) - {"dp"} or (moved and (_reshard.expert_split(saved) or _reshard.expert_split(now))):
+        # a DP change too goes through the reshard, which joins them (moved is empty unless saved is a layout)
+        if isinstance(saved, str) and (set(moved) - {"dp"}
+                                       or (moved and (_reshard.expert_split(saved) or _reshard.expert_split(now)))):
             if not self.concat:
-                # a CheckpointError from needed() is the verdict "incompatible" (trainer/load.py): the step is
+                # a CheckpointError from needed() is the verdict "incompatible" (engine/load.py): the step is
                 # kept as it is, an older one of this layout is tried, and none: the job stops naming this
                 raise CheckpointError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; "
                                     f"this run is {now}: pass load_checkpoint(..., concat=True) to reshard it")
             return _reshard.needed(manifest, saved, now, manifest["step"],
-                                   _reshard.shard_map(self.model, self.optimizer, now))
+                                   _shardmap.shard_map(self.model, self.optimizer, now))
         # concat reads every DP rank's optimizer shard: only when the data-parallel size changed
         return _state.needed(where, self.optimizer, manifest, self.concat and saved != now)
 

@@ -17,105 +17,18 @@ of the model's (Float16Optimizer: fp16/bf16 training without the DistributedOpti
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
 from easyckpt.errors import CheckpointError, EasyCkptError
 from easyckpt.megatron import state as _state
+from easyckpt.megatron.shardmap import SHARDMAP, VERSION, Entry, live_tensors, shard_map
 
-SHARDMAP = "easyckpt_shardmap.safetensors"
-VERSION = 1
 # mp_rank_TT, then _PPP with pipeline stages, then _EEE with expert parallelism (Megatron-LM's naming)
 MODEL_FILE = re.compile(r"(mp_rank_\d{2}(?:_\d{3}){0,2})/model_optim_rng\.pt")
 DISTOPT_FILE = re.compile(r"(mp_rank_\d{2}(?:_\d{3}){0,2})/distrib_optim_dp\d{3}\.pt")
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-
-# an entry: [sharded key, global shape, global offset, block sizes (prepended axes included), first row,
-#            rows (-1: the whole tensor), whether Megatron allows the global shape to differ (padded vocab)]
-Entry = List[Any]
-_cache: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
-
-
-def shard_map(model: Any, optimizer: Any, layout: str) -> Dict[str, Any]:
-    """This rank's map; computed at a process's first snapshot (its model's structure does not change)."""
-    ident = (layout, optimizer is None) + tuple(id(c) for c in _state.chunks(model)) + (id(optimizer),)
-    if ident not in _cache:
-        _cache.clear()
-        _cache[ident] = _compute(model, optimizer, layout)
-    return _cache[ident]
-
-
-def live_tensors(wrapped: List[Any]) -> Dict[str, torch.Tensor]:
-    """Every tensor Megatron's legacy file holds of the model, as "model[i]/<state dict key>": views of the
-    live parameters and buffers."""
-    return {f"{_state.model_key(i, len(wrapped))}/{name}": t for i, chunk in enumerate(wrapped)
-            for name, t in chunk.state_dict_for_save_checkpoint().items() if isinstance(t, torch.Tensor)}
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _locate(data: torch.Tensor, candidates: Sequence[Tuple[str, torch.Tensor]]) -> Optional[Tuple[str, int, int]]:
-    """Which saved tensor ``data`` is, or which run of its rows: (path, first row, rows; -1 = whole)."""
-    for path, t in candidates:
-        if t.dtype != data.dtype:
-            continue
-        if (t.shape == data.shape and t.stride() == data.stride()
-                and t.storage_offset() == data.storage_offset()):
-            return path, 0, -1
-        if t.dim() >= 1 and t.is_contiguous() and data.is_contiguous() and t.numel():
-            row = t.numel() // t.shape[0]
-            delta = data.storage_offset() - t.storage_offset()
-            if row and delta >= 0 and delta % row == 0 and data.numel() % row == 0:
-                first, rows = delta // row, data.numel() // row
-                if first + rows <= t.shape[0]:
-                    return path, first, rows
-    return None
-
-
-def _compute(model: Any, optimizer: Any, layout: str) -> Dict[str, Any]:
-    from megatron.core import parallel_state as mpu
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-    from megatron.core.utils import unwrap_model
-
-    wrapped = _state.chunks(model)
-    by_storage: Dict[int, List[Tuple[str, torch.Tensor]]] = {}
-    for path, t in live_tensors(wrapped).items():
-        by_storage.setdefault(_storage(t), []).append((path, t))
-    group = mpu.get_data_parallel_group(with_context_parallel=True)
-    tensors: Dict[str, List[Entry]] = {}
-    for chunk in unwrap_model(wrapped):
-        sd = chunk.sharded_state_dict(metadata={"dp_cp_group": group})
-        apply_factories(sd)
-        for sh in nested_values(sd):
-            if not isinstance(sh, ShardedTensor) or sh.flattened_range is not None:
-                continue
-            found = _locate(sh.data, by_storage.get(_storage(sh.data), []))
-            if found is None:
-                continue
-            path, first, rows = found
-            sizes = [1] * sh.prepend_axis_num + list(sh.local_shape)
-            tensors.setdefault(path, []).append([sh.key, list(sh.global_shape), list(sh.global_offset), sizes,
-                                                 first, rows, bool(sh.allow_shape_mismatch)])
-    names = _state.param_names(wrapped)
-    params: Dict[str, str] = {}
-    for p, name in names.items():
-        found = _locate(p.detach(), by_storage.get(_storage(p), []))
-        if found is not None and found[2] == -1:
-            params[name] = found[0]
-    opt_params: List[Optional[List[str]]] = []
-    for opt in _state.optimizers(optimizer):
-        if _state.is_distributed(opt):
-            opt_params.append([])        # its per-DP-rank shards name their parameters themselves
-            continue
-        order = [p for g in opt.optimizer.param_groups for p in g["params"]]
-        # torch's optimizer state is indexed by position over its param groups; None: its parameters are
-        # not the model's (Float16Optimizer's fp32 copies), which this map cannot place
-        opt_params.append([names[p] for p in order] if all(p in names for p in order) else None)
-    return {"version": VERSION, "layout": layout, "tensors": tensors, "params": params, "opt_params": opt_params}
 
 
 # ---- load -----------------------------------------------------------------------------------------------
@@ -140,8 +53,7 @@ def needed(manifest: Dict[str, Any], saved: str, now: str, step: int, mine: Dict
                             f"own TP/PP/EP sizes")
     want = _Wanted(mine)
     data = [(f"{d}/model_optim_rng.pt", want.model(d)) for d in dirs]
-    data += [(rel, want.distopt(DISTOPT_FILE.fullmatch(rel).group(1)))
-             for rel in sorted(files) if DISTOPT_FILE.fullmatch(rel)]
+    data += [(rel, want.distopt(m.group(1))) for rel in sorted(files) if (m := DISTOPT_FILE.fullmatch(rel))]
     return [(f"{d}/{SHARDMAP}", False) for d in dirs] + \
         [(rel, False, pick) if "items" in files[rel] else (rel, False) for rel, pick in data]
 
@@ -303,7 +215,7 @@ class Pieces:
 
 def _saved_pieces(trees: Dict[str, Any], dirs: List[str], saved_layout: str) -> Tuple[Pieces, bool]:
     """Everything the old ranks saved, as blocks of global tensors; whether it had a DistributedOptimizer."""
-    pieces, distributed = Pieces(), False
+    pieces = Pieces()
     maps: Dict[str, Dict[str, Any]] = {}
     states: Dict[str, Dict[str, Any]] = {}
 
@@ -321,11 +233,24 @@ def _saved_pieces(trees: Dict[str, Any], dirs: List[str], saved_layout: str) -> 
             raise CheckpointError(f"{d}/model_optim_rng.pt does not hold Megatron's state dict")
         for path, entries in maps[d]["tensors"].items():
             pieces.add("model", local(d, path), entries, f"{d} {path}")
+    groups, distributed = _distopt_groups(trees, dirs, expert_split(saved_layout))
+    if distributed:
+        _add_distopt(pieces, groups, maps, local)
+        return pieces, True
+    _add_plain_optimizer(pieces, dirs, maps, states, local)
+    return pieces, False
 
-    # the DistributedOptimizer's flat shards, joined per parameter over its data-parallel group: within a
-    # directory, and for dense parameters with the experts split, over every EP rank's directory of a (tp, pp)
-    split = expert_split(saved_layout)
-    groups: Dict[Tuple[int, str], List[Tuple[str, Dict[str, Any]]]] = {}
+
+Local = Callable[[str, str], torch.Tensor]      # (directory, tensor path) -> the saved local tensor
+Groups = Dict[Tuple[int, str], List[Tuple[str, Dict[str, Any]]]]
+
+
+def _distopt_groups(trees: Dict[str, Any], dirs: List[str], split: bool) -> Tuple[Groups, bool]:
+    """The DistributedOptimizer's flat shards, grouped per (optimizer, owner) to be joined per parameter over
+    its data-parallel group: within a directory, and for dense parameters with the experts split, over every
+    EP rank's directory of a (tp, pp); and whether the checkpoint had a DistributedOptimizer at all."""
+    groups: Groups = {}
+    distributed = False
     for d in dirs:
         files = sorted(r for r in trees if DISTOPT_FILE.fullmatch(r) and r.startswith(f"{d}/"))
         for rel in files:
@@ -342,6 +267,10 @@ def _saved_pieces(trees: Dict[str, Any], dirs: List[str], saved_layout: str) -> 
                 s = dict(s, params=[p for p in s["params"] if not (isinstance(p, dict) and any(
                     isinstance(v, torch.Tensor) and v.is_meta for v in p.values()))])
                 groups.setdefault((i, owner), []).append((d, s))
+    return groups, distributed
+
+
+def _add_distopt(pieces: Pieces, groups: Groups, maps: Dict[str, Dict[str, Any]], local: Local) -> None:
     for (_, owner), members in sorted(groups.items()):
         d = members[0][0]      # dense parameters: the same names and map in every EP rank's directory
         try:
@@ -359,9 +288,10 @@ def _saved_pieces(trees: Dict[str, Any], dirs: List[str], saved_layout: str) -> 
                 pieces.add(kind, full[kind].view(shape), entries, f"{d} {name}")
             if "step" in full:
                 pieces.steps.setdefault(entries[0][0], full["step"])
-    if distributed:
-        return pieces, True
 
+
+def _add_plain_optimizer(pieces: Pieces, dirs: List[str], maps: Dict[str, Dict[str, Any]],
+                         states: Dict[str, Dict[str, Any]], local: Local) -> None:
     for d in dirs:
         smap, state = maps[d], states[d]
         if state.get("optimizer") is None:
@@ -385,7 +315,6 @@ def _saved_pieces(trees: Dict[str, Any], dirs: List[str], saved_layout: str) -> 
                     pieces.add(kind, s[kind].view(shape), entries, f"{d} {name}")
                 if isinstance(s.get("step"), torch.Tensor) and not s["step"].is_meta:
                     pieces.steps.setdefault(entries[0][0], s["step"])
-    return pieces, False
 
 
 def restore(trees: Dict[str, Any], where: _state.Parallel, model: Any, optimizer: Any, scheduler: Any,
@@ -415,15 +344,15 @@ def restore(trees: Dict[str, Any], where: _state.Parallel, model: Any, optimizer
 def _fit_common(common: Any, optimizer: Any) -> Any:
     """The saved optimizers' common state for this run's: across an EP change, one optimizer saved and
     a ChainedOptimizer now (dense and expert parameters apart) or the other way round, as Megatron's
-    torch_dist reader fits it (torchdist._fit_chain)."""
-    from easyckpt.megatron import torchdist
+    torch_dist reader fits it (distopt.fit_chain)."""
+    from easyckpt.megatron import distopt
 
     opts = _state.optimizers(optimizer)
     saved = common if isinstance(common, list) else [common]
     if len(saved) == len(opts):
         return common
     holder = {"optimizer": saved[0] if len(saved) == 1 else dict(enumerate(saved))}
-    torchdist._fit_chain(holder, optimizer)
+    distopt.fit_chain(holder, optimizer)
     fitted = holder["optimizer"]
     return [fitted[i] for i in range(len(opts))] if len(opts) > 1 else fitted
 

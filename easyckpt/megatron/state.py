@@ -8,7 +8,7 @@ Per rank at (tp, pp, dp), for iteration N (directory ``iter_{N:07d}``):
         the fp32 main params and Adam moments (per DP rank, so no gather stalls the save; Megatron's own
         single-file ``distrib_optim.pt`` is produced by the converter, easyckpt.cli.convert)
 
-A checkpoint Megatron wrote itself (adopted, trainer/adopt.py) has ``distrib_optim.pt`` (DP rank 0's gathered
+A checkpoint Megatron wrote itself (adopted, engine/adopt.py) has ``distrib_optim.pt`` (DP rank 0's gathered
 "dp_zero" state) and no per-DP shards: DP rank 0 reads it and megatron-core's own
 ``load_parameter_state_from_dp_zero`` scatters it, so any data-parallel size resumes from it without concat.
     easyckpt_rng/rank_{r:05d}.safetensors             every rank's own RNG states (Megatron keeps DP rank 0's)
@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from easyckpt.config import NAMINGS
+from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
-from easyckpt.trainer.snapshot import ShardSpec
+from easyckpt.formats.shardformat import ShardFormat
 
 NAMING = NAMINGS["megatron"]
 CHECKPOINT_VERSION = 3.0
@@ -255,7 +256,7 @@ def _ensure_adam_state(opt: Any, model_param: Any, tensors: Dict[str, torch.Tens
 
 # ---- collect / restore ------------------------------------------------------------------------------
 
-def collect(iteration: int, model: Sequence[Any], optimizer: Any, scheduler: Any, flops: float,
+def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: float,
             args: Any, where: Parallel) -> List[ShardSpec]:
     model = chunks(model)
     state: Dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
@@ -268,12 +269,12 @@ def collect(iteration: int, model: Sequence[Any], optimizer: Any, scheduler: Any
     rng = rng_capture()
     state["rng_state"] = [rng]
     state["num_floating_point_operations_so_far"] = flops
-    shards = [ShardSpec(where.model_file, state, persist=where.writes_model, fmt="torch")]
+    shards = [ShardSpec(where.model_file, state, persist=where.writes_model, fmt=ShardFormat.TORCH)]
     dist_opts = [o for o in optimizers(optimizer) if is_distributed(o)]
     if dist_opts:
         names = param_names(model)
         shards.append(ShardSpec(where.distopt_file, [distopt_state(o, names) for o in dist_opts], persist=True,
-                                fmt="torch"))
+                                fmt=ShardFormat.TORCH))
     shards.append(ShardSpec(where.rng_file, {"iteration": iteration, "rng": rng}, persist=True))
     return shards
 
@@ -286,8 +287,8 @@ def dp_zero_file(where: Parallel) -> str:
 def needed(where: Parallel, optimizer: Any, manifest: Dict[str, Any], concat: bool) -> List[Tuple[str, bool]]:
     files = [(where.model_file, False)]
     if any(is_distributed(o) for o in optimizers(optimizer)):
-        shards = f"{where.mp_dir}/distrib_optim_dp"
-        if dp_zero_file(where) in manifest["files"] and not any(r.startswith(shards) for r in manifest["files"]):
+        shard_prefix = f"{where.mp_dir}/distrib_optim_dp"
+        if dp_zero_file(where) in manifest["files"] and not any(r.startswith(shard_prefix) for r in manifest["files"]):
             if where.dp == 0:   # written by Megatron itself: DP rank 0 reads it and scatters (restore)
                 files.append((dp_zero_file(where), False))
         elif concat:   # every saved DP rank's shard of this (tp, pp)
@@ -302,7 +303,7 @@ def needed(where: Parallel, optimizer: Any, manifest: Dict[str, Any], concat: bo
     return files
 
 
-def restore(trees: Dict[str, Any], where: Parallel, model: Sequence[Any], optimizer: Any, scheduler: Any,
+def restore(trees: Dict[str, Any], where: Parallel, model: Any, optimizer: Any, scheduler: Any,
             strict: bool, concat: bool = False) -> Dict[str, Any]:
     state = trees[where.model_file]
     model = chunks(model)

@@ -14,7 +14,7 @@ reads them on any TP/PP/DP layout):
     easyckpt_rng/rank_{r:05d}.safetensors   every rank's own RNG states (exact resume; Megatron ignores it)
 
 The training side only turns Megatron's ``sharded_state_dict`` into tensors and small pickles; the agent
-writes the bytes from shared memory (formats "dcp", "torch", "raw"). A snapshot also holds, for memory
+writes the bytes from shared memory (shard formats DCP, TORCH and RAW of formats/shardformat.py). A snapshot also holds, for memory
 only, the chunks this rank holds as a non-main replica, so that every rank resumes from its own memory.
 
 Restore: from memory (same layout) each chunk of this rank's sharded state dict is copied back from the
@@ -31,11 +31,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
+from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.megatron import state as _state
-from easyckpt.trainer.snapshot import ShardSpec
-from easyckpt.trainer.tree import dcp_item_size, safe_torch_load
+from easyckpt.megatron.distopt import (
+    fit_chain,
+    own_distopt,
+    pop_pieces,
+    prime_adam,
+    set_own_distopt,
+)
 
 COMMON = "common.pt"
 METADATA_JSON = "metadata.json"
@@ -98,11 +106,10 @@ def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: An
                        where: _state.Parallel, is_loading: bool, rng: Optional[Dict[str, Any]] = None,
                        path_is_memory: bool = False) -> Dict[str, Any]:
     """Megatron-LM's generate_state_dict for torch_dist (checkpointing.py), from megatron-core alone. A
-    DistributedOptimizer's state is this DP rank's own pieces (``_own_distopt``) when saving and when
+    DistributedOptimizer's state is this DP rank's own pieces (``own_distopt``) when saving and when
     loading from memory; Megatron's ``fully_reshardable`` request reads them back on any other layout."""
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     from megatron.core.utils import unwrap_model
 
     group = mpu.get_data_parallel_group(with_context_parallel=True)
@@ -112,7 +119,7 @@ def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: An
     for i, chunk in enumerate(chunks):
         sd[_state.model_key(i, len(chunks))] = chunk.sharded_state_dict(metadata={"dp_cp_group": group})
     meta = content_metadata(optimizer)
-    own = _own_distopt(optimizer, sd) if not is_loading or path_is_memory else None
+    own = own_distopt(optimizer, sd) if not is_loading or path_is_memory else None
     if own is not None:
         sd["optimizer"] = own
     elif optimizer is not None:
@@ -134,196 +141,6 @@ def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: An
     return sd
 
 
-# ---- the DistributedOptimizer's own pieces --------------------------------------------------------------
-
-OWN_PIECES = "param_state"
-STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-
-
-def boxes(shape: Sequence[int], begin: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
-    """The flat range [begin, end) of a row-major tensor of ``shape`` as rectangular boxes (start, sizes),
-    in flat order, each a contiguous run of the range: a partial first row, whole rows, a partial last row
-    (partial rows split the same way one dimension down)."""
-    if begin >= end:
-        return []
-    if len(shape) <= 1:
-        return [((begin,), (end - begin,))]
-    inner = 1
-    for d in shape[1:]:
-        inner *= d
-    first, last = begin // inner, end // inner
-    if first == last:
-        return [((first, *s), (1, *n)) for s, n in boxes(shape[1:], begin - first * inner, end - first * inner)]
-    out = []
-    if begin % inner:
-        out += [((first, *s), (1, *n)) for s, n in boxes(shape[1:], begin % inner, inner)]
-        first += 1
-    if last > first:
-        out.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:])))
-    if end % inner:
-        out += [((last, *s), (1, *n)) for s, n in boxes(shape[1:], 0, end % inner)]
-    return out
-
-
-def _own_distopt(optimizer: Any, sd: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The DistributedOptimizer's state as Megatron's ``fully_reshardable`` layout names it
-    (``optimizer.state.{param,exp_avg,exp_avg_sq}.<param key>``, shaped like the param), but each DP rank
-    writes only the part of each parameter it owns, as rectangular chunks: no gather across the
-    data-parallel group at a snapshot (megatron-core's own fully_reshardable save all-gathers the whole
-    state, and on a pipeline stage whose embedding has a bucket of its own it puts the main params off by
-    the bucket padding). None where this does not apply (one DistributedOptimizer, model params plain
-    ShardedTensors): megatron-core's own sharded_state_dict serves."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    opts = _state.optimizers(optimizer)
-    if not opts or not all(_state.is_distributed(o) for o in opts):
-        return None
-    meta = {id(sh.data): sh for key in sd if key.startswith("model") for sh in nested_values(sd[key])}
-    if len(opts) > 1:
-        # a ChainedOptimizer (MoE: dense and expert parameters): {index: each one's}, no key prefix (the
-        # fully_reshardable keys are the parameters' own); the steps of all agree first, as Megatron does
-        optimizer._synchronize_steps()
-        each = [_own_distopt_one(o, meta) for o in opts]
-        return None if any(e is None for e in each) else dict(enumerate(each))
-    return _own_distopt_one(opts[0], meta)
-
-
-def _own_distopt_one(opt: Any, meta: Dict[int, Any]) -> Optional[Dict[str, Any]]:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    pieces: Dict[str, Dict[str, List[Any]]] = {}
-    for n, (_, model_param, ranges) in enumerate(_state._distopt_params(opt)):
-        sh = meta.get(id(model_param))
-        if not isinstance(sh, ShardedTensor) or sh.flattened_range is not None:
-            return None
-        # every DP rank saves the part it owns; a copy that another stage or TP rank saves too (a tied
-        # embedding, a norm replicated across TP) is kept in memory only, like any non-main replica
-        rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (0,)
-        replica = 0 if not any(rid[:-1]) else 1
-        tensors = opt._get_main_param_and_optimizer_states(model_param)
-        sub = ranges["param"]
-        p = sh.prepend_axis_num
-        entry: Dict[str, List[Any]] = {}
-        for state_key in STATE_KEYS:
-            flat = tensors[state_key].detach().reshape(-1)
-            chunks, at = [], 0
-            for start, sizes in boxes(tuple(sh.local_shape), sub.start, sub.end):
-                numel = 1
-                for d in sizes:
-                    numel *= d
-                offset = tuple(sh.global_offset[:p]) + tuple(g + s for g, s in zip(sh.global_offset[p:], start))
-                chunks.append(ShardedTensor(key=f"optimizer.state.{state_key}.{sh.key}",
-                                            data=flat[at:at + numel].view(sizes), dtype=flat.dtype,
-                                            local_shape=tuple(sizes), global_shape=tuple(sh.global_shape),
-                                            global_offset=offset, axis_fragmentations=None, replica_id=replica,
-                                            prepend_axis_num=p))
-                at += numel
-            entry[state_key] = chunks
-        pieces[str(n)] = entry
-    common = opt.state_dict()
-    common[OWN_PIECES] = pieces
-    common["param_state_sharding_type"] = "fully_reshardable"
-    return common
-
-
-def _fit_chain(state: Dict[str, Any], optimizer: Any) -> None:
-    """Fit the optimizer's common state to a change of the number of optimizers (MoE: with EP > 1 a
-    ChainedOptimizer keeps dense and expert parameters apart; with EP = 1 one optimizer holds them all).
-    Megatron's loader merges the saved common parts with the tensors this run's request read.
-
-    - Several saved ({0: ..., 1: ...}), one now: it gets all their param groups (it picks its own by their
-      identifiers) and the step they share.
-    - One saved, several now: each gets the saved groups; the experts' optimizer asks for groups marked
-      ``is_expert_parallel``, which EP = 1 did not mark, so each group is offered under both marks."""
-    opt, count = state.get("optimizer"), len(_state.optimizers(optimizer))
-    if not isinstance(opt, dict):
-        return
-    if _fit_plain_chain(state, opt, _state.optimizers(optimizer)):
-        return
-    if count > 1 and isinstance(opt.get("optimizer"), dict):
-        common = {k: v for k, v in opt.items() if not isinstance(k, int)}
-        groups = list(common["optimizer"].get("param_groups") or [])
-
-        def ident(g: Dict[str, Any], expert: bool) -> Tuple[Any, ...]:
-            return tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "is_expert_parallel"))) \
-                + (expert,)
-        present = {ident(g, bool(g.get("is_expert_parallel"))) for g in groups}
-        groups += [dict(g, is_expert_parallel=not g.get("is_expert_parallel")) for g in groups
-                   if ident(g, not g.get("is_expert_parallel")) not in present]
-        fitted = {}
-        for i in range(count):
-            fitted[i] = dict(common)
-            fitted[i].update(opt.get(i) or {})
-            fitted[i]["optimizer"] = dict(common["optimizer"], param_groups=groups)
-        state["optimizer"] = fitted
-        return
-    if count != 1 or "optimizer" in opt:
-        return
-    parts = [opt[i] for i in sorted(k for k in opt if isinstance(k, int))]
-    if not parts:
-        return
-    if not all(isinstance(p, dict) and "optimizer" in p for p in parts):
-        raise CheckpointError(f"this checkpoint holds {len(parts)} optimizers (MoE with expert parallelism: dense "
-                              f"and expert parameters apart) in a form this run's one optimizer cannot take")
-    merged = {k: v for k, v in parts[0].items()}
-    merged["optimizer"] = dict(parts[0]["optimizer"],
-                               param_groups=[g for p in parts for g in p["optimizer"]["param_groups"]])
-    merged.update({k: v for k, v in opt.items() if not isinstance(k, int)})
-    state["optimizer"] = merged
-
-
-def _fit_plain_chain(state: Dict[str, Any], opt: Dict[str, Any], opts: List[Any]) -> bool:
-    """The plain optimizer across an EP change. Its tensors come by parameter key, as this run's request
-    asked for them ("state", "param_groups" of each of its optimizers); the saved common part holds only
-    the step every parameter shares (``common_step``) and the saved layout's param groups, indexed by
-    that layout's parameters: keep this run's groups (the scheduler sets their lr and weight decay) and
-    give every optimizer the saved step. True when it applied."""
-    ints, count = [k for k in opt if isinstance(k, int)], len(opts)
-    if any(_state.is_distributed(o) for o in opts):
-        return False
-    if count == 1 and ints and isinstance(opt.get("state"), dict) and "optimizer" not in opt:
-        steps = [opt[i]["state"]["common_step"] for i in sorted(ints)
-                 if isinstance(opt[i], dict) and isinstance(opt[i].get("state"), dict) and "common_step" in opt[i]["state"]]
-        if not steps:
-            return False
-        state["optimizer"] = {k: v for k, v in opt.items() if not isinstance(k, int)}
-        state["optimizer"]["state"]["common_step"] = steps[0]
-        state["optimizer"]["param_groups"] = opts[0].optimizer.state_dict()["param_groups"]
-        return True
-    if count > 1 and sorted(ints) == list(range(count)) and isinstance(opt.get("state"), dict) \
-            and "common_step" in opt["state"] and all(isinstance(opt[i].get("state"), dict) for i in ints):
-        for i in ints:
-            opt[i]["state"]["common_step"] = opt["state"]["common_step"]
-            opt[i]["param_groups"] = opts[i].optimizer.state_dict()["param_groups"]
-        state["optimizer"] = {i: opt[i] for i in ints}
-        return True
-    return False
-
-
-def _pop_pieces(state: Any, count: int) -> Optional[List[Any]]:
-    """The pieces each DistributedOptimizer saved (memory), taken out of the state its load_state_dict gets."""
-    if not isinstance(state, dict):
-        return None
-    if count > 1 and all(i in state for i in range(count)):
-        parts = [state[i].pop(OWN_PIECES, None) if isinstance(state[i], dict) else None for i in range(count)]
-        return None if any(p is None for p in parts) else parts
-    own = state.pop(OWN_PIECES, None)
-    return None if own is None else [own]
-
-
-def _set_own_distopt(opt: Any, pieces: Dict[str, Dict[str, List[torch.Tensor]]]) -> None:
-    """Put this DP rank's pieces of every parameter, read back from memory, into the optimizer."""
-    with _state.torch_adam_copies(opt):
-        for n, (_, model_param, _) in enumerate(_state._distopt_params(opt)):
-            entry = pieces.get(str(n))
-            if entry is None:
-                continue
-            opt._set_main_param_and_optimizer_states(
-                model_param, {k: torch.cat([t.reshape(-1) for t in entry[k]]) for k in STATE_KEYS})
-
-
-# ---- save ---------------------------------------------------------------------------------------------
-
 def _chunk_id(key: str, offset: Sequence[int]) -> str:
     return f"{key}@{','.join(map(str, offset))}"
 
@@ -331,7 +148,11 @@ def _chunk_id(key: str, offset: Sequence[int]) -> str:
 def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: float, args: Any,
             where: _state.Parallel) -> List[ShardSpec]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        is_main_replica,
+    )
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     rng = _state.rng_capture()
@@ -375,13 +196,13 @@ def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: f
         d.append(dcp_item_size(item))
     gathered = _gather_to_zero(described)
     rank = where.rank
-    shards = [ShardSpec(data_file(rank), list(zip(ids, items)), persist=True, fmt="dcp"),
-              ShardSpec(COMMON, common, persist=rank == 0, fmt="torch"),
+    shards = [ShardSpec(data_file(rank), list(zip(ids, items)), persist=True, fmt=ShardFormat.DCP),
+              ShardSpec(COMMON, common, persist=rank == 0, fmt=ShardFormat.TORCH),
               ShardSpec(LOCAL.format(rank), {"index": index, "local": local, "objects": objects}, persist=False),
               ShardSpec(where.rng_file, {"iteration": iteration, "rng": rng}, persist=True)]
     if gathered is not None:
-        shards.append(ShardSpec(METADATA_JSON, json.dumps(BACKEND), persist=True, fmt="raw"))
-        shards.append(ShardSpec(DCP_METADATA, dcp_metadata(gathered), persist=True, fmt="raw"))
+        shards.append(ShardSpec(METADATA_JSON, json.dumps(BACKEND), persist=True, fmt=ShardFormat.RAW))
+        shards.append(ShardSpec(DCP_METADATA, dcp_metadata(gathered), persist=True, fmt=ShardFormat.RAW))
     return shards
 
 
@@ -446,7 +267,7 @@ def request(model: Any, optimizer: Any, where: _state.Parallel) -> List[Tuple[st
 
     for opt in _state.optimizers(optimizer):
         if _state.is_distributed(opt):
-            _prime_adam(opt)
+            prime_adam(opt)
     sd = sharded_state_dict(0, model, optimizer, None, 0.0, None, where, True)
     apply_factories(sd)
     return [(sh.key, list(sh.global_offset), [1] * sh.prepend_axis_num + list(sh.local_shape))
@@ -505,16 +326,16 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
     load_rng = same_layout and own_rng is None and (exact or not split)
     for opt in _state.optimizers(optimizer):
         if _state.is_distributed(opt):
-            _prime_adam(opt)
+            prime_adam(opt)
     sd = sharded_state_dict(int(common["iteration"]), model, optimizer, scheduler, 0.0, None, where, True,
                             _state.rng_capture() if load_rng else None, path_is_memory=path is None)
     if path is not None:
         from megatron.core import dist_checkpointing
         state = dist_checkpointing.load(sd, path)
-        _fit_chain(state, optimizer)
+        fit_chain(state, optimizer)
     else:
         state = _fill_from_memory(sd, common, trees, where.rank)
-    pieces = _pop_pieces(state.get("optimizer"), len(_state.optimizers(optimizer))) if path is None else None
+    pieces = pop_pieces(state.get("optimizer"), len(_state.optimizers(optimizer))) if path is None else None
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(_state.chunks(model))
@@ -527,7 +348,7 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
                     stack.enter_context(_state.torch_adam_copies(opt))
             optimizer.load_state_dict(state["optimizer"])
             for opt, own in zip(_state.optimizers(optimizer), pieces or ()):
-                _set_own_distopt(opt, own)
+                set_own_distopt(opt, own)
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if own_rng is not None and same_layout:
@@ -540,7 +361,11 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
 def _fill_from_memory(sd: Dict[str, Any], common: Dict[str, Any], trees: Dict[str, Any], rank: int) -> Dict[str, Any]:
     """What megatron.core.dist_checkpointing.load does, with the chunks taken from this rank's snapshot."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        apply_factory_merges,
+    )
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
@@ -571,16 +396,3 @@ def _fill_from_memory(sd: Dict[str, Any], common: Dict[str, Any], trees: Dict[st
     dict_list_map_inplace(take, sharded)
     merge(result, sharded)
     return apply_factory_merges(result, factories)
-
-
-def _prime_adam(opt: Any) -> None:
-    """torch Adam creates its state at the first step; a DistributedOptimizer that never stepped (a fresh
-    process about to load) has none, and without TE/Apex its state_dict() then fails: give every main
-    parameter zero moments and a step, all overwritten by the load."""
-    for group in opt.optimizer.param_groups:
-        for p in group["params"]:
-            st = opt.optimizer.state[p]
-            if not st:
-                st["step"] = torch.zeros((), dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p.data)
-                st["exp_avg_sq"] = torch.zeros_like(p.data)

@@ -7,7 +7,7 @@ network file systems (O_DIRECT streaming from direct.py); an object store is mea
 The order of calls a back-end sees for one checkpoint of step S (``stg`` = the staging dir of S,
 ``final`` = the step dir of S; the order IS the design, see storage/commit.py for why each step is there):
 
-    every rank r, in its node's agent (agent/persist.py):
+    every rank r, in its node's agent (agent/stepwriter.py):
       1) makedirs(stg), makedirs(stg/<sub dirs>)
       2) open_writer(stg/<file>) per file → Writer.write / write_mapped ... → Writer.finish
       3) Writer.sync() for each file, then sync_dir() of every directory made in 1) (deepest first)

@@ -1,8 +1,8 @@
-"""The commit: the sequence that makes a staged step a checkpoint (SaveDir.commit runs it).
+"""The commit: the sequence that makes a staged step a checkpoint (the agent's jobdir.py runs it).
 
 Order of operations (docs/reliability.md, "The durable sequence"); the order IS the design:
 
-  all ranks, per shard (agent/persist.py): write files into the staging dir → fsync each file and dir
+  all ranks, per shard (agent/stepwriter.py): write files into the staging dir → fsync each file and dir
   all ranks:        SaveDir.write_marker()    rank r's files are durable (temp, fsync, rename)
   coordinator:      ready_ranks() == world    IMPORTANT: commit only after every rank's marker
   coordinator:      commit():
@@ -12,7 +12,7 @@ Order of operations (docs/reliability.md, "The durable sequence"); the order IS 
       4. fsync save_dir (the rename is durable only now)
       5. update the tracker (temp, fsync, rename, fsync save_dir): a hint for the frameworks' own
          loaders; easyckpt's loader trusts manifests, so a crash between 4 and 5 loses nothing.
-  then:             SaveDir.prune()  (only after a successful commit)
+  then:             retention.prune()  (only after a successful commit, with the manifest of step 1)
 
 A crash anywhere leaves either no visible step directory (before 3) or a complete one (after 3).
 A failure (not a crash) from 1 to 3 also removes the staging dir: its markers are gone after 1, so it
@@ -24,9 +24,9 @@ On a store without rename (base.py), 3 and 4 do not exist: the manifest written 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional
 
-from easyckpt import faults
+from easyckpt import _faults as faults
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
 from easyckpt.storage import stepfiles
@@ -36,10 +36,15 @@ if TYPE_CHECKING:
     from easyckpt.storage.savedir import SaveDir
 
 
+class Committed(NamedTuple):
+    path: str                      # the step directory, under its final name
+    nbytes: int                    # what its files hold
+    manifest: Dict[str, Any]       # as written: retention reads the adapter's "protect" from it, not from disk
+
+
 def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
-           extra: Optional[Dict[str, Any]] = None) -> Tuple[str, int]:
-    """Make step ``step`` a committed checkpoint; every rank's marker must be present.
-    Returns the final directory and the bytes it holds."""
+           extra: Optional[Dict[str, Any]] = None) -> Committed:
+    """Make step ``step`` a committed checkpoint; every rank's marker must be present."""
     job_id = sd._job()
     staging = sd.staging_path(step)
     markers = sd.read_markers(step)
@@ -76,7 +81,7 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     if sd.naming.tracker:
         sd.storage.write_atomic(sd.path(sd.naming.tracker), sd.naming.tracker_text(step).encode())
     faults.inject("agent.after_tracker")
-    return final, sum(f["size"] for f in files.values())
+    return Committed(final, sum(f["size"] for f in files.values()), manifest)
 
 
 def _retire_existing(sd: "SaveDir", step: int, final: str, new: Dict[str, Any], log: AuditLog) -> None:

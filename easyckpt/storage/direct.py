@@ -21,7 +21,9 @@ import mmap
 import os
 from typing import Optional
 
-BLOCK = 4096            # a multiple of every logical block size in use (512 and 4096)
+from easyckpt.formats.shardfile import BLOCK
+from easyckpt.storage.base import Buffer
+
 BOUNCE = 8 << 20        # bytes of the bounce buffer: big enough that each write keeps the disk busy
 DIRECT_CHUNK = 64 << 20  # bytes per O_DIRECT write straight from a mapping
 
@@ -52,7 +54,7 @@ class SequentialWriter:
 
     # ---- writing -------------------------------------------------------------------------------
 
-    def write(self, data) -> int:
+    def write(self, data: Buffer) -> int:
         view = memoryview(data).cast("B")
         n = view.nbytes
         if not self.direct:
@@ -165,5 +167,5 @@ class SequentialWriter:
     def __enter__(self) -> "SequentialWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

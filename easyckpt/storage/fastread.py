@@ -24,10 +24,10 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
+from easyckpt import pages
 from easyckpt.formats import manifest as mf
-from easyckpt.formats import shm
 
 CHUNK = 32 << 20          # bytes per read request: large enough for the device's full speed
 THREADS = 8               # requests in flight (more keep the device busy while a reader faults pages in)
@@ -61,57 +61,77 @@ def read_hashed(open_fd: Callable[[int], int], size: int, algo: str = mf.ALGO,
     room = -(-size // _ALIGN) * _ALIGN
     mem = mmap.mmap(-1, room)             # page-aligned, as O_DIRECT wants
     finished = threading.Event()
-    ahead = threading.Thread(target=shm.populate_write, args=(mem, finished.is_set), daemon=True,
+    ahead = threading.Thread(target=pages.populate_write, args=(mem, finished.is_set), daemon=True,
                              name="easyckpt-fault-ahead")
     ahead.start()
     view = memoryview(mem)
-    count = -(-size // CHUNK)
-    done = [threading.Event() for _ in range(count)]
-    errors: List[BaseException] = []
-    state = {"next": 0}
-    lock = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                i = state["next"]
-                state["next"] += 1
-            if i >= count or errors:
-                return
-            start = i * CHUNK
-            end = min(size, start + CHUNK)
-            try:
-                _read_range(fd, view, start, end, what, room)
-            except BaseException as exc:   # noqa: BLE001 - raised by the caller's thread below
-                errors.append(exc)
-            finally:
-                done[i].set()
-
-    workers = [threading.Thread(target=work, daemon=True, name="easyckpt-read") for _ in range(min(THREADS, count))]
+    chunks = _Chunks(fd, view, size, room, what)
     try:
-        for w in workers:
-            w.start()
-        for i in range(count):
-            if not done[i].wait(STALL):
-                errors.append(OSError(f"{what}: no data arrived for {STALL:g} s reading bytes "
-                                      f"{i * CHUNK}..{min(size, (i + 1) * CHUNK)} (a hung file system?)"))
-            if errors:
-                break
-            start = i * CHUNK
-            hasher.update(view[start:min(size, start + CHUNK)])
+        chunks.start()
+        for start, end in chunks.in_order():
+            hasher.update(view[start:end])
             if on_bytes is not None:
-                on_bytes(min(size, start + CHUNK) - start)
+                on_bytes(end - start)
     finally:
-        with lock:
-            state["next"] = count        # the workers stop taking chunks
-        for w in workers:
-            w.join(STALL)      # a reader stuck in the kernel stays behind (a daemon); its fd is closed below
+        chunks.stop()
         finished.set()
         ahead.join(STALL)      # it holds the mapping (a buffer export) until it returns: at most one more piece
         os.close(fd)
-    if errors:
-        raise errors[0]
+    if chunks.errors:
+        raise chunks.errors[0]
     return view[:size], hasher.hexdigest()
+
+
+class _Chunks:
+    """The file read in CHUNK pieces by THREADS readers; the caller takes the pieces in order as each arrives
+    (and checksums it meanwhile). A piece that takes longer than STALL is an error, never a hang."""
+
+    def __init__(self, fd: int, view: memoryview, size: int, room: int, what: str):
+        self.fd, self.view, self.size, self.room, self.what = fd, view, size, room, what
+        self.count = -(-size // CHUNK)
+        self.done = [threading.Event() for _ in range(self.count)]
+        self.errors: List[BaseException] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        self._workers = [threading.Thread(target=self._work, daemon=True, name="easyckpt-read")
+                         for _ in range(min(THREADS, self.count))]
+
+    def start(self) -> None:
+        for w in self._workers:
+            w.start()
+
+    def in_order(self) -> Iterator[Tuple[int, int]]:
+        """(start, end) of each piece once it is read, in file order; stops at the first error."""
+        for i in range(self.count):
+            start, end = i * CHUNK, min(self.size, (i + 1) * CHUNK)
+            if not self.done[i].wait(STALL):
+                self.errors.append(OSError(f"{self.what}: no data arrived for {STALL:g} s reading bytes "
+                                           f"{start}..{end} (a hung file system?)"))
+            if self.errors:
+                return
+            yield start, end
+
+    def stop(self) -> None:
+        with self._lock:
+            self._next = self.count        # the workers stop taking pieces
+        for w in self._workers:
+            if w.is_alive() or w.ident is not None:
+                w.join(STALL)   # a reader stuck in the kernel stays behind (a daemon); its fd is closed after
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                i = self._next
+                self._next += 1
+            if i >= self.count or self.errors:
+                return
+            start = i * CHUNK
+            try:
+                _read_range(self.fd, self.view, start, min(self.size, start + CHUNK), self.what, self.room)
+            except BaseException as exc:   # noqa: BLE001 - raised by the caller's thread
+                self.errors.append(exc)
+            finally:
+                self.done[i].set()
 
 
 def _read_range(fd: int, view: memoryview, start: int, end: int, what: str, room: int = -1) -> None:

@@ -61,7 +61,7 @@ def rename_noreplace(src: PathLike, dst: PathLike) -> None:
     os.rename(src, dst)
 
 
-def atomic_write(path: PathLike, data: bytes) -> None:
+def atomic_write(path: PathLike, data: Buffer) -> None:
     """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -84,7 +84,7 @@ def atomic_write(path: PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def write_all(fd: int, data) -> None:
+def write_all(fd: int, data: Buffer) -> None:
     view = memoryview(data).cast("B")
     while view:
         n = os.write(fd, view)

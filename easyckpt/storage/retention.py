@@ -1,4 +1,5 @@
-"""Which committed checkpoints stay: pruning after a successful commit (SaveDir.prune runs it).
+"""Which committed checkpoints stay: pruning after a successful commit (the agent's jobdir.py and
+``easyckpt prune`` run it).
 
 Rules (docs/reliability.md promise 4): only directories that match the framework's naming AND carry a manifest of this
 job; never the newest committed one; every delete is logged before it happens; a checkpoint the
@@ -13,9 +14,18 @@ What to keep is a policy object with one verb (``to_delete``); the rules above b
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Iterable, List, Optional, Protocol, Set, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Protocol,
+    Set,
+    Tuple,
+)
 
-from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 
 if TYPE_CHECKING:
@@ -28,11 +38,10 @@ class RetentionPolicy(Protocol):
     def to_delete(self, committed_newest_first: Committed) -> Committed: ...
 
 
-def protected(step_dir: str) -> Set[int]:
+def protected(man: Optional[Dict[str, Any]]) -> Set[int]:
     """Steps the adapter asked to keep whatever their age (the HF Trainer's best checkpoint), as recorded
-    in the manifest of the newest commit."""
-    man = stepfiles.read(step_dir) or {}
-    return {int(s) for s in (man.get("info") or {}).get("protect", [])}
+    in the (validated) manifest of the newest commit."""
+    return {int(s) for s in ((man or {}).get("info") or {}).get("protect", [])}
 
 
 class KeepLast:

@@ -9,9 +9,9 @@ why that order, commit.py's; what may be deleted, retention.py's.
                 first: by run, then step), owns(manifest), staging_dirs() (this job's),
                 staging_entries() (every job's, for the operator tools), quarantined()
     per rank    write_marker(step, rank, ...), read_markers(step), ready_ranks(step)
-    commit      commit(step, world_size, log)   (commit.py: markers → manifest → rename → fsync → tracker)
-    deletes     prune(policy, log)              (retention.py) and remove_staging(log): both through
-                delete_dir(), the one trash-then-delete
+    deletes     delete_dir(), the one trash-then-delete: retention.py's prune and remove_staging(log) use it
+The commit (commit.py) and pruning (retention.py) are functions over a SaveDir, not methods of it: they
+use its verbs, it never calls them.
     damaged     mark_damaged(step, why, log), read_damaged()
     quarantine  quarantine(step, why, log): a committed step renamed aside, kept whole, out of every listing
     derived     add_file(step_dir, rel, data), add_to_manifest(step_dir, entries) (converters' outputs)
@@ -21,20 +21,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from easyckpt.errors import CheckpointError
-from easyckpt.formats import layout
+from easyckpt.formats import layout, paths
 from easyckpt.formats import manifest as mf
-from easyckpt.formats import paths
 from easyckpt.formats.layout import Naming
 from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
 from easyckpt.storage.posix import PosixStorage
-
-if TYPE_CHECKING:
-    from easyckpt.storage.retention import RetentionPolicy
 
 _MAX_RECORD_BYTES = 1 << 20     # markers and the damaged record are small JSON; a larger one is not ours
 
@@ -107,10 +103,9 @@ class SaveDir:
             self._job()
         out = []
         for step, path in self.step_dirs():
-            man = stepfiles.read(path)
+            man = stepfiles.committed(path, step)
             # own: what this job may prune or replace, so never a step directory another user owns
-            if man is not None and man["step"] == step and (not own or (self.owns(man) and
-                                                                        stepfiles.owner_problem(path) is None)):
+            if man is not None and (not own or (self.owns(man) and stepfiles.owner_problem(path) is None)):
                 out.append((step, path, man))
         return sorted(out, key=lambda e: mf.order_key(e[0], e[2]), reverse=True)
 
@@ -119,8 +114,7 @@ class SaveDir:
         return mf.same_job(man, self._job(), self.job_name)
 
     def is_committed(self, step: int) -> bool:
-        man = stepfiles.read(self.step_path(step))
-        return man is not None and man["step"] == step
+        return stepfiles.committed(self.step_path(step), step) is not None
 
     def quarantined(self) -> List[Tuple[str, str]]:
         """(former step directory name, path) of every quarantined step, oldest first."""
@@ -141,7 +135,9 @@ class SaveDir:
         out = []
         for name in sorted(self._names()):
             parsed = layout.parse_staging(name)
-            step = None if parsed is None else self.naming.parse(parsed[1])
+            if parsed is None:
+                continue
+            step = self.naming.parse(parsed[1])
             if step is not None and self.storage.is_dir(self.path(name)):
                 out.append((step, parsed[0], self.path(name)))
         return out
@@ -197,17 +193,6 @@ class SaveDir:
         return set(self.read_markers(step))
 
     # ---- commit and deletes ----------------------------------------------------------------------------
-
-    def commit(self, step: int, world_size: int, log: AuditLog,
-               extra: Optional[Dict[str, Any]] = None) -> Tuple[str, int]:
-        """Make ``step`` a committed checkpoint (commit.py); returns its directory and the bytes it holds."""
-        from easyckpt.storage.commit import commit
-        return commit(self, step, world_size, log, extra)
-
-    def prune(self, policy: "RetentionPolicy", log: AuditLog) -> List[int]:
-        """Delete what ``policy`` and the damaged record say of this job's committed steps (retention.py)."""
-        from easyckpt.storage.retention import prune
-        return prune(self, policy, log)
 
     def delete_dir(self, path: str, log: AuditLog, reason: str, **fields: Any) -> None:
         """Trash-then-delete, logged first: a crash mid-delete never leaves a half-deleted directory under a

@@ -16,12 +16,27 @@ file avoids a copy.)
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import stat
-from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
-from easyckpt.errors import CheckpointError, ManifestError, UntrustedFileError
+from easyckpt.errors import (
+    CheckpointError,
+    ManifestError,
+    UnsafePath,
+    UntrustedFileError,
+)
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import paths
 from easyckpt.storage import fastread
@@ -67,6 +82,31 @@ def read(step_dir: str) -> Optional[Dict[str, Any]]:
         return None
 
 
+def committed(step_dir: str, step: int) -> Optional[Dict[str, Any]]:
+    """The manifest of ``step_dir`` when it commits ``step`` (valid, and of that step: a directory renamed
+    to another step's name is not that step), else None. The one answer to "is this step committed"."""
+    man = read(step_dir)
+    return man if man is not None and man["step"] == step else None
+
+
+def judge(step_dir: str, step: int) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """What the manifest of ``step_dir`` says of step ``step``, the one place a bad manifest becomes a
+    reason: (manifest, None) when it commits that step; (None, None) when there is none (an interrupted save,
+    a framework's own); (None, why) when it cannot be trusted; (manifest, why) when it is valid but another
+    step's (a directory renamed by hand)."""
+    try:
+        man = load(step_dir)
+    except FileNotFoundError:
+        return None, None
+    except ManifestError as exc:
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"{mf.MANIFEST_NAME} unreadable ({exc.strerror or exc})"
+    if man["step"] != step:
+        return man, f"{mf.MANIFEST_NAME} is of step {man['step']}, not {step}"
+    return man, None
+
+
 # ---- listed files: the only paths a manifest can make us open --------------------------------------------
 
 def entry_path(step_dir: str, rel: str) -> str:
@@ -74,11 +114,11 @@ def entry_path(step_dir: str, rel: str) -> str:
     plain relative path or its real path (symlinks followed) is not inside the step directory."""
     try:
         return paths.inside(step_dir, rel)
-    except paths.UnsafePath as exc:
+    except UnsafePath as exc:
         raise ManifestError(f"{exc}; refusing to read it") from None
 
 
-def open_entry(step_dir: str, rel: str) -> BinaryIO:
+def open_entry(step_dir: str, rel: str) -> io.FileIO:
     """Listed file ``rel`` opened for reading (unbuffered), never through a symlink as its last component.
     ManifestError for a path that leaves the step; OSError as open raises it."""
     path = entry_path(step_dir, rel)

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from easyckpt.cpu import deepspeed_on_cpu
+from easyckpt.deepspeed.cpu import deepspeed_on_cpu
 
 
 def parse() -> argparse.Namespace:

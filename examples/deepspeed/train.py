@@ -18,9 +18,8 @@ import time
 import numpy as np
 import torch
 
-from easyckpt.cpu import deepspeed_on_cpu
-
 import easyckpt.deepspeed as eds
+from easyckpt.deepspeed.cpu import deepspeed_on_cpu
 
 
 def parse(argv=None) -> argparse.Namespace:

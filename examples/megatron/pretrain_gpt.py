@@ -432,7 +432,11 @@ def dump_state(prefix: str, tag: str, model, optimizer, args: argparse.Namespace
     DistributedOptimizer's pieces are this DP rank's flat ranges of each parameter, straight from the
     optimizer (not through a gather)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        apply_factories,
+        is_main_replica,
+    )
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     sd = {f"model{i}": chunk.module.sharded_state_dict(metadata={"dp_cp_group": group})

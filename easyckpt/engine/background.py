@@ -1,0 +1,186 @@
+"""The part of a snapshot copied while the next forward/backward runs (overlap.py says which tensors),
+and the copy primitives the synchronous snapshot shares.
+
+A background copy is checked against the rule overlap.py states (nothing but the optimizer's step changes
+those tensors before it waits for the copy): every source tensor's version counter (bumped by each
+in-place change) is read when the snapshot starts, again when the copy ends and again when the trainer
+settles it. A tensor changed in between (weight noise, a manual ``fill_``) would have given a snapshot
+that mixes two states: it is never published, or unpublished before anything asked to persist it
+(TornSnapshot), and the engine turns the overlap off for the rest of the run.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generic,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    TypeVar,
+)
+
+import torch
+
+from easyckpt import _faults as faults
+from easyckpt.errors import TornSnapshot
+
+
+class _Result(Protocol):
+    """What this module reads of snapshot.SnapshotResult."""
+
+    step: int
+    seconds: float
+
+
+# what the snapshot that started the copy returns once it is published (snapshot.SnapshotResult); generic,
+# so that this module, which snapshot.py uses, never imports it back
+R = TypeVar("R", bound=_Result)
+
+
+def copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    event = _copy_async(dsts, srcs)
+    if event is not None:
+        event.synchronize()
+
+
+def _copy_async(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]):
+    """Copy host tensors now; start device tensors' copies on a side stream, after everything queued
+    so far on the current stream (the values of this step), and return the event that marks their end
+    (None when there are none). The side stream keeps the copies out of the way of the compute queued
+    next; record_stream keeps the caching allocator from reusing a source before its copy ran."""
+    side = None
+    for d, s in zip(dsts, srcs):
+        if not s.is_cuda:
+            d.copy_(s)
+            continue
+        if side is None:
+            side = _side_stream(s.device)
+            side.wait_stream(torch.cuda.current_stream(s.device))
+        with torch.cuda.stream(side):
+            d.copy_(s, non_blocking=True)
+        s.record_stream(side)
+    if side is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(side)
+    return event
+
+
+def _copy_single_threaded(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A copy on this thread alone, with the GIL released. torch's copy_ would start an OpenMP team
+    for this thread, whose workers spin after each copy and take the cores the training's own
+    team computes on, slowing every step while the background copy runs."""
+    if src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and src.device.type == "cpu":
+        n = src.numel() * src.element_size()
+        if n:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+    else:
+        dst.copy_(src)
+
+
+_SIDE_STREAMS: Dict[Any, Any] = {}
+
+
+def _side_stream(device):
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+class PendingSnapshot(Generic[R]):
+    """A snapshot whose optimizer-owned tensors are still being copied by a background thread.
+
+    The thread publishes the slot's header as soon as its copy ends, so the agent can persist the
+    snapshot even if the trainer never waits for it. ``wait`` is what the optimizer's step pre-hook
+    calls: for device tensors it only makes the current stream wait for the copy (no host stall)."""
+
+    def __init__(self, result: R, pairs: List[Tuple[torch.Tensor, torch.Tensor]],
+                 publish: Callable[[], None], unpublish: Callable[[], None], t0: float, rank: int):
+        self.result, self._publish, self._unpublish, self.rank = result, publish, unpublish, rank
+        self._versions = [(s, s._version) for _, s in pairs]
+        self.sync_seconds = time.perf_counter() - t0     # what maybe_save stalled for
+        self.copy_seconds = 0.0
+        self.waited = 0.0
+        self.error: Optional[BaseException] = None
+        self._done = threading.Event()
+        self._event = None
+        if any(s.is_cuda for _, s in pairs):
+            # queue the device copies now, from the training thread: their order on the streams is then
+            # fixed relative to the next step's kernels, whatever the background thread does
+            cuda = [(d, s) for d, s in pairs if s.is_cuda]
+            self._event = _copy_async(*zip(*cuda))
+            pairs = [(d, s) for d, s in pairs if not s.is_cuda]
+        self._host_pairs = bool(pairs)
+        # not a daemon: the interpreter joins it at exit, so a trainer that ends (or dies of an exception)
+        # right after maybe_save still completes the snapshot, and no copy is cut off inside torch
+        # (a daemon thread stopped inside a C++ frame at shutdown aborts the process)
+        self._thread = threading.Thread(target=self._run, args=(pairs,), name="easyckpt-snapshot", daemon=False)
+        self._thread.start()
+
+    def _run(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        t = time.perf_counter()
+        try:
+            faults.inject("trainer.background_copy", self.rank)
+            for d, s in pairs:
+                _copy_single_threaded(d, s)
+            if self._event is not None:
+                self._event.synchronize()
+            self.copy_seconds = time.perf_counter() - t
+            self._check_unchanged()
+            self._publish()
+        except BaseException as exc:   # reported by wait(); the slot stays unpublished (never half-valid)
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def order_on_device(self) -> bool:
+        """Before the optimizer changes what is being copied: when every deferred tensor is on the
+        device, make the current stream wait for the copies (no host stall) and return True; else the
+        caller must ``wait``."""
+        if self._event is not None and not self._host_pairs:
+            torch.cuda.current_stream().wait_event(self._event)
+            return True
+        return False
+
+    def wait(self) -> R:
+        if not self._done.is_set():
+            t = time.perf_counter()
+            self._done.wait()
+            self.waited += time.perf_counter() - t
+        self._thread.join()
+        if self.error is None:
+            try:
+                # a change whose version bump came after the thread's check: the training thread has
+                # finished it now; nothing asked the agent to persist this slot yet (the engine does next)
+                self._check_unchanged()
+            except TornSnapshot as exc:
+                self._unpublish()
+                self.error = exc
+        if self.error is not None:
+            raise self.error
+        self.result.seconds = self.sync_seconds + self.waited
+        return self.result
+
+    def _check_unchanged(self) -> None:
+        changed = [s for s, version in self._versions if s._version != version]
+        if changed:
+            shapes = ", ".join(str(tuple(s.shape)) for s in changed[:3])
+            raise TornSnapshot(
+                f"rank {self.rank}: {len(changed)} tensor(s) being copied in the background for the snapshot of "
+                f"step {self.result.step} (shapes {shapes}{', ...' if len(changed) > 3 else ''}) were changed in "
+                f"place before the copy ended, not by the optimizer's step: that snapshot is dropped (the "
+                f"previous one stays the newest), and snapshot_overlap is off from now on. Set "
+                f"snapshot_overlap=False if the loop changes parameters in place between the save and the next "
+                f"optimizer step")
+
+

@@ -1,0 +1,175 @@
+"""The one public object: a job's checkpoints in this training process, built from a Config.
+
+    ckpt = Checkpointer(config)      validate the settings, attach to (or start) this node's agent
+    ckpt.save(step, state)           every iteration: a snapshot on save_mem_interval, persisted on
+                                     save_storage_interval; never waits for storage
+    ckpt.save_now(step, state)       a framework's own save point: this step is snapshotted and persisted
+    ckpt.load(state)                 the newest complete state (memory or storage, agreed by all ranks)
+                                     restored through ``state``; None when there is none
+    ckpt.finalize()                  the newest state is committed when it returns; slots released
+
+``state`` is what an adapter knows of its framework on this rank, the one protocol every adapter
+implements (FrameworkState): collect this rank's state, say which files a restore reads, restore.
+Adapters hold no file I/O, no threads and no knowledge of slots or agents; each adapter's module-level
+verbs are a DefaultCheckpointer, a thin default instance over this object.
+"""
+from __future__ import annotations
+
+from typing import (
+    Any,
+    Dict,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    TypeVar,
+    runtime_checkable,
+)
+
+from easyckpt.config import Config
+from easyckpt.engine.load import Loaded
+from easyckpt.engine.reads import Read
+from easyckpt.engine.seams import AgentLink, Clock, Group
+from easyckpt.engine.session import Engine, Info
+from easyckpt.engine.snapshot import ShardSpec, SnapshotResult
+from easyckpt.errors import EasyCkptError
+from easyckpt.storage.savedir import SaveDir
+
+R = TypeVar("R", covariant=True)
+
+
+@runtime_checkable
+class FrameworkState(Protocol[R]):
+    """One adapter's view of its framework's live objects on this rank (model, optimizer, engine, ...)."""
+
+    def collect(self) -> Sequence[ShardSpec]:
+        """This rank's state now, as the files of the framework's native layout. Tensors stay tensors
+        (the snapshot copies them); called only when a snapshot is taken."""
+
+    def needed(self, manifest: Dict[str, Any]) -> List[Read]:
+        """The files this rank reads to restore the checkpoint ``manifest`` describes (reads.py: a file,
+        whether it may be absent, and which part of it). A CheckpointError when it cannot be restored into
+        this job. Adapters that write it with tuples decorate it with reads.as_reads."""
+
+    def restore(self, loaded: Loaded) -> R:
+        """Put ``loaded.trees`` back into the live objects; returns what the adapter's load verb returns."""
+
+    def layout(self) -> Optional[str]:
+        """The parallel layout now (Megatron's TP/PP/...), for adapters whose layout can change under the
+        same world size: a snapshot taken on another one is not used. None: the world size says it all."""
+        return None
+
+    def snapshot_bytes(self) -> Optional[int]:
+        """About how many bytes this rank's first snapshot holds, so its slots are reserved while training
+        starts; None when the adapter cannot say."""
+        return None
+
+
+class Checkpointer:
+    """Checkpoints of one job in this process; see the module docstring for the call order."""
+
+    def __init__(self, config: Config, *, group: Optional[Group] = None, link: Optional[AgentLink] = None,
+                 clock: Optional[Clock] = None):
+        """``group``, ``link``, ``clock``: the engine's seams (seams.py), for tests that run ranks and the
+        agent in one interpreter (easyckpt/_testing/); left out, a job's real ones."""
+        self.engine = Engine(config, group=group, link=link, clock=clock)
+
+    @property
+    def config(self) -> Config:
+        return self.engine.cfg
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    def save(self, step: int, state: FrameworkState[Any], *, info: Info = None, persist: Optional[bool] = None,
+             optimizer: Any = None) -> Optional[SnapshotResult]:
+        """Call once per step, after the optimizer step. ``persist``: None = on save_storage_interval,
+        False when the framework decides what is persisted (it calls save_now at its save points).
+        ``optimizer``: the one whose next step changes the parameters (the snapshot may overlap until then).
+        ``info``: recorded in the manifest (e.g. ``{"protect": [best step]}``)."""
+        return self.engine.maybe_save(step, state.collect, info=info, persist=persist, optimizer=optimizer)
+
+    def save_now(self, step: int, state: FrameworkState[Any], *, info: Info = None, fresh: bool = False,
+                 timeout: Optional[float] = None) -> SnapshotResult:
+        """Snapshot ``step`` (unless it already is; ``fresh``: again, the state changed without the step
+        changing) and hand it to the agent; waits only for a free slot, never for storage."""
+        return self.engine.persist_now(step, state.collect, timeout=timeout, info=info, fresh=fresh)
+
+    def safe_point(self, step: int, state: FrameworkState[Any], *, info: Info = None) -> bool:
+        """For a step the framework already saved: still the point where a SIGTERM agreement is kept."""
+        return self.engine.safe_point(step, state.collect, info)
+
+    def load(self, state: FrameworkState[R]) -> Optional[R]:
+        """Restore the newest complete state through ``state``; None (logged) when there is nothing."""
+        # an adapter whose layout can change under the same world size (Megatron's TP/PP) says which it has
+        loaded = self.engine.load(state.needed, state.layout())
+        if loaded is None:
+            self.engine.log.emit("load", step=0, rank=self.rank, source="none",
+                                 message="no checkpoint found: starting from scratch")
+        restored = None if loaded is None else state.restore(loaded)
+        # the snapshot slots are reserved while the first iterations run (an adapter that can say how
+        # large its state will be: ``snapshot_bytes``)
+        estimate = state.snapshot_bytes()
+        if estimate is not None:
+            self.engine.prepare(estimate)
+        return restored
+
+    def is_committed(self, step: int, directory: Optional[str] = None) -> bool:
+        """Whether ``step`` is committed (its manifest verifies) in ``directory`` (default: save_dir)."""
+        where = directory if directory is not None else self.config.save_dir
+        return SaveDir(where, self.config.naming).is_committed(step)
+
+    def settle(self) -> None:
+        """Finish the snapshot copy running in the background, if one runs: before the framework itself changes
+        the parameters in place outside an optimizer step (the Trainer loading its best model at the end)."""
+        self.engine.settle()
+
+    def wait_committed(self, step: int, timeout: Optional[float] = None) -> None:
+        """Block until ``step``, already handed to the agent, is committed (AgentError after ``timeout``)."""
+        self.engine.wait_committed(step, timeout)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """A line of the audit log (and the console, for warnings and errors) from this rank."""
+        self.engine.log.emit(event, rank=self.rank, **fields)
+
+    def finalize(self, timeout: Optional[float] = None, persist: bool = True) -> Optional[int]:
+        """Persist and commit the newest state, wait for the commit, release the slots; returns its step.
+        ``persist=False``: only release (the framework was told not to save)."""
+        return self.engine.finalize(timeout, persist=persist)
+
+
+class DefaultCheckpointer:
+    """The checkpointer behind an adapter's module-level verbs (initialize → save/load → finalize)."""
+
+    def __init__(self, verbs: str):
+        self.verbs = verbs            # e.g. "easyckpt" or "easyckpt.megatron", for messages
+        self.current: Optional[Checkpointer] = None
+
+    def start(self, config: Config) -> Checkpointer:
+        if self.current is not None:
+            raise EasyCkptError(f"{self.verbs}.initialize_easyckpt was already called in this process; call "
+                                f"{self.verbs}.finalize_easyckpt() first to start another job")
+        self.current = Checkpointer(config)
+        return self.current
+
+    def require(self) -> Checkpointer:
+        if self.current is None:
+            hint = (" (with the Megatron-LM patches: pass --save DIR, which is where easyckpt saves; add --load DIR "
+                    "to resume)" if self.verbs == "easyckpt.megatron" else "")
+            raise EasyCkptError(f"call {self.verbs}.initialize_easyckpt(...) before saving or loading{hint}")
+        return self.current
+
+    def finalize(self, timeout: Optional[float] = None) -> Optional[int]:
+        ckpt = self.require()
+        try:
+            return ckpt.finalize(timeout)
+        finally:
+            self.current = None
+
+
+__all__ = ["Checkpointer", "DefaultCheckpointer", "FrameworkState"]

@@ -1,0 +1,62 @@
+"""Where this process sits in the job, and the one collective the engine needs (agreement)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, List
+
+import torch.distributed as dist
+
+from easyckpt.errors import EasyCkptError
+
+
+@dataclass(frozen=True)
+class Placement:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def placement() -> Placement:
+    """From torch.distributed when initialised, else from torchrun's environment, else a single process."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return Placement(rank, world, int(os.environ.get("LOCAL_RANK", rank if world == 1 else 0)))
+
+
+def all_gather(obj: Any, world_size: int) -> List[Any]:
+    """Every rank's ``obj``. Bounded by the process group's timeout, so a dead rank is an error, not a hang."""
+    if world_size == 1:
+        return [obj]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise EasyCkptError(f"WORLD_SIZE={world_size} but torch.distributed is not initialised: call "
+                            f"torch.distributed.init_process_group() before load_checkpoint so that all "
+                            f"ranks can agree on the step to resume from")
+    out: List[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag: bool, world_size: int) -> bool:
+    """True when ``flag`` is true on some rank. Without a process group (single process, or after it was
+    destroyed) only this rank's answer is known, and no collective could run anyway."""
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return flag
+    return any(all_gather(bool(flag), world_size))
+
+
+class TorchGroup:
+    """The production Group (seams.py): this process's place from torch.distributed or torchrun's
+    environment, and its collectives."""
+
+    def __init__(self) -> None:
+        where = placement()
+        self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        return all_gather(obj, self.world_size)
+
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag, self.world_size)

@@ -1,0 +1,359 @@
+"""Load: pick the newest state that is complete on every rank, verify it, fall back when damaged.
+
+Order:
+  1. every rank lists its complete shared-memory snapshots and the committed step directories;
+  2. all ranks exchange them (one all_gather): memory candidates are the steps every rank holds;
+  3. a memory snapshot at least as new as the newest committed checkpoint wins (it is faster); a rank
+     whose node lost its memory (a replacement node) takes that step from a peer node's replica of it
+     (engine/peers.py), pulled into its own slot first; a step counts as in memory when every rank
+     has it on its node or on a peer;
+  4. otherwise, newest committed step first: each rank reads the files it needs and checks sizes
+     and checksums against the manifest; all ranks exchange the verdict; any failure anywhere
+     rejects the step for everyone (loudly) and the next older one is tried.
+The tracker file is ignored: manifests are the truth (a tracker can be stale, empty or garbage).
+Only this job's committed steps are candidates (SaveDir.owns: by job name, so a copied directory stays the
+job's own), newest commit first (run, then step); another job's steps are named on the console, never loaded.
+Each rank's verdict on a step is a formats/verdicts.Verdict: only a CORRUPT one (the step's own bytes fail)
+is reported to the agent as damaged; an INCOMPATIBLE or UNREADABLE one leaves the step as it is. When this
+job's committed steps exist and none can be restored, NoValidCheckpoint lists each with its verdict: the
+engine stops there unless ``on_no_valid_checkpoint="start_fresh"`` (docs/reliability.md promise 12).
+A step whose manifest is invalid (not JSON, a field missing or of the wrong type, a file named outside the
+step) is no candidate: it is logged as rejected, with the reason, and older steps are tried. Only files
+the manifest lists are read, each through manifest.read_entry (inside the step, no symlink out).
+
+The framework's own checkpoints (no manifest) take part in 3 and 4 beside the committed steps, with
+the rules of adopt.py (the framework's tracker bounds them; no checksums exist to check).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+    cast,
+)
+
+from easyckpt import console
+from easyckpt.config import Config
+from easyckpt.engine import adopt, codecs, estimate, snapshot, torchparts
+from easyckpt.engine.dist import all_gather
+from easyckpt.engine.peers import Remote
+from easyckpt.engine.reads import Needed, Read, reads
+from easyckpt.errors import ManifestError, NoValidCheckpoint
+from easyckpt.formats import manifest as mf
+from easyckpt.formats import verdicts
+from easyckpt.formats.shardformat import DEFAULT
+from easyckpt.formats.verdicts import Verdict
+from easyckpt.progress import Progress
+from easyckpt.storage import stepfiles
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.savedir import SaveDir
+
+# (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
+# when the checkpoint was written); (relpath, optional, [item, ...]): only those items of a file the
+# manifest lists item by item (stepfiles.read_items), read and checked alone, the file itself not loaded;
+# (relpath, optional, pick): a torch.save file the agent wrote, its pickle and only the tensors ``pick``
+# chooses (torchparts.py; it sees the trees of the files listed before this one)
+
+
+@dataclass
+class Loaded:
+    step: int
+    source: str               # "memory", "peer" (a replica on another node), "storage" or "adopted" (the
+                              # framework's own checkpoint, adopt.py)
+    path: Optional[str]
+    trees: Dict[str, Any]
+    nbytes: int
+    seconds: float
+    manifest: Optional[Dict[str, Any]] = None   # the committed step's manifest, or an adopted one's inventory
+    from_peers: Tuple[int, ...] = ()            # the ranks that pulled the step from a peer's replica
+
+
+Gather = Callable[[Any, int], List[Any]]      # (this rank's object, world size) -> every rank's, in order
+
+
+def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog,
+                on_rejected: Optional[Callable[[int, str], object]] = None,
+                remote: Optional[Remote] = None, layout: Optional[str] = None,
+                gather: Gather = all_gather) -> Optional[Loaded]:
+    """``on_rejected(step, why)``: called on rank 0 for each committed step rejected as corrupt.
+    ``remote``: this rank's replicas on peer nodes (None: replicas are off). ``layout``: the adapter's
+    parallel layout now (e.g. Megatron's TP/PP sizes); a snapshot taken on another one is not used.
+    ``gather``: the ranks' all_gather (the engine's Group; torch.distributed by default)."""
+    # a snapshot taken with another world size or layout holds another layout's shards: storage serves that
+    mem = [s for s in snapshot.complete_snapshots(cfg.job_id, rank)
+           if s.world_size == world_size and (layout is None or s.layout == layout)]
+    on_peer = sorted({s for s, w, _ in (remote.steps() if remote else []) if w == world_size}
+                     - {s.step for s in mem})
+    sd = SaveDir.of(cfg)
+    every = sd.committed_manifests()
+    ours = [e for e in every if sd.owns(e[2])]
+    stored = [(s, p) for s, p, _ in ours]
+    runs = {s: mf.run_of(man) for s, _, man in ours}
+    _say_other_jobs([e for e in every if not sd.owns(e[2])], rank, log)
+    _log_invalid_manifests(sd, {s for s, _, _ in every}, log)
+    native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own
+    views = gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native], on_peer), world_size)
+    common_mem = set.intersection(*(set(m) | set(p) for m, _, _, p in views))
+    common_nat = set.intersection(*(set(n) for _, _, n, _ in views))
+    common_sto = mf.newest_first(set.intersection(*(set(s) for _, s, _, _ in views)) | common_nat, runs)
+    best_mem = max(common_mem) if common_mem else None
+    _say_lost_memory(views, rank, log)
+    if best_mem is not None and (not common_sto or best_mem >= common_sto[0]):
+        loaded = _from_memory(cfg, rank, world_size, best_mem, mem, remote, layout, log, gather)
+        if loaded is not None:
+            return loaded
+    foreign = {c.step: c for c in native if c.step in common_nat}
+    return _from_storage(cfg, rank, world_size, needed, log, common_sto, dict(stored), foreign, on_rejected, gather)
+
+
+def _from_memory(cfg: Config, rank: int, world_size: int, step: int, mem: List[Any], remote: Optional[Remote],
+                 layout: Optional[str], log: AuditLog, gather: Gather) -> Optional[Loaded]:
+    """Step ``step`` from this node's memory (or pulled from a peer's); None, on every rank, when any rank
+    cannot read it (storage serves instead)."""
+    t0 = time.perf_counter()
+    trees, err, source = None, None, "memory"
+    try:
+        info = next((s for s in mem if s.step == step), None)
+        if info is None:
+            assert remote is not None
+            # fetch raises for a reply that names no slot
+            slot, source = cast(int, remote.fetch(step).slot), "peer"
+            pulled = next((s for s in snapshot.complete_snapshots(cfg.job_id, rank) if s.slot == slot), None)
+            if layout is not None and (pulled is None or pulled.layout != layout):
+                # a peer lists replicas by world size alone: one taken on another layout serves nobody
+                raise ValueError(f"the replica of step {step} pulled from a peer was taken on layout "
+                                 f"{pulled.layout if pulled else 'unknown'}, this run is {layout}")
+        trees = snapshot.read_snapshot(cfg.job_id, rank, info.slot if info else slot, step)
+    except Exception as exc:  # noqa: BLE001 - any failure means: use storage instead
+        err = f"{type(exc).__name__}: {exc}"
+    gathered = gather((err, source), world_size)
+    errors = [v for v, _ in gathered]
+    if all(v is None for v in errors):
+        nbytes = estimate.tensor_bytes(trees)
+        pulled_by = tuple(r for r, (_, where) in enumerate(gathered) if where == "peer")
+        # this rank's err is None too: read_snapshot returned its trees
+        return Loaded(step, source, None, cast(Dict[str, Any], trees), nbytes, time.perf_counter() - t0,
+                      from_peers=pulled_by)
+    bad = "; ".join(f"rank {r}: {v}" for r, v in enumerate(errors) if v is not None)
+    log.record("warning", step=step, message=f"memory snapshot unusable on some rank: {bad}; falling back to storage")
+    if rank == 0:
+        console.warning(f"step {step} in memory is unusable ({bad}): resuming from storage instead")
+    return None
+
+
+def _from_storage(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog, order: List[int],
+                  paths: Dict[int, str], foreign: Dict[int, adopt.Candidate],
+                  on_rejected: Optional[Callable[[int, str], object]], gather: Gather) -> Optional[Loaded]:
+    """The newest committed step (``order``) every rank can restore, verified; the framework's own steps
+    (``foreign``) adopted where no commit of that step exists. NoValidCheckpoint when this job's steps
+    exist and none restores: never a silent fresh start over them."""
+    rejected: List[Verdict] = []
+    for step in order:
+        if step in foreign and step not in paths:
+            loaded = _adopt(foreign[step], cfg, rank, world_size, needed, log, gather)
+            if loaded is not None:
+                return loaded
+            continue
+        t0 = time.perf_counter()
+        trees, mine, nbytes, man = _read_step(paths[step], needed, progress=rank == 0)
+        verdict = verdicts.combine(step, paths[step], gather(mine, world_size))
+        if verdict is None:
+            # no verdict on this rank either: _read_step returned its trees
+            return Loaded(step, "storage", paths[step], cast(Dict[str, Any], trees), nbytes,
+                          time.perf_counter() - t0, man)
+        rejected.append(verdict)
+        log.record("error" if verdict.corrupt else "warning", step=step, path=paths[step],
+                   verdict=verdict.kind.value, message=f"checkpoint rejected: {verdict.reason}")
+        if rank == 0:
+            console.warning(f"{verdict.words()}: " + ("marked damaged, " if verdict.corrupt else "kept as it is, ")
+                            + "trying the previous checkpoint")
+        if verdict.corrupt and on_rejected is not None and rank == 0:
+            on_rejected(step, verdict.reason)
+    if rejected:
+        raise NoValidCheckpoint(_none_restorable(cfg, rejected), rejected)
+    return None
+
+
+def _none_restorable(cfg: Config, rejected: List[Verdict]) -> str:
+    lines = "\n".join(f"  {v.words()}" for v in rejected)
+    return (f"{len(rejected)} committed checkpoint(s) of this job in {cfg.save_dir}, and none can be restored "
+            f"here:\n{lines}\nNothing was deleted. Fix what the verdicts name (a corrupt step: restore its files "
+            f"from a copy; an incompatible one: relaunch with the layout, model or settings it was saved with), "
+            f"or set on_no_valid_checkpoint=\"start_fresh\" to train from the beginning: these steps are then set "
+            f"aside as quarantined-<name>-<stamp>, kept whole, and their names never reused")
+
+
+def _say_other_jobs(others: List[Tuple[int, str, Dict[str, Any]]], rank: int, log: AuditLog) -> None:
+    """Committed steps of other jobs in the save dir: never resumed, said once (docs/reliability.md promise 12)."""
+    if not others:
+        return
+    names = sorted({mf.job_words(man) for _, _, man in others})
+    text = (f"{len(others)} committed step(s) in this save dir belong to another job ({'; '.join(names)}): "
+            f"{', '.join(os.path.basename(p) for _, p, _ in others[:8])}{' ...' if len(others) > 8 else ''}; "
+            f"not resumed (a job resumes only its own; set job_name to the job's name to resume them)")
+    _say(rank, log, text, "not_ours")
+
+
+def _say_lost_memory(views: List[Any], rank: int, log: AuditLog) -> None:
+    """Ranks with no snapshot in memory anywhere, while others have one: their node and every holder of its
+    replicas were lost (or replicas are off). Storage serves; said loudly, once."""
+    empty = [r for r, (m, _, _, p) in enumerate(views) if not m and not p]
+    if empty and len(empty) < len(views):
+        why = (f"rank(s) {empty} have no snapshot in memory, neither on their node nor on a peer node (their node "
+               f"and the holders of its replicas were lost, or replicas are off): resuming from storage, which "
+               f"may be older than the other ranks' memory")
+        _say(rank, log, why)
+
+
+def _log_invalid_manifests(sd: SaveDir, valid: Set[int], log: AuditLog) -> None:
+    """Step directories that hold a manifest the loader cannot trust: each one said in the audit log (they
+    are skipped, not fatal: an older intact step still serves)."""
+    for step, path in sd.step_dirs():
+        if step in valid or not os.path.lexists(os.path.join(path, mf.MANIFEST_NAME)):
+            continue          # no manifest at all: an interrupted save or a framework's own, not damage
+        _man, reason = stepfiles.judge(path, step)
+        if reason is None:
+            continue      # valid, e.g. committed by another job: not ours to judge here
+        log.emit("error", step=step, path=path, message=f"checkpoint rejected: {reason}; it is skipped")
+
+
+def _adopt(cand: adopt.Candidate, cfg: Config, rank: int, world_size: int, needed: Needed,
+           log: AuditLog, gather: Gather) -> Optional[Loaded]:
+    """Load a checkpoint the framework wrote itself, or None (all ranks agree) when it is incomplete."""
+    t0 = time.perf_counter()
+    what = adopt.describe(cfg.naming, cand.path)
+    trees, problem, nbytes, inv = adopt.read_candidate(cand, needed, progress=rank == 0)
+    problems = gather(problem, world_size)
+    bad = [(r, v) for r, v in enumerate(problems) if v is not None]
+    if bad:
+        message = "; ".join(f"rank {r}: {v}" for r, v in bad)
+        log.record("error", step=cand.step, path=cand.path, message=f"{what} not adopted: {message}")
+        if rank == 0:    # the same verdicts on every rank: one console line
+            console.warning(f"{what} is incomplete or unreadable ({message}): trying the previous checkpoint")
+        return None
+    log.emit("adopt", step=cand.step, rank=rank, path=cand.path, bytes=nbytes,
+             message=f"{what}: no easyckpt manifest, so no checksums to verify; every file this rank needs "
+                     f"exists with its size on disk and loads")
+    console.info(f"resuming from {what} (no easyckpt manifest)")
+    # no problem on this rank either: read_candidate returned its trees
+    return Loaded(cand.step, "adopted", cand.path, cast(Dict[str, Any], trees), nbytes, time.perf_counter() - t0, inv)
+
+
+def _console(rank: int, log: AuditLog) -> Callable[[str], None]:
+    """What the loader passed over of the framework's own checkpoints, and why (``_say``)."""
+    return lambda text: _say(rank, log, text, "not_adopted")
+
+
+def _say(rank: int, log: AuditLog, text: str, event: str = "warning") -> None:
+    """The audit log on every rank, the console once (rank 0): the ranks agree, so one line says it."""
+    log.record(event, message=text)
+    if rank == 0:
+        console.warning(text)
+
+
+def _read_step(step_dir: str, needed: Needed, progress: bool = False
+               ) -> Tuple[Optional[Dict[str, Any]], Optional[Verdict], int, Optional[Dict[str, Any]]]:
+    try:
+        man = stepfiles.load(step_dir)
+    except ManifestError as exc:
+        return None, verdicts.corrupt(str(exc)), 0, None
+    except FileNotFoundError:
+        return None, verdicts.corrupt(f"{mf.MANIFEST_NAME} missing"), 0, None
+    except OSError as exc:
+        return None, verdicts.unreadable(f"{mf.MANIFEST_NAME} unreadable ({exc})"), 0, None
+    try:
+        wanted = reads(needed, man)
+    except ValueError as exc:   # ConfigError, CheckpointError: the adapter cannot restore this step into this job
+        return None, verdicts.incompatible(str(exc)), 0, man
+    # only what this rank reads: every rank checking every rank's files would be world_size² lstats
+    planted = stepfiles.owner_problem(step_dir, [w.relpath for w in wanted if w.relpath in man["files"]])
+    if planted:
+        return None, verdicts.untrusted(planted), 0, man
+    # a bar on rank 0 when asked for (EASYCKPT_PROGRESS=1) or on a terminal: a large load takes minutes
+    total = sum(_wanted_bytes(man, want) for want in wanted)
+    with Progress(total if progress else 0, f"load {os.path.basename(step_dir)}") as bar:
+        return _read_files(step_dir, man, wanted, bar.update if bar.on else None)
+
+
+def _wanted_bytes(man: Dict[str, Any], want: Read) -> int:
+    """What reading one entry of ``needed`` costs: the file, or the items picked of it (for the bar)."""
+    entry = man["files"].get(want.relpath)
+    if entry is None:
+        return 0
+    if want.items is None:
+        return int(entry["size"])
+    try:
+        items = mf.check_items(want.relpath, entry)
+    except ManifestError:
+        return 0        # _read_files rejects the step, saying why
+    return sum(items[i][1] for i in want.items if type(i) is int and 0 <= i < len(items))
+
+
+def _read_files(step_dir: str, man: Dict[str, Any], asked: Sequence[Union[Read, Sequence[Any]]],
+                on_bytes: Optional[Callable[[int], None]]
+                ) -> Tuple[Optional[Dict[str, Any]], Optional[Verdict], int, Optional[Dict[str, Any]]]:
+    trees: Dict[str, Any] = {}
+    wanted = [Read.of(w) for w in asked]
+    nbytes = 0
+    for want in wanted:
+        rel, optional = want.relpath, want.optional
+        if rel not in man["files"]:
+            if optional:
+                continue
+            # the step is whole; this job needs a file it never had (another world size or layout)
+            return None, verdicts.incompatible(f"{rel}: needed here, and not part of this checkpoint"), 0, man
+        problems = stepfiles.check_sizes(step_dir, man, [rel])
+        if problems:
+            return None, verdicts.corrupt(problems[0]), 0, man
+        if not want.whole:
+            if want.pick is not None:   # a torch.save file: its pickle and the tensors ``pick`` chooses
+                read = lambda: torchparts.read(step_dir, rel, man, want.pick, trees, on_bytes)  # noqa: E731
+            else:                       # these items only: the framework's reader takes them from the file
+                read = lambda: (None,) + stepfiles.read_items(step_dir, rel, man, list(want.items or ()),  # noqa: E731
+                                                              on_bytes)
+            got, verdict = _attempt(rel, read)
+            if verdict is None:
+                tree, problem, n = got
+                verdict = verdicts.corrupt(problem) if problem else None
+            if verdict:
+                return None, verdict, 0, man
+            trees[rel] = tree
+            nbytes += n
+            continue
+        algo = man.get("checksum", mf.ALGO)
+        got, verdict = _attempt(rel, lambda: stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes))
+        if verdict is None:
+            buf, digest = got
+            problem = mf.compare(rel, len(buf), lambda: digest, man["files"][rel], algo)
+            verdict = verdicts.corrupt(problem) if problem else None
+        if verdict:
+            return None, verdict, 0, man
+        try:
+            trees[rel] = codecs.decode(buf, man["files"][rel].get("format", DEFAULT.value))
+        except Exception as exc:  # noqa: BLE001 - a listed file whose checksum matched and does not decode
+            return None, verdicts.corrupt(f"{rel}: unreadable ({exc})"), 0, man
+        nbytes += len(buf)
+    return trees, None, nbytes, man
+
+
+def _attempt(rel: str, read: Callable[[], Any]) -> Tuple[Any, Optional[Verdict]]:
+    """(what ``read`` returned, None), or (None, the verdict): a path that leaves the step or a missing
+    file (corrupt: the step's own files), a file the system will not read (unreadable)."""
+    try:
+        return read(), None
+    except ManifestError as exc:
+        return None, verdicts.corrupt(str(exc))
+    except FileNotFoundError:
+        return None, verdicts.corrupt(f"{rel}: missing")
+    except OSError as exc:
+        return None, verdicts.unreadable(f"{rel}: unreadable ({exc})")

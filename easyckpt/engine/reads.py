@@ -1,0 +1,54 @@
+"""What a rank reads to restore a checkpoint: the typed answer of an adapter's ``needed`` (the
+FrameworkState protocol, checkpointer.py), read by load.py and adopt.py."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+
+# a torch.save file read in part (engine/torchparts.py): given the file's pickled tree, which storages to read
+Pick = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Read:
+    relpath: str                             # as the manifest lists it
+    optional: bool = False                   # absent from the checkpoint: skipped, not an incompatibility
+    items: Optional[Tuple[int, ...]] = None  # only these items of the file (manifest "items"; distcp data)
+    pick: Optional[Pick] = None              # a torch.save file: its pickle, then the storages ``pick`` names
+
+    @property
+    def whole(self) -> bool:
+        return self.items is None and self.pick is None
+
+    @classmethod
+    def of(cls, want: Union["Read", Sequence[Any]]) -> "Read":
+        """An adapter's entry as a Read: a Read, or the tuple form (relpath, optional[, items or pick])."""
+        if isinstance(want, Read):
+            return want
+        rel, optional = str(want[0]), bool(want[1])
+        if len(want) > 2:
+            third = want[2]
+            if callable(third):
+                return cls(rel, optional, pick=third)
+            return cls(rel, optional, items=tuple(third))
+        return cls(rel, optional)
+
+
+Needed = Callable[[Dict[str, Any]], Sequence[Union[Read, Sequence[Any]]]]
+
+
+def reads(needed: Needed, manifest: Dict[str, Any]) -> List[Read]:
+    """``needed(manifest)`` as Reads (a ValueError from the adapter goes to the caller: incompatible)."""
+    return [Read.of(w) for w in needed(manifest)]
+
+
+S = TypeVar("S")
+
+
+def as_reads(needed_method: Callable[[S, Dict[str, Any]], Sequence[Any]]) -> Callable[[S, Dict[str, Any]], List[Read]]:
+    """An adapter's ``needed`` written with the tuple form, typed at the protocol: it returns Reads."""
+    @functools.wraps(needed_method)
+    def needed(self: S, manifest: Dict[str, Any]) -> List[Read]:
+        return [Read.of(w) for w in needed_method(self, manifest)]
+    return needed

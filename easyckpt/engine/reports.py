@@ -1,0 +1,67 @@
+"""What the agent's status tells rank 0's console: each commit, each step that cannot be committed, each
+trainer the agent refused; every one said once, when the trainer first sees it in a status reply.
+
+Status replies arrive checked (formats/replies.py: a reply with a field of the wrong shape counts as no
+reply), so nothing here re-validates them.
+"""
+from __future__ import annotations
+
+from typing import Dict, Set
+
+from easyckpt import console
+from easyckpt.formats.layout import Naming
+from easyckpt.formats.replies import StatusReply
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.units import human
+
+
+class StatusReports:
+    def __init__(self, rank: int, naming: Naming, log: AuditLog):
+        self.rank, self.naming, self.log = rank, naming, log
+        self.failures: Set[int] = set()
+        self.refusals = 0
+        self.said_commit = -1          # the newest step whose commit was said
+        self.started_at = -1           # commits of steps before this run's first request are not ours
+
+    def requested(self, step: int) -> None:
+        if self.started_at < 0:
+            self.started_at = step
+
+    def waiting(self, newest_requested: int) -> bool:
+        """A commit not yet said may be on its way (rank 0 asks the agent about it now and then); a step the
+        agent failed will not commit, so nothing is awaited for it."""
+        return self.rank == 0 and newest_requested > self.said_commit and newest_requested not in self.failures
+
+    def take(self, status: StatusReply) -> None:
+        self._commits(status)
+        self._failures(dict(status.failed_steps))
+        self._refusals(status)
+
+    def _commits(self, status: StatusReply) -> None:
+        if self.rank != 0 or self.started_at < 0:
+            return
+        for step, nbytes, seconds in sorted(status.commits):
+            if step > self.said_commit and step >= self.started_at:
+                self.said_commit = step
+                console.info(f"{self.naming.dir_name(step)} committed ({human(nbytes)}, written in {seconds:.2f} s)")
+
+    def _failures(self, failed: Dict[int, str]) -> None:
+        """A step that cannot be committed is said on the console once (rank 0), while training goes on
+        and later steps still commit (docs/reliability.md promise 2)."""
+        for step in sorted(set(failed) - self.failures):
+            self.failures.add(step)
+            if self.rank == 0:
+                self.log.emit("error", step=step, rank=self.rank,
+                              message=f"step {step} was not committed: {failed[step]}; training goes on "
+                                      f"and later steps are still saved")
+
+    def _refusals(self, status: StatusReply) -> None:
+        """A trainer the agent refused (another world size or job on this save_dir) is said on rank 0's
+        console too, not only to the refused process."""
+        count, last = status.refused, status.last_refused
+        if count <= self.refusals:
+            return
+        for text in last[-(count - self.refusals):]:
+            if self.rank == 0:
+                self.log.emit("error", rank=self.rank, message=f"easyckpt agent: {text}")
+        self.refusals = count

@@ -1,0 +1,416 @@
+"""The trainer-side engine of one process: the three verbs every adapter maps onto.
+
+    Engine(cfg)                      validate settings, attach to (or start) the node agent
+    Engine(cfg, group=, link=, clock=)  the same over given seams (seams.py): the ranks' collectives,
+                                     the agent link, the clock; Engine(cfg) builds the production ones
+    engine.maybe_save(step, collect) every iteration; snapshots on save_mem_interval, asks the
+                                     agent to persist on save_storage_interval; never waits for storage
+    engine.load(needed)              newest complete state (memory or storage), agreed by all ranks
+    engine.finalize()                the newest state is committed when it returns; slots released
+
+SIGTERM (preempt.py): ``maybe_save`` is the safe point. Once every rank agreed on a step, that step is
+snapshotted (even off-interval), persisted and committed before ``maybe_save`` returns; then the process
+exits with status 0 if ``exit_after_ondemand_checkpoint`` is set, else training goes on.
+
+Adapters reach it through checkpointer.py (Checkpointer, the public object, and the FrameworkState
+protocol they implement); they hold no file I/O, no threads, and no knowledge of slots or agents.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from easyckpt import console
+from easyckpt.config import Config, validate
+from easyckpt.engine import peers, runlog
+from easyckpt.engine.agentview import AgentView
+from easyckpt.engine.client import AgentClient
+from easyckpt.engine.dist import TorchGroup
+from easyckpt.engine.load import Loaded, Needed, load_newest
+from easyckpt.engine.overlap import OptimizerWatch, auto_overlap
+from easyckpt.engine.preempt import Preemption
+from easyckpt.engine.seams import AgentLink, Clock, Group, SystemClock
+from easyckpt.engine.snapshot import (
+    PendingSnapshot,
+    ShardSpec,
+    SnapshotResult,
+    Snapshotter,
+)
+from easyckpt.errors import AgentError, EasyCkptError, NoValidCheckpoint, TornSnapshot
+from easyckpt.formats import protocol
+from easyckpt.formats.replies import FlushReply, StatusReply
+from easyckpt.ipc import shm
+from easyckpt.ipc.reap import reap_dead_jobs
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.savedir import SaveDir
+from easyckpt.units import human
+
+Collect = Callable[[], Sequence[ShardSpec]]
+# what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})
+Info = Optional[Dict[str, Any]]
+
+
+class Engine:
+    def __init__(self, cfg: Config, *, group: Optional[Group] = None, link: Optional[AgentLink] = None,
+                 clock: Optional[Clock] = None):
+        """``group``, ``link``, ``clock``: the seams (seams.py); by default torch.distributed, a socket client
+        that starts the node's agent when none runs (after reaping dead jobs' memory), the system clock."""
+        self.cfg = validate(cfg)
+        self.group: Group = group if group is not None else TorchGroup()
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self.rank, self.world_size, self.local_rank = self.group.rank, self.group.world_size, self.group.local_rank
+        console.install(self.rank, to_stdout=cfg.naming.framework == "megatron")   # as print_rank_0
+        self.log = AuditLog(cfg.audit_log, f"rank{self.rank}")
+        self.savedir = SaveDir.of(cfg)   # read only: the agent writes there
+        if link is None:
+            reap_dead_jobs(self.log.emit, keep=cfg.job_id)
+        self.snapshotter = Snapshotter(cfg.job_id, self.rank, self.world_size,
+                                       peers.replica_copies(cfg, self.world_size, self.rank))
+        self.client: AgentLink = link if link is not None else AgentClient(
+            cfg, self.rank, self.local_rank, self.world_size, self.log)
+        self.remote: Optional[peers.Remote] = None      # this rank's replicas on peer nodes
+        self._introduced = False
+        self.last: Optional[SnapshotResult] = None
+        self.last_persisted_step: Optional[int] = None
+        self.last_step: Optional[int] = None
+        self.last_complete_step: Optional[int] = None   # newest snapshot a crash would resume from
+        self.view = AgentView(cfg, self.rank, self.world_size, self.client, self.savedir, self.log, self.clock)
+        self.closed = False
+        self._collect: Optional[Collect] = None
+        self._info: Info = None
+        # recorded in every manifest's info (rank 0's wins): retention and the loader order this job's steps
+        # by (run, step), so a new run's commits are never older than a previous run's higher step numbers
+        self.run_started = round(self.clock.time(), 6)
+        self.progress = runlog.LastStep(self.rank)
+        # overlap (overlap.py): a snapshot whose optimizer-owned tensors are still being copied
+        self.pending: Optional[PendingSnapshot] = None
+        self._pending_persist = False
+        self.watch = OptimizerWatch(self.before_optimizer_step)
+        self._overlap_on: Optional[bool] = None
+        self.preempt: Optional[Preemption] = None
+        if cfg.autocheckpoint_on_sigterm:
+            link_ = self.client
+            self.preempt = Preemption(
+                cfg.job_id, self.rank, self.world_size, cfg.grace_deadline, self.log,
+                tell_agent=lambda at: link_.side(protocol.Term(self.rank, at)),
+                dead_ranks=lambda: getattr(link_.status(2.0), "dead_ranks", []))
+            self.preempt.install()
+
+    # ---- save ----------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, collect: Collect, info: Info = None,
+                   persist: Optional[bool] = None, optimizer: Any = None) -> Optional[SnapshotResult]:
+        """``persist``: None = on save_storage_interval; False for adapters whose framework decides
+        when to persist (they call persist_now at its save points). ``optimizer``: the one whose step
+        changes the parameters next; with the overlap on (``snapshot_overlap``) the tensors it owns are copied while the
+        next forward/backward runs, and its step waits for that copy. Returns the snapshot when it was
+        taken synchronously (None when skipped, or still being copied: see ``settle``)."""
+        if self.safe_point(step, collect, info):
+            return self.last
+        self.view.poll(self.last_persisted_step)
+        if step % self.cfg.save_mem_interval:
+            return None
+        if persist is None:
+            persist = step % self.cfg.save_storage_interval == 0
+        if optimizer is not None and self._overlap(optimizer):
+            self.watch.add(optimizer)
+        return self._snapshot(step, collect, persist=persist, info=info, overlap=bool(self.watch))
+
+    def _overlap(self, optimizer: Any) -> bool:
+        if self._overlap_on is None:
+            if self.cfg.snapshot_overlap is None:
+                ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                self._overlap_on, why = auto_overlap(optimizer, ranks)
+            else:
+                self._overlap_on, why = self.cfg.snapshot_overlap, "snapshot_overlap set"
+            self.log.emit("overlap", rank=self.rank, on=self._overlap_on, message=why)
+        return self._overlap_on
+
+    def _introduce(self) -> None:
+        """Introduce the nodes' agents to each other (peers.py), once, at the first load or snapshot: both
+        are reached by every rank together."""
+        if not self._introduced:
+            self._introduced = True
+            self.remote = peers.introduce(self.cfg, self.client, self.rank, self.world_size, self.local_rank,
+                                          self.log)
+
+    def _snapshot(self, step: int, collect: Collect, persist: bool, quiet: bool = False,
+                  info: Info = None, overlap: bool = False) -> Optional[SnapshotResult]:
+        self.settle()
+        self._introduce()
+        defer = self.watch.deferrable() if overlap else None
+        shards = collect()
+        info = {**(info or {}), "run": self.run_started}
+        result = self.snapshotter.snapshot(step, shards, persist, info, defer)
+        if result is None and self.snapshotter.skipped is None and not self.client.alive():
+            # both slots reserved by an agent that died: a new agent releases them (docs/reliability.md promise 10)
+            self.client.reattach("both snapshot slots stay reserved by it")
+            result = self.snapshotter.snapshot(step, shards, persist, info, defer)
+        if isinstance(result, PendingSnapshot):
+            self.pending, self._pending_persist = result, persist
+            return None
+        if result is None and quiet:
+            return None
+        if result is None:
+            behind = step - (self.last_complete_step if self.last_complete_step is not None else 0)
+            pid = self.client.agent_pid
+            why = self.snapshotter.skipped or (
+                f"the easyckpt agent (pid {pid}) is stopped and holds both snapshot slots" if pid and shm.pid_stopped(pid)
+                else f"both snapshot slots are still being persisted (storage is slower than "
+                     f"save_storage_interval={self.cfg.save_storage_interval})")
+            # on the console only when the loss bound does not hold (docs/reliability.md promise 10): a skip
+            # that leaves the newest snapshot within save_mem_interval (the same step snapshotted again at the
+            # end) risks nothing
+            over = behind > self.cfg.save_mem_interval
+            bound = f", more than save_mem_interval={self.cfg.save_mem_interval}" if over else ""
+            (self.log.emit if over else self.log.record)(
+                "skip", step=step, rank=self.rank, behind=behind,
+                message=f"rank {self.rank}: snapshot of step {step} skipped: {why}; a crash now would lose {behind} "
+                        f"iterations on this rank{bound}")
+            return None
+        self._snapshot_done(result, persist)
+        return result
+
+    def _snapshot_done(self, result: SnapshotResult, persist: bool, copy_seconds: Optional[float] = None) -> None:
+        self.last = result
+        self.last_complete_step = result.step
+        self.log.emit("snapshot", step=result.step, rank=self.rank, slot=result.slot, bytes=result.nbytes,
+                      seconds=round(result.seconds, 6),
+                      **({} if copy_seconds is None else {"background_seconds": round(copy_seconds, 6)}))
+        if persist:
+            self._request_persist(result)
+
+    def settle(self) -> None:
+        """Finish the background snapshot copy, if one runs: called by the watched optimizers' step
+        pre-hook (the copy must end before the parameters change), and before anything else that
+        snapshots, loads or finalizes. A failed copy is logged; training goes on (docs/reliability.md promise 2)."""
+        pending = self.pending
+        if pending is None:
+            return
+        self.pending = None
+        try:
+            result = pending.wait()
+        except TornSnapshot as exc:   # the loop changes what the overlap copies: copy synchronously from now on
+            self._overlap_on = False
+            self.watch.close()
+            self.log.emit("warning", step=pending.result.step, rank=self.rank, message=str(exc))
+            return
+        except Exception as exc:   # noqa: BLE001 - the copy ran in another thread; report, keep training
+            self.log.emit("error", step=pending.result.step, rank=self.rank,
+                          message=f"background snapshot copy failed: {exc!r}")
+            return
+        self._snapshot_done(result, self._pending_persist, pending.copy_seconds)
+
+    def before_optimizer_step(self) -> None:
+        pending = self.pending
+        if pending is None:
+            return
+        if not pending.order_on_device() or pending.done():
+            self.settle()
+
+    def safe_point(self, step: int, collect: Collect, info: Info = None) -> bool:
+        """Every iteration, on every rank (maybe_save calls it; adapters whose framework already saved this
+        step call it alone). True when this step was the one agreed on after SIGTERM and is now committed."""
+        self.last_step, self._collect, self._info = step, collect, info
+        self.progress.mark(step)
+        pre = self.preempt
+        if pre is None:
+            return False
+        pre.at = step
+        if pre.pending and pre.target(step) == step:
+            self._save_on_demand(step, collect, info)
+            return True
+        return False
+
+    def _save_on_demand(self, step: int, collect: Collect, info: Info) -> None:
+        """The step all ranks agreed on after SIGTERM: snapshot, persist, wait for the commit; then exit
+        (``exit_after_ondemand_checkpoint``) or return to training."""
+        pre = self.preempt
+        assert pre is not None
+        t0 = self.clock.time()
+        since = pre.signalled_at
+        console.info(f"SIGTERM: saving step {step}" + (f" on all {self.world_size} ranks" if self.world_size > 1 else ""))
+        try:
+            self.client.send(protocol.TermStep(self.rank, step))
+            self.persist_now(step, collect, max(1.0, pre.deadline_left()), info)
+            self.wait_committed(step, max(1.0, pre.deadline_left()))
+        except EasyCkptError as exc:
+            pre.done()
+            self.log.emit("error", step=step, rank=self.rank, message=f"SIGTERM checkpoint failed: {exc}")
+            if self.cfg.exit_after_ondemand_checkpoint:
+                raise      # exiting as if it had been saved would lose progress silently
+            # a failed save does not stop training the user wanted to go on (docs/reliability.md promise 2)
+            return
+        now = self.clock.time()
+        self.log.emit("sigterm_save", step=step, rank=self.rank, seconds=round(now - t0, 6),
+                      since_signal=None if since is None else round(now - since, 6),
+                      exit=self.cfg.exit_after_ondemand_checkpoint)
+        pre.done()
+        self.view.say_committed(step)    # its "committed" line first, then the one that says what happens now
+        console.info(f"SIGTERM: step {step} committed {now - t0:.2f} s after this rank reached it; "
+                     + ("exiting" if self.cfg.exit_after_ondemand_checkpoint else "training goes on"))
+        if self.rank == 0:
+            runlog.record("sigterm_save", step=step, exit=self.cfg.exit_after_ondemand_checkpoint)
+        if self.cfg.exit_after_ondemand_checkpoint:
+            self.finalize(persist=False)
+            raise SystemExit(0)
+
+    def _request_persist(self, result: SnapshotResult) -> None:
+        try:
+            self.client.send(protocol.Persist(self.rank, result.slot, result.generation, result.step))
+            self.last_persisted_step = result.step
+            self.view.reports.requested(result.step)
+        except AgentError as exc:   # never take training down for a failed persist (docs/reliability.md promise 2)
+            self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
+        self.status()
+
+    def status(self) -> Optional[StatusReply]:
+        """The agent's status (None when none answers), said on the console where new (agentview.py)."""
+        return self.view.status()
+
+    def failed_steps(self) -> Dict[int, str]:
+        """Steps the agent could not persist or commit, with why (from its status)."""
+        return self.view.failed_steps()
+
+    def persist_now(self, step: int, collect: Collect, timeout: Optional[float] = None, info: Info = None,
+                    fresh: bool = False) -> SnapshotResult:
+        """Make sure ``step`` is snapshotted and handed to the agent for persisting; waits only for a free
+        slot (when both are reserved), never for storage. ``fresh``: snapshot again even if ``step``
+        already is (the state changed without the step changing, e.g. evaluation results)."""
+        self.last_step, self._collect, self._info = step, collect, info
+        self.settle()
+        mine = fresh or self.last is None or self.last.step != step
+        # an adapter's collect may run collectives (ZeRO-3 gathers parameters for the checkpoint): every
+        # rank collects when any rank must snapshot, and only once, or the others hang in the collective
+        try:
+            anyone = self.group.any_rank(mine)
+        except Exception as exc:  # noqa: BLE001 - a rank is gone: no collective can run; the commit wait names it
+            self.log.emit("warning", step=step, rank=self.rank,
+                          message=f"ranks could not agree whether step {step} needs a new snapshot ({exc}); "
+                                  f"going on with this rank's own answer")
+            anyone = mine
+        if not mine:
+            assert self.last is not None     # mine is False only when the last snapshot is of this step
+            if anyone:
+                collect()
+            if self.last_persisted_step != step:
+                self._request_persist(self.last)
+            return self.last
+        shards = collect()
+        deadline = self.clock.monotonic() + (self.cfg.commit_timeout if timeout is None else timeout)
+        while True:
+            result = self._snapshot(step, lambda: shards, persist=True, quiet=True, info=info)
+            if result is not None:
+                return result
+            if not self.client.alive():
+                self.client.reattach(f"no slot was released to save step {step}")
+            if self.clock.monotonic() > deadline:
+                raise AgentError(f"rank {self.rank}: no snapshot slot was released in time to save step {step}")
+            self.clock.sleep(0.01)
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def prepare(self, data_bytes: int) -> None:
+        """Get both snapshot slots ready for about ``data_bytes`` of state while training starts (after
+        the load), so that the first snapshot costs what a steady one does."""
+        skipped = self.snapshotter.prepare(data_bytes)
+        # logged: the audit shows the estimate next to the first snapshot's bytes
+        self.log.emit("prepare", rank=self.rank, bytes=data_bytes, **({"skipped": skipped} if skipped else {}))
+
+    def load(self, needed: Needed, layout: Optional[str] = None) -> Optional[Loaded]:
+        self.settle()
+        self._introduce()
+        fresh: List[int] = []
+        try:
+            loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log,
+                                 on_rejected=lambda step, why: self.client.side(
+                                     protocol.Damaged(step, why[:protocol.MAX_TEXT])),
+                                 remote=self.remote, layout=layout, gather=lambda obj, _n: self.group.all_gather(obj))
+        except NoValidCheckpoint as exc:
+            # every rank raised the same (the verdicts were gathered): all stop, or all start fresh
+            self.log.record("error", message=str(exc))     # the console shows it once, as the raised error
+            if self.cfg.on_no_valid_checkpoint != "start_fresh":
+                raise
+            loaded, fresh = None, [v.step for v in exc.verdicts]
+            self._quarantine(exc.verdicts)
+        if loaded is not None and loaded.source == "peer":
+            self.snapshotter.rescan()    # the pulled slot carries the agent's generation count
+        if loaded is not None:
+            self.log.emit("load", step=loaded.step, rank=self.rank, source=loaded.source, path=loaded.path,
+                          bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
+            self.last_step = loaded.step
+            self.progress.mark(loaded.step)
+        console.info(_resumed(loaded, self.cfg.save_dir, self.world_size, fresh))
+        if self.rank == 0:
+            runlog.record("resume", step=loaded.step if loaded else 0, source=loaded.source if loaded else "none",
+                          seconds=round(loaded.seconds, 6) if loaded else 0.0)
+        return loaded
+
+    def _quarantine(self, rejected: Sequence[Any]) -> None:
+        """A fresh start over steps no rank could restore: rank 0 has the agent set each aside, kept whole,
+        before the first commit of this run (its queue runs these before any persist), so that no new commit
+        reuses their names or prunes them."""
+        if self.rank != 0:
+            return
+        for verdict in rejected:
+            console.warning(f"start_fresh: setting aside {verdict.words()}")
+            # on this rank's own connection: the agent queues it before any persist this rank asks for later,
+            # and a step commits only with rank 0's shard
+            self.client.send(protocol.Quarantine(verdict.step, f"{verdict.kind.value}: {verdict.reason}"[:500]))
+
+    # ---- finalize ------------------------------------------------------------------------
+
+    def finalize(self, timeout: Optional[float] = None, persist: bool = True) -> Optional[int]:
+        """Persist and commit the newest state, wait for the commit, release the slots. Returns the step.
+        ``persist=False``: only release (the framework was told not to save)."""
+        if self.closed:          # e.g. after the SIGTERM exit, an atexit finalize of the adapter
+            return self.last.step if self.last is not None else None
+        self.closed = True
+        self.settle()
+        self.watch.close()
+        timeout = self.cfg.commit_timeout if timeout is None else timeout
+        step = None
+        if persist and self.last_step is not None and self._collect is not None:
+            step = self.persist_now(self.last_step, self._collect, timeout, self._info).step
+        if step is not None:
+            assert self.last is not None     # persist_now took or kept it
+            reply = self.client.request(protocol.Flush(self.rank, step, self.last.slot, self.last.generation),
+                                        FlushReply, timeout)
+            if not reply.ok:
+                raise AgentError(f"rank {self.rank}: persisting step {step} failed: {reply.error}")
+            self.wait_committed(step, timeout)
+            self.view.say_committed(step)
+        # an earlier step that failed after the last storage interval's status is said now, not never; and
+        # the commit finalize waited for
+        self.status()
+        if self.preempt is not None:
+            self.preempt.uninstall()
+        self.client.send(protocol.Bye(self.rank))
+        self.client.close()
+        self.snapshotter.close(unlink=True)
+        self.log.close()
+        return step
+
+    def wait_committed(self, step: int, timeout: Optional[float] = None) -> None:
+        """Block until ``step`` (already handed to the agent) is committed, or raise after ``timeout``."""
+        def agent_died() -> None:
+            self.client.reattach(f"it died before step {step} was committed")
+            if self.last is not None and self.last.step == step:
+                self._request_persist(self.last)
+        self.view.wait_committed(step, self.cfg.commit_timeout if timeout is None else timeout, agent_died)
+
+
+def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int, fresh: Sequence[int] = ()) -> str:
+    if loaded is None and fresh:
+        return (f"none of this job's {len(fresh)} committed step(s) in {save_dir} ({', '.join(map(str, fresh))}) can "
+                f"be restored here: training starts from the beginning, as on_no_valid_checkpoint='start_fresh' "
+                f"allows; they are set aside as quarantined-<name>-<stamp>, kept whole (`easyckpt ls` lists them)")
+    if loaded is None:
+        return f"no checkpoint of this job in {save_dir}: training starts from the beginning"
+    where = {"memory": "memory (the snapshot that outlived the last run)",
+             "peer": "a peer node's memory (the replica of this node's snapshot)",
+             "storage": f"storage ({loaded.path}, verified)"}.get(loaded.source, f"{loaded.path} ({loaded.source})")
+    size = human(loaded.nbytes) + (" on rank 0" if world_size > 1 else "")
+    if loaded.from_peers and loaded.source != "peer":
+        where += f"; rank(s) {list(loaded.from_peers)} from a peer node's memory (the replicas of their lost node)"
+    return f"resumed step {loaded.step} from {where}: {size} in {loaded.seconds:.2f} s"

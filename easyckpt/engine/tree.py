@@ -1,0 +1,393 @@
+"""Split a state tree into tensors and a JSON "skeleton" that records where each tensor sits.
+
+The skeleton is plain JSON with a few tags, so that loading a checkpoint never unpickles anything
+(docs/reliability.md promise 7). Supported leaves: tensors, numpy arrays, None, bool, int, float, str, bytes, tuples,
+lists, dicts (any JSON-able keys), torch.dtype, torch.Size. Anything else is refused at save time
+with the path that holds it, instead of silently pickling code into a checkpoint.
+"""
+from __future__ import annotations
+
+import base64
+import functools
+import io
+from typing import Any, Dict, Iterable, List, Tuple
+
+import torch
+
+from easyckpt.errors import CheckpointError
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional for the engine
+    np = None  # type: ignore[assignment]
+
+Tensors = List[Tuple[str, torch.Tensor]]
+
+
+def flatten(tree: Any) -> Tuple[Any, Tensors]:
+    tensors: Tensors = []
+    used: set = set()
+
+    def key_for(path: List[str]) -> str:
+        key = "/".join(path) or "_"
+        base, n = key, 1
+        while key in used:
+            key, n = f"{base}#{n}", n + 1
+        used.add(key)
+        return key
+
+    def walk(obj: Any, path: List[str]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided:
+                raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {'/'.join(path)}; "
+                                f"convert it to a dense tensor")
+            key = key_for(path)
+            tensors.append((key, obj.detach()))
+            return {"__t": key}
+        if np is not None and isinstance(obj, np.ndarray):
+            key = key_for(path)
+            tensors.append((key, torch.from_numpy(np.ascontiguousarray(obj))))
+            return {"__np": key}
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj)
+        if np is not None and isinstance(obj, np.generic):
+            return walk(obj.item(), path)
+        if isinstance(obj, torch.Size):
+            return {"__size": list(obj)}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype": str(obj).replace("torch.", "")}
+        if isinstance(obj, bytes):
+            return {"__bytes": base64.b64encode(obj).decode()}
+        if isinstance(obj, tuple):
+            return {"__tuple": [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [walk(v, path + [str(i)]) for i, v in enumerate(obj)]
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+                return {k: walk(v, path + [k]) for k, v in obj.items()}
+            return {"__dict": [[walk(k, path + ["key"]), walk(v, path + [str(k)])] for k, v in obj.items()]}
+        raise TypeError(f"easyckpt cannot save a {type(obj).__name__} at '{'/'.join(path) or '<root>'}': "
+                        f"only tensors, numbers, strings, lists, tuples and dicts are stored (no pickling)")
+
+    return walk(tree, []), tensors
+
+
+def unflatten(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if not isinstance(obj, dict):
+            return obj
+        if len(obj) == 1:
+            (tag, val), = obj.items()
+            if tag == "__t":
+                return tensors[val]
+            if tag == "__np":
+                return tensors[val].numpy()
+            if tag == "__tuple":
+                return tuple(walk(v) for v in val)
+            if tag == "__dict":
+                return {_hashable(walk(k)): walk(v) for k, v in val}
+            if tag == "__size":
+                return torch.Size(val)
+            if tag == "__dtype":
+                return getattr(torch, val)
+            if tag == "__bytes":
+                return base64.b64decode(val)
+        return {k: walk(v) for k, v in obj.items()}
+
+    return walk(skeleton)
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+# ---- skeletons for framework-native torch.save files ---------------------------------------------
+#
+# Megatron and DeepSpeed write torch.save pickles that hold objects JSON cannot (argparse.Namespace,
+# enums). For such shards the TRAINER produces the pickle part of the torch.save file itself (``data.pkl``,
+# with every tensor a persistent reference to storage record i, exactly as torch.save writes it); the
+# agent only assembles the zip archive from those bytes and the tensor bytes in the slot
+# (torchzip.py), so it never unpickles anything (docs/reliability.md promise 9). Checkpoint files and snapshots are only
+# ever read back through the weights-only unpickler with an explicit allow-list (safe_torch_load,
+# rebuild).
+
+TORCHZIP = "__torchzip"
+
+
+class _StorageRef:
+    __slots__ = ("index", "dtype", "numel")
+
+    def __init__(self, index: int, dtype: torch.dtype, numel: int):
+        self.index, self.dtype, self.numel = index, dtype, numel
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def flatten_pickled(tree: Any) -> Tuple[Any, Tensors]:
+    """Skeleton {TORCHZIP: data.pkl (base64), "storages": [tensor key of storage record i, ...]}.
+    Tensors the walk cannot reach (inside other objects) are refused with their type, so that nothing
+    is pickled by value."""
+    import collections
+    import io
+    import pickle
+
+    tensors: Tensors = []
+    refs: Dict[int, _StorageRef] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided:
+                raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {path or '<root>'}")
+            t = obj.detach()
+            ref = _StorageRef(len(tensors), t.dtype, t.numel())
+            tensors.append((f"{path}#{len(tensors)}", t))
+            refs[id(ref)] = ref
+            return _TensorStandIn(ref, tuple(t.shape))
+        if isinstance(obj, dict):
+            return type(obj)((k, walk(v, f"{path}/{k}")) for k, v in obj.items()) if type(obj) is not dict \
+                else {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        # a torch.Size stays one: DeepSpeed's zero_to_fp32 calls .numel() on the saved param_shapes
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields") and not isinstance(obj, torch.Size):
+            return tuple(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
+        return obj
+
+    stand_in = walk(tree, "")
+
+    class _Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, _TensorStandIn):
+                return (torch._utils._rebuild_tensor_v2,
+                        (obj.ref, 0, obj.shape, _contiguous_stride(obj.shape), False, collections.OrderedDict()))
+            if isinstance(obj, torch.Tensor):
+                raise TypeError(f"easyckpt cannot save a tensor held inside a {type(obj).__name__} object "
+                                f"of a torch.save shard; keep tensors in dicts, lists and tuples")
+            return NotImplemented
+
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, _StorageRef):
+                return ("storage", _storage_type(obj.dtype), str(obj.index), "cpu", obj.numel)
+            return None
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(stand_in)   # protocol 2: what torch.save writes
+    skeleton = {TORCHZIP: base64.b64encode(buf.getvalue()).decode(), "storages": [k for k, _ in tensors]}
+    return skeleton, tensors
+
+
+class _TensorStandIn:
+    __slots__ = ("ref", "shape")
+
+    def __init__(self, ref: _StorageRef, shape: Tuple[int, ...]):
+        self.ref, self.shape = ref, shape
+
+
+def is_pickled(skeleton: Any) -> bool:
+    return isinstance(skeleton, dict) and TORCHZIP in skeleton
+
+
+def unflatten_pickled(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    """The tree of a torch.save shard held in a snapshot, through the weights-only unpickler (the same
+    allow-list as safe_torch_load): a slot is never trusted to run code, even our own."""
+    import io
+
+    pkl = base64.b64decode(skeleton[TORCHZIP])
+    keys = skeleton["storages"]
+
+    def storage(pid: Any) -> Any:
+        _tag, _type, index, _location, _numel = pid
+        t = tensors[keys[int(index)]]
+        return torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+
+    return _weights_only_load(io.BytesIO(pkl), storage)
+
+
+def _weights_only_load(pkl_file: Any, persistent_load: Any) -> Any:
+    from torch import _weights_only_unpickler as wo
+
+    names = wo.get_globals_in_pkl(pkl_file)
+    pkl_file.seek(0)
+    known = set(wo._get_allowed_globals())
+    with torch.serialization.safe_globals(_allow(n for n in names if n not in known)):
+        unpickler = wo.Unpickler(pkl_file, encoding="utf-8")
+        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]  # torch's Unpickler hook
+        return unpickler.load()
+
+
+# Small non-tensor files of a native layout (JSON state, a pickled arguments object, a helper script)
+# travel as raw bytes in the snapshot's metadata and are written as they are.
+def flatten_raw(data: Any) -> Tuple[Any, Tensors]:
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, (bytes, bytearray)):
+        raise TypeError(f"a raw shard holds bytes or str, not {type(data).__name__}")
+    return {"__raw": base64.b64encode(bytes(data)).decode()}, []
+
+
+def raw_bytes(skeleton: Any) -> bytes:
+    return base64.b64decode(skeleton["__raw"])
+
+
+DCP = "__dcp"
+
+
+def flatten_dcp(items: Any) -> Tuple[Any, Tensors]:
+    """A torch.distributed.checkpoint data file (``__R_0.distcp``): ``items`` in file order, each a tensor
+    (written as DCP's FileSystemWriter writes one: a torch.save archive of that tensor alone) or bytes (a
+    BYTE_IO item, written as is). Skeleton {DCP: [{"t": key, "pkl": pickle, "n": item size} | {"b": bytes}]};
+    ``dcp_item_size`` gives an item's size, which the checkpoint's metadata must state."""
+    if not isinstance(items, list):
+        raise TypeError(f"a distcp shard holds a list of tensors and bytes, not {type(items).__name__}")
+    entries: List[Any] = []
+    tensors: Tensors = []
+    for i, item in enumerate(items):
+        ident = None
+        if isinstance(item, tuple) and len(item) == 2:      # (its identity, the item): see formats/slotmeta
+            ident, item = item
+        if isinstance(item, (bytes, bytearray)):
+            entries.append({"b": base64.b64encode(bytes(item)).decode()})
+        elif isinstance(item, torch.Tensor):
+            key = f"{i}"
+            tensors.append((key, item.detach()))
+            pkl, n = _lone_tensor_pickle(item.dtype, tuple(item.shape))
+            entries.append({"t": key, "pkl": pkl, "n": n})
+        else:
+            raise TypeError(f"item {i} of a distcp shard is a {type(item).__name__}, not a tensor or bytes")
+        if ident is not None:
+            entries[-1]["id"] = ident
+    return {DCP: entries}, tensors
+
+
+@functools.lru_cache(maxsize=4096)
+def _lone_tensor_pickle(dtype: torch.dtype, shape: Tuple[int, ...]) -> Tuple[str, int]:
+    """torch.save's pickle of one contiguous tensor (it depends on the dtype and shape alone), and the size
+    of the archive around it: computed once per shape, not at every snapshot."""
+    from easyckpt.formats.torchzip import torch_file_size
+
+    skeleton, _ = flatten_pickled(torch.empty(shape, dtype=dtype, device="meta"))   # no memory
+    pkl = skeleton[TORCHZIP]
+    numel = 1
+    for d in shape:
+        numel *= d
+    return pkl, torch_file_size(len(base64.b64decode(pkl)), [numel * dtype.itemsize])
+
+
+def dcp_item_size(item: Any) -> int:
+    """The size of one item (a tensor or bytes) in a distcp file as flatten_dcp has it written: what the
+    checkpoint's metadata must state, known before the agent writes it."""
+    if isinstance(item, (bytes, bytearray)):
+        return len(item)
+    return _lone_tensor_pickle(item.dtype, tuple(item.shape))[1]
+
+
+def rebuild(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict) and set(skeleton) == {"__raw"}:
+        return raw_bytes(skeleton)
+    if isinstance(skeleton, dict) and DCP in skeleton:
+        return [tensors[e["t"]] if "t" in e else base64.b64decode(e["b"]) for e in skeleton[DCP]]
+    return unflatten_pickled(skeleton, tensors) if is_pickled(skeleton) else unflatten(skeleton, tensors)
+
+
+SAFE_MODULE_PREFIXES = ("torch.", "megatron.", "deepspeed.", "transformers.", "numpy.")
+# Plain data classes the frameworks put into their own checkpoint files, rebuilt from their fields only
+# (no __reduce__ calls into arbitrary code): DeepSpeed's loss scaler and ZeRO fragment addresses, and
+# numpy arrays (RNG states of numpy, saved by Megatron and the HF Trainer).
+SAFE_CLASSES = {
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+}
+
+
+def _allowed(name: str) -> Any:
+    import argparse
+    import enum
+    import importlib
+
+    if name == "argparse.Namespace":
+        return argparse.Namespace
+    if name == "signal.Signals":     # Megatron-LM's args.exit_signal: an IntEnum rebuilt from its number
+        import signal
+        return signal.Signals
+    module, _, qual = name.rpartition(".")
+    if not (module + ".").startswith(SAFE_MODULE_PREFIXES):
+        return None
+    try:
+        obj = getattr(importlib.import_module(module), qual)
+    except (ImportError, AttributeError):
+        return None
+    if name == "numpy.dtype":     # a dtype unpickles into an instance of its numpy.dtypes class
+        import numpy.dtypes
+        return [obj] + [c for c in vars(numpy.dtypes).values() if isinstance(c, type)]
+    if name in SAFE_CLASSES:
+        return obj
+    return obj if isinstance(obj, type) and issubclass(obj, enum.Enum) else None
+
+
+def _allow(names: Iterable[str]) -> List[Any]:
+    """The classes behind ``names`` if every one is on the allow-list; ValueError naming the first that
+    is not."""
+    allowed: List[Any] = []
+    for name in names:
+        obj = _allowed(name)
+        if obj is None:
+            raise CheckpointError(f"refusing to load: the file references {name}, which is not on easyckpt's "
+                                  f"allow-list (tensors, containers, argparse.Namespace, framework enums and "
+                                  f"signal.Signals, "
+                                  f"DeepSpeed's loss scaler and fragment addresses, numpy arrays)")
+        allowed.extend(obj if isinstance(obj, list) else [obj])
+    return allowed
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only file over bytes already in memory, without copying them (torch.load reads records
+    out of it one by one)."""
+
+    def __init__(self, data: Any):
+        self._view, self._pos = memoryview(data).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def safe_torch_load(data: Any) -> Any:
+    """torch.load with weights_only=True, allowing argparse.Namespace, Enum classes of the known
+    frameworks and the few data classes in SAFE_CLASSES (their modules are imported from the installed
+    packages, never from the file). ``data``: the file's bytes (any buffer; not copied)."""
+    allowed = _allow(torch.serialization.get_unsafe_globals_in_checkpoint(io.BufferedReader(_MemoryFile(data))))
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(io.BufferedReader(_MemoryFile(data)), weights_only=True, map_location="cpu")
