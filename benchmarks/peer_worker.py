@@ -74,9 +74,11 @@ def timed(fn: Callable[[], Any]) -> float:
 def run_easyckpt(args: argparse.Namespace, model: Params, opt: torch.optim.Adam, rank: int) -> Dict[str, Any]:
     from easyckpt import Checkpointer, Config
     from easyckpt.engine import estimate
+    from easyckpt.engine.checkpointer import FrameworkState
+    from easyckpt.engine.reads import Read
     from easyckpt.engine.snapshot import ShardSpec
 
-    class RankState:
+    class RankState(FrameworkState[int]):
         """This rank's own shard of the job's state (every rank persists its own files)."""
 
         def __init__(self, ckpt: Checkpointer):
@@ -89,8 +91,8 @@ def run_easyckpt(args: argparse.Namespace, model: Params, opt: torch.optim.Adam,
         def snapshot_bytes(self) -> int:
             return estimate.tensor_bytes(model.state_dict()) + estimate.optimizer_bytes(opt)
 
-        def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
-            return [(f"model_rank{rank:05d}.safetensors", False), (f"optim_rank{rank:05d}.safetensors", False)]
+        def needed(self, manifest: Dict[str, Any]) -> List[Read]:
+            return [Read(f"model_rank{rank:05d}.safetensors"), Read(f"optim_rank{rank:05d}.safetensors")]
 
         def restore(self, loaded: Any) -> int:
             raise AssertionError("the benchmark's save directory was fresh: nothing should load")

@@ -5,14 +5,20 @@ operating system's behaviour is what is tested."""
 from __future__ import annotations
 
 import contextlib
+import io
+import os
+import re
+import subprocess
 import threading
-from typing import Any, Callable, Iterator, List, TypeVar
+import traceback
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TypeVar
 
+import harness
 import torch
 
 from easyckpt._testing.local_agent import LocalAgent
-from easyckpt._testing.ranks import ThreadGroup, run_ranks
-from easyckpt.config import Config
+from easyckpt._testing.ranks import ThreadGroup, groups, run_ranks
+from easyckpt.config import Config, validate
 from easyckpt.engine.checkpointer import Checkpointer
 from easyckpt.pytorch import PytorchState
 
@@ -60,3 +66,91 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: i
 
 def state(ckpt: Checkpointer, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int = 0) -> PytorchState:
     return PytorchState(ckpt, model, optimizer, None, step, None)
+
+
+# ---- the test worker (tests/worker_pytorch.py) in this interpreter -------------------------------------
+
+# what an in-process run cannot do: end its own process (kill -9, os._exit, SIGTERM to itself), or run as
+# two ranks under torchrun; those stay real processes (harness.run)
+_PROCESS_ONLY = re.compile(r"(^|,)\d+(@\d+)?:(kill|exit|term|fork-term)\b")
+
+
+def in_process(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None) -> bool:
+    """Whether ``cmd`` (harness.train_cmd) can run in this interpreter: one rank, no DataLoader workers,
+    nothing that ends the process (an --inject that kills or exits), and no environment of its own (the
+    EASYCKPT_* variables are read when a module is imported, and fault points assume the agent is a process
+    of its own: its persists run beside training, not in it)."""
+    args = list(map(str, cmd))
+    if "torch.distributed.run" in args or not args[1].endswith("worker_pytorch.py") or "--workers" in args:
+        return False
+    inject = args[args.index("--inject") + 1] if "--inject" in args else ""
+    return not _PROCESS_ONLY.search(inject) and not extra_env
+
+
+def run_worker(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, check: bool = True,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """harness.run(cmd) for a one-rank worker command, run by the example's own main in this interpreter, its
+    Checkpointer over an in-process agent (easyckpt/_testing/): the same stdout, stderr, save directory and
+    audit log, without starting an interpreter, torch and an agent process per run. Commands it cannot run
+    here (in_process) go to harness.run."""
+    if not in_process(cmd, extra_env):
+        return harness.run(cmd, extra_env=extra_env, timeout=timeout, check=check)
+    import worker_pytorch
+    from worker_pytorch import train as example
+
+    import easyckpt.pytorch
+
+    default = easyckpt.pytorch._default
+    agents: List[LocalAgent] = []
+
+    def make(cfg: Config) -> Checkpointer:
+        cfg = validate(cfg)
+        local = LocalAgent(cfg)
+        agents.append(local)
+        return Checkpointer(cfg, group=groups(1)[0], link=local.link(0, 1))
+
+    saved_env = {k: os.environ.get(k) for k in (extra_env or {})}
+    os.environ.update(extra_env or {})
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    default.make = make
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = example.main([str(a) for a in cmd[2:]], p=worker_pytorch.parser(),
+                                    make_hooks=worker_pytorch.TestHooks)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except Exception:  # noqa: BLE001 - as a process would: the traceback on stderr, exit status 1
+                traceback.print_exc()
+                code = 1
+            finally:
+                _end(default, agents)
+    finally:
+        default.make = Checkpointer
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    proc = subprocess.CompletedProcess(list(map(str, cmd)), code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"{cmd} exited {code}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _end(default: Any, agents: List[LocalAgent]) -> None:
+    """The process ends: a trainer that did not finalize is a trainer that died (its connection closes without
+    bye, so the agent persists what it left, as it would); the agent then leaves."""
+    ckpt = default.current
+    default.current = None
+    if ckpt is not None:
+        engine = ckpt.engine
+        if engine.preempt is not None:
+            engine.preempt.uninstall()
+        engine.settle()
+        engine.client.close()
+        engine.snapshotter.close(unlink=False)
+        engine.log.close()
+    for local in agents:
+        local.close()

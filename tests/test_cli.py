@@ -19,10 +19,10 @@ from harness import (
     cli_process,
     committed_steps,
     events,
-    run,
     train_cmd,
     wait_no_agent,
 )
+from inproc import run_worker
 
 from easyckpt.formats.manifest import MANIFEST_NAME
 from easyckpt.storage.joblock import JobLock
@@ -34,7 +34,7 @@ HIDDEN = 24
 def trained(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("cli")
     ckpt = work / "ckpt"
-    run(train_cmd(ckpt, 2, "--iters", "8", "--storage-interval", "2", "--max-ckpt", "3", "--hidden", str(HIDDEN),
+    run_worker(train_cmd(ckpt, 2, "--iters", "8", "--storage-interval", "2", "--max-ckpt", "3", "--hidden", str(HIDDEN),
                   "--idle-timeout", "2"), timeout=180)
     wait_no_agent(ckpt)
     return ckpt
@@ -198,7 +198,7 @@ def test_a_load_from_storage_draws_a_progress_bar_when_asked(ckpt, tmp_path):
     """Long operations show progress: a training process resuming from storage with EASYCKPT_PROGRESS=1
     draws one on stderr for the files it reads (rank 0)."""
     steps = committed_steps(ckpt)
-    out = run(train_cmd(ckpt, 1, "--iters", str(steps[-1]), "--idle-timeout", "1", "--hidden", str(HIDDEN),
+    out = run_worker(train_cmd(ckpt, 1, "--iters", str(steps[-1]), "--idle-timeout", "1", "--hidden", str(HIDDEN),
                         ), extra_env={"EASYCKPT_PROGRESS": "1"}, timeout=120)
     assert f"load step_{steps[-1]:08d}" in out.stderr and "100%" in out.stderr, out.stderr[-2000:]
     wait_no_agent(ckpt)

@@ -29,3 +29,70 @@ def test_import_contracts_hold():
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "BROKEN" not in out, f"an import contract is broken:\n{out[-8000:]}"
+
+
+PACKAGE = ROOT / "easyckpt"
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+
+
+def _modules():
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def test_no_module_and_no_function_is_longer_than_the_limit():
+    import ast
+    long = []
+    for path in _modules():
+        text = path.read_text(encoding="utf-8")
+        rel = path.relative_to(ROOT)
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
+    assert not long, "over the limits (module 450 lines, function 60):\n" + "\n".join(long)
+
+
+def test_no_import_circle_between_modules():
+    import grimp
+    graph = grimp.build_graph("easyckpt")
+    circles = set()
+    for module in graph.modules:
+        if not module.startswith("easyckpt"):
+            continue
+        for imported in graph.find_modules_directly_imported_by(module):
+            if imported.startswith("easyckpt") and imported != module and \
+                    graph.chain_exists(importer=imported, imported=module):
+                circles.add(tuple(sorted((module, imported))))
+    # a package's __init__ and its own submodules (the package re-exports what they define) is no circle of code
+    circles = {(a, b) for a, b in circles if not (b.startswith(a + ".") or a.startswith(b + "."))}
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in sorted(circles))
+
+
+def test_each_shard_format_is_named_in_one_module():
+    """formats/shardformat.py writes the format names; everything else dispatches through ShardFormat (a
+    name like "torch" has other meanings too: what is checked is its use as a format)."""
+    import re
+    names = ("safetensors", "torch", "raw", "dcp")
+    as_format = re.compile(r"""(?:fmt\s*(?:==|=|!=)\s*|["'](?:fmt|format)["']\s*:\s*)["'](%s)["']""" % "|".join(names))
+    bare = re.compile(r"""["'](raw|dcp)["']""")
+    found = []
+    for path in _modules():
+        if path.name == "shardformat.py":
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if as_format.search(line) or bare.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "a shard format named outside formats/shardformat.py:\n" + "\n".join(found)
+
+
+def test_every_shard_format_has_its_three_halves():
+    from easyckpt.agent.stepwriter import WRITERS
+    from easyckpt.engine.codecs import DECODE, FLATTEN
+    from easyckpt.formats.shardformat import ShardFormat
+    from easyckpt.formats.slotmeta import SKELETON_CHECKS
+    for table in (SKELETON_CHECKS, WRITERS, FLATTEN, DECODE):
+        assert set(table) == set(ShardFormat), table

@@ -22,6 +22,7 @@ from harness import (
     wait_for_iteration,
     wait_no_agent,
 )
+from inproc import run_worker
 
 SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
@@ -179,7 +180,7 @@ def test_ranks_that_disagree_on_the_step_get_no_manifest(tmp_path):
     dropped when the next save (15) commits (a newer step made it useless), 110 times out (3 s); each
     message names the ranks whose shard never came, no manifest is written for either."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
-    run(train_cmd(ckpt, 2, "--iters", "20", "--storage-interval", "5", "--max-ckpt", "5", "--log-file", str(log),
+    run_worker(train_cmd(ckpt, 2, "--iters", "20", "--storage-interval", "5", "--max-ckpt", "5", "--log-file", str(log),
                   "--misreport", "10@1:110", "--commit-timeout", "3", "--step-sleep", "0.1", "--idle-timeout", "1"))
     wait_no_agent(ckpt, timeout=30)
     assert committed_steps(ckpt) == [5, 15, 20]
@@ -196,7 +197,7 @@ def test_a_rank_dying_while_the_other_waits_to_commit_is_named(tmp_path):
     """Rank 1 is killed inside its copy of the last step (12) while rank 0 waits in finalize for the
     commit: rank 0 fails after commit_timeout (4 s) naming rank 1, and step 12 gets no manifest."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
-    out = run(train_cmd(ckpt, 2, "--iters", "12", "--storage-interval", "5", "--log-file", str(log),
+    out = run_worker(train_cmd(ckpt, 2, "--iters", "12", "--storage-interval", "5", "--log-file", str(log),
                         "--commit-timeout", "4", "--idle-timeout", "1"), check=False,
               extra_env={"EASYCKPT_FAULTS": "trainer.mid_snapshot@1=kill",
                          "EASYCKPT_FAULT_AFTER": "trainer.mid_snapshot:11"})

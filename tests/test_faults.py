@@ -25,12 +25,13 @@ from harness import (
     train_cmd,
     wait_no_agent,
 )
+from inproc import run_worker
 
 FAST = ["--idle-timeout", "1"]
 
 
 def train(ckpt: Path, *args: str, env=None, check=True, nproc=1):
-    return run(train_cmd(ckpt, nproc, *args, *FAST), extra_env=env, check=check)
+    return run_worker(train_cmd(ckpt, nproc, *args, *FAST), extra_env=env, check=check)
 
 
 def probe(ckpt: Path, tmp: Path, name: str):
@@ -66,14 +67,14 @@ def test_kill_mid_snapshot_ignores_the_half_written_slot(tmp_path):
     args = ["--iters", "14", "--storage-interval", "100", "--loss-file", str(loss), "--log-file", str(log),
             "--idle-timeout", "60"]
     ref = tmp_path / "ref"
-    run(train_cmd(ref / "ckpt", 2, "--iters", "14", "--loss-file", str(ref / "loss")))
+    run_worker(train_cmd(ref / "ckpt", 2, "--iters", "14", "--loss-file", str(ref / "loss")))
     once = tmp_path / "once"
     once.mkdir()
-    first = run(train_cmd(ckpt, 2, *args), check=False, extra_env={
+    first = run_worker(train_cmd(ckpt, 2, *args), check=False, extra_env={
         "EASYCKPT_FAULTS": "trainer.mid_snapshot@0=kill", "EASYCKPT_FAULT_AFTER": "trainer.mid_snapshot:8",
         "EASYCKPT_FAULT_ONCE_DIR": str(once)})
     assert first.returncode != 0
-    run(train_cmd(ckpt, 2, *args))
+    run_worker(train_cmd(ckpt, 2, *args))
     assert starts(loss)[-1] == 8, "the resume must come from step 8, the snapshot before the torn one"
     for rank in (0, 1):
         assert losses(loss, rank) == losses(ref / "loss", rank)
@@ -90,12 +91,12 @@ def test_a_step_one_rank_never_handed_over_is_abandoned_not_mixed_with_the_rerun
     args = ["--iters", "14", "--storage-interval", "5", "--loss-file", str(loss), "--log-file", str(log),
             "--step-sleep", "0.05", "--idle-timeout", "30"]
     ref = tmp_path / "ref"
-    run(train_cmd(ref / "ckpt", 2, "--iters", "14", "--loss-file", str(ref / "loss")))
-    first = run(train_cmd(ckpt, 2, *args), check=False, extra_env={
+    run_worker(train_cmd(ref / "ckpt", 2, "--iters", "14", "--loss-file", str(ref / "loss")))
+    first = run_worker(train_cmd(ckpt, 2, *args), check=False, extra_env={
         "EASYCKPT_FAULTS": "trainer.mid_snapshot@1=kill", "EASYCKPT_FAULT_AFTER": "trainer.mid_snapshot:9",
         "EASYCKPT_FAULT_ONCE_DIR": str(once)})
     assert first.returncode != 0 and (once / "trainer.mid_snapshot").exists()
-    run(train_cmd(ckpt, 2, *args))
+    run_worker(train_cmd(ckpt, 2, *args))
     assert starts(loss)[-1] == 9
     for rank in (0, 1):
         assert losses(loss, rank) == losses(ref / "loss", rank)
@@ -135,7 +136,7 @@ def test_a_step_one_rank_never_hands_over_is_dropped_when_a_newer_one_commits(tm
     deterministic). Step 4 can never complete: once step 6 commits it is dropped (staging removed, the
     missing rank named, the tracker never moved back), and the agent does not wait commit_timeout (300 s)."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
-    run(train_cmd(ckpt, 2, "--iters", "8", "--storage-interval", "2", "--log-file", str(log), "--misreport", "4@1:3",
+    run_worker(train_cmd(ckpt, 2, "--iters", "8", "--storage-interval", "2", "--log-file", str(log), "--misreport", "4@1:3",
                   "--commit-timeout", "300", *FAST))
     wait_no_agent(ckpt, timeout=40)
     evs = events(log)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import ROOT, cli, events, run, script_cmd, train_cmd, wait_no_agent
+from inproc import run_worker
 
 from easyckpt.errors import EasyCkptError, ManifestError
 from easyckpt.formats import manifest as mf
@@ -32,7 +33,7 @@ FAST = ["--idle-timeout", "1"]
 def committed(tmp_path_factory) -> Path:
     """A 2-rank job that committed steps 2 and 4."""
     ckpt = tmp_path_factory.mktemp("trust") / "ckpt"
-    run(train_cmd(ckpt, 2, "--iters", "4", "--storage-interval", "2", "--hidden", "8", *FAST), timeout=180)
+    run_worker(train_cmd(ckpt, 2, "--iters", "4", "--storage-interval", "2", "--hidden", "8", *FAST), timeout=180)
     wait_no_agent(ckpt)
     return ckpt
 
@@ -61,7 +62,7 @@ def probe(ckpt: Path, tmp: Path, nproc: int = 2):
     """A 2-rank run of the job (``ckpt`` is a copy: no memory snapshot of it exists) that loads the newest
     checkpoint and stops: (step loaded, audit events)."""
     log = tmp / "probe.jsonl"
-    run(train_cmd(ckpt, nproc, "--iters", "0", "--hidden", "8", "--log-file", str(log),
+    run_worker(train_cmd(ckpt, nproc, "--iters", "0", "--hidden", "8", "--log-file", str(log),
                   *FAST), extra_env={"EASYCKPT_SHM_LEFTOVER_SECONDS": "0"}, timeout=180)
     wait_no_agent(ckpt)
     ev = events(log)

@@ -24,12 +24,12 @@ from harness import (
     job_id,
     kill_tree,
     last_iteration,
-    run,
     start,
     train_cmd,
     wait_for_iteration,
     wait_no_agent,
 )
+from inproc import run_worker
 from test_trust import AS_ROOT, _agent_pid, _finish_holder, _holder
 
 from easyckpt.ipc import shm
@@ -61,7 +61,7 @@ def test_a_fifo_planted_under_a_replica_slot_name_never_blocks_the_agent(tmp_pat
     fifo = shm.replica_path(job_id(save), 0, 0)
     _planted_fifo(fifo)
     try:
-        run(train_cmd(save, 2, "--iters", "10", "--storage-interval", "5", "--commit-timeout", "60",
+        run_worker(train_cmd(save, 2, "--iters", "10", "--storage-interval", "5", "--commit-timeout", "60",
                       "--idle-timeout", "2"), timeout=TIMEOUT)
         wait_no_agent(save)
     finally:
@@ -83,7 +83,7 @@ def test_a_fifo_planted_as_the_key_or_a_slot_stops_the_job_at_once_naming_it(tmp
     _planted_fifo(fifo)
     t0 = time.monotonic()
     try:
-        out = run(train_cmd(save, 2, "--iters", "5", "--idle-timeout", "2"), timeout=QUICK, check=False)
+        out = run_worker(train_cmd(save, 2, "--iters", "5", "--idle-timeout", "2"), timeout=QUICK, check=False)
     finally:
         _remove(fifo)
     text = out.stdout + out.stderr
@@ -132,7 +132,7 @@ def test_a_stopped_agent_costs_training_only_skipped_persists(tmp_path):
 
 def _committed_job(tmp_path: Path) -> Path:
     save = tmp_path / "ckpt"
-    run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--idle-timeout", "1"), timeout=TIMEOUT)
+    run_worker(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--idle-timeout", "1"), timeout=TIMEOUT)
     wait_no_agent(save)
     return save
 
@@ -149,7 +149,7 @@ def test_a_fifo_in_a_step_blocks_neither_the_tools_nor_the_loader(tmp_path, plan
     cli("ls", save, timeout=QUICK)
     cli("inspect", save, "10", expect=None, timeout=QUICK)
     loss = tmp_path / "loss"
-    out = run(train_cmd(save, 1, "--iters", "12", "--storage-interval", "5", "--idle-timeout", "1",
+    out = run_worker(train_cmd(save, 1, "--iters", "12", "--storage-interval", "5", "--idle-timeout", "1",
                         "--loss-file", str(loss)), timeout=TIMEOUT)
     wait_no_agent(save)
     assert "resumed step 5" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
@@ -246,7 +246,7 @@ def test_a_staging_dir_planted_mid_run_is_refused_and_no_committed_step_belongs_
     # a committed step re-owned by another user (as if re-sealed by it) is refused by the loader, not deleted
     newest = save / "step_00000025"
     subprocess.run(["chown", "-R", "nobody", str(newest)], check=True, timeout=30)
-    out = run(train_cmd(save, 1, "--iters", "26", "--storage-interval", "5", "--idle-timeout", "1",
+    out = run_worker(train_cmd(save, 1, "--iters", "26", "--storage-interval", "5", "--idle-timeout", "1",
                         "--loss-file", str(loss)), timeout=TIMEOUT)
     wait_no_agent(save)
     text = out.stdout + out.stderr

@@ -18,6 +18,7 @@ from harness import (
     wait_for_iteration,
     wait_no_agent,
 )
+from inproc import run_worker
 
 N = 30
 MEM = 2
@@ -28,7 +29,7 @@ SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("reference")
-    run(train_cmd(d / "ckpt", 2, *COMMON, "--loss-file", str(d / "loss")))
+    run_worker(train_cmd(d / "ckpt", 2, *COMMON, "--loss-file", str(d / "loss")))
     ref = {r: losses(d / "loss", r) for r in (0, 1)}
     assert sorted(ref[0]) == list(range(1, N + 1)) and sorted(ref[1]) == list(range(1, N + 1))
     wait_no_agent(d / "ckpt")

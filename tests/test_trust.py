@@ -32,6 +32,7 @@ from harness import (
     wait_for_iteration,
     wait_no_agent,
 )
+from inproc import run_worker
 
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
                              reason="needs root and runuser to act as a second local user (nobody); CI runs as root")
@@ -188,7 +189,7 @@ def _planted_run(tmp_path: Path, plant) -> subprocess.CompletedProcess:
     planted = [Path(f"/dev/shm/easyckpt-{jid}-r00000-s{i}") for i in (0, 1)]
     try:
         plant(planted)
-        return run(train_cmd(save, 1, "--iters", "3", "--storage-interval", "1"), check=False, timeout=TIMEOUT)
+        return run_worker(train_cmd(save, 1, "--iters", "3", "--storage-interval", "1"), check=False, timeout=TIMEOUT)
     finally:
         for p in planted:
             if os.path.lexists(p):
@@ -246,10 +247,10 @@ def test_a_symlinked_lock_file_or_audit_log_in_the_save_dir_is_never_followed(tm
         target.write_bytes(b"precious " + name.encode())
         target.chmod(0o600)
         os.symlink(target, save / name)
-    res = run(train_cmd(save, 1, "--iters", "2", "--storage-interval", "1"), check=False)
+    res = run_worker(train_cmd(save, 1, "--iters", "2", "--storage-interval", "1"), check=False)
     assert res.returncode != 0 and "symlink" in res.stderr, res.stderr[-3000:]
     (save / "easyckpt.log").unlink()
-    res = run(train_cmd(save, 1, "--iters", "2", "--storage-interval", "1"), check=False)
+    res = run_worker(train_cmd(save, 1, "--iters", "2", "--storage-interval", "1"), check=False)
     assert res.returncode != 0 and "symlink" in res.stderr, res.stderr[-3000:]
     wait_no_agent(save)
     for name, target in targets.items():
@@ -378,7 +379,7 @@ def test_an_agent_whose_last_step_failed_leaves_within_its_idle_timeout_not_comm
     (before: rank 1's late shard left the step pending for commit_timeout, and the agent, holding the job lock,
     lived on about 11 minutes)."""
     save = tmp_path / "ckpt"
-    out = run(train_cmd(save, 2, "--iters", "4", "--storage-interval", "5", "--commit-timeout", "600",
+    out = run_worker(train_cmd(save, 2, "--iters", "4", "--storage-interval", "5", "--commit-timeout", "600",
                         "--idle-timeout", "2"), extra_env={"EASYCKPT_FAULTS": "agent.persist_file@0=enospc"},
               check=False)
     assert out.returncode != 0 and "No space left on device" in out.stdout + out.stderr
@@ -443,14 +444,14 @@ def test_retention_never_keeps_a_damaged_checkpoint_in_place_of_a_verified_one(t
     """Row 24: step 12 (the newest) is damaged; the resumed run falls back to 10 and commits 15: with
     max_ckpt_num=2, the verified 10 stays and the damaged 12 goes."""
     save = tmp_path / "ckpt"
-    run(train_cmd(save, 1, "--iters", "12", "--storage-interval", "5", "--max-ckpt", "2"))
+    run_worker(train_cmd(save, 1, "--iters", "12", "--storage-interval", "5", "--max-ckpt", "2"))
     wait_no_agent(save)
     assert sorted(p.name for p in save.glob("step_*")) == ["step_00000010", "step_00000012"]
     shard = save / "step_00000012" / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    run(train_cmd(save, 1, "--iters", "15", "--storage-interval", "5", "--max-ckpt", "2"))
+    run_worker(train_cmd(save, 1, "--iters", "15", "--storage-interval", "5", "--max-ckpt", "2"))
     wait_no_agent(save)
     assert sorted(p.name for p in save.glob("step_*")) == ["step_00000010", "step_00000015"]
     deletes = [e for e in events(save / "easyckpt.log") if e["event"] == "delete" and "step_00000012" in e["path"]]
@@ -462,7 +463,7 @@ def test_skipped_snapshots_under_back_pressure_are_said_on_the_console_with_the_
     iterations a crash would now lose, against save_mem_interval."""
     save = tmp_path / "ckpt"
     env = {"EASYCKPT_FAULTS": "agent.before_persist=sleep:1.5", "EASYCKPT_FAULT_AFTER": "agent.before_persist:1"}
-    res = run(train_cmd(save, 1, "--iters", "12", "--storage-interval", "1", "--step-sleep", "0.05"), extra_env=env)
+    res = run_worker(train_cmd(save, 1, "--iters", "12", "--storage-interval", "1", "--step-sleep", "0.05"), extra_env=env)
     wait_no_agent(save)
     assert "a crash now would lose" in res.stderr and "save_mem_interval=1" in res.stderr, res.stderr[-3000:]
 
@@ -491,7 +492,7 @@ def test_a_step_that_cannot_commit_fails_at_once_and_later_steps_still_commit(tm
     foreign = save / "step_00000005"
     foreign.mkdir(parents=True)
     (foreign / "notes.txt").write_text("someone else's")
-    res = run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--step-sleep", "0.05"))
+    res = run_worker(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--step-sleep", "0.05"))
     wait_no_agent(save, timeout=30)
     assert (foreign / "notes.txt").read_text() == "someone else's" and sorted(os.listdir(foreign)) == ["notes.txt"]
     assert json.loads((save / "step_00000010" / "easyckpt_manifest.json").read_text())["step"] == 10
@@ -511,7 +512,7 @@ def test_a_step_that_fails_after_the_last_snapshot_is_still_said_at_finalize(tmp
     foreign.mkdir(parents=True)
     (foreign / "notes.txt").write_text("someone else's")
     env = {"EASYCKPT_FAULTS": "agent.before_persist=sleep:0.8"}
-    res = run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--step-sleep", "0.05"), extra_env=env)
+    res = run_worker(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--step-sleep", "0.05"), extra_env=env)
     wait_no_agent(save, timeout=30)
     assert (foreign / "notes.txt").read_text() == "someone else's"
     assert "step 5 was not committed" in res.stderr, res.stderr[-3000:]
@@ -521,7 +522,7 @@ def test_the_audit_log_is_on_by_default_inside_the_save_dir_and_can_be_turned_of
     """Item 8: with no log_file_path every save, commit and delete is recorded in SAVE_DIR/easyckpt.log;
     log_file_path=False turns it off."""
     save = tmp_path / "ckpt"
-    run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--max-ckpt", "1"))
+    run_worker(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--max-ckpt", "1"))
     wait_no_agent(save)
     kinds = {e["event"] for e in events(save / "easyckpt.log")}
     assert {"snapshot", "persist", "commit", "delete"} <= kinds, kinds

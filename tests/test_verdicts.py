@@ -16,11 +16,11 @@ from harness import (
     committed_steps,
     events,
     losses,
-    run,
     starts,
     train_cmd,
     wait_no_agent,
 )
+from inproc import run_worker
 
 RUN_TIMEOUT = 240
 
@@ -41,14 +41,14 @@ def test_every_step_rejected_stops_the_job_and_a_fresh_start_sets_them_aside_who
     on_no_valid_checkpoint="start_fresh" they are quarantined, kept byte for byte, listed by `easyckpt ls`, and
     the new run's commits never take their names."""
     save, loss = tmp_path / "ckpt", tmp_path / "loss"
-    run(train_cmd(save, 2, "--iters", "15", "--storage-interval", "5", "--max-ckpt", "3"), timeout=RUN_TIMEOUT)
+    run_worker(train_cmd(save, 2, "--iters", "15", "--storage-interval", "5", "--max-ckpt", "3"), timeout=RUN_TIMEOUT)
     wait_no_agent(save)
     assert committed_steps(save) == [5, 10, 15]
     for step in (5, 10, 15):
         _flip(save / f"step_{step:08d}" / "model.safetensors")
     damaged = {s: _tree(save / f"step_{s:08d}") for s in (5, 10, 15)}
 
-    out = run(train_cmd(save, 2, "--iters", "20", "--storage-interval", "5", "--idle-timeout", "2",
+    out = run_worker(train_cmd(save, 2, "--iters", "20", "--storage-interval", "5", "--idle-timeout", "2",
                         "--loss-file", str(loss)), timeout=RUN_TIMEOUT, check=False)
     text = out.stdout + out.stderr
     assert out.returncode != 0, text[-3000:]
@@ -60,7 +60,7 @@ def test_every_step_rejected_stops_the_job_and_a_fresh_start_sets_them_aside_who
     wait_no_agent(save)
     assert {s: _tree(save / f"step_{s:08d}") for s in (5, 10, 15)} == damaged, "a rejected step was changed"
 
-    run(train_cmd(save, 2, "--iters", "10", "--storage-interval", "5", "--start-fresh", "--loss-file", str(loss)),
+    run_worker(train_cmd(save, 2, "--iters", "10", "--storage-interval", "5", "--start-fresh", "--loss-file", str(loss)),
         timeout=RUN_TIMEOUT)
     wait_no_agent(save)
     assert starts(loss) == [0]
@@ -78,15 +78,15 @@ def test_a_job_never_resumes_another_jobs_steps_and_says_whose_they_are(tmp_path
     """Row 31: job b in job a's save dir starts from the beginning, naming a's steps as another job's; job a
     relaunched resumes its own step, not b's newer one."""
     save, loss_a, loss_b = tmp_path / "ckpt", tmp_path / "a", tmp_path / "b"
-    run(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--job-name", "a", "--loss-file", str(loss_a)),
+    run_worker(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--job-name", "a", "--loss-file", str(loss_a)),
         timeout=RUN_TIMEOUT)
     wait_no_agent(save, job_name="a")
-    out = run(train_cmd(save, 1, "--iters", "12", "--storage-interval", "4", "--job-name", "b",
+    out = run_worker(train_cmd(save, 1, "--iters", "12", "--storage-interval", "4", "--job-name", "b",
                         "--loss-file", str(loss_b)), timeout=RUN_TIMEOUT)
     wait_no_agent(save, job_name="b")
     assert starts(loss_b) == [0], "job b resumed job a's checkpoint"
     assert "belong to another job (job_name='a'" in out.stdout + out.stderr
-    out = run(train_cmd(save, 1, "--iters", "15", "--storage-interval", "5", "--job-name", "a",
+    out = run_worker(train_cmd(save, 1, "--iters", "15", "--storage-interval", "5", "--job-name", "a",
                         "--loss-file", str(loss_a)), timeout=RUN_TIMEOUT)
     wait_no_agent(save, job_name="a")
     assert starts(loss_a) == [0, 10], "job a did not resume its own newest step"
@@ -101,10 +101,10 @@ def test_a_new_runs_commits_are_never_pruned_for_an_older_runs_higher_steps(tmp_
     the newest (retention orders by run, then step) and stay; the older run's go beyond max_ckpt_num; the
     run's finalize returns as soon as its last step is committed."""
     save = tmp_path / "ckpt"
-    run(train_cmd(save, 1, "--iters", "20", "--storage-interval", "5", "--max-ckpt", "3"), timeout=RUN_TIMEOUT)
+    run_worker(train_cmd(save, 1, "--iters", "20", "--storage-interval", "5", "--max-ckpt", "3"), timeout=RUN_TIMEOUT)
     wait_no_agent(save)
     assert committed_steps(save) == [10, 15, 20]
-    run(train_cmd(save, 1, "--iters", "8", "--storage-interval", "4", "--max-ckpt", "3", "--no-resume",
+    run_worker(train_cmd(save, 1, "--iters", "8", "--storage-interval", "4", "--max-ckpt", "3", "--no-resume",
                   "--commit-timeout", "60"), timeout=RUN_TIMEOUT)
     wait_no_agent(save)
     log = events(save / "easyckpt.log")
@@ -117,7 +117,7 @@ def test_prune_deletes_nothing_when_the_newest_step_it_would_keep_is_damaged(tmp
     """Row 33: `easyckpt prune --keep 1` verifies the step it keeps: silently damaged, nothing is deleted and
     the exit status is 1; once it verifies, the older ones go."""
     save = tmp_path / "ckpt"
-    run(train_cmd(save, 1, "--iters", "15", "--storage-interval", "5", "--max-ckpt", "3"), timeout=RUN_TIMEOUT)
+    run_worker(train_cmd(save, 1, "--iters", "15", "--storage-interval", "5", "--max-ckpt", "3"), timeout=RUN_TIMEOUT)
     wait_no_agent(save)
     shard = save / "step_00000015" / "model.safetensors"
     intact = shard.read_bytes()
@@ -134,13 +134,13 @@ def test_a_copied_save_dir_resumes_commits_and_prunes(tmp_path):
     """Row 34: a copy of the save dir whose newest step is damaged: the relaunch from the copy falls back to
     the step before (losses equal to the original run's), commits over the damaged one and prunes as usual."""
     save, loss = tmp_path / "ckpt", tmp_path / "loss"
-    run(train_cmd(save, 1, "--iters", "20", "--storage-interval", "5", "--max-ckpt", "3", "--loss-file", str(loss)),
+    run_worker(train_cmd(save, 1, "--iters", "20", "--storage-interval", "5", "--max-ckpt", "3", "--loss-file", str(loss)),
         timeout=RUN_TIMEOUT)
     wait_no_agent(save)
     copy, loss2 = tmp_path / "copy", tmp_path / "loss2"
     shutil.copytree(save, copy, symlinks=True)
     _flip(copy / "step_00000020" / "model.safetensors")
-    out = run(train_cmd(copy, 1, "--iters", "25", "--storage-interval", "5", "--max-ckpt", "3",
+    out = run_worker(train_cmd(copy, 1, "--iters", "25", "--storage-interval", "5", "--max-ckpt", "3",
                         "--loss-file", str(loss2)), timeout=RUN_TIMEOUT)
     wait_no_agent(copy)
     assert starts(loss2) == [15], out.stdout[-3000:]

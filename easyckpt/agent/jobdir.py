@@ -82,4 +82,4 @@ class JobDir:
         """At start: this job's staging and trash left by an agent that died, and other jobs of this
         user whose processes are all gone."""
         self.sd.remove_staging(self.log)
-        reap_dead_jobs(self.log.emit, keep=self.cfg.job_id)
+        reap_dead_jobs(self.log, keep=self.cfg.job_id)

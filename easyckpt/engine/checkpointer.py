@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import (
     Any,
+    Callable,
     Dict,
     List,
     Optional,
@@ -149,12 +150,15 @@ class DefaultCheckpointer:
     def __init__(self, verbs: str):
         self.verbs = verbs            # e.g. "easyckpt" or "easyckpt.megatron", for messages
         self.current: Optional[Checkpointer] = None
+        # what initialize_easyckpt builds: a Checkpointer over the job's real seams; the test suite swaps it
+        # for one over an in-process agent (tests/inproc.py) to run the example's loop in its interpreter
+        self.make: Callable[[Config], Checkpointer] = Checkpointer
 
     def start(self, config: Config) -> Checkpointer:
         if self.current is not None:
             raise EasyCkptError(f"{self.verbs}.initialize_easyckpt was already called in this process; call "
                                 f"{self.verbs}.finalize_easyckpt() first to start another job")
-        self.current = Checkpointer(config)
+        self.current = self.make(config)
         return self.current
 
     def require(self) -> Checkpointer:

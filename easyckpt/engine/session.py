@@ -63,7 +63,7 @@ class Engine:
         self.log = AuditLog(cfg.audit_log, f"rank{self.rank}")
         self.savedir = SaveDir.of(cfg)   # read only: the agent writes there
         if link is None:
-            reap_dead_jobs(self.log.emit, keep=cfg.job_id)
+            reap_dead_jobs(self.log, keep=cfg.job_id)
         self.snapshotter = Snapshotter(cfg.job_id, self.rank, self.world_size,
                                        peers.replica_copies(cfg, self.world_size, self.rank))
         self.client: AgentLink = link if link is not None else AgentClient(

@@ -7,15 +7,18 @@ does not wait for that same job to come back (docs/reliability.md promise 6). Ot
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Dict, Protocol
 
 from easyckpt.ipc import agentsocket, jobkey, shm
 
-# what reaping reports: (event, fields), e.g. AuditLog.emit; ipc/ knows nothing of the save directory
-Log = Callable[..., Any]
+class EventLog(Protocol):
+    """Where reaping reports what it removed (storage/auditlog.py's AuditLog is one; ipc/ knows nothing of
+    the save directory)."""
+
+    def emit(self, event: str, **fields: Any) -> Any: ...
 
 
-def reap_dead_jobs(emit: Log, keep: str) -> None:
+def reap_dead_jobs(log: EventLog, keep: str) -> None:
     """Remove this user's segments (and keys) of jobs whose agent and writers are gone: any easyckpt
     start on the node does this, so a killed job's memory does not wait for that same job to return
     (docs/reliability.md promise 6). Other users' files are never touched."""
@@ -26,7 +29,7 @@ def reap_dead_jobs(emit: Log, keep: str) -> None:
         if job not in alive:
             alive[job] = agentsocket.agent_listening(job)
         if shm.is_leftover(path, alive[job]):
-            emit("shm_release", path=path, reason="leftover of a dead job")
+            log.emit("shm_release", path=path, reason="leftover of a dead job")
             shm.unlink_quiet(path)
     for job in shm.keyed_jobs():
         if job != keep and not shm.segments_of(job) and shm.owned_by_me(jobkey.path(job)) \

@@ -56,9 +56,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 
 from transformers import TrainerCallback
 
+import easyckpt.deepspeed.cpu as cpu
 from easyckpt import console
 from easyckpt.config import Config
-from easyckpt.deepspeed import cpu
 from easyckpt.engine.checkpointer import Checkpointer
 from easyckpt.engine.foreign import newest_plain_checkpoint
 from easyckpt.errors import ConfigError, EasyCkptError

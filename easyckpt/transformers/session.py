@@ -25,9 +25,9 @@ from typing import (
 import numpy as np
 import torch
 
+import easyckpt.deepspeed.state as ds
+import easyckpt.deepspeed.universal as universal
 from easyckpt.config import NAMINGS
-from easyckpt.deepspeed import state as ds
-from easyckpt.deepspeed import universal
 from easyckpt.engine import scratch
 from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
 from easyckpt.engine.load import Loaded
