@@ -1,0 +1,81 @@
+"""The agent's replies as typed records (formats/replies.py) and the adapters' read items (engine/reads.py),
+in process: each reply round-trips through the wire, a bad field is refused naming it, the status reply
+keeps what is good of a partly odd one, and needed()'s tuple form becomes Reads."""
+from __future__ import annotations
+
+import pytest
+
+from easyckpt.engine.reads import Read, as_reads
+from easyckpt.errors import BadMessage
+from easyckpt.formats import replies
+from easyckpt.formats.replies import (
+    ErrorReply,
+    FlushReply,
+    HelloReply,
+    ListenReply,
+    PeersReply,
+    ReplicaFetchReply,
+    ReplicaListReply,
+    ReplicaSent,
+    ReplicaStatus,
+    SigtermStatus,
+    StatusReply,
+)
+
+EVERY = [HelloReply(True, agent_pid=7), HelloReply(False, error="refused"), FlushReply(True, 5),
+         FlushReply(False, 5, "disk full"), ListenReply(True, port=4242), PeersReply(True),
+         ReplicaListReply(True, steps=[(4, 2, 0)], problems=["node 3: gone"]),
+         ReplicaFetchReply(True, slot=1, bytes=100, seconds=0.5, node=0), ErrorReply("bad field"),
+         StatusReply(agent_pid=9, job_id="abc", save_dir="/x", world_size=2, coordinator=True, connected=[0, 1],
+                     failed_steps={15: "disk full"}, sigterm=SigtermStatus(1.5, 40, 2.0, False),
+                     commits=[(10, 1024, 0.25)],
+                     replicas=ReplicaStatus(node=1, nnodes=2, factor=2, targets={0: "10.0.0.1:9"},
+                                            sent={0: ReplicaSent(4, 32, 0.1, [1])}))]
+
+
+@pytest.mark.parametrize("reply", EVERY, ids=lambda r: type(r).__name__)
+def test_every_reply_round_trips_through_the_wire(reply):
+    assert replies.parse_reply(replies.encode_reply(reply)) == reply
+
+
+def test_a_reply_with_a_bad_field_is_refused_naming_the_field():
+    with pytest.raises(BadMessage, match=r"flush\.step"):
+        replies.reply_from_wire({"op": "flush", "ok": True, "step": "5"})
+    with pytest.raises(BadMessage, match=r"hello\.agent_pid = -1 is out of range"):
+        replies.reply_from_wire({"op": "hello", "ok": True, "agent_pid": -1})
+    with pytest.raises(BadMessage, match="field 'ok' is missing"):
+        replies.reply_from_wire({"op": "listen", "port": 3})
+    with pytest.raises(BadMessage, match="not a reply"):
+        replies.reply_from_wire({"op": "shutdown"})
+    with pytest.raises(BadMessage, match="not JSON"):
+        replies.parse_reply(b"{nope")
+
+
+def test_the_status_reply_keeps_what_is_good_and_drops_what_is_not():
+    got = replies.status_from_wire({"agent_pid": "x", "dead_ranks": [1, "2", -3, 4],
+                                    "failed_steps": {"9": "disk full", "x": "y", "10": 3},
+                                    "commits": [[5, 10, 0.5], [6, -1, 0.1]], "replicas": {"node": "one"}})
+    assert got.agent_pid == 0 and got.dead_ranks == [1, 4] and got.failed_steps == {9: "disk full"}
+    assert got.commits == [(5, 10, 0.5)] and got.replicas == ReplicaStatus()
+
+
+def test_expect_turns_an_error_reply_or_another_kind_into_bad_message():
+    assert replies.expect(FlushReply(True, 3), FlushReply).step == 3
+    with pytest.raises(BadMessage, match="no key"):
+        replies.expect(ErrorReply("no key"), FlushReply)
+    with pytest.raises(BadMessage, match="expected a flush reply"):
+        replies.expect(HelloReply(True, agent_pid=1), FlushReply)
+
+
+def test_needed_in_the_tuple_form_becomes_reads():
+    pick = lambda tree: []  # noqa: E731
+    assert Read.of(("a.pt", True)) == Read("a.pt", True)
+    assert Read.of(("d.distcp", False, [3, 1])) == Read("d.distcp", items=(3, 1))
+    assert Read.of(("m.pt", False, pick)).pick is pick and not Read.of(("m.pt", False, pick)).whole
+
+    class State:
+        @as_reads
+        def needed(self, manifest):
+            return [("model.safetensors", False), Read("rng.safetensors", True)]
+
+    assert State().needed({}) == [Read("model.safetensors"), Read("rng.safetensors", True)]
