@@ -1,3 +1,3 @@
-"""Runs in the training processes: snapshots into /dev/shm, the optimizer-overlap watch, the SIGTERM
-agreement, loading the newest complete state, the agent client, and the
-trainer-side helpers adapters call. Adapters talk to ``checkpointer.Checkpointer``."""
+"""Runs in the training processes: the Checkpointer adapters talk to (checkpointer.py) and the engine under
+it (session.py, over the seams of seams.py), snapshots into /dev/shm, the optimizer-overlap watch, the
+SIGTERM agreement, loading the newest complete state, the agent client."""
