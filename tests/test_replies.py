@@ -79,3 +79,15 @@ def test_needed_in_the_tuple_form_becomes_reads():
             return [("model.safetensors", False), Read("rng.safetensors", True)]
 
     assert State().needed({}) == [Read("model.safetensors"), Read("rng.safetensors", True)]
+
+
+def test_a_done_marker_round_trips_and_a_bad_one_is_refused_saying_what():
+    from easyckpt.errors import ManifestError
+    from easyckpt.formats.marker import Marker
+    good = Marker(1, 10, {"model.safetensors": {"size": 4, "checksum": "ab", "format": "safetensors"}}, {"run": 1.5})
+    assert Marker.parse(good.to_json()) == good
+    for bad, says in ((b"[]", "not an object"), (b'{"rank": -1, "step": 1, "files": {}}', "rank"),
+                      (b'{"rank": 0, "step": 1, "files": {"../x": {"size": 1, "checksum": "a"}}}', "files"),
+                      (b'{"rank": 0, "step": 1, "files": {"a": {"size": 1}}}', "checksum is missing")):
+        with pytest.raises(ManifestError, match=says):
+            Marker.parse(bad)

@@ -325,7 +325,7 @@ def test_a_new_commit_under_a_damaged_name_is_verified_again(sd):
 def _commit_in_run(sd: SaveDir, step: int, run: float) -> None:
     stage(sd, step)
     marker = sd.read_markers(step)[0]
-    sd.write_marker(step, 0, marker["files"], {"run": run})      # what the engine records: its run's start
+    sd.write_marker(step, 0, marker.files, {"run": run})      # what the engine records: its run's start
     commit(sd, step, 1, LOG)
 
 

@@ -152,6 +152,13 @@ def validate(data: Any) -> Dict[str, Any]:
         raise ManifestError(f"field 'job' is {data['job']!r}, expected a string (the job's name)")
     if "info" in data and not isinstance(data["info"], dict):
         raise ManifestError(f"field 'info' is {data['info']!r}, expected an object")
+    check_files(files)
+    return data
+
+
+def check_files(files: Dict[str, Any]) -> None:
+    """A manifest's (or a rank's marker's) ``files``: each a safe relative path with its size, checksum and
+    format; ManifestError names the first bad one."""
     for rel, entry in files.items():
         try:
             check_relpath(rel)
@@ -170,7 +177,6 @@ def validate(data: Any) -> Dict[str, Any]:
             raise ManifestError(f"{where}.checksum is {entry['checksum']!r}, expected a non-empty string")
         if "format" in entry and entry["format"] not in NAMES:
             raise ManifestError(f"{where}.format is {entry['format']!r}, expected one of {', '.join(NAMES)}")
-    return data
 
 
 def check_bytes(rel: str, data: _Data, manifest: Dict[str, Any]) -> Optional[str]:

@@ -11,6 +11,7 @@ from typing import Any, Dict, Protocol
 
 from easyckpt.ipc import agentsocket, jobkey, shm
 
+
 class EventLog(Protocol):
     """Where reaping reports what it removed (storage/auditlog.py's AuditLog is one; ipc/ knows nothing of
     the save directory)."""

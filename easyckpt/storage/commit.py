@@ -48,15 +48,15 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     job_id = sd._job()
     staging = sd.staging_path(step)
     markers = sd.read_markers(step)
-    steps = {m["step"] for m in markers.values()}
+    steps = {m.step for m in markers.values()}
     if set(markers) != set(range(world_size)) or steps != {step}:
         raise RuntimeError(f"refusing to commit step {step}: shards from ranks {sorted(markers)} for steps "
                            f"{sorted(steps)}, expected every rank of {world_size} at step {step}")
     files: Dict[str, Dict[str, Any]] = {}
     info: Dict[str, Any] = {}
     for rank in sorted(markers, reverse=True):   # what the adapter said on rank 0 wins
-        files.update(markers[rank]["files"])
-        info.update(markers[rank].get("info") or {})
+        files.update(markers[rank].files)
+        info.update(markers[rank].info)
     manifest = mf.build(step, job_id, sd.naming.framework, world_size, files, {**(extra or {}), "info": info},
                         job_name=sd.job_name)
     final = sd.step_path(step)

@@ -27,6 +27,7 @@ from easyckpt.errors import CheckpointError
 from easyckpt.formats import layout, paths
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import Naming
+from easyckpt.formats.marker import Marker
 from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
@@ -164,10 +165,10 @@ class SaveDir:
     def write_marker(self, step: int, rank: int, files: Dict[str, Dict[str, Any]],
                      info: Optional[Dict[str, Any]] = None) -> None:
         """Rank ``rank``'s files of ``step`` are durable in its staging dir (written after they are)."""
-        self.storage.write_atomic(os.path.join(self.staging_path(step), layout.marker_name(rank)), json.dumps(
-            {"rank": rank, "step": step, "files": files, "info": info or {}}).encode())
+        self.storage.write_atomic(os.path.join(self.staging_path(step), layout.marker_name(rank)),
+                                  Marker(rank, step, files, info or {}).to_json())
 
-    def read_markers(self, step: int) -> Dict[int, Dict[str, Any]]:
+    def read_markers(self, step: int) -> Dict[int, Marker]:
         """rank -> its marker, for every valid marker in ``step``'s staging dir (none when it is gone)."""
         staging = self.staging_path(step)
         try:
@@ -179,10 +180,10 @@ class SaveDir:
             if layout.parse_marker(name) is None:
                 continue
             try:
-                marker = json.loads(self.storage.read(os.path.join(staging, name), 0, _MAX_RECORD_BYTES))
-                out[int(marker["rank"])] = marker
-            except (OSError, ValueError, KeyError, TypeError):
+                marker = Marker.parse(self.storage.read(os.path.join(staging, name), 0, _MAX_RECORD_BYTES))
+            except (OSError, ValueError):
                 continue
+            out[marker.rank] = marker
         return out
 
     def ready_ranks(self, step: int) -> Optional[Set[int]]:
