@@ -30,7 +30,8 @@ class JobDir:
         return self.sd.storage
 
     def lock(self) -> JobLock:
-        """Promise 8, one job per directory: the coordinator's agent holds it while it has work."""
+        """docs/reliability.md promise 8, one job per directory: the coordinator's agent holds it while it has
+        work."""
         return JobLock(self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
 
     def staging(self, step: int) -> str:

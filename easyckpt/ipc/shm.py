@@ -125,8 +125,8 @@ def shm_advice() -> str:
 
 
 def check_owner(path: str, st: os.stat_result) -> None:
-    """Promise 9: a file in /dev/shm is trusted only if it is a regular file of this user that no one
-    else can read or write (a symlink never gets here: every open uses O_NOFOLLOW)."""
+    """docs/reliability.md promise 9: a file in /dev/shm is trusted only if it is a regular file of this user
+    that no one else can read or write (a symlink never gets here: every open uses O_NOFOLLOW)."""
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise UntrustedFileError(
             f"refusing {path}: it is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}, but easyckpt "

@@ -115,7 +115,7 @@ class _Chunks:
         with self._lock:
             self._next = self.count        # the workers stop taking pieces
         for w in self._workers:
-            if w.is_alive() or w.ident is not None:
+            if w.ident is not None:     # started
                 w.join(STALL)   # a reader stuck in the kernel stays behind (a daemon); its fd is closed after
 
     def _work(self) -> None:

@@ -85,8 +85,8 @@ def read(step_dir: str) -> Optional[Dict[str, Any]]:
 def committed(step_dir: str, step: int) -> Optional[Dict[str, Any]]:
     """The manifest of ``step_dir`` when it commits ``step`` (valid, and of that step: a directory renamed
     to another step's name is not that step), else None. The one answer to "is this step committed"."""
-    man = read(step_dir)
-    return man if man is not None and man["step"] == step else None
+    man, why = judge(step_dir, step)
+    return man if why is None else None
 
 
 def judge(step_dir: str, step: int) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
