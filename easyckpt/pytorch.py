@@ -30,6 +30,7 @@ from easyckpt.engine.checkpointer import (
 from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.formats.manifest import Manifest
 
 NAMING = NAMINGS["pytorch"]
 MODEL, OPTIM = "model.safetensors", "optimizer.safetensors"
@@ -78,12 +79,12 @@ class PytorchState(FrameworkState[Any]):
         return model + (estimate.optimizer_bytes(self.optimizer) if self.optimizer is not None else 0)
 
     @as_reads
-    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+    def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
         files = [(MODEL, False)]
         if self.optimizer is not None or self.lr_scheduler is not None:
             files.append((OPTIM, False))
         # a rank that did not exist when the checkpoint was written has no RNG state to restore
-        files.append((_rank_file(self.rank), self.rank >= manifest.get("world_size", 1)))
+        files.append((_rank_file(self.rank), self.rank >= (manifest.world_size or 1)))
         return files
 
     def restore(self, loaded: Loaded) -> Tuple[int, Optional[Dict[str, Any]]]:

@@ -196,7 +196,7 @@ def test_adoption_reads_only_regular_files_inside_the_step_and_never_a_damaged_e
                     "latest_checkpointed_iteration.txt names (5): an interrupted save, not adopted"]
     needed = lambda inv: [("mp_rank_00/model_optim_rng.pt", False), ("easyckpt_rng/rank_00000.safetensors", True)]
     trees, problem, _, inv = adopt.read_candidate(found[1], needed)
-    assert trees is None and problem == "mp_rank_00/model_optim_rng.pt: missing" and not inv["files"]
+    assert trees is None and problem == "mp_rank_00/model_optim_rng.pt: missing" and not inv.files
     trees, problem, _, _ = adopt.read_candidate(found[2], needed)
     assert trees is None and "not on easyckpt's allow-list" in problem and "print" in problem
     trees, problem, nbytes, inv = adopt.read_candidate(found[4], needed)

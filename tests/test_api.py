@@ -147,11 +147,12 @@ def test_every_exception_type_lives_in_errors_and_derives_from_one_base():
 
 def test_a_damaged_shard_or_an_unlisted_file_raises_the_checkpoint_error(tmp_path):
     from easyckpt.engine import shardload
+    from easyckpt.formats.manifest import build
     from easyckpt.storage import stepfiles
     with pytest.raises(CheckpointError, match="shorter than its 8-byte header"):
         shardload.decode(bytearray(b"abc"))
     with pytest.raises(CheckpointError, match="not in the manifest"):
-        stepfiles.read_verified(str(tmp_path), "model.safetensors", {"files": {}})
+        stepfiles.read_verified(str(tmp_path), "model.safetensors", build(1, "job", "pytorch", 1, {}))
     assert issubclass(CheckpointError, ValueError) and issubclass(CheckpointError, RuntimeError)
 
 

@@ -237,8 +237,7 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
             data = rnd.randbytes(rnd.randint(1, 300))
             (staging / "model.bin").write_bytes(data if complete else data[:1])
             if complete:
-                sd.write_marker(s, 0, {"model.bin": {
-                    "size": len(data), "checksum": mf.checksum(data)}})
+                sd.write_marker(s, 0, {"model.bin": mf.FileEntry(len(data), mf.checksum(data))})
 
         def save(s: int) -> None:
             stage(s)
@@ -284,7 +283,7 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
                 if not other.exists():
                     other.mkdir()
                     # another job's checkpoint: a complete manifest of another job id (a partial one is damage)
-                    (other / mf.MANIFEST_NAME).write_text(json.dumps(mf.build(0, "ffffffffffff", "pytorch", 1, {})))
+                    (other / mf.MANIFEST_NAME).write_text(json.dumps(mf.build(0, "ffffffffffff", "pytorch", 1, {}).to_json()))
                     made.append(other / mf.MANIFEST_NAME)
                 for p in made[:3]:
                     p.parent.mkdir(exist_ok=True)
@@ -304,5 +303,5 @@ def test_random_save_fail_kill_prune_sequences_keep_the_invariants(tmp_path, mon
             for s, path in sd.step_dirs():
                 man = stepfiles.read(path)
                 assert man is not None, f"{what}: {path} is visible without a manifest"
-                if man.get("job_id") == job:
+                if man.job_id == job:
                     assert stepfiles.check_sizes(path, man) == [], f"{what}: {path} incomplete"

@@ -16,6 +16,7 @@ from easyckpt.engine.load import _read_step
 from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
 from easyckpt.engine.tree import safe_torch_load
 from easyckpt.formats.manifest import MANIFEST_NAME, build
+from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.ipc import shm
 
 
@@ -49,7 +50,7 @@ def test_torch_format_shard_is_native_and_loads_safely(tmp_path, snap):
                             ShardSpec("extra.safetensors", {"x": torch.ones(3)}, True)], persist=True)
     step, files, nbytes, _, _ = persist_slot(shm.slot_path("feedfacecafe", 0, res.slot), res.generation,
                                           str(tmp_path), 0)
-    assert step == 7 and files["mp_rank_00/model_optim_rng.pt"]["format"] == "torch"
+    assert step == 7 and files["mp_rank_00/model_optim_rng.pt"].format == ShardFormat.TORCH
     native = torch.load(tmp_path / "mp_rank_00/model_optim_rng.pt", weights_only=False)   # the framework's way
     assert native["args"].hidden == 64 and native["args"].dtype == torch.bfloat16
     for k, v in state["model"].items():
@@ -58,8 +59,8 @@ def test_torch_format_shard_is_native_and_loads_safely(tmp_path, snap):
     # Megatron's loader hands these straight to torch.set_rng_state, which ignores a view's offset
     torch.set_rng_state(native["rng_state"][0]["torch_rng_state"])
     assert torch.equal(torch.get_rng_state(), state["rng_state"][0]["torch_rng_state"])
-    (tmp_path / MANIFEST_NAME).write_text(json.dumps(build(7, "x", "t", 1, files)))
-    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m["files"]])
+    (tmp_path / MANIFEST_NAME).write_text(build(7, "x", "t", 1, files).to_bytes().decode())
+    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m.files])
     assert problem is None
     assert torch.equal(trees["mp_rank_00/model_optim_rng.pt"]["model"]["h"], state["model"]["h"])
     mem = read_snapshot("feedfacecafe", 0, res.slot, 7)
@@ -101,11 +102,11 @@ def test_raw_shards_are_written_as_they_are_and_read_back_from_memory_and_storag
                         info={"protect": [3]})
     step, files, _, _, info = persist_slot(shm.slot_path("feedfacecafe", 0, res.slot), res.generation,
                                            str(tmp_path), 0)
-    assert info == {"protect": [3]} and files["trainer_state.json"]["format"] == "raw"
+    assert info == {"protect": [3]} and files["trainer_state.json"].format == ShardFormat.RAW
     assert (tmp_path / "trainer_state.json").read_text() == state
     assert (tmp_path / "sub" / "training_args.bin").read_bytes() == blob
-    (tmp_path / MANIFEST_NAME).write_text(json.dumps(build(7, "x", "t", 1, files)))
-    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m["files"]])
+    (tmp_path / MANIFEST_NAME).write_text(build(7, "x", "t", 1, files).to_bytes().decode())
+    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m.files])
     assert problem is None and trees["sub/training_args.bin"] == blob
     assert read_snapshot("feedfacecafe", 0, res.slot, 7)["trainer_state.json"] == state.encode()
 
@@ -147,7 +148,7 @@ def test_distcp_shards_hold_each_tensor_item_as_torch_saves_it_at_the_stated_off
     _, files, _, _, _ = persist_slot(shm.slot_path("feedfacecafe", 0, res.slot), res.generation, str(tmp_path), 0)
     data = (tmp_path / "__0_0.distcp").read_bytes()
     sizes = [dcp_item_size(item) for item in items]       # what the trainer states in the metadata
-    assert files["__0_0.distcp"]["format"] == "dcp" and len(data) == sum(sizes)
+    assert files["__0_0.distcp"].format == ShardFormat.DCP and len(data) == sum(sizes)
     offset = 0
     for item, size in zip(items, sizes):
         piece = data[offset:offset + size]
@@ -158,8 +159,8 @@ def test_distcp_shards_hold_each_tensor_item_as_torch_saves_it_at_the_stated_off
         offset += size
     mem = read_snapshot("feedfacecafe", 0, res.slot, 3)["__0_0.distcp"]
     assert mem[0] == items[0] and torch.equal(mem[3], items[3])
-    (tmp_path / MANIFEST_NAME).write_text(json.dumps(build(3, "x", "t", 1, files)))
-    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m["files"]])
+    (tmp_path / MANIFEST_NAME).write_text(build(3, "x", "t", 1, files).to_bytes().decode())
+    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m.files])
     assert problem is None and trees == {"__0_0.distcp": None}
 
 

@@ -4,9 +4,11 @@ for; a damaged item that is asked for rejects the step, one that is not is never
 list rejects the step before anything is read. And which items a rank's load request picks."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from easyckpt.engine.load import _read_files
+from easyckpt.engine.load import _read_files, _read_step
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.megatron import torchdist
@@ -25,7 +27,7 @@ def make_step(tmp_path, ids=None):
         items.append([at, len(item), mf.checksum(item), ids[n] if ids else None])
         at += len(item)
     files = {"__0_0.distcp": {"size": len(data), "checksum": mf.checksum(data), "format": "dcp", "items": items}}
-    return step, mf.validate(mf.build(10, "job", "megatron", 1, files))
+    return step, mf.validate(mf.build(10, "job", "megatron", 1, mf.parse_files(files)).to_json())
 
 
 def damage(step, at):
@@ -60,11 +62,13 @@ def test_only_the_items_asked_for_are_read_and_checked(tmp_path):
 ])
 def test_a_malformed_item_list_rejects_the_step(tmp_path, items):
     step, man = make_step(tmp_path)
-    man["files"]["__0_0.distcp"]["items"] = items
-    with pytest.raises(ManifestError):
-        mf.check_items("__0_0.distcp", man["files"]["__0_0.distcp"])
-    _, problem, _, _ = _read_files(str(step), man, [("__0_0.distcp", False, [0])], None)
-    assert problem
+    raw = man.to_json()
+    raw["files"]["__0_0.distcp"]["items"] = items
+    with pytest.raises(ManifestError, match=r"files\['__0_0.distcp'\]\.items"):
+        mf.validate(raw)               # refused when parsed: no Manifest holds such items
+    (step / mf.MANIFEST_NAME).write_text(json.dumps(raw))
+    _, problem, _, _ = _read_step(str(step), lambda m: [("__0_0.distcp", False, [0])])
+    assert problem and problem.corrupt and "items" in problem.reason
 
 
 def test_a_rank_picks_the_items_its_request_overlaps(tmp_path):

@@ -181,8 +181,8 @@ def test_size_and_checksum_messages_say_exactly_what_differs_in_readable_units(t
     data = bytes(range(256)) * 19        # 4864 bytes
     (tmp_path / "a.bin").write_bytes(data[:4676])
     (tmp_path / "b.bin").write_bytes(data[:-1] + b"\x00")
-    man = mf.build(1, "job", "pytorch", 1, {"a.bin": {"size": len(data), "checksum": mf.checksum(data)},
-                                             "b.bin": {"size": len(data), "checksum": mf.checksum(data)}})
+    man = mf.build(1, "job", "pytorch", 1, {"a.bin": mf.FileEntry(len(data), mf.checksum(data)),
+                                             "b.bin": mf.FileEntry(len(data), mf.checksum(data))})
     size_msg = stepfiles.verify_file(str(tmp_path), "a.bin", man)
     assert "4.6 KiB (4676 bytes)" in size_msg and "4.8 KiB (4864 bytes)" in size_msg, size_msg
     assert "188 bytes short" in size_msg, size_msg
@@ -191,9 +191,10 @@ def test_size_and_checksum_messages_say_exactly_what_differs_in_readable_units(t
     assert mf.checksum(data[:-1] + b"\x00") in sum_msg and mf.checksum(data) in sum_msg, sum_msg
     assert "corrupted" in sum_msg and "4864 bytes" in sum_msg
     # a size recorded as a string used to print "size 4864 != 4864": now the manifest itself is refused
-    man["files"]["a.bin"]["size"] = str(len(data))
+    raw = man.to_json()
+    raw["files"]["a.bin"]["size"] = str(len(data))
     with pytest.raises(ManifestError, match=r"files\['a.bin'\].size is '4864', expected an integer"):
-        mf.validate(man)
+        mf.validate(raw)
 
 
 def test_shm_capacity_message_names_a_small_shortfall_in_readable_units(monkeypatch):

@@ -83,8 +83,10 @@ def test_needed_in_the_tuple_form_becomes_reads():
 
 def test_a_done_marker_round_trips_and_a_bad_one_is_refused_saying_what():
     from easyckpt.errors import ManifestError
+    from easyckpt.formats.manifest import FileEntry
     from easyckpt.formats.marker import Marker
-    good = Marker(1, 10, {"model.safetensors": {"size": 4, "checksum": "ab", "format": "safetensors"}}, {"run": 1.5})
+    from easyckpt.formats.shardformat import ShardFormat
+    good = Marker(1, 10, {"model.safetensors": FileEntry(4, "ab", ShardFormat.SAFETENSORS)}, {"run": 1.5})
     assert Marker.parse(good.to_json()) == good
     for bad, says in ((b"[]", "not an object"), (b'{"rank": -1, "step": 1, "files": {}}', "rank"),
                       (b'{"rank": 0, "step": 1, "files": {"../x": {"size": 1, "checksum": "a"}}}', "files"),

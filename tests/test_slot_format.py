@@ -81,8 +81,8 @@ def test_a_complete_slot_is_read_with_its_header_and_checked_metadata():
     done = slotread.read_complete(path, expect_step=5)
     assert done is not None and done.step == 5 and done.generation == 3 and done.path == path
     assert done.header.world_size == 2 and done.header.data_capacity == len(DATA)
-    assert [f["relpath"] for f in done.meta["files"]] == ["model.safetensors"]
-    assert done.meta["info"] == {"iteration": 5}
+    assert [f.relpath for f in done.meta.files] == ["model.safetensors"]
+    assert done.meta.info == {"iteration": 5}
 
 
 def test_an_empty_slot_or_one_being_written_is_not_complete():

@@ -123,15 +123,15 @@ def stage(sd: SaveDir, step: int, world: int = 1) -> Dict[str, bytes]:
         finally:
             out.close()
         sd.storage.sync_dir(staging)
-        sd.write_marker(step, rank, {rel: {"size": len(data), "checksum": mf.checksum(data)}})
+        sd.write_marker(step, rank, {rel: mf.FileEntry(len(data), mf.checksum(data))})
         written[rel] = data
     return written
 
 
 def intact(sd: SaveDir, step: int) -> bool:
     man = stepfiles.read(sd.step_path(step))
-    return man is not None and man["step"] == step and stepfiles.check_sizes(sd.step_path(step), man) == [] and all(
-        stepfiles.verify_file(sd.step_path(step), rel, man) is None for rel in man["files"])
+    return man is not None and man.step == step and stepfiles.check_sizes(sd.step_path(step), man) == [] and all(
+        stepfiles.verify_file(sd.step_path(step), rel, man) is None for rel in man.files)
 
 
 @pytest.fixture
@@ -238,7 +238,7 @@ def test_a_commit_never_replaces_another_jobs_step(sd, tmp_path):
     stage(sd, 3)
     with pytest.raises(FileExistsError, match="another job"):
         commit(sd, 3, 1, LOG)
-    assert stepfiles.read(sd.step_path(3))["job_id"] == OTHER_JOB and intact(sd, 3) and sd.staging_dirs() == []
+    assert stepfiles.read(sd.step_path(3)).job_id == OTHER_JOB and intact(sd, 3) and sd.staging_dirs() == []
 
 
 def test_remove_staging_removes_only_this_jobs_leftovers(sd):
@@ -359,4 +359,4 @@ def test_a_step_is_the_jobs_by_its_name_wherever_the_directory_is(tmp_path):
 
 
 def json_step(path: str) -> int:
-    return int(stepfiles.read(path)["step"])
+    return stepfiles.read(path).step

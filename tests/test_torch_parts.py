@@ -6,6 +6,7 @@ storage rejects the step, a damaged unpicked one is never read; a manifest whose
 pickle is refused."""
 from __future__ import annotations
 
+import dataclasses
 import mmap
 
 import torch
@@ -14,6 +15,8 @@ from easyckpt.agent.stepwriter import _write_torch
 from easyckpt.engine.load import _read_files
 from easyckpt.engine.tree import flatten_pickled
 from easyckpt.formats import manifest as mf
+from easyckpt.formats.shardformat import ShardFormat
+from easyckpt.formats.slotmeta import SlotFile, TensorSpan
 from easyckpt.storage.posix import PosixStorage
 
 REL = "mp_rank_00/model_optim_rng.pt"
@@ -37,11 +40,17 @@ def make_step(tmp_path):
     buf = mmap.mmap(-1, max(len(slot), 1))
     buf[:len(slot)] = bytes(slot)
     with memoryview(buf) as view:
-        digest, items = _write_torch(out, view, {"tensors": spec, "relpath": REL}, skeleton)
+        f = SlotFile(REL, True, ShardFormat.TORCH, 0, len(slot), tuple(TensorSpan(*t) for t in spec), skeleton)
+        digest, items = _write_torch(out, view, f)
         out.finish()
     out.close()
-    files = {REL: {"size": out.size, "checksum": digest, "format": "torch", "items": items}}
-    return tree, step, mf.validate(mf.build(10, "job", "megatron", 1, files))
+    files = {REL: mf.FileEntry(out.size, digest, ShardFormat.TORCH, items)}
+    return tree, step, mf.validate(mf.build(10, "job", "megatron", 1, files).to_json())
+
+
+def with_items(man, items):
+    """``man`` with REL's items replaced (a manifest that passed its own checks, disagreeing with the pickle)."""
+    return man.with_files({REL: dataclasses.replace(man.files[REL], items=tuple(items))})
 
 
 def pick_model_a(path, tree, trees):
@@ -52,7 +61,7 @@ def test_the_file_loads_whole_and_its_items_cover_the_pickle_and_each_storage(tm
     tree, step, man = make_step(tmp_path)
     whole = torch.load(step / REL, weights_only=True)
     assert torch.equal(whole["model"]["a.weight"], tree["model"]["a.weight"]) and whole["iteration"] == 10
-    items = man["files"][REL]["items"]
+    items = man.files[REL].items
     assert items[0][0] == 0 and items[0][3][0] == "archive/data.pkl"
     assert [i[1] for i in items[1:]] == [48, 10, 0, 48, 4]       # each storage's bytes, in record order
     data = (step / REL).read_bytes()
@@ -68,13 +77,13 @@ def test_only_the_picked_storages_are_read_and_the_rest_are_meta(tmp_path):
     assert got["model"]["b.weight"].is_meta and got["model"]["b.weight"].dtype == torch.bfloat16
     assert got["optimizer"]["state"][0]["exp_avg"].is_meta and got["optimizer"]["state"][0]["step"].item() == 5.0
     assert got["iteration"] == 10
-    items = man["files"][REL]["items"]
-    assert nbytes == items[0][1] + 48 + 4 < man["files"][REL]["size"]
+    items = man.files[REL].items
+    assert nbytes == items[0][1] + 48 + 4 < man.files[REL].size
 
 
 def test_a_damaged_picked_storage_rejects_the_step_and_an_unpicked_one_is_not_read(tmp_path):
     _, step, man = make_step(tmp_path)
-    items = man["files"][REL]["items"]
+    items = man.files[REL].items
     path = step / REL
     data = bytearray(path.read_bytes())
     data[items[4][0] + 10] ^= 0xFF            # optimizer exp_avg: not picked
@@ -88,14 +97,15 @@ def test_a_damaged_picked_storage_rejects_the_step_and_an_unpicked_one_is_not_re
 
 def test_items_that_disagree_with_the_pickle_are_refused(tmp_path):
     _, step, man = make_step(tmp_path)
-    entry = man["files"][REL]
-    entry["items"] = entry["items"][:3]       # a storage the pickle names is not listed
+    man = with_items(man, man.files[REL].items[:3])     # a storage the pickle names is not listed
     problem = _read_files(str(step), man, [(REL, False, pick_model_a)], None)[1]
     assert problem.corrupt and "which its items do not list" in problem.reason
     _, step2, man2 = make_step(tmp_path / "2")
-    items = man2["files"][REL]["items"]
-    items[1][1] += 4                         # a storage of another size than the pickle says
-    items[1][2] = mf.checksum((step2 / REL).read_bytes()[items[1][0]:items[1][0] + items[1][1]])
+    items = list(man2.files[REL].items)
+    length = items[1].length + 4             # a storage of another size than the pickle says
+    items[1] = items[1]._replace(length=length, checksum=mf.checksum(
+        (step2 / REL).read_bytes()[items[1].offset:items[1].offset + length]))
+    man2 = with_items(man2, items)
     assert "the pickle says" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason
-    man2["files"][REL]["items"] = items[1:]  # no head
+    man2 = with_items(man2, items[1:])       # no head
     assert "do not begin with the file's head" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason

@@ -11,6 +11,7 @@ import time
 from typing import Any, Dict, Optional, Set
 
 from easyckpt.config import Config
+from easyckpt.formats.manifest import FileEntry
 from easyckpt.ipc.reap import reap_dead_jobs
 from easyckpt.storage import retention
 from easyckpt.storage.auditlog import AuditLog
@@ -42,7 +43,7 @@ class JobDir:
         (never started, committed, or removed)."""
         return self.sd.ready_ranks(step)
 
-    def write_marker(self, step: int, rank: int, files: Dict[str, Any], info: Dict[str, Any]) -> None:
+    def write_marker(self, step: int, rank: int, files: Dict[str, FileEntry], info: Dict[str, Any]) -> None:
         self.sd.write_marker(step, rank, files, info)
 
     def commit(self, step: int, world_size: int) -> int:

@@ -22,20 +22,22 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from easyckpt import _faults as faults
 from easyckpt.errors import SlotNotComplete, SnapshotChanged
 from easyckpt.formats import manifest as mf
-from easyckpt.formats import slotmeta, torchzip
+from easyckpt.formats import torchzip
 from easyckpt.formats.paths import inside
 from easyckpt.formats.shardfile import encode_header, file_entries
-from easyckpt.formats.shardformat import DEFAULT, ShardFormat
+from easyckpt.formats.shardformat import ShardFormat
+from easyckpt.formats.slotmeta import SlotFile
 from easyckpt.ipc import shm, slotread
 from easyckpt.storage.base import Storage, Writer
 from easyckpt.storage.posix import PosixStorage
 
-# a written file's checksum, and its items [offset, length, checksum, id] where a load may read it in parts
-Written = Tuple[str, Optional[List[List[Any]]]]
+# a written file's checksum, and its items where a load may read it in parts
+Written = Tuple[str, Optional[Tuple[mf.Item, ...]]]
 
 
 def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direct_io: bool = True,
-                 storage: Optional[Storage] = None) -> Tuple[int, Dict[str, Any], int, float, Dict[str, Any]]:
+                 storage: Optional[Storage] = None
+                 ) -> Tuple[int, Dict[str, mf.FileEntry], int, float, Dict[str, Any]]:
     """Persist the snapshot ``generation`` held in ``slot_path``;
     return (step, files, bytes, seconds, the adapter's info for the manifest).
     ``direct_io``: write around the page cache where the file system allows it. ``storage``: the save
@@ -50,17 +52,17 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
             raise SnapshotChanged(str(exc)) from None
         hdr, meta = complete.header, complete.meta
         assert slot.mm is not None      # check() refuses a slot too small to be mapped
-        files: Dict[str, Any] = {}
+        files: Dict[str, mf.FileEntry] = {}
         total = 0
         made_dirs = {staging}
         storage.make_own_dir(staging)      # never a directory another user made first in a shared save dir
         written: List[Writer] = []
         try:
             with memoryview(slot.mm) as view:
-                for f in meta["files"]:
-                    if not f["persist"]:
+                for f in meta.files:
+                    if not f.persist:
                         continue
-                    rel = f["relpath"]
+                    rel = f.relpath
                     parent = os.path.dirname(os.path.join(staging, rel))
                     if parent not in made_dirs:
                         storage.makedirs(parent)
@@ -68,13 +70,10 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
                     path = inside(staging, rel)     # after makedirs: no directory on the way is a symlink out
                     out = storage.open_writer(path, direct=direct_io)
                     written.append(out)
-                    fmt = ShardFormat.parse(f.get("fmt", DEFAULT.value))
-                    digest, items = WRITERS[fmt](out, view, f, meta["skeletons"][rel])
+                    digest, items = WRITERS[f.fmt](out, view, f)
                     out.finish()
                     size = out.size
-                    files[rel] = {"size": size, "checksum": digest, "format": fmt.value}
-                    if items is not None:
-                        files[rel]["items"] = items
+                    files[rel] = mf.FileEntry(size, digest, f.fmt, items)
                     total += size
                     faults.inject("agent.persist_file", rank)
             # fsync once every file is written: where O_DIRECT was refused, the kernel writes the first
@@ -88,19 +87,19 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
             storage.sync_dir(d)
         if slot.state() != (shm.COMPLETE, generation):
             raise SnapshotChanged(f"slot {slot_path} was overwritten while it was persisted")
-        return hdr.step, files, total, time.perf_counter() - t0, meta.get("info") or {}
+        return hdr.step, files, total, time.perf_counter() - t0, dict(meta.info)
     finally:
         slot.close()
 
 
-def _write_safetensors(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Any) -> Written:
+def _write_safetensors(out: Writer, view: memoryview, f: SlotFile) -> Written:
     """easyckpt's shard file: its header, then the tensors straight from the slot."""
-    header = encode_header(file_entries(f["tensors"], f["start"]), skeleton, data_phase=f["start"])
-    return _write_shard(out, header, view, f["start"], f["end"]), None
+    header = encode_header(file_entries(f.tensors, f.start), f.skeleton, data_phase=f.start)
+    return _write_shard(out, header, view, f.start, f.end), None
 
 
-def _write_raw(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Any) -> Written:
-    data = base64.b64decode(skeleton["__raw"])
+def _write_raw(out: Writer, view: memoryview, f: SlotFile) -> Written:
+    data = base64.b64decode(f.skeleton["__raw"])
     out.write(data)
     return mf.checksum(data), None
 
@@ -171,34 +170,34 @@ class _Hashed:
             self._queue.put(None)
             self._worker.join()
 
-    def finish(self) -> Tuple[str, List[List[Any]]]:
-        """The file's checksum and its items [offset, length, checksum, id]."""
+    def finish(self) -> Tuple[str, Tuple[mf.Item, ...]]:
+        """The file's checksum and its items."""
         self.stop()
         if self._error is not None:
             raise self._error
-        return self.hasher.hexdigest(), [[o, n, h.hexdigest(), ident] for o, n, h, ident in self.items]
+        return self.hasher.hexdigest(), tuple(mf.Item(o, n, h.hexdigest(), ident) for o, n, h, ident in self.items)
 
 
-def _write_dcp(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Any) -> Written:
+def _write_dcp(out: Writer, view: memoryview, f: SlotFile) -> Written:
     """A torch.distributed.checkpoint data file: its items back to back, each a torch.save archive of one
     tensor (offsets relative to the item, as DCP's reader slices the file) or bytes. Each item must come
     out at the size the trainer put in the checkpoint's metadata: a mismatch fails the persist. Returns
     the file's checksum and each item's [offset, length, checksum, id] (manifest ``items``: a load then
     reads and checks only the items its rank needs)."""
-    ranges = slotmeta.tensor_ranges(f)
+    ranges = f.ranges()
     dst = _Hashed(out, view)
     try:
-        for n, item in enumerate(skeleton["__dcp"]):
+        for n, item in enumerate(f.skeleton["__dcp"]):
             start = out.size
             dst.begin_item(item.get("id"))
             if "b" in item:
                 dst.write(base64.b64decode(item["b"]))
             else:
                 torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size - start,
-                                          base64.b64decode(item["pkl"]), [tuple(ranges[item["t"]])],
+                                          base64.b64decode(item["pkl"]), [ranges[item["t"]]],
                                           slot_phase=False)
                 if out.size - start != item["n"]:
-                    raise ValueError(f"{f['relpath']}: item {n} came out at {out.size - start} bytes, its "
+                    raise ValueError(f"{f.relpath}: item {n} came out at {out.size - start} bytes, its "
                                      f"metadata says {item['n']}")
             dst.end_item()
         return dst.finish()
@@ -206,12 +205,12 @@ def _write_dcp(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Any) 
         dst.stop()
 
 
-def _write_torch(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Any) -> Written:
+def _write_torch(out: Writer, view: memoryview, f: SlotFile) -> Written:
     """A framework-native torch.save file from the trainer's pickle and the tensor bytes in the slot.
     Its items: the head (everything before the first storage's bytes: the pickle), then each storage's
     bytes, named by the snapshot's tensor key (a reshard reads the pickle and the storages it needs)."""
-    ranges = slotmeta.tensor_ranges(f)
-    keys = skeleton["storages"]
+    ranges = f.ranges()
+    keys = f.skeleton["storages"]
     dst = _Hashed(out, view)
     try:
         dst.begin_item([torchzip.HEAD, None, None])
@@ -224,7 +223,7 @@ def _write_torch(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Any
             dst.begin_item([keys[i], None, None])
 
         torchzip.write_torch_file(dst.write, dst.write_slot, lambda: out.size,
-                                  base64.b64decode(skeleton["__torchzip"]), [tuple(ranges[k]) for k in keys],
+                                  base64.b64decode(f.skeleton["__torchzip"]), [ranges[k] for k in keys],
                                   at_storage=at_storage, after_storage=lambda i: dst.end_item())
         if head["open"]:       # no storage: the head is the whole file
             dst.end_item()
@@ -235,7 +234,7 @@ def _write_torch(out: Writer, view: memoryview, f: Dict[str, Any], skeleton: Any
 
 # the agent's half of each shard format (formats/shardformat.py): one file from the slot's bytes and the
 # skeleton the slot's metadata holds (checked by slotmeta.SKELETON_CHECKS)
-WRITERS: Dict[ShardFormat, Callable[[Writer, memoryview, Dict[str, Any], Any], Written]] = {
+WRITERS: Dict[ShardFormat, Callable[[Writer, memoryview, SlotFile], Written]] = {
     ShardFormat.SAFETENSORS: _write_safetensors, ShardFormat.TORCH: _write_torch, ShardFormat.RAW: _write_raw,
     ShardFormat.DCP: _write_dcp,
 }

@@ -136,7 +136,7 @@ def verify(entry: Entry, on_bytes: Optional[Callable[[int], None]] = None) -> Li
     if man is None:
         return [f"{DAMAGED_MANIFEST}: {why}" if why else f"{mf.MANIFEST_NAME}: {entry.why}"]
     problems = [why] if why else []
-    for rel in man["files"]:
+    for rel in man.files:
         problem = stepfiles.verify_file(entry.path, rel, man, on_bytes)
         if problem:
             problems.append(problem)
@@ -176,9 +176,8 @@ def _entry(step: int, path: str, framework: str) -> Entry:
     problems = [] if why is not None else stepfiles.check_sizes(path, man)
     if problems:
         why = problems[0] + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
-    return Entry(step, path, why is None, why, man.get("framework", framework), float(man.get("created") or 0),
-                 sum(int(e["size"]) for e in man["files"].values()), len(man["files"]),
-                 layout_of(path, framework, man), man.get("job_id"), mf.run_of(man))
+    return Entry(step, path, why is None, why, man.framework, man.created, man.nbytes, len(man.files),
+                 layout_of(path, framework, man), man.job_id, man.run)
 
 
 def step_entry(step: int, path: str, framework: str) -> Entry:
@@ -232,13 +231,13 @@ _MEGATRON_DP = re.compile(r"distrib_optim_dp(\d+)\.pt$")
 _DS_ZERO = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_")
 
 
-def layout_of(path: str, framework: str, man: Optional[Dict[str, Any]]) -> Dict[str, int]:
+def layout_of(path: str, framework: str, man: Optional[mf.Manifest]) -> Dict[str, int]:
     """TP/PP/DP sizes (and the world size) of a step, from its native file names."""
-    files = list(man["files"]) if man else _relpaths(path)
-    world = int(man["world_size"]) if man and man.get("world_size") else 0
+    files = list(man.files) if man else _relpaths(path)
+    world = (man.world_size or 0) if man else 0
     tp = pp = 1
     dp = 0
-    stated = ((man or {}).get("info") or {}).get("layout")
+    stated = man.layout if man else None
     sizes = re.fullmatch(r"tp(\d+)\.pp(\d+)\.dp(\d+)\.vp\d+(?:\.ep\d+)?", stated) if isinstance(stated, str) else None
     if framework == "megatron" and sizes:     # what the adapter recorded (any layout, torch_dist included)
         tp, pp, dp = (int(g) for g in sizes.groups())
@@ -263,8 +262,8 @@ def layout_of(path: str, framework: str, man: Optional[Dict[str, Any]]) -> Dict[
                 mps.add(int(m.group(2)))
         tp = max(len(mps), 1)
         dp = len(dps)
-        info = (man or {}).get("info") or {}
-        dp = dp or int(info.get("dp_world_size", 0))
+        saved = man.info.get("dp_world_size", 0) if man else 0
+        dp = dp or (saved if isinstance(saved, int) and not isinstance(saved, bool) and saved > 0 else 0)
     if not dp:
         dp = world // (tp * pp) if world else 1
     return {"tp": tp, "pp": pp, "dp": dp, "world": world or tp * pp * dp}

@@ -89,9 +89,9 @@ class Source:
     """One committed step being converted: what to read (its plan), reading it verified, and writing outputs
     that never replace a file of the checkpoint (those inside the step are listed in its manifest)."""
 
-    def __init__(self, step_dir: str, manifest: Dict[str, Any]):
+    def __init__(self, step_dir: str, manifest: mf.Manifest):
         self.step_dir, self.manifest = step_dir, manifest
-        self.step = manifest["step"]
+        self.step = manifest.step
         self.reader = _Reader(step_dir, manifest)
         self.plan = _plan(self.reader)
 
@@ -103,7 +103,7 @@ class Source:
         problems = stepfiles.check_sizes(self.step_dir, self.manifest, self.plan.files)
         if problems:
             raise CheckpointError(damaged_message(self.step_dir, problems))
-        with outputs.bar(progress, sum(self.manifest["files"][rel]["size"] for rel in self.plan.files), "read") as bar:
+        with outputs.bar(progress, sum(self.manifest.files[rel].size for rel in self.plan.files), "read") as bar:
             self.reader.bar = bar
             kind, weights = _load(self.plan, self.reader)
             self.reader.bar = None
@@ -135,7 +135,7 @@ class _Plan:
 
 
 def _plan(reader: _Reader) -> _Plan:
-    listed = sorted(reader.manifest["files"])
+    listed = sorted(reader.manifest.files)
     ds_dirs = sorted({m.group("dir") or "" for rel in listed for m in [DS_MODEL_STATES.match(rel)] if m})
     if len(ds_dirs) > 1:
         raise ValueError(f"{reader.step_dir} holds DeepSpeed files of several tags ({', '.join(ds_dirs)}); "
@@ -146,11 +146,11 @@ def _plan(reader: _Reader) -> _Plan:
                  and os.path.dirname(rel) == ds_dir]
         return _Plan("hf" if ds_dir else "deepspeed", files, ds_dir=ds_dir)
     for index_name in _HF_INDEXES:
-        if index_name in reader.manifest["files"]:
+        if index_name in reader.manifest.files:
             index = _weight_map(reader, index_name)
             return _Plan("hf", [index_name] + sorted(set(index.values())), index=index)
     for name in _HF_SINGLE:
-        if name in reader.manifest["files"]:
+        if name in reader.manifest.files:
             return _Plan("hf", [name])
     raise ValueError(f"{reader.step_dir}: no model weights found to convert. Its manifest lists "
                      f"{', '.join(listed) or 'no files'}; expected DeepSpeed's *_model_states.pt / "
@@ -165,7 +165,7 @@ def _weight_map(reader: _Reader, index_name: str) -> Dict[str, str]:
         raise ValueError(f"{index_name} in {reader.step_dir} is not a valid index ({exc})") from exc
     base = os.path.dirname(index_name)
     shards = {os.path.join(base, s) for s in weight_map.values()}
-    unlisted = sorted(s for s in shards if s not in reader.manifest["files"])
+    unlisted = sorted(s for s in shards if s not in reader.manifest.files)
     if unlisted:
         raise ValueError(f"{index_name} names shards that are not part of the committed checkpoint "
                          f"{reader.step_dir}: {', '.join(unlisted)}")
@@ -178,12 +178,12 @@ class _Reader:
     """The files of one committed step: each must be in its manifest and match its checksum before its
     bytes are used; pickles are loaded with the allow-list of safe_torch_load."""
 
-    def __init__(self, step_dir: str, manifest: Dict[str, Any]):
+    def __init__(self, step_dir: str, manifest: mf.Manifest):
         self.step_dir, self.manifest = step_dir, manifest
         self.bar: Optional[outputs.Progress] = None
 
     def bytes(self, rel: str) -> bytes:
-        if rel not in self.manifest["files"]:
+        if rel not in self.manifest.files:
             raise ValueError(f"{rel} is not listed in the manifest of {self.step_dir}: refusing to read a file "
                              f"that is not part of the committed checkpoint")
         try:
@@ -283,7 +283,7 @@ class _ListedGlob:
     def glob(self, pattern: str, *args: Any, **kwargs: Any) -> List[str]:
         folder = os.path.normpath(os.path.dirname(pattern))
         found = []
-        for rel in self._reader.manifest["files"]:
+        for rel in self._reader.manifest.files:
             path = os.path.join(self._reader.step_dir, rel)
             if os.path.dirname(path) == folder and fnmatch.fnmatchcase(path, pattern):
                 found.append(path)

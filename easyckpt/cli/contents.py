@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from easyckpt.cli.catalog import Entry
 from easyckpt.formats import manifest as mf
+from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardfile import DTYPE_NAMES
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.storage import stepfiles
@@ -44,7 +45,7 @@ ProgressFactory = Callable[[int, str], Any]
 def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[str, Any]:
     """Everything ``easyckpt inspect`` shows about one step, as plain JSON-able data."""
     try:
-        man: Optional[Dict[str, Any]] = stepfiles.load(entry.path)
+        man: Optional[Manifest] = stepfiles.load(entry.path)
         files = _files(entry.path, man)
     except FileNotFoundError:
         man = None
@@ -90,7 +91,7 @@ def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[s
     for t in tensors:
         groups[t["group"]]["bytes"] += t["bytes"]
         groups[t["group"]]["tensors"] += 1
-    manifest = {k: v for k, v in (man or {}).items() if k != "files"}
+    manifest = {k: v for k, v in (man.to_json() if man else {}).items() if k != "files"}   # (inspect --json)
     return {"step": entry.step, "path": entry.path, "framework": entry.framework, "complete": entry.complete,
             "why": entry.why, "layout": entry.layout, "files": listed, "groups": groups, "tensors": tensors,
             "args": args, "metadata": {"manifest": manifest, **metadata}}
@@ -110,11 +111,10 @@ def group_of(rel: str, key: str) -> str:
     return "other"
 
 
-def _files(step_dir: str, man: Optional[Dict[str, Any]]) -> List[Tuple[str, int, ShardFormat]]:
+def _files(step_dir: str, man: Optional[Manifest]) -> List[Tuple[str, int, ShardFormat]]:
     """(relpath, size, format) of the step's files: the manifest's list, else what is on disk."""
     if man is not None:
-        return [(rel, int(e["size"]), ShardFormat.parse(e["format"]) if e.get("format") else ShardFormat.of_filename(rel))
-                for rel, e in man["files"].items()]
+        return [(rel, e.size, e.format or ShardFormat.of_filename(rel)) for rel, e in man.files.items()]
     out = []
     for root, _dirs, names in os.walk(step_dir):
         for n in sorted(names):

@@ -65,7 +65,7 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{step_dir} is not a committed easyckpt checkpoint (no valid manifest: {exc})") from None
     groups: Dict[str, List[str]] = {}
-    for rel in man["files"]:
+    for rel in man.files:
         m = _SHARD.match(rel)
         if m:
             groups.setdefault(m.group(1), []).append(rel)
@@ -77,7 +77,7 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
     if len(counts) != 1 or len(shards) != sum(len(r) for r in groups.values()):
         raise CheckpointError(f"{step_dir}: the optimizer shards do not all hold the same optimizers")
     count = counts.pop()
-    layout = (man.get("info") or {}).get("layout")
+    layout = man.layout
     ep = re.search(r"\.ep(\d+)$", layout) if isinstance(layout, str) else None
     split = ep is not None and int(ep.group(1)) > 1
     if count > 1 and not split:
@@ -87,7 +87,8 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
     def base(mp_dir: str) -> str:
         return mp_dir[:-4] if split else mp_dir       # without the expert-parallel rank "_EEE"
 
-    written, entries = [], {}
+    written: List[str] = []
+    entries: Dict[str, mf.FileEntry] = {}
     sd = SaveDir(os.path.dirname(step_dir), NAMINGS["megatron"])
     for mp_dir, rels in sorted(groups.items()):
         mine = [shards[r] for r in sorted(rels)]
@@ -103,7 +104,7 @@ def to_megatron_distrib_optim(step_dir: str) -> List[str]:
         buf = io.BytesIO()
         torch.save(states[0] if count == 1 else states, buf)
         rel = f"{mp_dir}/distrib_optim.pt"
-        entries[rel] = {"size": buf.getbuffer().nbytes, "checksum": mf.checksum(buf.getbuffer()), "format": ShardFormat.TORCH.value}
+        entries[rel] = mf.FileEntry(buf.getbuffer().nbytes, mf.checksum(buf.getbuffer()), ShardFormat.TORCH)
         sd.add_file(step_dir, rel, buf.getvalue())
         written.append(os.path.join(step_dir, rel))
     sd.add_to_manifest(step_dir, entries)

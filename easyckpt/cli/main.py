@@ -230,7 +230,7 @@ def _prune_target(args: argparse.Namespace, cat: catalog.Catalog, jobs: List[str
     newest = next(e for e in cat.entries if e.complete and e.job_id == job)
     # the job's name, where its manifests carry one: the steps of a copied or moved directory are the job's too
     return SaveDir(args.dir, catalog.naming(cat.framework), job,
-                   job_name=(stepfiles.read(newest.path) or {}).get("job"))
+                   job_name=man.job if (man := stepfiles.read(newest.path)) is not None else None)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -257,8 +257,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     newest = None
     if committed:
         step, path = committed[0]
-        man = stepfiles.read(path) or {}
-        newest = {"step": step, "path": path, "bytes": sum(e["size"] for e in man.get("files", {}).values()),
+        man = stepfiles.read(path)
+        newest = {"step": step, "path": path, "bytes": man.nbytes if man is not None else 0,
                   "committed_at": os.path.getmtime(os.path.join(path, mf.MANIFEST_NAME))}
     st = os.statvfs(shm.SHM_DIR)
     dev_shm = {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS, Naming
@@ -24,12 +24,12 @@ def relpath_inside(step_dir: str, output: str) -> Optional[str]:
     return os.path.relpath(out, base) if os.path.commonpath([base, out]) == base else None
 
 
-def refuse_replacing(step_dir: str, man: Dict[str, Any], output: str) -> None:
+def refuse_replacing(step_dir: str, man: mf.Manifest, output: str) -> None:
     rel = relpath_inside(step_dir, output)
     if rel is None:
         return
-    entry = man["files"].get(rel)
-    if rel == mf.MANIFEST_NAME or rel == "." or (entry is not None and entry.get("derived_by") != DERIVED_BY):
+    entry = man.files.get(rel)
+    if rel == mf.MANIFEST_NAME or rel == "." or (entry is not None and entry.derived_by != DERIVED_BY):
         raise ValueError(f"{output} is a file of the checkpoint itself; refusing to replace it: choose another "
                          f"--output (the default is consolidated/ or consolidated.safetensors in the step directory)")
 
@@ -38,29 +38,26 @@ def bar(progress: Optional[ProgressFactory], total: int, desc: str) -> Progress:
     return progress(total, desc) if progress is not None else Progress(total, desc, force=False)
 
 
-def write(step_dir: str, man: Dict[str, Any], files: Dict[str, bytes], progress: Optional[ProgressFactory],
+def write(step_dir: str, man: mf.Manifest, files: Dict[str, bytes], progress: Optional[ProgressFactory],
           stale: Sequence[str] = ()) -> None:
     """Each file atomically, in the order given (the last one can mark the set complete for readers), then
     the ``stale`` files deleted (an earlier output this one replaces under other names)."""
     storage = PosixStorage()      # the output may be anywhere (--output), so no SaveDir of its own
-    listed = {}
+    listed: Dict[str, mf.FileEntry] = {}
     with bar(progress, sum(map(len, files.values())), "write") as b:
         for path, data in files.items():
             _write_atomically(storage, path, data, b)
             rel = relpath_inside(step_dir, path)
             if rel is not None:
-                listed[rel] = {"size": len(data), "checksum": mf.checksum(data),
-                               "format": ShardFormat.of_filename(path).value,
-                               "derived_by": DERIVED_BY}
+                listed[rel] = mf.FileEntry(len(data), mf.checksum(data), ShardFormat.of_filename(path),
+                                           derived_by=DERIVED_BY)
     dropped = [rel for rel in map(functools.partial(relpath_inside, step_dir), stale) if rel is not None]
     if listed or dropped:
         current = stepfiles.read(step_dir)
         if current is None:
             raise ValueError(f"{step_dir} has no valid manifest")
-        for rel in dropped:
-            current["files"].pop(rel, None)
-        current["files"] = dict(sorted({**current["files"], **listed}.items()))
-        SaveDir(os.path.dirname(step_dir), NAMINGS.get(man["framework"], Naming())).write_manifest(step_dir, current)
+        current = current.with_files(listed, drop=dropped)
+        SaveDir(os.path.dirname(step_dir), NAMINGS.get(man.framework, Naming())).write_manifest(step_dir, current)
     for path in stale:            # after the manifest: a listed file is never missing
         storage.delete(path)
 

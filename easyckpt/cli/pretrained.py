@@ -49,16 +49,16 @@ def to_pretrained(step_dir: str, output_dir: Optional[str] = None, progress: Opt
         raise ValueError(f"{source.step_dir} is a DeepSpeed engine checkpoint: it holds no model config, so there "
                          f"is nothing from_pretrained could read; give --output a file name ending in .safetensors "
                          f"(the default is consolidated.safetensors in the step directory)")
-    if CONFIG not in source.manifest["files"]:
+    if CONFIG not in source.manifest.files:
         raise ValueError(f"{source.step_dir} has no {CONFIG} (the model is not a transformers model): "
                          f"from_pretrained cannot read it; give --output a file name ending in .safetensors")
     folder = os.path.abspath(output_dir or os.path.join(source.step_dir, FOLDER))
     if os.path.realpath(folder) == os.path.realpath(source.step_dir):
         raise ValueError(f"{folder} is the checkpoint itself; choose another --output folder (the default is "
                          f"{FOLDER}/ in the step directory)")
-    model_files = sorted(rel for rel in source.manifest["files"]
+    model_files = sorted(rel for rel in source.manifest.files
                          if "/" not in rel and rel != mf.MANIFEST_NAME and not _NOT_MODEL.fullmatch(rel)
-                         and not source.manifest["files"][rel].get("derived_by"))
+                         and not source.manifest.files[rel].derived_by)
     for rel in model_files + [WEIGHTS, INDEX]:
         source.refuse_replacing(os.path.join(folder, rel))
     kind, weights = source.merged(progress)

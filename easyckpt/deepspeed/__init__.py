@@ -49,6 +49,7 @@ from easyckpt.engine.checkpointer import (
 from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.formats.manifest import Manifest
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -91,19 +92,18 @@ class DeepSpeedState(FrameworkState[Any]):
         return ds_snapshot_bytes(self.engine)
 
     @as_reads
-    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+    def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
         files = needed_files("", dp_rank(self.engine), dp_size(self.engine), manifest)
         return [f for f in files if not f[0].startswith(RNG_DIR)] + [(_rng_file(self.ckpt.rank), True)]
 
     def restore(self, loaded: Loaded) -> Tuple[str, Dict[str, Any]]:
         ckpt, kwargs = self.ckpt, self.load_kwargs or {}
         tag = NAMING.dir_name(loaded.step)
-        manifest = loaded.manifest or {}          # a memory snapshot always has the current layout
-        if same_layout(self.engine, manifest):
+        if same_layout(self.engine, loaded.manifest):    # a memory snapshot always has the current layout
             client_state = restore_native(self.engine, loaded.trees, tag, **kwargs)
         else:
             ckpt.emit("convert", step=loaded.step, path=loaded.path,
-                      message=f"data-parallel size {manifest['info'].get('dp_world_size')} → "
+                      message=f"data-parallel size {loaded.manifest.info.get('dp_world_size') if loaded.manifest else None} → "
                               f"{dp_size(self.engine)}: loading through DeepSpeed's universal checkpoint")
             assert loaded.path is not None      # only a committed step can have another layout
             client_state = restore_universal(self.engine, loaded.path, tag, universal.work_dir(ckpt.config),

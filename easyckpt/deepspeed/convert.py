@@ -39,7 +39,7 @@ def to_universal(step_dir: str, tag: str, work_dir: str, timeout: float = 3600, 
     staged = os.path.join(work_dir, "input", tag)
     storage = PosixStorage()
     storage.makedirs(staged)
-    for rel in sorted(man["files"]):
+    for rel in sorted(man.files):
         name = rel[len(prefix):]
         if not rel.startswith(prefix) or "/" in name or not (DS_MODEL_STATES.match(name) or DS_OPTIM_STATES.match(name)):
             continue                        # easyckpt's own files (RNG, derived outputs) are no input of it

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from easyckpt.deepspeed import universal
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
+from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
 
 _ROOT = "/easyckpt-in-memory"      # DeepSpeed composes file names under it; nothing is created there
@@ -150,12 +151,12 @@ def _universal_info() -> Dict[str, Any]:
     return {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
 
 
-def needed_files(prefix: str, dp_rank: int, dp_world: int, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+def needed_files(prefix: str, dp_rank: int, dp_world: int, manifest: Manifest) -> List[Tuple[str, bool]]:
     """Files under ``prefix`` that data-parallel rank ``dp_rank`` reads to resume: the shared ones and its
     own ZeRO partition; every file when the data-parallel size changed (the universal converter reads
     them all). By name, so that it works before the engine exists (the Trainer builds it late)."""
-    files = [rel for rel in manifest["files"] if rel.startswith(prefix)]
-    saved = int((manifest.get("info") or {}).get("dp_world_size", dp_world))
+    files = [rel for rel in manifest.files if rel.startswith(prefix)]
+    saved = saved_dp_size(manifest, dp_world)
     if saved != dp_world:
         return [(rel, False) for rel in files]
     mine = re.compile(rf"(^|/)(bf16_)?zero_pp_rank_{dp_rank}_")
@@ -169,8 +170,16 @@ def dp_rank(engine: Any) -> int:
         else engine.global_rank
 
 
-def same_layout(engine: Any, manifest: Dict[str, Any]) -> bool:
-    return int((manifest.get("info") or {}).get("dp_world_size", dp_size(engine))) == dp_size(engine)
+def saved_dp_size(manifest: Manifest, default: int) -> int:
+    """The data-parallel size a step was saved with (the adapter's info, or an adopted step's count of ZeRO
+    partitions); ``default`` where none is recorded."""
+    value = manifest.info.get("dp_world_size", default)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else default
+
+
+def same_layout(engine: Any, manifest: Optional[Manifest]) -> bool:
+    """Whether a step was saved on this engine's data-parallel size (a memory snapshot, no manifest, always is)."""
+    return manifest is None or saved_dp_size(manifest, dp_size(engine)) == dp_size(engine)
 
 
 def restore_native(engine: Any, trees: Dict[str, Any], tag: str, prefix: str = "", **load_kwargs: Any) -> Dict[str, Any]:

@@ -57,6 +57,7 @@ from easyckpt.engine.reads import Needed, reads
 from easyckpt.errors import CheckpointError, UnsafePath, UntrustedFileError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import paths
+from easyckpt.formats.manifest import FileEntry, Manifest
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.progress import Progress
 from easyckpt.storage.savedir import SaveDir
@@ -105,8 +106,8 @@ def tracker_step(save_dir: str, naming: Naming) -> Optional[int]:
     return SaveDir(save_dir, naming).tracker_step()
 
 
-def inventory(step_dir: str, step: int, naming: Naming) -> Dict[str, Any]:
-    files: Dict[str, Dict[str, Any]] = {}
+def inventory(step_dir: str, step: int, naming: Naming) -> Manifest:
+    files: Dict[str, FileEntry] = {}
     for root, dirs, names in os.walk(step_dir, followlinks=False):
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
         for name in names:
@@ -117,7 +118,7 @@ def inventory(step_dir: str, step: int, naming: Naming) -> Dict[str, Any]:
                 continue
             if stat.S_ISREG(st.st_mode):
                 rel = os.path.relpath(path, step_dir).replace(os.sep, "/")
-                files[rel] = {"size": st.st_size, "format": ShardFormat.of_filename(rel).value}
+                files[rel] = FileEntry(st.st_size, format=ShardFormat.of_filename(rel))
     info: Dict[str, Any] = {}
     zero_ranks = {int(m.group(1)) for m in map(_ZERO_RANK.search, files) if m}
     if zero_ranks:
@@ -128,8 +129,8 @@ def inventory(step_dir: str, step: int, naming: Naming) -> Dict[str, Any]:
         if mp:
             info["tp"] = len({t for t, _ in mp})
             info["pp"] = len({p for _, p in mp}) if all(p is not None for _, p in mp) else 1
-    return {"format_version": mf.FORMAT_VERSION, "step": step, "framework": naming.framework, "world_size": None,
-            "checksum": None, "adopted": True, "files": dict(sorted(files.items())), "info": info}
+    return Manifest(step=step, framework=naming.framework, files=dict(sorted(files.items())), checksum=None,
+                    info=info, adopted=True)
 
 
 def _is_real_dir(path: str) -> bool:
@@ -141,7 +142,7 @@ def _is_real_dir(path: str) -> bool:
 
 def read_candidate(cand: Candidate, needed: Needed,
                    progress: bool = False
-                   ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Dict[str, Any]]:
+                   ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Manifest]:
     """(trees, problem, bytes, inventory): what load.py's _read_step returns for a committed step; the
     inventory (see the module docstring) is what ``needed`` gets in place of a manifest."""
     inv = inventory(cand.path, cand.step, cand.naming)
@@ -149,25 +150,25 @@ def read_candidate(cand: Candidate, needed: Needed,
         wanted = reads(needed, inv)
     except ValueError as exc:
         return None, str(exc), 0, inv
-    missing = [w.relpath for w in wanted if not w.optional and w.relpath not in inv["files"]]
+    missing = [w.relpath for w in wanted if not w.optional and w.relpath not in inv.files]
     if missing:
         return None, _missing_problem(missing[0], inv), 0, inv
-    present = [w.relpath for w in wanted if w.relpath in inv["files"]]    # whole files: adopted ones list no items
-    total = sum(inv["files"][rel]["size"] for rel in present)
+    present = [w.relpath for w in wanted if w.relpath in inv.files]    # whole files: adopted ones list no items
+    total = sum(inv.files[rel].size for rel in present)
     trees: Dict[str, Any] = {}
     with Progress(total if progress else 0, f"load {os.path.basename(cand.path)}") as bar:
         for rel in present:
             try:
-                buf = _read_inside(cand.path, rel, inv["files"][rel]["size"], bar.update if bar.on else None)
-                trees[rel] = codecs.decode(buf, inv["files"][rel]["format"])
+                buf = _read_inside(cand.path, rel, inv.files[rel].size, bar.update if bar.on else None)
+                trees[rel] = codecs.decode(buf, inv.files[rel].shard_format)
             except Exception as exc:  # noqa: BLE001 - any unreadable file rejects the candidate
                 return None, f"{rel}: unreadable ({type(exc).__name__}: {exc})", 0, inv
     return trees, None, total, inv
 
 
-def _missing_problem(rel: str, inv: Dict[str, Any]) -> str:
-    files = inv["files"]
-    if inv["framework"] == "megatron" and any(r.endswith(".distcp") for r in files):
+def _missing_problem(rel: str, inv: Manifest) -> str:
+    files = inv.files
+    if inv.framework == "megatron" and any(r.endswith(".distcp") for r in files):
         return (f"{rel}: missing; a torch_dist checkpoint (*.distcp) is incomplete without common.pt, "
                 f"metadata.json and .metadata")
     return f"{rel}: missing"

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import (
     Any,
     Callable,
-    Dict,
     List,
     Optional,
     Protocol,
@@ -34,6 +33,7 @@ from easyckpt.engine.seams import AgentLink, Clock, Group
 from easyckpt.engine.session import Engine, Info
 from easyckpt.engine.snapshot import ShardSpec, SnapshotResult
 from easyckpt.errors import EasyCkptError
+from easyckpt.formats.manifest import Manifest
 from easyckpt.storage.savedir import SaveDir
 
 R = TypeVar("R", covariant=True)
@@ -47,7 +47,7 @@ class FrameworkState(Protocol[R]):
         """This rank's state now, as the files of the framework's native layout. Tensors stay tensors
         (the snapshot copies them); called only when a snapshot is taken."""
 
-    def needed(self, manifest: Dict[str, Any]) -> List[Read]:
+    def needed(self, manifest: Manifest) -> List[Read]:
         """The files this rank reads to restore the checkpoint ``manifest`` describes (reads.py: a file,
         whether it may be absent, and which part of it). A CheckpointError when it cannot be restored into
         this job. Adapters that write it with tuples decorate it with reads.as_reads."""

@@ -51,7 +51,7 @@ from easyckpt.engine.reads import Needed, Read, reads
 from easyckpt.errors import ManifestError, NoValidCheckpoint
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import verdicts
-from easyckpt.formats.shardformat import DEFAULT
+from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.verdicts import Verdict
 from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles
@@ -74,7 +74,7 @@ class Loaded:
     trees: Dict[str, Any]
     nbytes: int
     seconds: float
-    manifest: Optional[Dict[str, Any]] = None   # the committed step's manifest, or an adopted one's inventory
+    manifest: Optional[Manifest] = None   # the committed step's manifest, or an adopted one's inventory
     from_peers: Tuple[int, ...] = ()            # the ranks that pulled the step from a peer's replica
 
 
@@ -98,7 +98,7 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     every = sd.committed_manifests()
     ours = [e for e in every if sd.owns(e[2])]
     stored = [(s, p) for s, p, _ in ours]
-    runs = {s: mf.run_of(man) for s, _, man in ours}
+    runs = {s: man.run for s, _, man in ours}
     _say_other_jobs([e for e in every if not sd.owns(e[2])], rank, log)
     _log_invalid_manifests(sd, {s for s, _, _ in every}, log)
     native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own
@@ -193,11 +193,11 @@ def _none_restorable(cfg: Config, rejected: List[Verdict]) -> str:
             f"aside as quarantined-<name>-<stamp>, kept whole, and their names never reused")
 
 
-def _say_other_jobs(others: List[Tuple[int, str, Dict[str, Any]]], rank: int, log: AuditLog) -> None:
+def _say_other_jobs(others: List[Tuple[int, str, Manifest]], rank: int, log: AuditLog) -> None:
     """Committed steps of other jobs in the save dir: never resumed, said once (docs/reliability.md promise 12)."""
     if not others:
         return
-    names = sorted({mf.job_words(man) for _, _, man in others})
+    names = sorted({man.job_words() for _, _, man in others})
     text = (f"{len(others)} committed step(s) in this save dir belong to another job ({'; '.join(names)}): "
             f"{', '.join(os.path.basename(p) for _, p, _ in others[:8])}{' ...' if len(others) > 8 else ''}; "
             f"not resumed (a job resumes only its own; set job_name to the job's name to resume them)")
@@ -262,7 +262,7 @@ def _say(rank: int, log: AuditLog, text: str, event: str = "warning") -> None:
 
 
 def _read_step(step_dir: str, needed: Needed, progress: bool = False
-               ) -> Tuple[Optional[Dict[str, Any]], Optional[Verdict], int, Optional[Dict[str, Any]]]:
+               ) -> Tuple[Optional[Dict[str, Any]], Optional[Verdict], int, Optional[Manifest]]:
     try:
         man = stepfiles.load(step_dir)
     except ManifestError as exc:
@@ -276,7 +276,7 @@ def _read_step(step_dir: str, needed: Needed, progress: bool = False
     except ValueError as exc:   # ConfigError, CheckpointError: the adapter cannot restore this step into this job
         return None, verdicts.incompatible(str(exc)), 0, man
     # only what this rank reads: every rank checking every rank's files would be world_size² lstats
-    planted = stepfiles.owner_problem(step_dir, [w.relpath for w in wanted if w.relpath in man["files"]])
+    planted = stepfiles.owner_problem(step_dir, [w.relpath for w in wanted if w.relpath in man.files])
     if planted:
         return None, verdicts.untrusted(planted), 0, man
     # a bar on rank 0 when asked for (EASYCKPT_PROGRESS=1) or on a terminal: a large load takes minutes
@@ -285,29 +285,27 @@ def _read_step(step_dir: str, needed: Needed, progress: bool = False
         return _read_files(step_dir, man, wanted, bar.update if bar.on else None)
 
 
-def _wanted_bytes(man: Dict[str, Any], want: Read) -> int:
+def _wanted_bytes(man: Manifest, want: Read) -> int:
     """What reading one entry of ``needed`` costs: the file, or the items picked of it (for the bar)."""
-    entry = man["files"].get(want.relpath)
+    entry = man.files.get(want.relpath)
     if entry is None:
         return 0
     if want.items is None:
-        return int(entry["size"])
-    try:
-        items = mf.check_items(want.relpath, entry)
-    except ManifestError:
-        return 0        # _read_files rejects the step, saying why
-    return sum(items[i][1] for i in want.items if type(i) is int and 0 <= i < len(items))
+        return entry.size
+    items = entry.items or ()
+    return sum(items[i].length for i in want.items if type(i) is int and 0 <= i < len(items))
 
 
-def _read_files(step_dir: str, man: Dict[str, Any], asked: Sequence[Union[Read, Sequence[Any]]],
+def _read_files(step_dir: str, man: Manifest, asked: Sequence[Union[Read, Sequence[Any]]],
                 on_bytes: Optional[Callable[[int], None]]
-                ) -> Tuple[Optional[Dict[str, Any]], Optional[Verdict], int, Optional[Dict[str, Any]]]:
+                ) -> Tuple[Optional[Dict[str, Any]], Optional[Verdict], int, Optional[Manifest]]:
     trees: Dict[str, Any] = {}
     wanted = [Read.of(w) for w in asked]
     nbytes = 0
     for want in wanted:
         rel, optional = want.relpath, want.optional
-        if rel not in man["files"]:
+        entry = man.files.get(rel)
+        if entry is None:
             if optional:
                 continue
             # the step is whole; this job needs a file it never had (another world size or layout)
@@ -330,16 +328,16 @@ def _read_files(step_dir: str, man: Dict[str, Any], asked: Sequence[Union[Read, 
             trees[rel] = tree
             nbytes += n
             continue
-        algo = man.get("checksum", mf.ALGO)
+        algo = man.algo
         got, verdict = _attempt(rel, lambda: stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes))
         if verdict is None:
             buf, digest = got
-            problem = mf.compare(rel, len(buf), lambda: digest, man["files"][rel], algo)
+            problem = mf.compare(rel, len(buf), lambda: digest, entry, algo)
             verdict = verdicts.corrupt(problem) if problem else None
         if verdict:
             return None, verdict, 0, man
         try:
-            trees[rel] = codecs.decode(buf, man["files"][rel].get("format", DEFAULT.value))
+            trees[rel] = codecs.decode(buf, entry.shard_format)
         except Exception as exc:  # noqa: BLE001 - a listed file whose checksum matched and does not decode
             return None, verdicts.corrupt(f"{rel}: unreadable ({exc})"), 0, man
         nbytes += len(buf)

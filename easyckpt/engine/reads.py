@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, Union
+
+from easyckpt.formats.manifest import Manifest
 
 # a torch.save file read in part (engine/torchparts.py): given the file's pickled tree, which storages to read
 Pick = Callable[..., Any]
@@ -35,10 +37,10 @@ class Read:
         return cls(rel, optional)
 
 
-Needed = Callable[[Dict[str, Any]], Sequence[Union[Read, Sequence[Any]]]]
+Needed = Callable[[Manifest], Sequence[Union[Read, Sequence[Any]]]]
 
 
-def reads(needed: Needed, manifest: Dict[str, Any]) -> List[Read]:
+def reads(needed: Needed, manifest: Manifest) -> List[Read]:
     """``needed(manifest)`` as Reads (a ValueError from the adapter goes to the caller: incompatible)."""
     return [Read.of(w) for w in needed(manifest)]
 
@@ -46,9 +48,9 @@ def reads(needed: Needed, manifest: Dict[str, Any]) -> List[Read]:
 S = TypeVar("S")
 
 
-def as_reads(needed_method: Callable[[S, Dict[str, Any]], Sequence[Any]]) -> Callable[[S, Dict[str, Any]], List[Read]]:
+def as_reads(needed_method: Callable[[S, Manifest], Sequence[Any]]) -> Callable[[S, Manifest], List[Read]]:
     """An adapter's ``needed`` written with the tuple form, typed at the protocol: it returns Reads."""
     @functools.wraps(needed_method)
-    def needed(self: S, manifest: Dict[str, Any]) -> List[Read]:
+    def needed(self: S, manifest: Manifest) -> List[Read]:
         return [Read.of(w) for w in needed_method(self, manifest)]
     return needed

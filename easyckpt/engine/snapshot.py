@@ -360,9 +360,7 @@ def complete_snapshots(job_id: str, rank: int) -> List[SlotInfo]:
     for i in (0, 1):
         done = slotread.read_complete(shm.slot_path(job_id, rank, i))
         if done is not None:
-            layout = (done.meta.get("info") or {}).get("layout")
-            found.append(SlotInfo(i, done.step, done.generation, done.header.world_size,
-                                  layout if isinstance(layout, str) else None))
+            found.append(SlotInfo(i, done.step, done.generation, done.header.world_size, done.meta.layout))
     return sorted(found, key=lambda s: -s.step)
 
 
@@ -376,10 +374,9 @@ def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[st
             warnings.simplefilter("ignore")
             base = torch.frombuffer(slot.mm, dtype=torch.uint8)
         trees = {}
-        for f in done.meta["files"]:
-            copies = [t.clone() for t in shardload.views(base, f["tensors"])]
-            trees[f["relpath"]] = rebuild(done.meta["skeletons"][f["relpath"]],
-                                          {t[0]: c for t, c in zip(f["tensors"], copies)})
+        for f in done.meta.files:
+            copies = [t.clone() for t in shardload.views(base, f.tensors)]
+            trees[f.relpath] = rebuild(f.skeleton, {t.key: c for t, c in zip(f.tensors, copies)})
         del base
         slotread.ensure_unchanged(slot, done)
         return trees

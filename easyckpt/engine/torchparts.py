@@ -13,14 +13,14 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
 from easyckpt.engine.tree import _weights_only_load
 from easyckpt.errors import CheckpointError
-from easyckpt.formats import manifest as mf
 from easyckpt.formats import torchzip
+from easyckpt.formats.manifest import Item, Manifest
 from easyckpt.storage import stepfiles
 
 # (a tensor's path in the file's tree, the tree, the trees of files read before this one) -> read it?
@@ -28,11 +28,11 @@ Pick = Callable[[Tuple[Any, ...], Any, Dict[str, Any]], bool]
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 
 
-def read(step_dir: str, rel: str, manifest: Dict[str, Any], pick: Pick, trees: Dict[str, Any],
+def read(step_dir: str, rel: str, manifest: Manifest, pick: Pick, trees: Dict[str, Any],
          on_bytes: Optional[Callable[[int], None]] = None) -> Tuple[Any, Optional[str], int]:
     """(the tree with the picked tensors, the first problem or None, bytes read)."""
-    items = mf.check_items(rel, manifest["files"][rel])
-    if not items or items[0][0] != 0 or not items[0][3] or items[0][3][0] != torchzip.HEAD:
+    items = manifest.entry(rel).items or ()
+    if not items or items[0].offset != 0 or not items[0].ident or items[0].ident[0] != torchzip.HEAD:
         return None, f"{rel}: its manifest items do not begin with the file's head ({torchzip.HEAD})", 0
     storages = items[1:]
     got: Dict[int, bytearray] = {}
@@ -87,7 +87,7 @@ def _pickle_of(head: bytearray, rel: str) -> bytes:
     return bytes(head[start:start + size])
 
 
-def _record(pid: Any, storages: List[List[Any]], rel: str) -> Tuple[torch.dtype, int, int]:
+def _record(pid: Any, storages: Sequence[Item], rel: str) -> Tuple[torch.dtype, int, int]:
     """A persistent id ("storage", storage type, record number, location, elements): (dtype, record,
     bytes), the record's item of the size the pickle says."""
     if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str)
@@ -98,8 +98,8 @@ def _record(pid: Any, storages: List[List[Any]], rel: str) -> Tuple[torch.dtype,
     if not isinstance(dtype, torch.dtype) or i >= len(storages):
         raise CheckpointError(f"{rel}: the pickle refers to storage {pid[2]}, which its items do not list")
     nbytes = pid[4] * torch.empty((), dtype=dtype).element_size()
-    if storages[i][1] != nbytes:
-        raise CheckpointError(f"{rel}: storage {i} is {storages[i][1]} bytes in the manifest, the pickle says "
+    if storages[i].length != nbytes:
+        raise CheckpointError(f"{rel}: storage {i} is {storages[i].length} bytes in the manifest, the pickle says "
                               f"{nbytes}")
     return dtype, i, nbytes
 

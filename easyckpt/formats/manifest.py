@@ -14,13 +14,27 @@ NUL or backslash components in a listed name.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import zlib
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Set,
+    Tuple,
+    Union,
+)
 
 from easyckpt.errors import CheckpointError, ManifestError, UnsafePath
 from easyckpt.formats import paths
-from easyckpt.formats.shardformat import NAMES
+from easyckpt.formats.shardformat import DEFAULT, NAMES, ShardFormat
 from easyckpt.units import size_and_bytes
 
 try:
@@ -35,6 +49,9 @@ ALGOS = ("xxh3_64", "crc32")
 MAX_MANIFEST_BYTES = 256 << 20        # a manifest lists files, it is never this large
 
 _Data = Union[bytes, bytearray, memoryview]   # what a checksum reads (storage.base.Buffer)
+_ENTRY_FIELDS = frozenset({"size", "checksum", "format", "items", "derived_by"})
+_MANIFEST_FIELDS = frozenset({"format_version", "step", "job_id", "framework", "world_size", "checksum", "files",
+                              "created", "job", "info", "adopted"})
 
 
 class Hasher:
@@ -65,45 +82,182 @@ def checksum(data: _Data, algo: str = ALGO) -> str:
     return h.hexdigest()
 
 
-def build(step: int, job_id: str, framework: str, world_size: int, files: Dict[str, Dict[str, Any]],
-          extra: Optional[Dict[str, Any]] = None, job_name: Optional[str] = None) -> Dict[str, Any]:
+class Item(NamedTuple):
+    """One item of a data file (distcp, torch; written by the agent): where it lies and its checksum, so a
+    rank reads and checks only the items it needs (storage/stepfiles.read_items)."""
+    offset: int
+    length: int
+    checksum: str
+    ident: Optional[List[Any]]   # [name, offsets, sizes] of a tensor chunk, [name, None, None] of an object
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """A listed file. ``checksum`` is None only in an adopted inventory (a framework's own files carry none);
+    ``format`` None in manifests written before formats were recorded (they are DEFAULT's)."""
+    size: int
+    checksum: Optional[str] = None
+    format: Optional[ShardFormat] = None
+    items: Optional[Tuple[Item, ...]] = None
+    derived_by: Optional[str] = None        # the converter that added it to a committed step (cli/outputs.py)
+    # fields a newer writer added: kept when the manifest is rewritten
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def shard_format(self) -> ShardFormat:
+        return self.format or DEFAULT
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {**self.extra, "size": self.size}
+        if self.checksum is not None:
+            out["checksum"] = self.checksum
+        if self.format is not None:
+            out["format"] = self.format.value
+        if self.items is not None:
+            out["items"] = [list(item) for item in self.items]
+        if self.derived_by is not None:
+            out["derived_by"] = self.derived_by
+        return out
+
+    @classmethod
+    def parse(cls, rel: str, entry: Any) -> FileEntry:
+        """The entry of listed file ``rel`` (a manifest's or a done-marker's); ManifestError names the field."""
+        where = f"files[{rel!r}]"
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{where} is {entry!r}, expected an object with size and checksum")
+        if "size" not in entry:
+            raise ManifestError(f"{where}.size is missing")
+        size = entry["size"]
+        if not (_is_int(size) and size >= 0):
+            raise ManifestError(f"{where}.size is {size!r}, expected an integer >= 0")
+        if "checksum" not in entry:
+            raise ManifestError(f"{where}.checksum is missing")
+        digest = entry["checksum"]
+        if not (isinstance(digest, str) and digest):
+            raise ManifestError(f"{where}.checksum is {digest!r}, expected a non-empty string")
+        fmt = None
+        if "format" in entry:
+            try:
+                fmt = ShardFormat.parse(entry["format"])
+            except ValueError:
+                raise ManifestError(f"{where}.format is {entry['format']!r}, expected one of {', '.join(NAMES)}"
+                                    ) from None
+        derived = entry.get("derived_by")
+        if derived is not None and not isinstance(derived, str):
+            raise ManifestError(f"{where}.derived_by is {derived!r}, expected a string")
+        items = _parse_items(rel, entry["items"], size) if "items" in entry else None
+        extra = {k: v for k, v in entry.items() if k not in _ENTRY_FIELDS}
+        return cls(size, digest, fmt, items, derived, extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A step's manifest, checked whole when parsed (``parse``), or the inventory engine/adopt.py builds of a
+    framework's own step (``adopted``: no job, no world size, no checksums)."""
+    step: int
+    framework: str
+    files: Mapping[str, FileEntry]
+    job_id: str = ""
+    world_size: Optional[int] = None
+    checksum: Optional[str] = ALGO           # the algorithm of every entry's checksum
+    created: float = 0.0
+    job: Optional[str] = None                # the job's name (the setting), where one was given
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)   # what the adapters recorded (layout, run...)
+    adopted: bool = False
+    format_version: int = FORMAT_VERSION
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # fields a newer writer added: kept
+
+    @property
+    def algo(self) -> str:
+        return self.checksum or ALGO
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+    @property
+    def run(self) -> float:
+        """When the run that committed this step started (its trainers' clock, recorded by the engine); 0 for
+        steps committed before runs were recorded. Steps are ordered by (run, step): a new run's commits are
+        newer than an older run's higher step numbers."""
+        run = self.info.get("run", 0)
+        return float(run) if isinstance(run, (int, float)) and not isinstance(run, bool) and run >= 0 else 0.0
+
+    @property
+    def layout(self) -> Optional[str]:
+        """The parallel layout the adapter recorded (e.g. Megatron's "tp2 pp1 ..."), or None."""
+        value = self.info.get("layout")
+        return value if isinstance(value, str) else None
+
+    @property
+    def protect(self) -> Set[int]:
+        """The steps the adapter asked retention to keep beside this one (the Trainer's best model)."""
+        value = self.info.get("protect", [])
+        return {s for s in value if _is_int(s)} if isinstance(value, list) else set()
+
+    def entry(self, rel: str) -> FileEntry:
+        """The entry of listed file ``rel``; CheckpointError when the manifest does not list it."""
+        try:
+            return self.files[rel]
+        except KeyError:
+            raise CheckpointError(f"{rel}: not in the manifest; refusing to read a file that is not part of "
+                                  f"the checkpoint") from None
+
+    def with_files(self, entries: Mapping[str, FileEntry], drop: Iterable[str] = ()) -> Manifest:
+        """This manifest with ``entries`` added (or replaced) and ``drop`` no longer listed: a converter's
+        outputs in a committed step."""
+        gone = set(drop)
+        files = {rel: e for rel, e in self.files.items() if rel not in gone}
+        files.update(entries)
+        return dataclasses.replace(self, files=dict(sorted(files.items())))
+
+    def same_job(self, job_id: str, job_name: Optional[str]) -> bool:
+        """Whether this step is this job's. By job name where both sides know it, so that a copied or moved
+        save dir stays the job's own; by job id for manifests written before names were kept."""
+        if self.job is not None and job_name is not None:
+            return self.job == job_name
+        return self.job_id == job_id
+
+    def job_words(self) -> str:
+        """How a console names the job that committed the step."""
+        return (f"job_name={self.job!r}, " if self.job is not None else "") + f"job id {self.job_id}"
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {**self.extra, "format_version": self.format_version, "step": self.step,
+                               "job_id": self.job_id, "framework": self.framework,
+                               "world_size": self.world_size, "created": self.created,
+                               "checksum": self.checksum}
+        if self.job is not None:
+            out["job"] = self.job
+        out["files"] = {rel: e.to_json() for rel, e in sorted(self.files.items())}
+        out["info"] = dict(self.info)
+        if self.adopted:
+            out["adopted"] = True
+        return out
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_json(), indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: Any) -> Manifest:
+        """The manifest a parsed JSON value holds, if every field has its type and range; ManifestError naming
+        the first field that does not. Unknown top-level fields and unknown entry fields are kept: newer
+        writers may add some."""
+        return _parse(data)
+
+
+def build(step: int, job_id: str, framework: str, world_size: int, files: Mapping[str, FileEntry],
+          info: Optional[Mapping[str, Any]] = None, job_name: Optional[str] = None) -> Manifest:
     """``job_id`` names the job where it runs (save dir and job name, hashed); ``job_name`` (the setting,
     "" when unset) is what makes a step this job's wherever the directory is copied or moved to."""
-    return {"format_version": FORMAT_VERSION, "step": step, "job_id": job_id, "framework": framework,
-            "world_size": world_size, "created": time.time(), "checksum": ALGO,
-            **({} if job_name is None else {"job": job_name}),
-            "files": dict(sorted(files.items())), **(extra or {})}
-
-
-def same_job(man: Dict[str, Any], job_id: str, job_name: Optional[str]) -> bool:
-    """Whether a (validated) manifest is a step of this job. By job name where both sides know it, so that a
-    copied or moved save dir stays the job's own; by job id for manifests written before names were kept."""
-    if "job" in man and job_name is not None:
-        job: object = man["job"]      # a str in a validated manifest
-        return job == job_name
-    return man.get("job_id") == job_id
-
-
-def job_words(man: Dict[str, Any]) -> str:
-    """How a console names the job that committed a step."""
-    return (f"job_name={man['job']!r}, " if "job" in man else "") + f"job id {man.get('job_id')}"
-
-
-def run_of(man: Dict[str, Any]) -> float:
-    """When the run that committed this step started (its trainers' clock, recorded by the engine); 0 for
-    steps committed before runs were recorded. Steps are ordered by (run, step): a new run's commits are newer
-    than an older run's higher step numbers."""
-    run = (man.get("info") or {}).get("run", 0)
-    return float(run) if isinstance(run, (int, float)) and not isinstance(run, bool) and run >= 0 else 0.0
-
-
-def order_key(step: int, man: Dict[str, Any]) -> Tuple[float, int]:
-    return run_of(man), step
+    return Manifest(step=step, framework=framework, files=dict(sorted(files.items())), job_id=job_id,
+                    world_size=world_size, checksum=ALGO, created=time.time(), job=job_name,
+                    info=dict(info or {}))
 
 
 def newest_first(steps: Iterable[int], runs: Mapping[int, float]) -> List[int]:
     """The order the loader tries committed steps in, and so the one ``easyckpt ls`` names as its pick:
-    newest commit first, by run then step (order_key); a step with no run recorded (a framework's own
+    newest commit first, by run then step (Manifest.run); a step with no run recorded (a framework's own
     checkpoint, or one committed before runs were recorded) counts as run 0."""
     return sorted(set(steps), key=lambda s: (runs.get(s, 0.0), s), reverse=True)
 
@@ -123,10 +277,12 @@ def check_relpath(rel: Any) -> str:
         raise ManifestError(f"{exc}; a manifest lists plain paths inside its step directory") from None
 
 
-def validate(data: Any) -> Dict[str, Any]:
-    """``data`` (a parsed manifest) if every field has its type and range; ManifestError naming the first
-    field that does not. Unknown top-level fields (``created``, ``info``, ...) and unknown entry fields
-    (``derived_by``) are allowed: newer writers may add some."""
+def validate(data: Any) -> Manifest:
+    """``data`` (a parsed manifest) as a Manifest; ManifestError naming the first bad field."""
+    return Manifest.parse(data)
+
+
+def _parse(data: Any) -> Manifest:
     if not isinstance(data, dict):
         raise ManifestError(f"not a JSON object but {type(data).__name__}")
 
@@ -138,50 +294,65 @@ def validate(data: Any) -> Dict[str, Any]:
             raise ManifestError(f"field {key!r} is {value!r}, expected {what}")
         return value
 
-    need("format_version", lambda v: _is_int(v) and 1 <= v <= FORMAT_VERSION,
-         f"an integer from 1 to {FORMAT_VERSION} (this easyckpt reads those)")
-    need("step", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
-    need("job_id", lambda v: isinstance(v, str) and v != "", "a non-empty string")
-    need("framework", lambda v: isinstance(v, str) and v != "", "a non-empty string")
-    need("world_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
-    need("checksum", lambda v: v in ALGOS, f"one of {', '.join(ALGOS)}")
+    version = need("format_version", lambda v: _is_int(v) and 1 <= v <= FORMAT_VERSION,
+                   f"an integer from 1 to {FORMAT_VERSION} (this easyckpt reads those)")
+    step = need("step", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    job_id = need("job_id", lambda v: isinstance(v, str) and v != "", "a non-empty string")
+    framework = need("framework", lambda v: isinstance(v, str) and v != "", "a non-empty string")
+    world_size = need("world_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    algo = need("checksum", lambda v: v in ALGOS, f"one of {', '.join(ALGOS)}")
     files = need("files", lambda v: isinstance(v, dict), "an object of file name -> entry")
-    if "created" in data and not (isinstance(data["created"], (int, float)) and not isinstance(data["created"], bool)):
-        raise ManifestError(f"field 'created' is {data['created']!r}, expected a number")
-    if "job" in data and not isinstance(data["job"], str):
-        raise ManifestError(f"field 'job' is {data['job']!r}, expected a string (the job's name)")
-    if "info" in data and not isinstance(data["info"], dict):
-        raise ManifestError(f"field 'info' is {data['info']!r}, expected an object")
-    check_files(files)
-    return data
+    created = data.get("created", 0.0)
+    if not (isinstance(created, (int, float)) and not isinstance(created, bool)):
+        raise ManifestError(f"field 'created' is {created!r}, expected a number")
+    job = data.get("job")
+    if "job" in data and not isinstance(job, str):
+        raise ManifestError(f"field 'job' is {job!r}, expected a string (the job's name)")
+    info = data.get("info", {})
+    if not isinstance(info, dict):
+        raise ManifestError(f"field 'info' is {info!r}, expected an object")
+    extra = {k: v for k, v in data.items() if k not in _MANIFEST_FIELDS}
+    return Manifest(step=step, framework=framework, files=parse_files(files), job_id=job_id,
+                    world_size=world_size, checksum=algo, created=float(created), job=job, info=info,
+                    format_version=version, extra=extra)
 
 
-def check_files(files: Dict[str, Any]) -> None:
+def parse_files(files: Dict[str, Any]) -> Dict[str, FileEntry]:
     """A manifest's (or a rank's marker's) ``files``: each a safe relative path with its size, checksum and
     format; ManifestError names the first bad one."""
+    out: Dict[str, FileEntry] = {}
     for rel, entry in files.items():
         try:
             check_relpath(rel)
         except ManifestError as exc:
             raise ManifestError(f"files: {exc}") from None
-        where = f"files[{rel!r}]"
-        if not isinstance(entry, dict):
-            raise ManifestError(f"{where} is {entry!r}, expected an object with size and checksum")
-        if "size" not in entry:
-            raise ManifestError(f"{where}.size is missing")
-        if not (_is_int(entry["size"]) and entry["size"] >= 0):
-            raise ManifestError(f"{where}.size is {entry['size']!r}, expected an integer >= 0")
-        if "checksum" not in entry:
-            raise ManifestError(f"{where}.checksum is missing")
-        if not (isinstance(entry["checksum"], str) and entry["checksum"]):
-            raise ManifestError(f"{where}.checksum is {entry['checksum']!r}, expected a non-empty string")
-        if "format" in entry and entry["format"] not in NAMES:
-            raise ManifestError(f"{where}.format is {entry['format']!r}, expected one of {', '.join(NAMES)}")
+        out[rel] = FileEntry.parse(rel, entry)
+    return out
 
 
-def check_bytes(rel: str, data: _Data, manifest: Dict[str, Any]) -> Optional[str]:
-    algo = manifest.get("checksum", ALGO)
-    return compare(rel, len(data), lambda: checksum(data, algo), manifest["files"][rel], algo)
+def _parse_items(rel: str, items: Any, size: int) -> Tuple[Item, ...]:
+    """A data file's ``items``: in file order, apart, inside the file, each id [name, offsets, sizes] or
+    [name, None, None]; ManifestError if not."""
+    from easyckpt.formats.slotmeta import item_id_ok
+
+    if not isinstance(items, list):
+        raise ManifestError(f"files[{rel!r}].items is not a list")
+    out, end = [], 0
+    for n, item in enumerate(items):
+        if not (isinstance(item, list) and len(item) == 4 and _is_int(item[0]) and _is_int(item[1])
+                and item[0] >= end and item[1] >= 0 and isinstance(item[2], str)
+                and (item[3] is None or item_id_ok(item[3]))):
+            raise ManifestError(f"files[{rel!r}].items[{n}] is not [offset, length, checksum, id] after the "
+                                f"previous item")
+        end = item[0] + item[1]
+        out.append(Item(item[0], item[1], item[2], item[3]))
+    if end > size:
+        raise ManifestError(f"files[{rel!r}].items end at byte {end}, past the file's {size}")
+    return tuple(out)
+
+
+def check_bytes(rel: str, data: _Data, manifest: Manifest) -> Optional[str]:
+    return compare(rel, len(data), lambda: checksum(data, manifest.algo), manifest.files[rel], manifest.algo)
 
 
 def size_problem(rel: str, size: int, recorded: int) -> Optional[str]:
@@ -193,35 +364,14 @@ def size_problem(rel: str, size: int, recorded: int) -> Optional[str]:
     return f"{rel}: size {size_and_bytes(size)} on disk, the manifest records {size_and_bytes(recorded)}: {how}"
 
 
-def compare(rel: str, size: int, digest: Callable[[], str], entry: Dict[str, Any], algo: str = ALGO
-             ) -> Optional[str]:
+def compare(rel: str, size: int, digest: Callable[[], str], entry: FileEntry, algo: str = ALGO) -> Optional[str]:
     """The problem of a file of ``size`` bytes against its manifest entry (the digest only when the size
     is right), or None."""
-    problem = size_problem(rel, size, entry["size"])
+    problem = size_problem(rel, size, entry.size)
     if problem:
         return problem
     got = digest()
-    if got != entry["checksum"]:
-        return (f"{rel}: checksum {got} on disk, the manifest records {entry['checksum']} ({algo}; the size, "
+    if got != entry.checksum:
+        return (f"{rel}: checksum {got} on disk, the manifest records {entry.checksum} ({algo}; the size, "
                 f"{size_and_bytes(size)}, matches: corrupted)")
     return None
-
-
-def check_items(rel: str, entry: Dict[str, Any]) -> List[List[Any]]:
-    """A data file's ``items`` (distcp: [offset, length, checksum, id], written by the agent): in file order,
-    apart, inside the file, each id [name, offsets, sizes] or [name, None, None]; ManifestError if not."""
-    from easyckpt.formats.slotmeta import item_id_ok
-
-    items, end = entry.get("items"), 0
-    if not isinstance(items, list):
-        raise ManifestError(f"files[{rel!r}].items is not a list")
-    for n, item in enumerate(items):
-        if not (isinstance(item, list) and len(item) == 4 and _is_int(item[0]) and _is_int(item[1])
-                and item[0] >= end and item[1] >= 0 and isinstance(item[2], str)
-                and (item[3] is None or item_id_ok(item[3]))):
-            raise ManifestError(f"files[{rel!r}].items[{n}] is not [offset, length, checksum, id] after the "
-                                f"previous item")
-        end = item[0] + item[1]
-    if end > entry["size"]:
-        raise ManifestError(f"files[{rel!r}].items end at byte {end}, past the file's {entry['size']}")
-    return items

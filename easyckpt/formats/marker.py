@@ -8,18 +8,19 @@ import json
 from typing import Any, Dict
 
 from easyckpt.errors import ManifestError
-from easyckpt.formats.manifest import check_files
+from easyckpt.formats.manifest import FileEntry, parse_files
 
 
 @dataclasses.dataclass(frozen=True)
 class Marker:
     rank: int
     step: int
-    files: Dict[str, Dict[str, Any]]      # relpath -> the manifest entry the rank's files get (size, checksum...)
+    files: Dict[str, FileEntry]           # relpath -> the manifest entry the rank's files get
     info: Dict[str, Any]                  # what the adapter recorded (merged into the manifest's "info")
 
     def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self)).encode()
+        return json.dumps({"rank": self.rank, "step": self.step, "info": self.info,
+                           "files": {rel: e.to_json() for rel, e in self.files.items()}}).encode()
 
     @classmethod
     def parse(cls, data: bytes) -> "Marker":
@@ -37,5 +38,4 @@ class Marker:
         files, info = obj.get("files"), obj.get("info", {})
         if not isinstance(files, dict) or not isinstance(info, dict):
             raise ManifestError("a done-marker's files or info is not an object")
-        check_files(files)
-        return cls(obj["rank"], obj["step"], files, info)
+        return cls(obj["rank"], obj["step"], parse_files(files), info)

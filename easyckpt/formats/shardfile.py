@@ -79,7 +79,7 @@ def parse(buf: Union[bytes, bytearray, memoryview]) -> Tuple[Any, List[Tuple[str
     return skeleton, entries
 
 
-def file_entries(tensors: List[Tuple[str, str, List[int], int, int]], region_start: int
+def file_entries(tensors: Sequence[Tuple[str, str, List[int], int, int]], region_start: int
                  ) -> List[Tuple[str, str, List[int], int, int]]:
     """Translate slot offsets to offsets relative to the file's data section."""
     return [(k, d, s, b - region_start, e - region_start) for k, d, s, b, e in tensors]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
-from typing import Any, Callable, Dict, List, Set
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from easyckpt.errors import BadSlotMeta, UnsafePath
 from easyckpt.formats.paths import check_relpath
@@ -28,7 +29,47 @@ def _int(value: Any, what: str, low: int = 0) -> int:
     return value
 
 
-def parse(raw: bytes, step: int, data_begin: int, data_end: int) -> Dict[str, Any]:
+class TensorSpan(NamedTuple):
+    """One tensor's bytes in the slot: [key, dtype, shape, begin, end] on the wire."""
+    key: str
+    dtype: str                 # a safetensors dtype name (ITEMSIZE)
+    shape: List[int]
+    begin: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotFile:
+    """One file of a snapshot: where its tensors lie in the slot, its format and skeleton (the rest of its
+    tree, checked by its format's SKELETON_CHECKS), and whether the agent persists it."""
+    relpath: str
+    persist: bool
+    fmt: ShardFormat
+    start: int
+    end: int
+    tensors: Tuple[TensorSpan, ...]
+    skeleton: Any
+
+    def ranges(self) -> Dict[str, Tuple[int, int]]:
+        """key -> (begin, end) of each tensor in the slot."""
+        return {t.key: (t.begin, t.end) for t in self.tensors}
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotMeta:
+    """A complete slot's checked metadata."""
+    step: int
+    files: Tuple[SlotFile, ...]
+    info: Mapping[str, Any]            # what the adapter recorded (merged into the manifest's "info")
+
+    @property
+    def layout(self) -> Optional[str]:
+        """The parallel layout the adapter recorded, if a string (a snapshot of another one is not used)."""
+        value = self.info.get("layout")
+        return value if isinstance(value, str) else None
+
+
+def parse(raw: bytes, step: int, data_begin: int, data_end: int) -> SlotMeta:
     """The checked metadata of a slot whose header says ``step`` and whose data region is
     [data_begin, data_end)."""
     try:
@@ -42,18 +83,21 @@ def parse(raw: bytes, step: int, data_begin: int, data_end: int) -> Dict[str, An
     files, skeletons = meta.get("files"), meta.get("skeletons")
     if not isinstance(files, list) or not isinstance(skeletons, dict):
         raise BadSlotMeta("metadata lacks a 'files' list or a 'skeletons' object")
-    if not isinstance(meta.get("info", {}), dict):
+    info = meta.get("info", {})
+    if not isinstance(info, dict):
         raise BadSlotMeta("metadata 'info' is not an object")
     seen = set()
+    out = []
     for n, f in enumerate(files):
-        _check_file(f, n, skeletons, data_begin, data_end)
-        if f["relpath"] in seen:
-            raise BadSlotMeta(f"file {f['relpath']!r} appears twice")
-        seen.add(f["relpath"])
-    return meta
+        checked = _check_file(f, n, skeletons, data_begin, data_end)
+        if checked.relpath in seen:
+            raise BadSlotMeta(f"file {checked.relpath!r} appears twice")
+        seen.add(checked.relpath)
+        out.append(checked)
+    return SlotMeta(step, tuple(out), info)
 
 
-def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data_end: int) -> None:
+def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data_end: int) -> SlotFile:
     if not isinstance(f, dict):
         raise BadSlotMeta(f"files[{n}] is not an object")
     try:
@@ -62,6 +106,7 @@ def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data
         raise BadSlotMeta(f"files[{n}]: {exc}") from None
     if not isinstance(f.get("persist"), bool) or f.get("fmt", DEFAULT.value) not in NAMES:
         raise BadSlotMeta(f"{rel}: 'persist' is not a boolean or 'fmt' is not one of {NAMES}")
+    fmt = ShardFormat.parse(f.get("fmt", DEFAULT.value))
     start, end = _int(f.get("start"), f"{rel}: start"), _int(f.get("end"), f"{rel}: end")
     if not data_begin <= start <= end <= data_end:
         raise BadSlotMeta(f"{rel}: bytes [{start}, {end}) lie outside the data region [{data_begin}, {data_end})")
@@ -70,6 +115,7 @@ def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data
         raise BadSlotMeta(f"{rel}: 'tensors' is not a list")
     pos: int = start
     keys: Set[str] = set()
+    spans: List[TensorSpan] = []
     for t in tensors:
         if not (isinstance(t, list) and len(t) == 5 and isinstance(t[0], str) and t[1] in ITEMSIZE
                 and isinstance(t[2], list) and len(t[2]) <= MAX_DIMS):
@@ -83,10 +129,11 @@ def _check_file(f: Any, n: int, skeletons: Dict[str, Any], data_begin: int, data
                               f"right after the previous one (at {pos})")
         pos = e
         keys.add(key)
+        spans.append(TensorSpan(key, dtype, list(shape), b, e))
     if pos != end:
         raise BadSlotMeta(f"{rel}: tensors end at {pos}, the file's region at {end}")
-    SKELETON_CHECKS[ShardFormat.parse(f.get("fmt", DEFAULT.value))](rel, skeletons.get(rel), keys, tensors,
-                                                                     rel in skeletons)
+    SKELETON_CHECKS[fmt](rel, skeletons.get(rel), keys, tensors, rel in skeletons)
+    return SlotFile(rel, f["persist"], fmt, start, end, tuple(spans), skeletons.get(rel))
 
 
 def _check_torch(rel: str, skeleton: Any, keys: Set[str], tensors: List[Any], present: bool) -> None:
@@ -142,11 +189,6 @@ def _b64(text: str, rel: str) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise BadSlotMeta(f"{rel}: skeleton data is not base64") from None
-
-
-def tensor_ranges(f: Dict[str, Any]) -> Dict[str, List[int]]:
-    """key -> [begin, end] of a checked file entry."""
-    return {t[0]: [t[3], t[4]] for t in f["tensors"]}
 
 
 def item_id_ok(ident: Any) -> bool:

@@ -17,7 +17,7 @@ then calls ``ensure_unchanged`` to close the seqlock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Optional
 
 from easyckpt.errors import BadSlotMeta, SlotNotComplete
 from easyckpt.formats import slotmeta
@@ -30,7 +30,7 @@ class CompleteSlot:
 
     path: str
     header: shm.Header
-    meta: Dict[str, Any]
+    meta: slotmeta.SlotMeta
 
     @property
     def step(self) -> int:

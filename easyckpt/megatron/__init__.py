@@ -38,6 +38,7 @@ from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError, ConfigError
+from easyckpt.formats.manifest import Manifest
 from easyckpt.megatron import reshard_torch as _reshard
 from easyckpt.megatron import shardmap as _shardmap
 from easyckpt.megatron import state as _state
@@ -114,13 +115,13 @@ class MegatronState(FrameworkState[Any]):
         return total
 
     @as_reads
-    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[Any, ...]]:
+    def needed(self, manifest: Manifest) -> List[Tuple[Any, ...]]:
         where = _state.parallel()
-        if _dist.is_torch_dist(manifest["files"]):
+        if _dist.is_torch_dist(manifest.files):
             if self._request is None:      # once per load, not per candidate step
                 self._request = _dist.request(self.model, self.optimizer, where)
             return _dist.needed(where, torch.distributed.get_world_size(), manifest, self._request)
-        saved = (manifest.get("info") or {}).get("layout")
+        saved = manifest.layout
         now = self.layout()
         moved = _dist.changed(saved, now) if isinstance(saved, str) else []
         # with split experts the dense optimizer shards of one (tp, pp) lie in every EP rank's directory:
@@ -130,9 +131,9 @@ class MegatronState(FrameworkState[Any]):
             if not self.concat:
                 # a CheckpointError from needed() is the verdict "incompatible" (engine/load.py): the step is
                 # kept as it is, an older one of this layout is tried, and none: the job stops naming this
-                raise CheckpointError(f"iteration {manifest['step']} was saved in Megatron's torch layout with {saved}; "
+                raise CheckpointError(f"iteration {manifest.step} was saved in Megatron's torch layout with {saved}; "
                                     f"this run is {now}: pass load_checkpoint(..., concat=True) to reshard it")
-            return _reshard.needed(manifest, saved, now, manifest["step"],
+            return _reshard.needed(manifest, saved, now, manifest.step,
                                    _shardmap.shard_map(self.model, self.optimizer, now))
         # concat reads every DP rank's optimizer shard: only when the data-parallel size changed
         return _state.needed(where, self.optimizer, manifest, self.concat and saved != now)
@@ -144,7 +145,7 @@ class MegatronState(FrameworkState[Any]):
             same = True if in_memory else _dist.same_layout(loaded.manifest, loaded.trees[_dist.COMMON],
                                                              self.layout())
             t0 = time.perf_counter()
-            before = ((loaded.manifest or {}).get("info") or {}).get("layout")
+            before = loaded.manifest.layout if loaded.manifest else None
             moved = before != self.layout() if isinstance(before, str) else not same
             split = _reshard.expert_split(self.layout()) or (isinstance(before, str) and _reshard.expert_split(before))
             saved = _dist.restore(loaded.trees, None if in_memory else loaded.path, where, self.model,
@@ -156,7 +157,7 @@ class MegatronState(FrameworkState[Any]):
                              f"{time.perf_counter() - t0:.2f} s")
         elif loaded.source == "storage" and _reshard.is_reshard(loaded.trees):
             t0 = time.perf_counter()
-            before = ((loaded.manifest or {}).get("info") or {}).get("layout")
+            before = loaded.manifest.layout if loaded.manifest else None
             saved = _reshard.restore(loaded.trees, where, self.model, self.optimizer, self.opt_param_scheduler,
                                      self.layout(), before if isinstance(before, str) else "")
             if where.rank == 0:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 from easyckpt.errors import CheckpointError, EasyCkptError
+from easyckpt.formats.manifest import Manifest
 from easyckpt.megatron import state as _state
 from easyckpt.megatron.shardmap import SHARDMAP, VERSION, Entry, live_tensors, shard_map
 
@@ -39,11 +40,11 @@ def expert_split(layout: str) -> bool:
     return m is not None and int(m.group(1)) > 1
 
 
-def needed(manifest: Dict[str, Any], saved: str, now: str, step: int, mine: Dict[str, Any]) -> List[Tuple[Any, ...]]:
+def needed(manifest: Manifest, saved: str, now: str, step: int, mine: Dict[str, Any]) -> List[Tuple[Any, ...]]:
     """Every model-parallel rank's sharding map, then of its model file and every DistributedOptimizer
     shard the tensors whose blocks overlap this rank's (``mine``, its own map): files the agent wrote list
     their items, and only those are read (torchparts.py); older ones are read whole."""
-    files = manifest["files"]
+    files = manifest.files
     dirs = sorted({m.group(1) for rel in files for m in [MODEL_FILE.fullmatch(rel)] if m})
     lacking = [d for d in dirs if f"{d}/{SHARDMAP}" not in files]
     if not dirs or lacking:
@@ -55,7 +56,7 @@ def needed(manifest: Dict[str, Any], saved: str, now: str, step: int, mine: Dict
     data = [(f"{d}/model_optim_rng.pt", want.model(d)) for d in dirs]
     data += [(rel, want.distopt(m.group(1))) for rel in sorted(files) if (m := DISTOPT_FILE.fullmatch(rel))]
     return [(f"{d}/{SHARDMAP}", False) for d in dirs] + \
-        [(rel, False, pick) if "items" in files[rel] else (rel, False) for rel, pick in data]
+        [(rel, False, pick) if files[rel].items is not None else (rel, False) for rel, pick in data]
 
 
 def _meets(offset: List[int], sizes: List[int], other: Tuple[List[int], List[int]]) -> bool:

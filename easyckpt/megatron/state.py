@@ -28,6 +28,7 @@ import torch
 from easyckpt.config import NAMINGS
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
+from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
 
 NAMING = NAMINGS["megatron"]
@@ -284,16 +285,16 @@ def dp_zero_file(where: Parallel) -> str:
     return f"{where.mp_dir}/distrib_optim.pt"
 
 
-def needed(where: Parallel, optimizer: Any, manifest: Dict[str, Any], concat: bool) -> List[Tuple[str, bool]]:
+def needed(where: Parallel, optimizer: Any, manifest: Manifest, concat: bool) -> List[Tuple[str, bool]]:
     files = [(where.model_file, False)]
     if any(is_distributed(o) for o in optimizers(optimizer)):
         shard_prefix = f"{where.mp_dir}/distrib_optim_dp"
-        if dp_zero_file(where) in manifest["files"] and not any(r.startswith(shard_prefix) for r in manifest["files"]):
+        if dp_zero_file(where) in manifest.files and not any(r.startswith(shard_prefix) for r in manifest.files):
             if where.dp == 0:   # written by Megatron itself: DP rank 0 reads it and scatters (restore)
                 files.append((dp_zero_file(where), False))
         elif concat:   # every saved DP rank's shard of this (tp, pp)
             prefix = f"{where.mp_dir}/distrib_optim_dp"
-            shards = sorted(r for r in manifest["files"] if r.startswith(prefix))
+            shards = sorted(r for r in manifest.files if r.startswith(prefix))
             if not shards:
                 raise CheckpointError(f"no distributed-optimizer shards under {where.mp_dir} in the checkpoint")
             files.extend((r, False) for r in shards)

@@ -27,14 +27,14 @@ import contextlib
 import io
 import json
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.engine.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
-from easyckpt.formats import manifest as mf
+from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.megatron import state as _state
 from easyckpt.megatron.distopt import (
@@ -57,7 +57,7 @@ def data_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def is_torch_dist(files: Sequence[str]) -> bool:
+def is_torch_dist(files: Collection[str]) -> bool:
     """Whether a checkpoint's files are the torch_dist layout."""
     return METADATA_JSON in files and DCP_METADATA in files
 
@@ -81,10 +81,10 @@ def changed(saved: str, now: str) -> List[str]:
     return [k for k in ("tp", "pp", "dp", "vp", "ep") if a.get(k) != b.get(k)]
 
 
-def same_layout(manifest: Optional[Dict[str, Any]], common: Dict[str, Any], now: str) -> bool:
+def same_layout(manifest: Optional[Manifest], common: Dict[str, Any], now: str) -> bool:
     """Whether a checkpoint in storage was saved on this run's TP and PP sizes (its RNG states then apply):
     by easyckpt's manifest, or for one Megatron wrote itself by the arguments in its common.pt."""
-    saved = ((manifest or {}).get("info") or {}).get("layout")
+    saved = manifest.layout if manifest is not None else None
     if isinstance(saved, str):
         return same_tp_pp(saved, now)
     args = common.get("args")
@@ -274,8 +274,8 @@ def request(model: Any, optimizer: Any, where: _state.Parallel) -> List[Tuple[st
             for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
 
 
-def _data_files(manifest: Dict[str, Any]) -> List[str]:
-    return sorted(rel for rel in manifest["files"] if rel.startswith("__") and rel.endswith("_0.distcp")
+def _data_files(manifest: Manifest) -> List[str]:
+    return sorted(rel for rel in manifest.files if rel.startswith("__") and rel.endswith("_0.distcp")
                   and rel[2:-len("_0.distcp")].isdigit())
 
 
@@ -287,7 +287,7 @@ def _overlaps(ident: Any, wanted: Dict[str, List[Tuple[List[int], List[int]]]]) 
                for o, s in boxes)
 
 
-def needed(where: _state.Parallel, world_size: int, manifest: Dict[str, Any],
+def needed(where: _state.Parallel, world_size: int, manifest: Manifest,
            wanted: Optional[List[Tuple[str, List[int], List[int]]]] = None) -> List[Tuple[Any, ...]]:
     """The small files, the data this rank's load reads, and its own RNG states. easyckpt's own
     checkpoints record each item's place and checksum (manifest ``items``): a rank reads and checks only
@@ -296,13 +296,13 @@ def needed(where: _state.Parallel, world_size: int, manifest: Dict[str, Any],
     size: each is checked once."""
     files: List[Tuple[Any, ...]] = [(COMMON, False), (METADATA_JSON, False), (DCP_METADATA, False)]
     data = _data_files(manifest)
-    if wanted is not None and data and all("items" in manifest["files"][rel] for rel in data):
+    if wanted is not None and data and all(manifest.files[rel].items is not None for rel in data):
         by_key: Dict[str, List[Tuple[List[int], List[int]]]] = {}
         for key, offset, sizes in wanted:
             by_key.setdefault(key, []).append((offset, sizes))
         for rel in data:
-            items = mf.check_items(rel, manifest["files"][rel])
-            picked = [i for i, item in enumerate(items) if _overlaps(item[3], by_key)]
+            items = manifest.files[rel].items or ()
+            picked = [i for i, item in enumerate(items) if _overlaps(item.ident, by_key)]
             if picked:
                 files.append((rel, False, picked))
     else:

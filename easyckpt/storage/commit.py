@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 class Committed(NamedTuple):
     path: str                      # the step directory, under its final name
     nbytes: int                    # what its files hold
-    manifest: Dict[str, Any]       # as written: retention reads the adapter's "protect" from it, not from disk
+    manifest: mf.Manifest          # as written: retention reads the adapter's "protect" from it, not from disk
 
 
 def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
@@ -52,13 +52,12 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     if set(markers) != set(range(world_size)) or steps != {step}:
         raise RuntimeError(f"refusing to commit step {step}: shards from ranks {sorted(markers)} for steps "
                            f"{sorted(steps)}, expected every rank of {world_size} at step {step}")
-    files: Dict[str, Dict[str, Any]] = {}
+    files: Dict[str, mf.FileEntry] = {}
     info: Dict[str, Any] = {}
     for rank in sorted(markers, reverse=True):   # what the adapter said on rank 0 wins
         files.update(markers[rank].files)
         info.update(markers[rank].info)
-    manifest = mf.build(step, job_id, sd.naming.framework, world_size, files, {**(extra or {}), "info": info},
-                        job_name=sd.job_name)
+    manifest = mf.build(step, job_id, sd.naming.framework, world_size, files, info, job_name=sd.job_name)
     final = sd.step_path(step)
     try:
         sd.write_manifest(staging, manifest)
@@ -81,10 +80,10 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     if sd.naming.tracker:
         sd.storage.write_atomic(sd.path(sd.naming.tracker), sd.naming.tracker_text(step).encode())
     faults.inject("agent.after_tracker")
-    return Committed(final, sum(f["size"] for f in files.values()), manifest)
+    return Committed(final, manifest.nbytes, manifest)
 
 
-def _retire_existing(sd: "SaveDir", step: int, final: str, new: Dict[str, Any], log: AuditLog) -> None:
+def _retire_existing(sd: "SaveDir", step: int, final: str, new: mf.Manifest, log: AuditLog) -> None:
     """A step directory of the same name exists. A foreign one (not easyckpt's, another job's) is never
     touched (docs/reliability.md promise 4). One of this job is replaced only when nothing is lost by it:
     committed by this same run (a fresh snapshot of the step, e.g. with evaluation results) or rejected as
@@ -97,10 +96,10 @@ def _retire_existing(sd: "SaveDir", step: int, final: str, new: Dict[str, Any], 
     if man is None and sd.storage.listdir(final):
         raise FileExistsError(f"{final} exists and is not an easyckpt checkpoint; refusing to replace it")
     if man is not None and not sd.owns(man):
-        raise FileExistsError(f"{final} holds a checkpoint of another job ({mf.job_words(man)}); refusing to "
+        raise FileExistsError(f"{final} holds a checkpoint of another job ({man.job_words()}); refusing to "
                               f"replace it: move it away, or give this job another save_dir")
     damaged = sd.read_damaged().get(os.path.basename(final))
-    if man is None or damaged is not None or mf.run_of(man) == mf.run_of(new):
+    if man is None or damaged is not None or man.run == new.run:
         why = (f"replaced by a newer commit of the same step (the old one was rejected: {damaged})" if damaged
                else "replaced by a newer commit of the same step")
         sd.delete_dir(final, log, why)

@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 from typing import (
     TYPE_CHECKING,
-    Any,
-    Dict,
     Iterable,
     List,
     Optional,
@@ -26,6 +24,7 @@ from typing import (
     Tuple,
 )
 
+from easyckpt.formats.manifest import Manifest
 from easyckpt.storage.auditlog import AuditLog
 
 if TYPE_CHECKING:
@@ -38,10 +37,10 @@ class RetentionPolicy(Protocol):
     def to_delete(self, committed_newest_first: Committed) -> Committed: ...
 
 
-def protected(man: Optional[Dict[str, Any]]) -> Set[int]:
+def protected(man: Optional[Manifest]) -> Set[int]:
     """Steps the adapter asked to keep whatever their age (the HF Trainer's best checkpoint), as recorded
     in the (validated) manifest of the newest commit."""
-    return {int(s) for s in ((man or {}).get("info") or {}).get("protect", [])}
+    return man.protect if man is not None else set()
 
 
 class KeepLast:

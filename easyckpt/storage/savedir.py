@@ -98,7 +98,7 @@ class SaveDir:
         than a previous run's higher step numbers."""
         return [(step, path) for step, path, _ in self.committed_manifests(own)]
 
-    def committed_manifests(self, own: bool = False) -> List[Tuple[int, str, Dict[str, Any]]]:
+    def committed_manifests(self, own: bool = False) -> List[Tuple[int, str, mf.Manifest]]:
         """committed(), each with its manifest."""
         if own:
             self._job()
@@ -108,11 +108,11 @@ class SaveDir:
             # own: what this job may prune or replace, so never a step directory another user owns
             if man is not None and (not own or (self.owns(man) and stepfiles.owner_problem(path) is None)):
                 out.append((step, path, man))
-        return sorted(out, key=lambda e: mf.order_key(e[0], e[2]), reverse=True)
+        return sorted(out, key=lambda e: (e[2].run, e[0]), reverse=True)
 
-    def owns(self, man: Dict[str, Any]) -> bool:
-        """Whether a validated manifest is a step of this job (mf.same_job)."""
-        return mf.same_job(man, self._job(), self.job_name)
+    def owns(self, man: mf.Manifest) -> bool:
+        """Whether a validated manifest is a step of this job (Manifest.same_job)."""
+        return man.same_job(self._job(), self.job_name)
 
     def is_committed(self, step: int) -> bool:
         return stepfiles.committed(self.step_path(step), step) is not None
@@ -162,7 +162,7 @@ class SaveDir:
 
     # ---- per-rank markers -----------------------------------------------------------------------------
 
-    def write_marker(self, step: int, rank: int, files: Dict[str, Dict[str, Any]],
+    def write_marker(self, step: int, rank: int, files: Dict[str, mf.FileEntry],
                      info: Optional[Dict[str, Any]] = None) -> None:
         """Rank ``rank``'s files of ``step`` are durable in its staging dir (written after they are)."""
         self.storage.write_atomic(os.path.join(self.staging_path(step), layout.marker_name(rank)),
@@ -223,7 +223,7 @@ class SaveDir:
         never sets aside another job's step, nor one another user owns)."""
         final = self.step_path(step)
         man = stepfiles.read(final) if self.storage.is_dir(final) else None
-        if man is None or man["step"] != step or not self.owns(man) or stepfiles.owner_problem(final):
+        if man is None or man.step != step or not self.owns(man) or stepfiles.owner_problem(final):
             log.emit("warning", step=step, path=final, message="not set aside: no committed step of this job there")
             return None
         stamp = time.time_ns() // 1000
@@ -277,14 +277,12 @@ class SaveDir:
         self.storage.makedirs(os.path.dirname(path))
         self.storage.write_atomic(path, data)
 
-    def add_to_manifest(self, step_dir: str, entries: Dict[str, Dict[str, Any]]) -> None:
+    def add_to_manifest(self, step_dir: str, entries: Dict[str, mf.FileEntry]) -> None:
         """List files already written by add_file in the step's manifest (rewritten atomically)."""
         man = stepfiles.read(step_dir)
         if man is None:
             raise CheckpointError(f"{step_dir} has no valid manifest")
-        man["files"].update(entries)
-        man["files"] = dict(sorted(man["files"].items()))
-        self.write_manifest(step_dir, man)
+        self.write_manifest(step_dir, man.with_files(entries))
 
-    def write_manifest(self, step_dir: str, man: Dict[str, Any]) -> None:
-        self.storage.write_atomic(os.path.join(step_dir, mf.MANIFEST_NAME), json.dumps(man, indent=1).encode())
+    def write_manifest(self, step_dir: str, man: mf.Manifest) -> None:
+        self.storage.write_atomic(os.path.join(step_dir, mf.MANIFEST_NAME), man.to_bytes())

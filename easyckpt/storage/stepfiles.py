@@ -21,7 +21,6 @@ import json
 import os
 import stat
 from typing import (
-    Any,
     Callable,
     Dict,
     Iterable,
@@ -43,7 +42,7 @@ from easyckpt.storage import fastread
 from easyckpt.units import size_and_bytes
 
 
-def load(step_dir: str) -> Dict[str, Any]:
+def load(step_dir: str) -> mf.Manifest:
     """The validated manifest of ``step_dir``. FileNotFoundError when there is none (not a checkpoint);
     ManifestError, with the reason, when it is unreadable, not JSON, or fails ``validate``."""
     path = os.path.join(step_dir, mf.MANIFEST_NAME)
@@ -73,7 +72,7 @@ def load(step_dir: str) -> Dict[str, Any]:
         raise ManifestError(f"{mf.MANIFEST_NAME} is invalid: {exc}") from None
 
 
-def read(step_dir: str) -> Optional[Dict[str, Any]]:
+def read(step_dir: str) -> Optional[mf.Manifest]:
     """The manifest of ``step_dir``, or None when it is missing, unreadable or invalid (not a checkpoint).
     Callers that must say why use ``load``."""
     try:
@@ -82,14 +81,14 @@ def read(step_dir: str) -> Optional[Dict[str, Any]]:
         return None
 
 
-def committed(step_dir: str, step: int) -> Optional[Dict[str, Any]]:
+def committed(step_dir: str, step: int) -> Optional[mf.Manifest]:
     """The manifest of ``step_dir`` when it commits ``step`` (valid, and of that step: a directory renamed
     to another step's name is not that step), else None. The one answer to "is this step committed"."""
     man, why = judge(step_dir, step)
     return man if why is None else None
 
 
-def judge(step_dir: str, step: int) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+def judge(step_dir: str, step: int) -> Tuple[Optional[mf.Manifest], Optional[str]]:
     """What the manifest of ``step_dir`` says of step ``step``, the one place a bad manifest becomes a
     reason: (manifest, None) when it commits that step; (None, None) when there is none (an interrupted save,
     a framework's own); (None, why) when it cannot be trusted; (manifest, why) when it is valid but another
@@ -102,8 +101,8 @@ def judge(step_dir: str, step: int) -> Tuple[Optional[Dict[str, Any]], Optional[
         return None, str(exc)
     except OSError as exc:
         return None, f"{mf.MANIFEST_NAME} unreadable ({exc.strerror or exc})"
-    if man["step"] != step:
-        return man, f"{mf.MANIFEST_NAME} is of step {man['step']}, not {step}"
+    if man.step != step:
+        return man, f"{mf.MANIFEST_NAME} is of step {man.step}, not {step}"
     return man, None
 
 
@@ -170,14 +169,14 @@ def read_entry(step_dir: str, rel: str, on_bytes: Optional[Callable[[int], None]
     return buf
 
 
-def read_items(step_dir: str, rel: str, manifest: Dict[str, Any], picked: Sequence[int],
+def read_items(step_dir: str, rel: str, manifest: mf.Manifest, picked: Sequence[int],
                on_bytes: Optional[Callable[[int], None]] = None, keep: Optional[Dict[int, bytearray]] = None
                ) -> Tuple[Optional[str], int]:
     """Read and checksum only items ``picked`` of listed file ``rel`` (its manifest ``items``, validated
-    here): (the first problem or None, bytes read). What a rank needs of a large shared file. ``keep``
+    checked when the manifest was parsed): (the first problem or None, bytes read). What a rank needs of a large shared file. ``keep``
     receives each checked item's bytes by index."""
-    items = mf.check_items(rel, manifest["files"][rel])
-    algo, nbytes = manifest.get("checksum", mf.ALGO), 0
+    items = manifest.entry(rel).items or ()
+    algo, nbytes = manifest.algo, 0
     with open_entry(step_dir, rel) as f:
         for i in picked:
             if type(i) is not int or not 0 <= i < len(items):
@@ -203,11 +202,11 @@ def read_items(step_dir: str, rel: str, manifest: Dict[str, Any], picked: Sequen
     return None, nbytes
 
 
-def check_sizes(step_dir: str, manifest: Dict[str, Any], relpaths: Optional[Iterable[str]] = None) -> List[str]:
+def check_sizes(step_dir: str, manifest: mf.Manifest, relpaths: Optional[Iterable[str]] = None) -> List[str]:
     """Cheap check: every listed file exists with its recorded size. Returns the problems found."""
     problems = []
-    for rel in (manifest["files"] if relpaths is None else relpaths):
-        entry = manifest["files"].get(rel)
+    for rel in (manifest.files if relpaths is None else relpaths):
+        entry = manifest.files.get(rel)
         if entry is None:
             problems.append(f"{rel}: not in the manifest")
             continue
@@ -219,31 +218,29 @@ def check_sizes(step_dir: str, manifest: Dict[str, Any], relpaths: Optional[Iter
         except OSError:
             problems.append(f"{rel}: missing")
             continue
-        problem = mf.size_problem(rel, size, entry["size"])
+        problem = mf.size_problem(rel, size, entry.size)
         if problem:
             problems.append(problem)
     return problems
 
 
-def read_verified(step_dir: str, rel: str, manifest: Dict[str, Any]) -> bytes:
+def read_verified(step_dir: str, rel: str, manifest: mf.Manifest) -> bytes:
     """The bytes of one listed file, after checking its size and checksum; ValueError if damaged or not
     listed (ManifestError is a ValueError too: a path that leaves the step)."""
-    if rel not in manifest["files"]:
-        raise CheckpointError(f"{rel}: not in the manifest; refusing to read a file that is not part of the checkpoint")
-    algo = manifest.get("checksum", mf.ALGO)
+    entry, algo = manifest.entry(rel), manifest.algo
     data, digest = read_entry_hashed(step_dir, rel, algo)     # one pass: read and checksum together
-    problem = mf.compare(rel, len(data), lambda: digest, manifest["files"][rel], algo)
+    problem = mf.compare(rel, len(data), lambda: digest, entry, algo)
     if problem:
         raise CheckpointError(problem)
     return bytes(data)
 
 
-def verify_file(step_dir: str, rel: str, manifest: Dict[str, Any],
+def verify_file(step_dir: str, rel: str, manifest: mf.Manifest,
                 on_bytes: Optional[Callable[[int], None]] = None, chunk: int = 16 << 20) -> Optional[str]:
     """Size and checksum of one listed file, read in chunks (memory stays flat for large shards);
     the problem found, or None. ``on_bytes`` hears of every chunk (a progress bar)."""
-    entry = manifest["files"][rel]
-    h = mf.Hasher(manifest.get("checksum", mf.ALGO))
+    entry = manifest.entry(rel)
+    h = mf.Hasher(manifest.algo)
     size = 0
     try:
         with open_entry(step_dir, rel) as f:

@@ -35,6 +35,7 @@ from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import deepspeed_tag
+from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class _Session(FrameworkState[Any]):
     def __init__(self, trainer: "Trainer", engine: Checkpointer):
         self.trainer, self.engine = trainer, engine
         self.trees: Optional[Dict[str, Any]] = None      # what a resume feeds the Trainer's load hooks
-        self.loaded_manifest: Dict[str, Any] = {}
+        self.loaded_manifest: Optional[Manifest] = None
         self.loaded_path: Optional[str] = None
         self.virtual_dir: Optional[str] = None
         self.saved_now = False
@@ -249,7 +250,7 @@ class _Session(FrameworkState[Any]):
     def restore(self, loaded: Loaded) -> str:
         engine = self.engine
         self.trees, self.loaded_path = loaded.trees, loaded.path
-        self.loaded_manifest = loaded.manifest or {}
+        self.loaded_manifest = loaded.manifest
         t = self.trainer
         # the Trainer's load hooks, shadowed by instance attributes (hooks() pops them)
         t._load_from_checkpoint = self._load_model  # type: ignore[method-assign]
@@ -265,12 +266,12 @@ class _Session(FrameworkState[Any]):
         return scratch.staged_file(self.virtual_dir, STATE, loaded.trees[STATE])
 
     @as_reads
-    def needed(self, manifest: Dict[str, Any]) -> List[Tuple[str, bool]]:
+    def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
         files = [(STATE, False), (self._rng_file(), True)]
         if not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
             files += [(MODEL, False), (OPTIM, False)]
         else:
-            tag = deepspeed_tag(manifest["step"])
+            tag = deepspeed_tag(manifest.step)
             files += ds.needed_files(tag + "/", self.args.process_index, self.args.world_size, manifest)
         for optional in (SCHED, SCALER):
             files.append((optional, True))
