@@ -93,3 +93,37 @@ def test_a_done_marker_round_trips_and_a_bad_one_is_refused_saying_what():
                       (b'{"rank": 0, "step": 1, "files": {"a": {"size": 1}}}', "checksum is missing")):
         with pytest.raises(ManifestError, match=says):
             Marker.parse(bad)
+
+
+def test_a_manifest_round_trips_through_json_keeping_what_a_newer_writer_added():
+    import json
+
+    from easyckpt.formats.manifest import FileEntry, Item, Manifest, build
+    from easyckpt.formats.shardformat import ShardFormat
+    files = {"a.distcp": FileEntry(7, "ab", ShardFormat.DCP, (Item(0, 7, "cd", ["w", [0], [7]]),), extra={"future": 1}),
+             "b.json": FileEntry(2, "ef", derived_by="easyckpt convert")}
+    man = build(5, "job", "pytorch", 2, files, {"run": 1.5, "protect": [3, "x"], "layout": "tp1"}, job_name="j")
+    raw = man.to_json()
+    raw["newer_field"] = {"x": 1}
+    again = Manifest.parse(json.loads(json.dumps(raw)))
+    assert again.to_json() == raw and again.extra == {"newer_field": {"x": 1}}
+    assert again.files["a.distcp"] == files["a.distcp"] and again.files["b.json"].shard_format == ShardFormat.SAFETENSORS
+    assert again.run == 1.5 and again.protect == {3} and again.layout == "tp1" and again.nbytes == 9
+    assert again.same_job("another id", "j") and not again.same_job("job", "k") and "job_name='j'" in again.job_words()
+    assert again.with_files({"c.bin": FileEntry(1, "00")}, drop=["b.json"]).files.keys() == {"a.distcp", "c.bin"}
+
+
+def test_slot_metadata_parses_to_records_and_names_a_bad_field():
+    import json
+
+    from easyckpt.errors import BadSlotMeta
+    from easyckpt.formats import slotmeta
+    from easyckpt.formats.shardformat import ShardFormat
+    f = {"relpath": "m.safetensors", "persist": True, "fmt": "safetensors", "start": 100, "end": 112,
+         "tensors": [["w", "F32", [3], 100, 112]]}
+    meta = {"step": 4, "files": [f], "skeletons": {"m.safetensors": {"w": {"__t": "w"}}}, "info": {"layout": "tp2"}}
+    got = slotmeta.parse(json.dumps(meta).encode(), 4, 100, 200)
+    assert got.layout == "tp2" and got.files[0].fmt == ShardFormat.SAFETENSORS and got.files[0].ranges() == {"w": (100, 112)}
+    f["tensors"][0][4] = 116
+    with pytest.raises(BadSlotMeta, match="w at \\[100, 116\\) is not 3 x 4 bytes"):
+        slotmeta.parse(json.dumps(meta).encode(), 4, 100, 200)

@@ -57,7 +57,7 @@ class Entry:
     files: int
     layout: Dict[str, int] = field(default_factory=dict)    # tp, pp, dp, world
     job_id: Optional[str] = None
-    run: float = 0.0                   # when the run that committed it started (mf.run_of): orders the pick
+    run: float = 0.0                   # when the run that committed it started (Manifest.run): orders the pick
     picked: bool = False               # the one easyckpt's loader would pick
     staging: bool = False              # a step being written (or left by a crash), not yet visible
     # complete | plain (the HF Trainer's own, no manifest) | incomplete (never committed) | damaged | staging |

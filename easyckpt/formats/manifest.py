@@ -7,10 +7,14 @@ costs little; zlib's crc32 is the fallback when xxhash is missing.
 This module is the format only (fields, validation, checksums, comparing a file against its entry);
 reading a step's manifest and the files it lists is storage/stepfiles.py's.
 
-Trust (docs/reliability.md promise 9, rows 20 and 25): a manifest is data from disk, checked like safetensors checks its
-header before anything in it is used: ``validate`` type-checks every field and every file entry and
-raises ManifestError naming the field; ``check_relpath`` refuses absolute paths, ``..``, empty, ``.``,
-NUL or backslash components in a listed name.
+The records: ``Manifest`` (a committed step's, or the inventory engine/adopt.py makes of a framework's
+own step), ``FileEntry`` (one listed file) and ``Item`` (a part of a data file a rank may read alone).
+They are frozen and built from JSON in one place, ``Manifest.parse``; every reader uses their fields.
+
+Trust (docs/reliability.md promise 9, rows 20 and 25): a manifest is data from disk, checked like
+safetensors checks its header before anything in it is used: ``Manifest.parse`` type-checks every field,
+every file entry and every item list, and raises ManifestError naming the field; ``check_relpath``
+refuses absolute paths, ``..``, empty, ``.``, NUL or backslash components in a listed name.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ _MAX_RECORD_BYTES = 1 << 20     # markers and the damaged record are small JSON;
 class SaveDir:
     """``job_id`` None: a reader that does not belong to a job (``easyckpt ls``): it may list, not write.
     ``job_name``: the job's name setting ("" when unset); a step is this job's when its manifest carries the
-    same name (mf.same_job), so a copied or moved directory stays the job's own. None: by job id alone."""
+    same name (Manifest.same_job), so a copied or moved directory stays the job's own. None: by job id alone."""
 
     def __init__(self, save_dir: str, naming: Naming, job_id: Optional[str] = None,
                  storage: Optional[Storage] = None, job_name: Optional[str] = None):
@@ -94,7 +94,7 @@ class SaveDir:
 
     def committed(self, own: bool = False) -> List[Tuple[int, str]]:
         """Step directories with a valid manifest of the same step (only this job's if ``own``), newest
-        commit first: by run, then step (mf.order_key), so that a new run's commits are never taken for older
+        commit first: by run, then step (Manifest.run), so that a new run's commits are never taken for older
         than a previous run's higher step numbers."""
         return [(step, path) for step, path, _ in self.committed_manifests(own)]
 
