@@ -96,7 +96,8 @@ NONE = {"tensors": {}}     # a rank's own sharding map, with nothing in it (whic
 
 
 def manifest(*files):
-    return {"step": 10, "files": {f: {} for f in files}}
+    from easyckpt.formats.manifest import FileEntry, build
+    return build(10, "job", "megatron", 2, {f: FileEntry(1, "00") for f in files})
 
 
 def test_the_files_a_resume_on_other_tp_sizes_reads_or_the_refusal():
