@@ -46,9 +46,14 @@ def megatron_losses(prefix: Path):
 
 # TP=2: each rank its own mp_rank_TT file; DP=2 with the DistributedOptimizer: Megatron's gathered
 # distrib_optim.pt, read by DP rank 0 and scattered by megatron-core's own dp_zero loader
+# torch_dist with the DistributedOptimizer: Megatron-LM's default dp_reshardable sharding, read back in the
+# sharding its content metadata names (asking for fully_reshardable keys crashed: KeyError)
 MEGATRON_LAYOUTS = {"tp2": (["--tp", "2"], ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"]),
                     "dp2_distopt": (["--use-distributed-optimizer"],
-                                    ["mp_rank_00/model_optim_rng.pt", "mp_rank_00/distrib_optim.pt"])}
+                                    ["mp_rank_00/model_optim_rng.pt", "mp_rank_00/distrib_optim.pt"]),
+                    "dp2_distopt_torch_dist": (["--use-distributed-optimizer", "--ckpt-format", "torch_dist"],
+                                               [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", "common.pt",
+                                                "metadata.json"])}
 
 
 @pytest.mark.parametrize("layout", sorted(MEGATRON_LAYOUTS))
@@ -201,5 +206,5 @@ def test_adoption_reads_only_regular_files_inside_the_step_and_never_a_damaged_e
     assert trees is None and "not on easyckpt's allow-list" in problem and "print" in problem
     trees, problem, nbytes, inv = adopt.read_candidate(found[4], needed)
     assert problem is None and trees["mp_rank_00/model_optim_rng.pt"]["iteration"] == 4
-    assert inv["adopted"] and inv["checksum"] is None and inv["info"] == {"tp": 1, "pp": 1}
+    assert inv.adopted and inv.checksum is None and inv.info == {"tp": 1, "pp": 1}
     assert nbytes == (save / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").stat().st_size

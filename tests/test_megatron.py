@@ -329,5 +329,37 @@ def test_the_hook_says_clearly_when_megatron_training_is_missing():
         pytest.skip("megatron.training is importable here; the message is for installs without Megatron-LM")
     except ImportError:
         pass
-    with pytest.raises(ImportError, match="not part of the megatron-core wheel"):
+    with pytest.raises(ImportError, match="megatron.training.*cannot be imported here.*Megatron-LM checkout"):
         import easyckpt.megatron.hook  # noqa: F401
+
+
+def test_the_hooks_import_error_names_the_module_that_is_really_missing(monkeypatch):
+    """megatron.training present but one of its own imports missing (triton, in megatron-core 0.19's wheel
+    on a machine without it): the message names that module, not megatron.training."""
+    import importlib.abc
+
+    class MissingTriton(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "megatron.training" or name.startswith("megatron.training."):
+                raise ModuleNotFoundError("No module named 'triton'", name="triton")
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [MissingTriton(), *sys.meta_path])
+    for name in [m for m in sys.modules if m.startswith("megatron.training")] + ["easyckpt.megatron.hook"]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ImportError, match="No module named 'triton'. Install 'triton', which Megatron-LM needs"):
+        import easyckpt.megatron.hook  # noqa: F401
+
+
+@pytest.mark.parametrize("fmt", ["torch_dcp", "fsdp_dtensor"])
+def test_a_format_easyckpt_does_not_write_is_refused_at_the_start_naming_the_ones_it_does(tmp_path, fmt):
+    """Megatron 0.19's --ckpt-format choices include torch_dcp and fsdp_dtensor: never silently another
+    layout (Megatron's loader, run with the same flags, could not read it); refused before anything starts."""
+    import argparse
+
+    from easyckpt import megatron as em
+    from easyckpt.errors import ConfigError
+    args = argparse.Namespace(ckpt_format=fmt, save=str(tmp_path / "ckpt"))
+    with pytest.raises(ConfigError, match=rf"ckpt_format '{fmt}' is not written by easyckpt.*torch and torch_dist"):
+        em.initialize_easyckpt(args=args)
+    assert not (tmp_path / "ckpt").exists()

@@ -185,8 +185,10 @@ def initialize_easyckpt(save_mem_interval: Union[int, Config] = 1, save_storage_
     _args = args if args is not None else _megatron_args()
     fmt = ckpt_format or getattr(_args, "ckpt_format", None) or "torch"
     if fmt not in FORMATS:
-        raise ConfigError(f"ckpt_format {fmt!r}: easyckpt writes Megatron's {' and '.join(FORMATS)} layouts; pass "
-                          f"--ckpt-format torch_dist (Megatron's default) or torch")
+        raise ConfigError(f"ckpt_format {fmt!r} is not written by easyckpt, which writes Megatron's "
+                          f"{' and '.join(FORMATS)} layouts (not torch_dcp or fsdp_dtensor, Megatron's FSDP "
+                          f"formats): pass --ckpt-format torch_dist (Megatron's default) or torch. Nothing was "
+                          f"started and nothing in the save directory was touched")
     _format["ckpt_format"], _format["layout"] = fmt, None
     if config is None:
         save_dir = save_dir or getattr(_args, "save", None)

@@ -38,15 +38,25 @@ import sys
 from types import TracebackType
 from typing import Any, Callable, Optional, Tuple, Type
 
+
+def _import_problem(exc: ImportError) -> str:
+    """What to say when Megatron-LM's training loop does not import: the module that is really missing
+    (megatron.training itself, or one of its own imports, such as triton)."""
+    missing = exc.name or str(exc)
+    if missing == "megatron" or missing.startswith("megatron.training"):
+        return ("easyckpt.megatron.hook patches Megatron-LM's training loop (megatron.training), which cannot be "
+                f"imported here ({exc}): it comes with a Megatron-LM checkout (PYTHONPATH=<Megatron-LM>) and with "
+                "the megatron-core wheels that ship it (0.19 does); or use easyckpt.megatron's functions directly in your own loop")
+    return (f"easyckpt.megatron.hook patches Megatron-LM's training loop (megatron.training), and importing it "
+            f"failed: {exc}. Install {missing!r}, which Megatron-LM needs (not easyckpt)")
+
+
 try:
     from megatron.training import checkpointing as _ckpt
     from megatron.training import training as _training
     from megatron.training.global_vars import get_args
-except ImportError as exc:   # pragma: no cover - exercised only without Megatron-LM
-    raise ImportError(
-        "easyckpt.megatron.hook patches Megatron-LM's training loop (megatron.training), which is not part "
-        "of the megatron-core wheel: run it from a Megatron-LM checkout (PYTHONPATH=<Megatron-LM>), or use "
-        "easyckpt.megatron's functions directly in your own loop") from exc
+except ImportError as exc:
+    raise ImportError(_import_problem(exc)) from exc
 
 from easyckpt import console
 from easyckpt import megatron as _em
@@ -73,8 +83,10 @@ def _ensure_initialized() -> bool:
     exit_env = os.environ.get("EASYCKPT_EXIT_AFTER_ONDEMAND_CHECKPOINT")
     exit_after = bool(getattr(args, "exit_signal_handler", False)) if exit_env is None else exit_env == "1"
     log = os.environ.get("EASYCKPT_LOG_FILE") or None
-    asked = getattr(args, "ckpt_format", "torch_dist")
-    fmt = asked if asked in _em.FORMATS else "torch_dist"
+    # torch_dcp and fsdp_dtensor are refused at the start (initialize_easyckpt's ConfigError names the
+    # layouts easyckpt writes): writing another layout than asked would leave checkpoints that Megatron's
+    # own loader, run with the same flags, cannot read
+    fmt = getattr(args, "ckpt_format", "torch_dist")
     _em.initialize_easyckpt(mem, storage, None if max_num in ("", "0", "none") else int(max_num),
                             False if log == "0" else log, save_dir=args.save, args=args,
                             exit_after_ondemand_checkpoint=exit_after, ckpt_format=fmt,
@@ -82,11 +94,7 @@ def _ensure_initialized() -> bool:
     _state["initialized"] = True
     atexit.register(_finalize_at_exit)
     if _rank() == 0:   # never silently: the layout in --save is what the user's other tools will read
-        if fmt != asked:
-            console.warning(f"--ckpt-format {asked} is not written by easyckpt: checkpoints in {args.save} use "
-                            f"Megatron's torch_dist layout, which Megatron reads with --ckpt-format torch_dist")
-        else:
-            console.info(f"checkpoints in {args.save} use Megatron's {fmt} layout (--ckpt-format {fmt})")
+        console.info(f"checkpoints in {args.save} use Megatron's {fmt} layout (--ckpt-format {fmt})")
     return True
 
 

@@ -251,7 +251,8 @@ def _ensure_adam_state(opt: Any, model_param: Any, tensors: Dict[str, torch.Tens
     for key, value in tensors.items():
         if key == "step":
             state[key] = value.detach().clone()
-        elif key != "param" and key not in state:
+        elif key != "param" and key not in state and isinstance(value, torch.Tensor):
+            # (Megatron's dp_reshardable state also carries flags, such as "padding": not Adam state)
             state[key] = torch.zeros_like(value, device=main.device)
 
 

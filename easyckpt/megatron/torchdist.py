@@ -92,19 +92,33 @@ def same_layout(manifest: Optional[Manifest], common: Dict[str, Any], now: str) 
     return isinstance(tp, int) and isinstance(pp, int) and now.startswith(f"tp{tp}.pp{pp}.")
 
 
-def content_metadata(optimizer: Any) -> Dict[str, Any]:
+# the DistributedOptimizer sharding types whose state megatron-core's loader reads back (Megatron-LM's own
+# saves are dp_reshardable by default; easyckpt writes fully_reshardable)
+_SHARDING_TYPES = ("fully_reshardable", "dp_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter")
+
+
+def content_metadata(optimizer: Any, saved: Any = None) -> Dict[str, Any]:
     """The sharded_state_dict options, recorded in common.pt as Megatron-LM does. A DistributedOptimizer
-    is saved ``fully_reshardable``: the form Megatron's loader reshards on another TP/PP size."""
+    is saved ``fully_reshardable``: the form Megatron's loader reshards on another TP/PP size. ``saved``:
+    the options a stored checkpoint records (its common.pt's ``content_metadata``): a load asks for the keys
+    it was written with, so that Megatron's own ``dp_reshardable`` checkpoints are read as they are."""
     meta: Dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if any(_state.is_distributed(o) for o in _state.optimizers(optimizer)):
         meta["distrib_optim_sharding_type"] = "fully_reshardable"
         meta["distrib_optim_fully_reshardable_mem_efficient"] = False
+    if isinstance(saved, dict):
+        for key in ("singleton_local_shards", "chained_optim_avoid_prefix",
+                    "distrib_optim_fully_reshardable_mem_efficient"):
+            if isinstance(saved.get(key), bool):
+                meta[key] = saved[key]
+        if "distrib_optim_sharding_type" in meta and saved.get("distrib_optim_sharding_type") in _SHARDING_TYPES:
+            meta["distrib_optim_sharding_type"] = saved["distrib_optim_sharding_type"]
     return meta
 
 
 def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: float, args: Any,
                        where: _state.Parallel, is_loading: bool, rng: Optional[Dict[str, Any]] = None,
-                       path_is_memory: bool = False) -> Dict[str, Any]:
+                       path_is_memory: bool = False, saved_metadata: Any = None) -> Dict[str, Any]:
     """Megatron-LM's generate_state_dict for torch_dist (checkpointing.py), from megatron-core alone. A
     DistributedOptimizer's state is this DP rank's own pieces (``own_distopt``) when saving and when
     loading from memory; Megatron's ``fully_reshardable`` request reads them back on any other layout."""
@@ -118,7 +132,7 @@ def sharded_state_dict(iteration: int, model: Any, optimizer: Any, scheduler: An
     sd: Dict[str, Any] = {"args": args, "checkpoint_version": _state.CHECKPOINT_VERSION, "iteration": iteration}
     for i, chunk in enumerate(chunks):
         sd[_state.model_key(i, len(chunks))] = chunk.sharded_state_dict(metadata={"dp_cp_group": group})
-    meta = content_metadata(optimizer)
+    meta = content_metadata(optimizer, saved_metadata)
     own = own_distopt(optimizer, sd) if not is_loading or path_is_memory else None
     if own is not None:
         sd["optimizer"] = own
@@ -328,7 +342,8 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
         if _state.is_distributed(opt):
             prime_adam(opt)
     sd = sharded_state_dict(int(common["iteration"]), model, optimizer, scheduler, 0.0, None, where, True,
-                            _state.rng_capture() if load_rng else None, path_is_memory=path is None)
+                            _state.rng_capture() if load_rng else None, path_is_memory=path is None,
+                            saved_metadata=common.get("content_metadata") if path is not None else None)
     if path is not None:
         from megatron.core import dist_checkpointing
         state = dist_checkpointing.load(sd, path)
