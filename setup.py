@@ -27,10 +27,11 @@ setup(
         "megatron": ["megatron-core>=0.16,<0.17", "six", "einops", "pyyaml", "regex", "pydantic", "psutil"],
         "deepspeed": ["deepspeed>=0.19"],
         "transformers": ["transformers>=5", "accelerate>=1"],
+        "peft": ["transformers>=5", "accelerate>=1", "peft>=0.17"],
         "test": ["pytest>=8", "pytest-timeout", "import-linter>=2", "mypy>=1.10"],
         "bench": ["matplotlib"],
         "all": ["megatron-core>=0.16,<0.17", "six", "einops", "pyyaml", "regex", "pydantic", "psutil",
-                "deepspeed>=0.19", "transformers>=5", "accelerate>=1"],
+                "deepspeed>=0.19", "transformers>=5", "accelerate>=1", "peft>=0.17"],
     },
     entry_points={"console_scripts": ["easyckpt=easyckpt.cli:main"]},
 )

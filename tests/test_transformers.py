@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import statistics
 
 import pytest
 from harness import (
@@ -268,3 +269,93 @@ def test_the_wrapper_behaves_as_the_trainer_it_wraps(tmp_path, monkeypatch):
     assert isinstance(wrapped, Trainer) and type(wrapped) is TrainerWrapper and isinstance(wrapped, TrainerWrapper)
     copied = copy.copy(wrapped)          # copies stay wrappers, around the same Trainer
     assert type(copied) is TrainerWrapper and copied._trainer is trainer
+
+
+# ---- PEFT (LoRA) ------------------------------------------------------------------------------------------
+
+def test_lora_with_tied_embeddings_resumes_exactly_and_writes_checkpoints_peft_and_the_plain_trainer_read(tmp_path):
+    """A LoRA adapter on GPT-2 (whose lm_head is tied to its embeddings) under TrainerWrapper: kill -9, then
+    SIGTERM, each resumed with the losses of an uninterrupted run. checkpoint-N holds what a plain Trainer
+    writes for a PeftModel (adapter_model.safetensors + adapter_config.json, no model weights): PEFT's own
+    PeftModel.from_pretrained loads the trained adapter from it, and a plain Trainer resumes from it with
+    the same losses. A snapshot holds the adapter, not the model."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install -e .[peft])")
+    ref, full = reference(tmp_path / "ref", "--lora"), tmp_path / "full.jsonl"
+    run(hf(tmp_path / "full", tmp_path / "full-loss", "--max-steps", "2", log=full), timeout=300)
+    rnd = random.Random(SEED + 11)
+    kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
+    out, loss, log, weights = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl", tmp_path / "end.pt"
+    cmd = hf(out, loss, "--lora", "--step-sleep", "0.05", "--dump-weights", str(weights), log=log)
+    interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    assert_losses_equal(losses(loss), ref, STEPS, "lora")
+    resumed = starts(loss)[1:]
+    assert len(resumed) == 2 and resumed[0] >= kill_at - 1 and resumed[1] >= term_at - 1, resumed
+    assert {e["source"] for e in events(log) if e["event"] == "load"} == {"none", "memory", "storage"}
+    wait_no_agent(out)
+
+    last = out / f"checkpoint-{STEPS}"
+    names = set(os.listdir(last))
+    assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+            "trainer_state.json"} <= names and not names & {"model.safetensors", "config.json"}, names
+    import torch
+    from peft import PeftModel
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(42)        # the base model hf_train.py builds (its --seed)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
+    loaded = PeftModel.from_pretrained(base, str(last)).state_dict()
+    trained = torch.load(weights, weights_only=True)
+    lora = [k for k in trained if ".lora_" in k]
+    assert lora and all(torch.equal(loaded[k], trained[k]) for k in lora), "PEFT loads another adapter"
+    # easyckpt convert: the folder PeftModel.from_pretrained reads (the model itself is not in the checkpoint)
+    summary = cli_json("convert", "safetensors", str(out), str(STEPS))
+    assert summary["kind"] == "peft-adapter" and sorted(os.listdir(summary["output"])) == \
+        ["adapter_config.json", "adapter_model.safetensors"], summary
+    torch.manual_seed(42)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
+    converted = PeftModel.from_pretrained(base, summary["output"]).state_dict()
+    assert all(torch.equal(converted[k], trained[k]) for k in lora), "the converted adapter differs"
+    # snapshot bytes: the adapter and its optimizer, against the whole model's (both runs' first snapshot)
+    snap = lambda path: next(e["bytes"] for e in events(path) if e["event"] == "snapshot")  # noqa: E731
+    stall = lambda path: statistics.median(e["seconds"] for e in events(path) if e["event"] == "snapshot")  # noqa: E731
+    print(f"LoRA snapshot {snap(log)} bytes, median stall {stall(log) * 1e3:.2f} ms; full-model snapshot "
+          f"{snap(full)} bytes, median stall {stall(full) * 1e3:.2f} ms")
+    assert snap(log) * 10 < snap(full), (snap(log), snap(full))
+
+    plain = tmp_path / "plain-loss"
+    run(hf(tmp_path / "plain", plain, "--lora", "--plain", "--resume", str(out / "checkpoint-20")), timeout=300)
+    got = losses(plain)
+    assert starts(plain) == [20] and sorted(got) == list(range(21, STEPS + 1))
+    assert got == {i: ref[i] for i in got}, "plain Trainer from easyckpt's LoRA checkpoint: other losses"
+
+
+def test_the_frozen_weights_checksum_tells_another_base_model_and_refuses_its_adapter():
+    """What a LoRA checkpoint does not hold (the frozen weights) is checked at the resume: training the
+    adapter leaves the checksum as it is; another base model changes it, and its step is refused."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install -e .[peft])")
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from easyckpt.errors import CheckpointError
+    from easyckpt.transformers import peftmodel
+    torch.manual_seed(0)
+    model = get_peft_model(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8)),
+                           LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM"))
+    assert peftmodel.peft_model(model) is model and peftmodel.peft_model(model.base_model.model) is None
+    before = peftmodel.base_checksum(model)
+    state = peftmodel.adapter_state(model)
+    assert state and all(".lora_" in k for k in state)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if ".lora_B" in n).add_(1.0)
+    assert peftmodel.base_checksum(model) == before
+    peftmodel.check_base(before, before, 5)
+    with torch.no_grad():
+        model.base_model.model.transformer.wte.weight[0, 0] += 1.0
+    after = peftmodel.base_checksum(model)
+    assert after != before
+    with pytest.raises(CheckpointError, match="another base model"):
+        peftmodel.check_base(before, after, 5)
+    with pytest.raises(CheckpointError, match="adapter does not match"):
+        peftmodel.restore_adapter(model, {k: v for k, v in list(state.items())[1:]})
+    config = json.loads(peftmodel.config_json(model))
+    assert config["peft_type"] == "LORA" and config["target_modules"] == ["c_attn"] and config["inference_mode"]

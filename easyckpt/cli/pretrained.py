@@ -12,6 +12,12 @@ named in a warning when the checkpoint lacks it (TrainerWrapper writes it since 
 
 Readers: config.json is written last, so a folder with a config.json holds its weights; weight files of an
 earlier conversion that this one does not rewrite (another shard count) are removed, as save_pretrained does.
+
+A PEFT model's checkpoint (a LoRA adapter: ``adapter_model.safetensors`` + ``adapter_config.json``, no model
+weights, as the Trainer and easyckpt write it) becomes the folder ``PeftModel.from_pretrained`` reads: the
+two files, checked against the manifest and the weights parsed before anything is written. Merging the
+adapter into a model needs the base model, which the checkpoint does not hold: PEFT's ``merge_and_unload``
+after loading it does that.
 """
 from __future__ import annotations
 
@@ -23,14 +29,17 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from easyckpt.cli import outputs
 from easyckpt.cli.consolidate import Source, Weights, open_step
 from easyckpt.cli.outputs import ProgressFactory
 from easyckpt.formats import manifest as mf
+from easyckpt.storage import stepfiles
 
 logger = logging.getLogger("easyckpt")
 MAX_SHARD_BYTES = 50 * 10 ** 9         # save_pretrained's default max_shard_size ("50GB")
 FOLDER = "consolidated"                # the default output, inside the step directory
 WEIGHTS, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
+ADAPTER, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"     # PeftModel.save_pretrained's
 _WEIGHT_FILE = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)")
 # the Trainer's training state and weights (rewritten here) at the top of checkpoint-N: not the model's files
 _NOT_MODEL = re.compile(r"(trainer_state\.json|training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt"
@@ -44,6 +53,9 @@ def to_pretrained(step_dir: str, output_dir: Optional[str] = None, progress: Opt
     (default: ``consolidated/`` inside the step, listed in its manifest). Returns ``{"output": folder,
     "written": [paths], "tensors", "bytes", "kind"}``. ValueError, with what to do, when the step is not a
     Trainer checkpoint with a config.json, or the folder is the step directory itself."""
+    adapter = _adapter(step_dir, output_dir, progress)
+    if adapter is not None:
+        return adapter
     source = open_step(step_dir)
     if source.plan.framework != "hf":
         raise ValueError(f"{source.step_dir} is a DeepSpeed engine checkpoint: it holds no model config, so there "
@@ -70,6 +82,33 @@ def to_pretrained(step_dir: str, output_dir: Optional[str] = None, progress: Opt
     files[os.path.join(folder, CONFIG)] = _config(source.reader.bytes(CONFIG), weights, source.step_dir)
     source.write(files, progress, _stale_weights(folder, files, source))
     return {"output": folder, "written": list(files), "tensors": len(weights), "kind": kind,
+            "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+
+
+def _adapter(step_dir: str, output_dir: Optional[str], progress: Optional[ProgressFactory]) -> Optional[Dict[str, Any]]:
+    """A PEFT adapter's checkpoint as PeftModel.from_pretrained's folder; None when the step holds model weights
+    or no adapter."""
+    try:
+        man = stepfiles.load(step_dir)
+    except (OSError, ValueError):
+        return None                         # open_step says what is wrong
+    if ADAPTER not in man.files or ADAPTER_CONFIG not in man.files or WEIGHTS in man.files:
+        return None
+    from safetensors.torch import load
+    folder = os.path.abspath(output_dir or os.path.join(step_dir, FOLDER))
+    if os.path.realpath(folder) == os.path.realpath(step_dir):
+        raise ValueError(f"{folder} is the checkpoint itself; choose another --output folder (the default is "
+                         f"{FOLDER}/ in the step directory)")
+    files = {os.path.join(folder, rel): stepfiles.read_verified(step_dir, rel, man) for rel in (ADAPTER, ADAPTER_CONFIG)}
+    for path in files:
+        outputs.refuse_replacing(step_dir, man, path)
+    try:
+        weights = load(files[os.path.join(folder, ADAPTER)])
+        json.loads(files[os.path.join(folder, ADAPTER_CONFIG)])
+    except Exception as exc:  # noqa: BLE001 - a listed file whose checksum matched and does not parse
+        raise ValueError(f"{step_dir}: its adapter files do not load ({exc}); nothing was written") from None
+    outputs.write(step_dir, man, files, progress)      # the config last: a folder with it holds the weights
+    return {"output": folder, "written": list(files), "tensors": len(weights), "kind": "peft-adapter",
             "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
 
 

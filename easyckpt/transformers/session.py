@@ -37,6 +37,7 @@ from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
+from easyckpt.transformers import peftmodel
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
@@ -59,6 +60,9 @@ class _Session(FrameworkState[Any]):
         self.virtual_dir: Optional[str] = None
         self.saved_now = False
         self.requested: Set[int] = set()                # steps handed to the agent in this run
+        # a PeftModel's checkpoint holds its adapter; the frozen weights are checked by their checksum
+        self.peft = peftmodel.peft_model(trainer.model)
+        self.peft_base = peftmodel.base_checksum(self.peft) if self.peft is not None else None
         self.static = self._static_files()
 
     # ---- what goes into checkpoint-N --------------------------------------------------------------
@@ -83,12 +87,14 @@ class _Session(FrameworkState[Any]):
         out.append((ARGS, buf.getvalue()))
         model: Any = self.trainer.model       # any model class: its files are found by duck typing
         config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
+        if self.peft is not None:           # what PeftModel.save_pretrained writes in place of the model's files
+            out.append((peftmodel.ADAPTER_CONFIG, peftmodel.config_json(self.peft)))
+        elif config is not None and hasattr(config, "to_json_string"):
             # as save_pretrained writes it (it sets these on the live config at each Trainer save)
             config.architectures, config.dtype = [type(model).__name__], getattr(model, "dtype", config.dtype)
             out.append(("config.json", config.to_json_string(use_diff=True).encode()))
         gen = getattr(model, "generation_config", None)
-        if gen is not None and hasattr(model, "can_generate") and model.can_generate():
+        if self.peft is None and gen is not None and hasattr(model, "can_generate") and model.can_generate():
             out.append(("generation_config.json", gen.to_json_string(use_diff=True).encode()))
         processor = getattr(self.trainer, "processing_class", None)
         if processor is not None and hasattr(processor, "save_pretrained") and self.args.should_save:
@@ -121,12 +127,18 @@ class _Session(FrameworkState[Any]):
         model = self.trainer.model
         assert model is not None        # the Trainer holds its model (model_init runs before training)
         for name, t in model.state_dict().items():
-            key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
+            key = _storage_id(t)
             if key is not None and key in seen:
                 continue
             seen.add(key)
             out[name] = t
         return out
+
+    def _weights(self) -> Tuple[str, Dict[str, torch.Tensor]]:
+        """The model file of checkpoint-N and its tensors: a PeftModel's adapter, else the whole model."""
+        if self.peft is not None:
+            return peftmodel.ADAPTER, peftmodel.adapter_state(self.peft)
+        return MODEL, self._model_state()
 
     def collect(self) -> List[ShardSpec]:
         trainer, args, writer = self.trainer, self.args, self.args.should_save
@@ -134,7 +146,7 @@ class _Session(FrameworkState[Any]):
         shards: List[ShardSpec] = [ShardSpec(name, data, persist=writer, fmt=ShardFormat.RAW) for name, data in self.static]
         dse = self.ds_engine
         if dse is None:
-            shards.append(ShardSpec(MODEL, self._model_state(), persist=writer))
+            shards.append(ShardSpec(*self._weights(), persist=writer))
             assert trainer.optimizer is not None    # train() creates it before the first save
             shards.append(ShardSpec(OPTIM, trainer.optimizer.state_dict(), persist=writer, fmt=ShardFormat.TORCH))
         else:
@@ -162,7 +174,7 @@ class _Session(FrameworkState[Any]):
 
         if self.trainer.is_deepspeed_enabled:
             return 0
-        total = estimate.tensor_bytes(self._model_state())
+        total = estimate.tensor_bytes(self._weights()[1])
         opt = self.trainer.optimizer
         if opt is not None:
             return total + estimate.optimizer_bytes(opt)
@@ -178,6 +190,8 @@ class _Session(FrameworkState[Any]):
         out: Dict[str, Any] = {"protect": [best] if best is not None else []}
         if self.ds_engine is not None:
             out["dp_world_size"] = ds.dp_size(self.ds_engine)
+        if self.peft_base is not None:
+            out[peftmodel.BASE_KEY] = self.peft_base
         return out
 
     # ---- the Trainer's hooks ----------------------------------------------------------------------
@@ -269,7 +283,11 @@ class _Session(FrameworkState[Any]):
     def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
         files = [(STATE, False), (self._rng_file(), True)]
         if not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
-            files += [(MODEL, False), (OPTIM, False)]
+            # a PeftModel's adapter (a checkpoint written before adapters were saved alone holds the model)
+            weights = peftmodel.ADAPTER if self.peft is not None and MODEL not in manifest.files else MODEL
+            if self.peft_base is not None:
+                peftmodel.check_base(manifest.info.get(peftmodel.BASE_KEY), self.peft_base, manifest.step)
+            files += [(weights, False), (OPTIM, False)]
         else:
             tag = deepspeed_tag(manifest.step)
             files += ds.needed_files(tag + "/", self.args.process_index, self.args.world_size, manifest)
@@ -280,8 +298,11 @@ class _Session(FrameworkState[Any]):
     def _load_model(self, resume_from_checkpoint: str, model: Optional[torch.nn.Module] = None) -> None:
         model = model if model is not None else self.trainer.model
         assert model is not None and self.trees is not None    # the Trainer's model; restore() set the trees
+        if peftmodel.ADAPTER in self.trees:
+            peftmodel.restore_adapter(model, self.trees[peftmodel.ADAPTER])
+            return
         result = model.load_state_dict(self.trees[MODEL], strict=False)
-        tied = {k for k in result.missing_keys if _is_tied(model, k)}
+        tied = _tied(model, result.missing_keys, self.trees[MODEL])
         missing = [k for k in result.missing_keys if k not in tied]
         if missing or result.unexpected_keys:
             raise CheckpointError(f"checkpoint does not match the model: missing {missing}, "
@@ -358,9 +379,19 @@ def _is_ds_scheduler(scheduler: Any) -> bool:
     return type(scheduler).__name__ == "DeepSpeedSchedulerWrapper"
 
 
-def _is_tied(model: Any, key: str) -> bool:
-    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
-    return key in tied
+def _storage_id(t: torch.Tensor) -> Optional[Tuple[Any, ...]]:
+    """What makes two state-dict entries one tensor (tied weights: saved once, under the first name)."""
+    return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
+
+
+def _tied(model: Any, missing: List[str], loaded: Dict[str, Any]) -> Set[str]:
+    """The missing keys that are tied to a loaded one: the same tensor in the live model (found by storage,
+    as the save dropped them, so that a PeftModel's prefixed names are covered too), or named so by the
+    model (``_tied_weights_keys``)."""
+    named = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    live = model.state_dict()
+    present = {_storage_id(live[k]) for k in loaded if k in live} - {None}
+    return {k for k in missing if k in named or (k in live and _storage_id(live[k]) in present)}
 
 
 def _step_of(path: Optional[str]) -> Optional[int]:

@@ -7,9 +7,9 @@ resumes from the newest complete state (memory or storage) and starts from scrat
 ``--callback`` gives easyckpt to the Trainer as ``Trainer(callbacks=[EasyCkptCallback(...)])`` instead
 (``trainer.train(resume_from_checkpoint=True)`` resumes the same way). ``--plain`` runs the unwrapped
 Trainer instead (``--resume PATH`` to resume it from a given checkpoint), to show that both read each
-other's ``checkpoint-N``. Runs on GPUs as is, and on CPU (gloo): the model is
-a randomly initialised tiny GPT-2 and the data synthetic, so nothing is downloaded. Each step's loss goes
-to ``--loss-file`` (per process, exact float hex).
+other's ``checkpoint-N``. ``--lora`` trains a LoRA adapter (PEFT) instead of the whole model. Runs on GPUs
+as is, and on CPU (gloo): the model is a randomly initialised tiny GPT-2 and the data synthetic, so nothing
+is downloaded. Each step's loss goes to ``--loss-file`` (per process, exact float hex).
 """
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def parse() -> argparse.Namespace:
                    help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter (PEFT) on the attention projections; the embeddings stay tied")
     p.add_argument("--dump-weights", default=None,
                    help="after training, torch.save the model's full state dict (process 0)")
     return p.parse_args()
@@ -121,6 +123,10 @@ def main() -> int:
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32,
                                        resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout))
+    if args.lora:      # the Trainer saves a PeftModel's adapter only: checkpoint-N loads with PeftModel.from_pretrained
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.05,
+                                                 fan_in_fan_out=True, task_type="CAUSAL_LM"))
 
     class LossFile(TrainerCallback):
         def __init__(self):
