@@ -23,7 +23,9 @@ PREFIX.rank{r} (the loss averaged over the global batch: all data-parallel ranks
 value). Ranks of other pipeline stages do not know the loss and write no file (with --pp 2 on two
 processes, only PREFIX.rank1 exists).
 
-Checkpointing is deliberately absent; the places for it are marked ``# CHECKPOINT: ...``.
+Checkpointing is easyckpt's (``easyckpt.megatron``'s verbs, with Megatron-LM's signatures): ``--save DIR``
+turns it on (``--ckpt-format torch_dist`` or ``torch``, ``--save-mem-interval`` / ``--save-storage-interval``),
+a relaunch with the same command resumes; without ``--save`` the model trains without checkpoints.
 """
 from __future__ import annotations
 
