@@ -131,8 +131,9 @@ def test_concat_resumes_on_another_data_parallel_size(tmp_path, saved_dp, resume
 
     run(launch(saved_dp, "--iters", str(half)), timeout=300)
     wait_no_agent(ckpt)
-    run(launch(resumed_dp, "--concat"), timeout=300)
+    out = run(launch(resumed_dp, "--concat"), timeout=300)
     assert starts(loss)[-1] == half
+    assert f"resharded to tp1.pp1.dp{resumed_dp}." in out.stdout, out.stdout[-3000:]
     loads = [e for e in events(log) if e["event"] == "load" and e.get("step")]
     assert loads and all(e["source"] == "storage" for e in loads), "another world size must load from storage"
     reference = loss_files(ref / "loss")["rank0"]

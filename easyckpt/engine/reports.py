@@ -22,10 +22,12 @@ class StatusReports:
         self.refusals = 0
         self.said_commit = -1          # the newest step whose commit was said
         self.started_at = -1           # commits of steps before this run's first request are not ours
+        self.newest = -1               # the newest step handed to the agent
 
     def requested(self, step: int) -> None:
         if self.started_at < 0:
             self.started_at = step
+        self.newest = max(self.newest, step)
 
     def waiting(self, newest_requested: int) -> bool:
         """A commit not yet said may be on its way (rank 0 asks the agent about it now and then); a step the
@@ -43,7 +45,11 @@ class StatusReports:
         for step, nbytes, seconds in sorted(status.commits):
             if step > self.said_commit and step >= self.started_at:
                 self.said_commit = step
-                console.info(f"{self.naming.dir_name(step)} committed ({human(nbytes)}, written in {seconds:.2f} s)")
+                # a commit learned after a later step was handed on (a SIGTERM save, say) is said as such:
+                # printed after "saving step 9", a bare "iter_0000005 committed" reads as step 9's
+                late = f"; said late: step {self.newest} was handed on since" if step < self.newest else ""
+                console.info(f"{self.naming.dir_name(step)} committed ({human(nbytes)}, written in {seconds:.2f} s"
+                             f"{late})")
 
     def _failures(self, failed: Dict[int, str]) -> None:
         """A step that cannot be committed is said on the console once (rank 0), while training goes on

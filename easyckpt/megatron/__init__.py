@@ -164,8 +164,14 @@ class MegatronState(FrameworkState[Any]):
                 console.info(f"{os.path.basename(loaded.path or '')} (saved on {before}, torch layout) resharded to "
                              f"{self.layout()} in {time.perf_counter() - t0:.2f} s")
         else:
+            t0 = time.perf_counter()
             saved = _state.restore(loaded.trees, where, self.model, self.optimizer, self.opt_param_scheduler,
                                    self.strict, self.concat)
+            before = loaded.manifest.layout if loaded.manifest else None
+            if loaded.source == "storage" and isinstance(before, str) and before != self.layout() \
+                    and where.rank == 0:       # (the data-parallel size changed: concat joined the shards)
+                console.info(f"{os.path.basename(loaded.path or '')} (saved on {before}, torch layout) resharded "
+                             f"to {self.layout()} in {time.perf_counter() - t0:.2f} s")
         iteration = int(saved["iteration"])
         _restore_training_counters(saved, iteration)
         return iteration, saved.get("num_floating_point_operations_so_far", 0) or 0
