@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from easyckpt import dtensor
 from easyckpt.config import NAMINGS, Config, adapter_config
 from easyckpt.engine import estimate, rng
 from easyckpt.engine.checkpointer import (
@@ -30,6 +31,7 @@ from easyckpt.engine.checkpointer import (
 from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest
 
 NAMING = NAMINGS["pytorch"]
@@ -61,7 +63,14 @@ class PytorchState(FrameworkState[Any]):
     def rank(self) -> int:
         return self.ckpt.rank
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 (DTensor parameters): the DCP layout (dtensor.py), each rank its own shards."""
+        return dtensor.is_dtensor_model(self.model)
+
     def collect(self) -> List[ShardSpec]:
+        if self.sharded:
+            return dtensor.collect(self.model, self.optimizer, self.rank) + [self._rank_state()]
         owner = self.rank == 0
         shards = [ShardSpec(MODEL, _unwrap(self.model).state_dict(), persist=owner)]
         if self.optimizer is not None or self.lr_scheduler is not None:
@@ -69,17 +78,30 @@ class PytorchState(FrameworkState[Any]):
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None},
                 persist=owner))
-        shards.append(ShardSpec(_rank_file(self.rank), {"iteration": self.iteration, "rng": rng.capture(),
-                                                        "extra": self.extra}, persist=True))
+        shards.append(self._rank_state())
         return shards
+
+    def _rank_state(self) -> ShardSpec:
+        state: Dict[str, Any] = {"iteration": self.iteration, "rng": rng.capture(), "extra": self.extra}
+        if self.sharded and self.lr_scheduler is not None:     # (else in OPTIM, beside the optimizer)
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return ShardSpec(_rank_file(self.rank), state, persist=True)
 
     def snapshot_bytes(self) -> int:
         """About what the first snapshot holds (the slots are reserved ahead, engine/estimate.py)."""
+        if self.sharded:
+            return dtensor.local_bytes(self.model, self.optimizer)
         model = estimate.tensor_bytes(_unwrap(self.model).state_dict())
         return model + (estimate.optimizer_bytes(self.optimizer) if self.optimizer is not None else 0)
 
     @as_reads
     def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
+        if self.sharded:
+            files = dtensor.needed(manifest, self.rank, self.ckpt.world_size)
+            return files + [(_rank_file(self.rank), self.rank >= (manifest.world_size or 1))]
+        if MODEL not in manifest.files and dtensor.DCP_METADATA in manifest.files:
+            raise CheckpointError(f"step {manifest.step} was saved from an FSDP model (torch DCP layout): it "
+                                  f"restores only into a model whose parameters are DTensors (fully_shard)")
         files = [(MODEL, False)]
         if self.optimizer is not None or self.lr_scheduler is not None:
             files.append((OPTIM, False))
@@ -89,6 +111,22 @@ class PytorchState(FrameworkState[Any]):
 
     def restore(self, loaded: Loaded) -> Tuple[int, Optional[Dict[str, Any]]]:
         trees = loaded.trees
+        per_rank = trees.get(_rank_file(self.rank))
+        if self.sharded:
+            # a snapshot in memory holds this rank's own shards; a committed step is read by DCP's reader
+            in_memory = loaded.source in ("memory", "peer")
+            dtensor.restore(self.model, self.optimizer, trees, None if in_memory else loaded.path, self.rank)
+            if self.lr_scheduler is not None and per_rank is not None and "lr_scheduler" in per_rank:
+                self.lr_scheduler.load_state_dict(per_rank["lr_scheduler"])
+        else:
+            self._restore_whole(trees)
+        if per_rank is None:
+            self.ckpt.emit("warning", message="no RNG state saved for this rank")
+            return loaded.step, None
+        rng.restore(per_rank["rng"])
+        return int(per_rank["iteration"]), per_rank["extra"]
+
+    def _restore_whole(self, trees: Dict[str, Any]) -> None:
         _unwrap(self.model).load_state_dict(trees[MODEL])
         if self.optimizer is not None or self.lr_scheduler is not None:
             state = trees[OPTIM]
@@ -96,12 +134,6 @@ class PytorchState(FrameworkState[Any]):
                 self.optimizer.load_state_dict(state["optimizer"])
             if self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        per_rank = trees.get(_rank_file(self.rank))
-        if per_rank is None:
-            self.ckpt.emit("warning", message="no RNG state saved for this rank")
-            return loaded.step, None
-        rng.restore(per_rank["rng"])
-        return int(per_rank["iteration"]), per_rank["extra"]
 
 
 def initialize_easyckpt(save_dir: Union[str, Config, None] = None, save_mem_interval: int = 1,

@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--dump-dir", default=None, help="save the model's and optimizer's state_dict per iteration here")
     p.add_argument("--dump-loaded", default=None, help="save the loaded model's state_dict here")
+    p.add_argument("--dump-final", default=None, help="save the model's full state_dict here after training "
+                                                      "(gathered from every rank under FSDP)")
     p.add_argument("--slow-step", default=None, metavar="IT:SECONDS",
                    help="iteration IT takes SECONDS longer (before its optimizer step), on every rank")
     p.add_argument("--inject", default="", metavar="IT[@RANK]:HOW,...",
@@ -85,8 +87,9 @@ class TestHooks(train.Hooks):
                 "replica_interval": self.args.replica_interval}
 
     def loaded(self, model: torch.nn.Module, rank: int) -> None:
-        if self.args.dump_loaded and rank == 0:
-            torch.save(model.state_dict(), self.args.dump_loaded)
+        self.model, self.rank = model, rank
+        if self.args.dump_loaded:
+            full_state(model, rank, self.args.dump_loaded)
 
     def loader_args(self) -> dict:
         return {"multiprocessing_context": self.args.worker_start if self.args.workers else None}
@@ -114,7 +117,20 @@ class TestHooks(train.Hooks):
         return self.args.stop_at == it
 
     def finalize(self) -> bool:
+        if self.args.dump_final:
+            full_state(self.model, self.rank, self.args.dump_final)
         return not self.args.no_finalize
+
+
+def full_state(model: torch.nn.Module, rank: int, path: str) -> None:
+    """The model's whole state dict, saved by rank 0 (under FSDP a gather: every rank calls it)."""
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = model.state_dict()
+    if rank == 0:
+        torch.save(state, path)
 
 
 if __name__ == "__main__":

@@ -50,12 +50,18 @@ def owned_storages(optimizers: List[torch.optim.Optimizer]) -> Set[int]:
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                owned.add(p.untyped_storage().data_ptr())
+                owned.add(_local(p).untyped_storage().data_ptr())
         for state in opt.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    owned.add(value.untyped_storage().data_ptr())
+                    owned.add(_local(value).untyped_storage().data_ptr())
     return owned
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2: the wrapper has no storage of its own), else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
 
 
 def auto_overlap(optimizer: Any, ranks_on_node: int) -> Tuple[bool, str]:

@@ -26,11 +26,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import pickle
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from easyckpt.engine.dcp import DCP_METADATA, data_file, gather_to_zero
+from easyckpt.engine.dcp import metadata as dcp_metadata
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.engine.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
@@ -47,14 +48,9 @@ from easyckpt.megatron.distopt import (
 
 COMMON = "common.pt"
 METADATA_JSON = "metadata.json"
-DCP_METADATA = ".metadata"
 LOCAL = "easyckpt_dist/rank_{:05d}.safetensors"     # memory only: non-main replicas, and the item index
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}
-
-
-def data_file(rank: int) -> str:
-    return f"__{rank}_0.distcp"
 
 
 def is_torch_dist(files: Collection[str]) -> bool:
@@ -208,7 +204,7 @@ def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: f
             raise CheckpointError(f"torch_dist cannot save a {type(sh).__name__} of the sharded state dict")
     for d, item in zip(described, items):
         d.append(dcp_item_size(item))
-    gathered = _gather_to_zero(described)
+    gathered = gather_to_zero(described)
     rank = where.rank
     shards = [ShardSpec(data_file(rank), list(zip(ids, items)), persist=True, fmt=ShardFormat.DCP),
               ShardSpec(COMMON, common, persist=rank == 0, fmt=ShardFormat.TORCH),
@@ -218,58 +214,6 @@ def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: f
         shards.append(ShardSpec(METADATA_JSON, json.dumps(BACKEND), persist=True, fmt=ShardFormat.RAW))
         shards.append(ShardSpec(DCP_METADATA, dcp_metadata(gathered), persist=True, fmt=ShardFormat.RAW))
     return shards
-
-
-def _gather_to_zero(described: List[List[Any]]) -> Optional[List[List[List[Any]]]]:
-    """Every rank's item list, on rank 0 (None elsewhere): the checkpoint's metadata names them all."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return [described]
-    rank = torch.distributed.get_rank()
-    out: Optional[List[Any]] = [None] * torch.distributed.get_world_size() if rank == 0 else None
-    torch.distributed.gather_object(described, out, dst=0)
-    return out
-
-
-def dcp_metadata(per_rank: List[List[List[Any]]]) -> bytes:
-    """torch.distributed.checkpoint's Metadata for the items of every rank's ``__{r}_0.distcp``, pickled."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    tensors: Dict[str, Any] = {}
-    storage: Dict[Any, Any] = {}
-    for rank, described in enumerate(per_rank):
-        offset = 0
-        for d in described:
-            if d[0] == "t":
-                _, key, offsets, sizes, dtype, shape, n = d
-                md = tensors.get(key)
-                if md is None:
-                    md = tensors[key] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)),
-                                                              torch.Size(shape), [])
-                elif list(md.size) != shape:
-                    raise CheckpointError(f"{key}: rank {rank} saves global shape {shape}, another {list(md.size)}")
-                md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-                storage[MetadataIndex(key, offsets)] = _StorageInfo(data_file(rank), offset, n)
-            else:
-                _, key, n = d
-                tensors[key] = BytesStorageMetadata()
-                storage[MetadataIndex(key)] = _StorageInfo(data_file(rank), offset, n)
-            offset += n
-    # Megatron's reader leaves what no chunk covers as it was (garbage): never commit such a checkpoint
-    for key, md in tensors.items():
-        if isinstance(md, TensorStorageMetadata):
-            covered = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
-            if covered != md.size.numel():
-                raise CheckpointError(f"{key}: the ranks' chunks hold {covered} of its {md.size.numel()} "
-                                      f"elements; a torch_dist checkpoint must cover every tensor once")
-    return pickle.dumps(Metadata(state_dict_metadata=tensors, planner_data=None, storage_data=storage))
 
 
 # ---- load ---------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
 from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
-from easyckpt.errors import CheckpointError
+from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
@@ -53,6 +53,11 @@ class _Session(FrameworkState[Any]):
     FrameworkState of this adapter (collect, needed, restore)."""
 
     def __init__(self, trainer: "Trainer", engine: Checkpointer):
+        if getattr(trainer, "is_fsdp_enabled", False):
+            # untested (accelerate runs no FSDP on CPU): refused rather than saved in a layout never resumed
+            raise ConfigError("easyckpt does not support the Trainer's FSDP (fsdp= / accelerate's FSDP plugin) yet; "
+                              "FSDP2 is supported in a plain PyTorch loop (easyckpt.initialize_easyckpt with a "
+                              "fully_shard model), and the Trainer with DDP or DeepSpeed ZeRO 1-3")
         self.trainer, self.engine = trainer, engine
         self.trees: Optional[Dict[str, Any]] = None      # what a resume feeds the Trainer's load hooks
         self.loaded_manifest: Optional[Manifest] = None

@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=300.0, help="grace deadline after SIGTERM, seconds")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="snapshot_overlap: copy the optimizer's tensors during the next forward/backward")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP: "
+                        "checkpoints are then torch DCP's layout, each rank writing its own shards")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="draw the batches through a torch DataLoader with N worker processes "
                         "(0: in this process); default: from the global RNG, no DataLoader")
@@ -108,7 +111,7 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
     args = (p or parser()).parse_args(argv)
     hooks = make_hooks(args)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1:
+    if world > 1 or args.fsdp:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(args.seed + rank)
@@ -123,6 +126,14 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
     # first iteration of every process, so on 3+ ranks a resumed run's first iteration would add the gradients in
     # another order than the uninterrupted run's (a float ulp apart). With it, a resume is bitwise identical.
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
+    if args.fsdp:      # each Linear its own FSDP unit, then the root: parameters become DTensors, sharded over ranks
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
 
@@ -173,7 +184,7 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
             break
     if hooks.finalize():
         easyckpt.finalize_easyckpt()
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return 0
 

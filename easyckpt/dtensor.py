@@ -1,0 +1,230 @@
+"""A model whose state is DTensors (FSDP2's ``torch.distributed.fsdp.fully_shard``, or any model whose
+parameters are DTensors) and its optimizer, for the plain-PyTorch adapter (pytorch.py): saved in torch
+DCP's layout, so that ``torch.distributed.checkpoint.load`` reads a committed step and a resume on another
+world size reshards through DCP's own reader.
+
+A snapshot is what ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives, ``{"model": ...,
+"optim": ...}`` (DCP's key convention: ``model.<fqn>``, ``optim.state.<fqn>.exp_avg``,
+``optim.param_groups.0.lr``), planned by DCP's own DefaultSavePlanner: each rank keeps the chunks of its
+local shards, nothing is gathered. Each rank writes the main replica of what it holds (every shard of a
+1-D FSDP mesh; on a mesh with replicated dimensions, the ranks at coordinate 0 of those; objects and
+replicated tensors such as Adam's ``step``: rank 0) to its ``__{rank}_0.distcp``; rank 0 writes
+``.metadata`` (engine/dcp.py). What a rank holds but does not write stays in its memory snapshot
+(``LOCAL``), so that a restart on the same layout restores from memory alone.
+
+Restore: from storage through DCP's FileSystemReader on the committed step (the files a rank needs were
+checked against the manifest first: rank r checks every data file whose number is r modulo the world
+size); from memory through a reader over the snapshot (no collective). Then ``set_state_dict`` puts the
+state into the live model and optimizer.
+"""
+from __future__ import annotations
+
+import io
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from easyckpt.engine.dcp import DCP_METADATA, data_file, gather_to_zero, metadata
+from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.tree import dcp_item_size
+from easyckpt.errors import CheckpointError
+from easyckpt.formats.manifest import Manifest
+from easyckpt.formats.shardformat import ShardFormat
+
+LOCAL = "easyckpt_dcp/rank_{:05d}.safetensors"     # memory only: what this rank holds and another writes
+
+
+def is_dtensor_model(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)      # (creates a fresh optimizer's state, at zero)
+    return {"model": msd, "optim": osd}
+
+
+def _main_replica(value: Any, rank: int) -> bool:
+    """Whether this rank writes ``value``: a DTensor's chunk on the first rank of every replicated mesh
+    dimension; anything else (objects, plain tensors, identical on every rank) on rank 0."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(value, DTensor):
+        coordinate = list(value.device_mesh.get_coordinate() or ())
+        return all(c == 0 for c, p in zip(coordinate, value.placements) if p.is_replicate())
+    return rank == 0
+
+
+def collect(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], rank: int) -> List[ShardSpec]:
+    """This rank's data file (the items it writes), its memory-only LOCAL (the rest of what it holds) and,
+    on rank 0, ``.metadata`` (a gather of every rank's item list: a collective, on every rank)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(_state(model, optimizer), None, rank == 0)
+    plan = planner.create_local_plan()
+    flat = planner.state_dict
+    ids: List[List[Any]] = []
+    items: List[Any] = []
+    described: List[List[Any]] = []
+    index: List[List[Any]] = []        # [fqn, offsets, "d" (data file) | "l" (LOCAL), position, global size]
+    local: List[Any] = []
+    for wi in plan.items:
+        data = planner.resolve_data(wi)
+        item = data.getvalue() if isinstance(data, io.BytesIO) else data.detach()
+        fqn = wi.index.fqn
+        chunk = wi.tensor_data.chunk if wi.type != WriteItemType.BYTE_IO and wi.tensor_data else None
+        offsets = list(chunk.offsets) if chunk is not None else None
+        size = list(wi.tensor_data.size) if chunk is not None and wi.tensor_data is not None else None
+        if not _main_replica(flat.get(fqn), rank):
+            index.append([fqn, offsets, "l", len(local), size])
+            local.append(item)
+            continue
+        index.append([fqn, offsets, "d", len(items), size])
+        if chunk is None:
+            ids.append([fqn, None, None])
+            described.append(["o", fqn])
+        else:
+            assert wi.tensor_data is not None
+            ids.append([fqn, offsets, list(chunk.sizes)])
+            described.append(["t", fqn, offsets, list(chunk.sizes), str(wi.tensor_data.properties.dtype)
+                              .replace("torch.", ""), list(wi.tensor_data.size)])
+        items.append(item)
+    for d, item in zip(described, items):
+        d.append(dcp_item_size(item))
+    gathered = gather_to_zero(described)
+    shards = [ShardSpec(data_file(rank), list(zip(ids, items)), persist=True, fmt=ShardFormat.DCP),
+              ShardSpec(LOCAL.format(rank), {"index": index, "local": local}, persist=False)]
+    if gathered is not None:
+        shards.append(ShardSpec(DCP_METADATA, metadata(gathered), persist=True, fmt=ShardFormat.RAW))
+    return shards
+
+
+def local_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> int:
+    """About what this rank's snapshot holds: its local shards of the parameters and of the optimizer's
+    state (Adam: two moments per parameter when it has none yet)."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t: Any) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    params = sum(nbytes(p) for p in model.parameters())
+    if optimizer is None:
+        return params
+    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values())
+    return params + (state or 2 * params)
+
+
+def needed(manifest: Manifest, rank: int, world_size: int) -> List[Tuple[str, bool]]:
+    """``.metadata`` and the data files this rank checks (each checked once, by rank ``n % world_size``):
+    DCP's reader then takes from them what this rank's shards need, on any world size."""
+    if DCP_METADATA not in manifest.files:
+        raise CheckpointError(f"step {manifest.step} holds no torch DCP checkpoint (.metadata): it was saved "
+                              f"from a model without FSDP (model.safetensors); it restores only into a model "
+                              f"whose parameters are not DTensors")
+    data = sorted(rel for rel in manifest.files if rel.startswith("__") and rel.endswith("_0.distcp")
+                  and rel[2:-len("_0.distcp")].isdigit())
+    return [(DCP_METADATA, False)] + [(rel, False) for rel in data if int(rel[2:-len("_0.distcp")]) % world_size == rank]
+
+
+def restore(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], trees: Dict[str, Any],
+            path: Optional[str], rank: int) -> None:
+    """Load the checkpoint into the live model and optimizer: from the committed step ``path`` through
+    DCP's own reader (any world size), or from this rank's memory snapshot (``path`` None)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    state = _state(model, optimizer)
+    if path is not None:
+        dcp.load(state, checkpoint_id=path)
+    else:
+        dcp.load(state, storage_reader=_MemoryReader(trees, rank), no_dist=True)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _reader_base() -> Any:
+    from torch.distributed.checkpoint import StorageReader
+    return StorageReader
+
+
+class _MemoryReader(_reader_base()):  # type: ignore[misc]  # torch's abstract StorageReader
+    """DCP's StorageReader over this rank's memory snapshot: every item it held at the snapshot (what it
+    wrote and what it kept in LOCAL), the same layout as now."""
+
+    def __init__(self, trees: Dict[str, Any], rank: int):
+        super().__init__()
+        mine = trees[LOCAL.format(rank)]
+        pools = {"d": trees[data_file(rank)], "l": mine["local"]}
+        self.items: Dict[Tuple[str, Tuple[int, ...]], Any] = {}
+        self.sizes: Dict[str, List[int]] = {}
+        for fqn, offsets, kind, pos, size in mine["index"]:
+            pool = pools.get(kind)
+            if pool is None or type(pos) is not int or not 0 <= pos < len(pool):
+                raise CheckpointError(f"the snapshot's index places {fqn} at {kind!r} {pos!r}, which it does not hold")
+            self.items[(fqn, tuple(offsets or ()))] = pool[pos]
+            if size is not None:
+                self.sizes[fqn] = size
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+        md: Dict[str, Any] = {}
+        for (fqn, offsets), value in self.items.items():
+            if not isinstance(value, torch.Tensor):
+                md[fqn] = BytesStorageMetadata()
+                continue
+            entry = md.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=value.dtype),
+                                                             torch.Size(self.sizes.get(fqn, value.shape)), []))
+            entry.chunks.append(ChunkStorageMetadata(torch.Size(offsets), value.shape))
+        return Metadata(state_dict_metadata=md)
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: Any) -> Any:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.futures import Future
+
+        for ri in plan.items:
+            value = self.items.get((ri.storage_index.fqn, tuple(ri.storage_index.offset or ())))
+            if value is None:
+                raise CheckpointError(f"the snapshot in memory has no {ri.storage_index.fqn} at "
+                                      f"{list(ri.storage_index.offset or ())}: it was taken on another layout")
+            if ri.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(ri, io.BytesIO(bytes(value)))
+                continue
+            source = value
+            for dim, (offset, length) in enumerate(zip(ri.storage_offsets, ri.lengths)):
+                source = source.narrow(dim, offset, length)
+            target = planner.resolve_tensor(ri).detach()
+            target.copy_(source)
+            planner.commit_tensor(ri, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
