@@ -10,7 +10,9 @@
 # Environment:
 #   EASYCKPT_MEGATRON_LM   Megatron-LM source tree (required; never inside this project)
 #   CKPT_DIR               default for --save/--load (default: /tmp/easyckpt-mlm-ckpt)
-#   TORCHRUN               torchrun to use (default: the project's .venv/bin/torchrun)
+#   TORCHRUN               torchrun to use (default: the project's .venv/bin/torchrun, else torchrun on PATH)
+#   MLM_SCRIPT             the training script (default: the tree's pretrain_gpt.py, which has no easyckpt;
+#                          a copy with "import easyckpt.megatron.hook" as its first line runs the hooked loop)
 #   NPROC                  processes (default 2)
 #   NO_LOAD=1              leave --load out (a job that starts from scratch; it still saves to --save)
 #   CKPT_FORMAT            --ckpt-format (default torch; "default" leaves the flag out: Megatron's torch_dist)
@@ -27,7 +29,9 @@ if [[ ! -f "$mlm/pretrain_gpt.py" ]]; then
     exit 2
 fi
 
-torchrun="${TORCHRUN:-$project/.venv/bin/torchrun}"
+default_torchrun="$project/.venv/bin/torchrun"
+[[ -x "$default_torchrun" ]] || default_torchrun="$(command -v torchrun || echo torchrun)"
+torchrun="${TORCHRUN:-$default_torchrun}"
 ckpt_dir="${CKPT_DIR:-/tmp/easyckpt-mlm-ckpt}"
 nproc="${NPROC:-2}"
 
