@@ -5,6 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# VENV: where (default .venv). CI also builds .venv312 with PYTHON=python3.12 EXTRAS=megatron,test: the
+# newest megatron-core (0.19) needs Python 3.12, for which the package index has only torch's CUDA wheels
+# (several GB: pip's cache keeps them for the next run)
+VENV=${VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # EXTRAS=all,test,bench adds what benchmarks/bench_checkpoint.py needs for its chart
-.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[${EXTRAS:-all,test}]"
+"$VENV/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt -e ".[${EXTRAS:-all,test}]"

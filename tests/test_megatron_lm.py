@@ -24,11 +24,19 @@ from harness import ROOT, env, events, kill_tree, signal_every_process, wait_no_
 TREE = os.environ.get("EASYCKPT_MEGATRON_LM")
 pytestmark = pytest.mark.skipif(
     not TREE or not os.path.isfile(os.path.join(TREE or "", "pretrain_gpt.py")),
-    reason="EASYCKPT_MEGATRON_LM is not set to a Megatron-LM core_v0.16.1 tree: real-loop tests not run")
+    reason="EASYCKPT_MEGATRON_LM is not set to a Megatron-LM tree (core_v0.16.1 or core_v0.19.0): real-loop "
+           "tests not run")
 LAUNCH = ROOT / "tests" / "megatron_lm_cpu" / "run_megatron_lm.sh"
 ITERS = 16
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)")
-PATCHES = sorted((ROOT / "patches").glob("*.patch"))
+def _tree_release() -> str:
+    """The Megatron-LM tree's megatron-core release, "0.16" or "0.19" (its package_info.py)."""
+    info = Path(TREE or "", "megatron", "core", "package_info.py")
+    found = dict(re.findall(r"^(MAJOR|MINOR) = (\d+)", info.read_text(), re.M)) if info.is_file() else {}
+    return f"{found.get('MAJOR', '?')}.{found.get('MINOR', '?')}"
+
+
+PATCHES = sorted((ROOT / "patches").glob(f"megatron-lm-core_v{_tree_release()}.*.patch"))
 
 
 def hooked_script(tmp: Path) -> Path:
@@ -120,6 +128,7 @@ def test_sigterm_to_every_process_with_two_dataloader_workers_saves_and_resumes_
 
 
 def test_patches_apply_and_the_patched_loop_resumes_with_equal_losses(tmp_path):
+    assert len(PATCHES) == 2, f"patches/ has no pair of patches for Megatron-LM {_tree_release()}: {PATCHES}"
     tree = tmp_path / "megatron-lm"
     shutil.copytree(TREE, tree, ignore=shutil.ignore_patterns(".git", "__pycache__", "docs", "images", "tests"))
     for patch in PATCHES:

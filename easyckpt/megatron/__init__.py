@@ -140,10 +140,10 @@ class MegatronState(FrameworkState[Any]):
 
     def restore(self, loaded: Loaded) -> Tuple[int, float]:
         where = _state.parallel()
-        if _dist.COMMON in loaded.trees:
+        if _dist.COMMON in loaded.trees or _dist.METADATA_JSON in loaded.trees:    # torch_dist
             in_memory = loaded.source in ("memory", "peer")    # else a step directory: Megatron's reader
-            same = True if in_memory else _dist.same_layout(loaded.manifest, loaded.trees[_dist.COMMON],
-                                                             self.layout())
+            same = True if in_memory else _dist.same_layout(
+                loaded.manifest, _dist.common_state(loaded.trees, loaded.path), self.layout())
             t0 = time.perf_counter()
             before = loaded.manifest.layout if loaded.manifest else None
             moved = before != self.layout() if isinstance(before, str) else not same

@@ -252,7 +252,9 @@ def needed(where: _state.Parallel, world_size: int, manifest: Manifest,
     the items its request (``wanted``) overlaps, the byte ranges Megatron's reader then takes. Else (a
     checkpoint Megatron wrote itself) rank i checks every whole file whose number is i modulo the world
     size: each is checked once."""
-    files: List[Tuple[Any, ...]] = [(COMMON, False), (METADATA_JSON, False), (DCP_METADATA, False)]
+    # common.pt: easyckpt writes it (megatron-core reads it on every release); Megatron-LM 0.19's own saves
+    # keep the common state inside the DCP checkpoint instead (common_state, read by common_state below)
+    files: List[Tuple[Any, ...]] = [(COMMON, True), (METADATA_JSON, False), (DCP_METADATA, False)]
     data = _data_files(manifest)
     if wanted is not None and data and all(manifest.files[rel].items is not None for rel in data):
         by_key: Dict[str, List[Tuple[List[int], List[int]]]] = {}
@@ -269,6 +271,20 @@ def needed(where: _state.Parallel, world_size: int, manifest: Manifest,
     return files
 
 
+def common_state(trees: Dict[str, Any], path: Optional[str]) -> Dict[str, Any]:
+    """The checkpoint's common (non-sharded) state: its common.pt, or for a checkpoint Megatron-LM 0.19 wrote
+    itself, the ``common_state`` object in its DCP files (megatron-core's own reader)."""
+    if COMMON in trees:
+        return dict(trees[COMMON])
+    if path is None:
+        raise CheckpointError("the snapshot in memory holds no common.pt")
+    try:
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+        return dict(load_common_state_dict(path))
+    except (ImportError, KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: no common.pt, and no common state in its DCP files ({exc})") from None
+
+
 def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, model: Any, optimizer: Any,
             scheduler: Any, strict: bool, same_layout: bool, exact: bool = True, split: bool = False
             ) -> Dict[str, Any]:
@@ -276,7 +292,7 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
     takes the chunks this rank's layout needs), None: this rank's own snapshot in ``trees`` (memory).
     ``same_layout``: the same TP and PP sizes; ``exact``: the same layout in every size (each rank's own
     RNG file then exists); ``split``: experts split over EP ranks, in the saved layout or this one."""
-    common = trees[COMMON]
+    common = common_state(trees, path)
     # the RNG comes from one source on every rank (Megatron's reader needs every rank to ask for the same
     # objects): each rank's own file on the same layout; else Megatron's per-(PP, TP) object, which with
     # split experts is one per DP rank and so exists for another DP size only by chance: then none

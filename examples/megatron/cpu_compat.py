@@ -183,6 +183,27 @@ def _megatron_set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, grap
     torch.default_generator.set_state(new_state)
 
 
+class _HostStream:
+    """What ``torch.cuda.current_stream()`` gives on the CPU: work is already ordered, so waiting and
+    recording are no-ops (megatron-core 0.19's grad-sync waits on CUDA-graph events through it)."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _current_stream(device: Any = None) -> _HostStream:
+    return _HostStream()
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     key = (obj, name)
     if key not in _saved:
@@ -209,6 +230,7 @@ def enable() -> None:
 
             _patch(torch.cuda, "current_device", _current_device)
             _patch(torch.cuda, "synchronize", _synchronize)
+            _patch(torch.cuda, "current_stream", _current_stream)
             # torch.cuda re-exports the functions of torch.cuda.random by name, and megatron uses both
             # spellings (torch.cuda.get_rng_state in the RNG tracker, torch.cuda.random.get_rng_state in
             # _get_cuda_rng_state), so both modules are patched.
