@@ -359,3 +359,9 @@ def test_the_frozen_weights_checksum_tells_another_base_model_and_refuses_its_ad
         peftmodel.restore_adapter(model, {k: v for k, v in list(state.items())[1:]})
     config = json.loads(peftmodel.config_json(model))
     assert config["peft_type"] == "LORA" and config["target_modules"] == ["c_attn"] and config["inference_mode"]
+    # a whole PeftModel saved without its tied lm_head (as checkpoints before adapter files were): the missing
+    # key is found tied by storage, whatever its prefix ("base_model.model.")
+    from easyckpt.transformers.session import _tied
+    whole = {k: v for k, v in model.state_dict().items() if not k.endswith("lm_head.weight")}
+    missing = model.load_state_dict(whole, strict=False).missing_keys
+    assert missing == ["base_model.model.lm_head.weight"] and _tied(model, missing, whole) == set(missing)
