@@ -365,3 +365,14 @@ def test_the_frozen_weights_checksum_tells_another_base_model_and_refuses_its_ad
     whole = {k: v for k, v in model.state_dict().items() if not k.endswith("lm_head.weight")}
     missing = model.load_state_dict(whole, strict=False).missing_keys
     assert missing == ["base_model.model.lm_head.weight"] and _tied(model, missing, whole) == set(missing)
+
+
+def test_the_trainers_fsdp_is_refused_before_anything_starts():
+    """The Trainer with FSDP (fsdp= / accelerate's FSDP plugin) never ran here (no FSDP on CPU, no GPU): it
+    is refused when the session starts, naming what is supported, rather than saved in an untested layout."""
+    import types
+
+    from easyckpt.errors import ConfigError
+    from easyckpt.transformers.session import _Session
+    with pytest.raises(ConfigError, match="does not support the Trainer's FSDP.*FSDP2 is supported in a plain"):
+        _Session(types.SimpleNamespace(is_fsdp_enabled=True), None)
