@@ -24,9 +24,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from easyckpt.engine.dcp import DCP_METADATA, data_file, gather_to_zero, metadata
+from easyckpt.engine.dcp import (
+    DCP_METADATA,
+    checked_by,
+    data_file,
+    gather_to_zero,
+    metadata,
+)
 from easyckpt.engine.snapshot import ShardSpec
-from easyckpt.engine.tree import dcp_item_size
+from easyckpt.engine.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
@@ -40,7 +46,10 @@ def is_dtensor_model(model: torch.nn.Module) -> bool:
 
 
 def _state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+    )
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     msd, osd = get_state_dict(model, optimizer)      # (creates a fresh optimizer's state, at zero)
@@ -126,9 +135,7 @@ def needed(manifest: Manifest, rank: int, world_size: int) -> List[Tuple[str, bo
         raise CheckpointError(f"step {manifest.step} holds no torch DCP checkpoint (.metadata): it was saved "
                               f"from a model without FSDP (model.safetensors); it restores only into a model "
                               f"whose parameters are not DTensors")
-    data = sorted(rel for rel in manifest.files if rel.startswith("__") and rel.endswith("_0.distcp")
-                  and rel[2:-len("_0.distcp")].isdigit())
-    return [(DCP_METADATA, False)] + [(rel, False) for rel in data if int(rel[2:-len("_0.distcp")]) % world_size == rank]
+    return [(DCP_METADATA, False)] + [(rel, False) for rel in checked_by(manifest.files, rank, world_size)]
 
 
 def restore(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], trees: Dict[str, Any],
@@ -136,17 +143,36 @@ def restore(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], 
     """Load the checkpoint into the live model and optimizer: from the committed step ``path`` through
     DCP's own reader (any world size), or from this rank's memory snapshot (``path`` None)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     state = _state(model, optimizer)
     if path is not None:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, planner=_safe_planner())
     else:
-        dcp.load(state, storage_reader=_MemoryReader(trees, rank), no_dist=True)
+        dcp.load(state, storage_reader=_MemoryReader(trees, rank), planner=_safe_planner(), no_dist=True)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _safe_planner() -> Any:
+    """DCP's DefaultLoadPlanner, except that an object item (param_groups' values, say) is read with the
+    allow-list of safe_torch_load: DCP's own load_bytes unpickles it whole (``weights_only=False``)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            checked = safe_torch_load(value.getbuffer())        # refuses anything but plain data
+            again = io.BytesIO()
+            torch.save(checked, again)                          # what DCP's planner then loads is ours
+            again.seek(0)
+            super().load_bytes(read_item, again)
+
+    return SafeLoadPlanner()
 
 
 def _reader_base() -> Any:

@@ -14,6 +14,7 @@ but only rank 0's copy is persisted.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -63,7 +64,7 @@ class PytorchState(FrameworkState[Any]):
     def rank(self) -> int:
         return self.ckpt.rank
 
-    @property
+    @functools.cached_property
     def sharded(self) -> bool:
         """FSDP2 (DTensor parameters): the DCP layout (dtensor.py), each rank its own shards."""
         return dtensor.is_dtensor_model(self.model)

@@ -64,10 +64,7 @@ def to_pretrained(step_dir: str, output_dir: Optional[str] = None, progress: Opt
     if CONFIG not in source.manifest.files:
         raise ValueError(f"{source.step_dir} has no {CONFIG} (the model is not a transformers model): "
                          f"from_pretrained cannot read it; give --output a file name ending in .safetensors")
-    folder = os.path.abspath(output_dir or os.path.join(source.step_dir, FOLDER))
-    if os.path.realpath(folder) == os.path.realpath(source.step_dir):
-        raise ValueError(f"{folder} is the checkpoint itself; choose another --output folder (the default is "
-                         f"{FOLDER}/ in the step directory)")
+    folder = _folder(source.step_dir, output_dir)
     model_files = sorted(rel for rel in source.manifest.files
                          if "/" not in rel and rel != mf.MANIFEST_NAME and not _NOT_MODEL.fullmatch(rel)
                          and not source.manifest.files[rel].derived_by)
@@ -95,13 +92,10 @@ def _adapter(step_dir: str, output_dir: Optional[str], progress: Optional[Progre
     if ADAPTER not in man.files or ADAPTER_CONFIG not in man.files or WEIGHTS in man.files:
         return None
     from safetensors.torch import load
-    folder = os.path.abspath(output_dir or os.path.join(step_dir, FOLDER))
-    if os.path.realpath(folder) == os.path.realpath(step_dir):
-        raise ValueError(f"{folder} is the checkpoint itself; choose another --output folder (the default is "
-                         f"{FOLDER}/ in the step directory)")
+    folder = _folder(step_dir, output_dir)
+    for rel in (ADAPTER, ADAPTER_CONFIG):          # before anything is read
+        outputs.refuse_replacing(step_dir, man, os.path.join(folder, rel))
     files = {os.path.join(folder, rel): stepfiles.read_verified(step_dir, rel, man) for rel in (ADAPTER, ADAPTER_CONFIG)}
-    for path in files:
-        outputs.refuse_replacing(step_dir, man, path)
     try:
         weights = load(files[os.path.join(folder, ADAPTER)])
         json.loads(files[os.path.join(folder, ADAPTER_CONFIG)])
@@ -110,6 +104,15 @@ def _adapter(step_dir: str, output_dir: Optional[str], progress: Optional[Progre
     outputs.write(step_dir, man, files, progress)      # the config last: a folder with it holds the weights
     return {"output": folder, "written": list(files), "tensors": len(weights), "kind": "peft-adapter",
             "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+
+
+def _folder(step_dir: str, output_dir: Optional[str]) -> str:
+    """The output folder (default: FOLDER inside the step); ValueError when it is the step directory itself."""
+    folder = os.path.abspath(output_dir or os.path.join(step_dir, FOLDER))
+    if os.path.realpath(folder) == os.path.realpath(step_dir):
+        raise ValueError(f"{folder} is the checkpoint itself; choose another --output folder (the default is "
+                         f"{FOLDER}/ in the step directory)")
+    return folder
 
 
 def _weight_files(weights: Weights, folder: str, max_shard_bytes: int, metadata: Dict[str, str]) -> Dict[str, bytes]:

@@ -10,7 +10,7 @@ shape, bytes]`` for a tensor chunk, ``["o", key, bytes]`` for an object (a torch
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
@@ -21,6 +21,18 @@ DCP_METADATA = ".metadata"
 
 def data_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
+
+
+def data_files(listed: Iterable[str]) -> List[str]:
+    """The data files among a step's listed names (``__{rank}_0.distcp``), in order."""
+    return sorted(rel for rel in listed if rel.startswith("__") and rel.endswith("_0.distcp")
+                  and rel[2:-len("_0.distcp")].isdigit())
+
+
+def checked_by(listed: Iterable[str], rank: int, world_size: int) -> List[str]:
+    """The data files rank ``rank`` checks in full before DCP's reader takes what it needs from them: those
+    whose number is ``rank`` modulo the world size, so that each is checked once, on any world size."""
+    return [rel for rel in data_files(listed) if int(rel[2:-len("_0.distcp")]) % world_size == rank]
 
 
 def gather_to_zero(described: List[List[Any]]) -> Optional[List[List[List[Any]]]]:

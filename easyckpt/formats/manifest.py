@@ -355,10 +355,6 @@ def _parse_items(rel: str, items: Any, size: int) -> Tuple[Item, ...]:
     return tuple(out)
 
 
-def check_bytes(rel: str, data: _Data, manifest: Manifest) -> Optional[str]:
-    return compare(rel, len(data), lambda: checksum(data, manifest.algo), manifest.files[rel], manifest.algo)
-
-
 def size_problem(rel: str, size: int, recorded: int) -> Optional[str]:
     if size == recorded:
         return None

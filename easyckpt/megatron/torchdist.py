@@ -30,7 +30,13 @@ from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from easyckpt.engine.dcp import DCP_METADATA, data_file, gather_to_zero
+from easyckpt.engine.dcp import (
+    DCP_METADATA,
+    checked_by,
+    data_file,
+    data_files,
+    gather_to_zero,
+)
 from easyckpt.engine.dcp import metadata as dcp_metadata
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.engine.tree import dcp_item_size, safe_torch_load
@@ -232,11 +238,6 @@ def request(model: Any, optimizer: Any, where: _state.Parallel) -> List[Tuple[st
             for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
 
 
-def _data_files(manifest: Manifest) -> List[str]:
-    return sorted(rel for rel in manifest.files if rel.startswith("__") and rel.endswith("_0.distcp")
-                  and rel[2:-len("_0.distcp")].isdigit())
-
-
 def _overlaps(ident: Any, wanted: Dict[str, List[Tuple[List[int], List[int]]]]) -> bool:
     if ident is None or ident[1] is None:     # an object (RNG states: small) or an item of unknown identity
         return True
@@ -255,7 +256,7 @@ def needed(where: _state.Parallel, world_size: int, manifest: Manifest,
     # common.pt: easyckpt writes it (megatron-core reads it on every release); Megatron-LM 0.19's own saves
     # keep the common state inside the DCP checkpoint instead (common_state, read by common_state below)
     files: List[Tuple[Any, ...]] = [(COMMON, True), (METADATA_JSON, False), (DCP_METADATA, False)]
-    data = _data_files(manifest)
+    data = data_files(manifest.files)
     if wanted is not None and data and all(manifest.files[rel].items is not None for rel in data):
         by_key: Dict[str, List[Tuple[List[int], List[int]]]] = {}
         for key, offset, sizes in wanted:
@@ -266,23 +267,26 @@ def needed(where: _state.Parallel, world_size: int, manifest: Manifest,
             if picked:
                 files.append((rel, False, picked))
     else:
-        files += [(rel, False) for rel in data if int(rel[2:-len("_0.distcp")]) % world_size == where.rank]
+        files += [(rel, False) for rel in checked_by(manifest.files, where.rank, world_size)]
     files.append((where.rng_file, True))
     return files
 
 
 def common_state(trees: Dict[str, Any], path: Optional[str]) -> Dict[str, Any]:
     """The checkpoint's common (non-sharded) state: its common.pt, or for a checkpoint Megatron-LM 0.19 wrote
-    itself, the ``common_state`` object in its DCP files (megatron-core's own reader)."""
-    if COMMON in trees:
-        return dict(trees[COMMON])
-    if path is None:
-        raise CheckpointError("the snapshot in memory holds no common.pt")
-    try:
-        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-        return dict(load_common_state_dict(path))
-    except (ImportError, KeyError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: no common.pt, and no common state in its DCP files ({exc})") from None
+    itself, the ``common_state`` object in its DCP files (megatron-core's own reader), kept in ``trees`` as
+    common.pt so that it is read once."""
+    if COMMON not in trees:
+        if path is None:
+            raise CheckpointError("the snapshot in memory holds no common.pt")
+        try:
+            from megatron.core.dist_checkpointing.serialization import (
+                load_common_state_dict,
+            )
+            trees[COMMON] = load_common_state_dict(path)
+        except (ImportError, KeyError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: no common.pt, and no common state in its DCP files ({exc})") from None
+    return dict(trees[COMMON])
 
 
 def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, model: Any, optimizer: Any,
