@@ -204,6 +204,41 @@ def wait_no_agent(save_dir: Path, timeout: float = 60, job_name: Optional[str] =
         if time.monotonic() > deadline:
             raise AssertionError(f"the agent of {save_dir} did not exit within {timeout}s")
         time.sleep(0.05)
+    # the agent closes its socket first, then releases the job's shared memory and logs agent_exit: wait for
+    # its processes to end too, so a test's own clean-up never races the agent's (bounded: a pid from another
+    # namespace may name a live stranger)
+    end = min(deadline, time.monotonic() + 10)
+    while time.monotonic() < end and any(_running(pid) for pid in _agent_pids(save_dir / "easyckpt.log", jid)):
+        time.sleep(0.05)
+
+
+def _agent_pids(log: Path, jid: str) -> List[int]:
+    host = socket.gethostname()
+    pids = []
+    try:
+        lines = log.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            ev = json.loads(line)
+        except ValueError:      # a line being written
+            continue
+        if ev.get("event") == "agent_start" and ev.get("job_id") == jid and ev.get("host") == host:
+            pids.append(int(ev["pid"]))
+    return pids
+
+
+def _running(pid: int) -> bool:
+    """An agent process still running (a zombie has done its work; a reused pid is someone else)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"easyckpt" in f.read()
+    except (OSError, IndexError):
+        return False
 
 
 def events(log: Path) -> List[dict]:

@@ -196,7 +196,7 @@ def _planted_run(tmp_path: Path, plant) -> subprocess.CompletedProcess:
                 p.unlink()
         wait_no_agent(save)
         for p in Path("/dev/shm").glob(f"easyckpt-{jid}-*"):
-            p.unlink()
+            p.unlink(missing_ok=True)
 
 
 @AS_ROOT
@@ -369,7 +369,7 @@ def test_a_shard_that_failed_on_one_rank_is_rewritten_on_every_rank_after_the_tr
     assert {"rank_00000.safetensors", "rank_00001.safetensors"} <= set(json.loads(manifest.read_text())["files"])
     wait_no_agent(save, timeout=60)
     for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):
-        p.unlink()
+        p.unlink(missing_ok=True)
 
 
 def test_an_agent_whose_last_step_failed_leaves_within_its_idle_timeout_not_commit_timeout(tmp_path):
@@ -392,7 +392,7 @@ def test_an_agent_whose_last_step_failed_leaves_within_its_idle_timeout_not_comm
     assert any("No space left on device" in e.get("message", "") + e.get("error", "") for e in log if e["event"] == "error")
     assert not list(save.glob(".easyckpt-staging-*")), "a failed step's staging was left"
     for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):     # the dead trainers' slots, kept for a restart
-        p.unlink()
+        p.unlink(missing_ok=True)
 
 
 def test_a_new_run_in_the_dir_of_a_crashed_run_whose_agent_lives_commits_its_own_steps(tmp_path):
@@ -620,7 +620,7 @@ def test_a_trainer_never_talks_to_another_users_process_on_its_agents_address(tm
     finally:
         ready.unlink(missing_ok=True)
         for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):
-            p.unlink()
+            p.unlink(missing_ok=True)
         os.killpg(squatter.pid, signal.SIGKILL)
         out, _ = squatter.communicate(timeout=30)
     assert "GOT" not in out, f"the trainer sent the squatter something: {out}"
