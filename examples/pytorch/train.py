@@ -51,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="shard the model with FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP: "
                         "checkpoints are then torch DCP's layout, each rank writing its own shards")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model and its optimizer live (cuda: this process's GPU, LOCAL_RANK; the "
+                        "snapshot copies device to host on a side stream into page-locked slots)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="draw the batches through a torch DataLoader with N worker processes "
                         "(0: in this process); default: from the global RNG, no DataLoader")
@@ -111,8 +114,13 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
     args = (p or parser()).parse_args(argv)
     hooks = make_hooks(args)
     world = int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     if world > 1 or args.fsdp:
-        dist.init_process_group("gloo")
+        # easyckpt's own collectives are on CPU tensors (gloo); the model's, on a GPU, through NCCL
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(args.seed + rank)
     np.random.seed(args.seed + rank)
@@ -120,16 +128,17 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
 
     torch.manual_seed(args.seed)   # same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                torch.nn.Linear(args.hidden, 1))
+                                torch.nn.Linear(args.hidden, 1)).to(device)
     torch.manual_seed(args.seed + rank)
     # find_unused_parameters=True keeps DDP's gradient buckets as built: by default DDP re-orders them after the
     # first iteration of every process, so on 3+ ranks a resumed run's first iteration would add the gradients in
     # another order than the uninterrupted run's (a float ulp apart). With it, a resume is bitwise identical.
-    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world > 1 and not args.fsdp \
+        else model
     if args.fsdp:      # each Linear its own FSDP unit, then the root: parameters become DTensors, sharded over ranks
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -155,7 +164,7 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
     if losses:
         losses.write(f"# start {start} load_s {load_s:.6f}\n")
 
-    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(args.seed))   # the task, fixed
+    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(args.seed)).to(device)   # the task, fixed
     batches = None
     if args.workers is not None:
         # its own generator: drawing the workers' base seed from the global RNG would shift the dropout masks
@@ -165,7 +174,7 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
                                              **hooks.loader_args())
         batches = iter(loader)
     for it in range(start + 1, args.iters + 1):
-        x = next(batches) if batches is not None else torch.randn(32, 16)
+        x = (next(batches) if batches is not None else torch.randn(32, 16)).to(device)
         y = x @ w + 0.1 * float(np.random.randn()) + 0.01 * random.random()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         optimizer.zero_grad()
