@@ -155,13 +155,50 @@ def test_wrapping_twice_is_refused_when_built(tmp_path):
         trainer(tmp_path / "d", callbacks=[shared])
 
 
-def test_a_callback_added_after_the_trainer_was_built_refuses_to_train(tmp_path):
-    """add_callback misses on_init_end, so train() ran the Trainer's own resume: said, not trained past."""
+ADDED_LATER = textwrap.dedent("""
+    import sys, torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from easyckpt.transformers import EasyCkptCallback
-    t = trainer(tmp_path / "out")
-    t.add_callback(EasyCkptCallback())
-    with pytest.raises(ConfigError, match=r"Trainer\(\.\.\., callbacks=\[EasyCkptCallback\(\.\.\.\)\]\)"):
-        t.train()
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64}
+
+    args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to=[], max_steps=int(sys.argv[2]),
+                             save_steps=1, per_device_train_batch_size=2, disable_tqdm=True)
+    t = Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)), args=args,
+                train_dataset=Tokens())
+    t.add_callback(EasyCkptCallback(agent_idle_timeout=2))
+    t.train(resume_from_checkpoint=True)
+""")
+
+
+def test_a_callback_added_after_the_trainer_was_built_takes_over_train(tmp_path):
+    """trainer.add_callback(EasyCkptCallback()) then train(resume_from_checkpoint=True) on an empty output_dir:
+    easyckpt chooses (nothing: from scratch), not the Trainer's "No valid checkpoint found"; a relaunch resumes."""
+    out = tmp_path / "out"
+    first = run([sys.executable, "-c", ADDED_LATER, str(out), "2"], extra_env={"HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert "No valid checkpoint" not in first.stderr + first.stdout
+    wait_no_agent(out)
+    run([sys.executable, "-c", ADDED_LATER, str(out), "3"], extra_env={"HF_HUB_OFFLINE": "1"}, timeout=300)
+    wait_no_agent(out)
+    loads = [(e["source"], e["step"]) for e in events(out / "easyckpt.log") if e["event"] == "load"]
+    assert loads == [("none", 0), ("storage", 2)], loads
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def test_train_called_past_the_callback_refuses_to_train(tmp_path):
+    """Trainer.train(trainer) goes past the instance's train (the Trainer chose its checkpoint itself): said,
+    not trained past."""
+    from transformers import Trainer
+
+    from easyckpt.transformers import EasyCkptCallback
+    t = trainer(tmp_path / "out", callbacks=[EasyCkptCallback()])
+    with pytest.raises(ConfigError, match=r"train\(\) was called past the Trainer's own"):
+        Trainer.train(t)
     assert t.state.global_step == 0
 
 

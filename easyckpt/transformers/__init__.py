@@ -39,9 +39,9 @@ and the RNG draws of evaluation, so a resume would not be exact); ``save_strateg
 after every event of the step; ``on_save`` comes after the Trainer has written ``checkpoint-N`` itself,
 synchronously. So EasyCkptCallback uses one event, ``on_init_end`` (the end of ``Trainer.__init__``,
 before any ``train()``): it finds its Trainer on the call stack and routes that Trainer's ``train`` through
-the same engine path as TrainerWrapper. Every guarantee of the wrapper holds; the one thing it needs is to
-be given to ``Trainer(callbacks=[...])``: added later with ``trainer.add_callback`` it would miss
-``on_init_end``, and ``train()`` refuses to start without it.
+the same engine path as TrainerWrapper. Every guarantee of the wrapper holds. Added later with
+``trainer.add_callback`` (past ``on_init_end``), it takes over ``train`` there: importing this module wraps
+``Trainer.add_callback`` for that (nothing else changes in it).
 
 Decision: with ZeRO-3 no consolidated ``model.safetensors`` is written (it would need a gather of every
 parameter at every snapshot); ``global_stepN/`` holds the weights, as with the Trainer when
@@ -242,6 +242,10 @@ class EasyCkptCallback(TrainerCallback):
         if trainer is None:
             raise ConfigError("EasyCkptCallback: on_init_end came from no Trainer holding this callback; pass it "
                               "as Trainer(..., callbacks=[EasyCkptCallback(...)])")
+        self._attach(trainer)
+
+    def _attach(self, trainer: "Trainer") -> None:
+        """Route ``trainer.train`` through the engine (at on_init_end, or when added with add_callback)."""
         if self._attached is not None:
             raise ConfigError("EasyCkptCallback: this instance already serves another Trainer; give each Trainer "
                               "its own EasyCkptCallback(...)")
@@ -262,9 +266,32 @@ class EasyCkptCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         if self._attached is None or self._attached.engine is None:
             # the Trainer has already chosen and loaded its checkpoint by itself: say so rather than train on
-            raise ConfigError("EasyCkptCallback was not there when the Trainer was built (trainer.add_callback) "
-                              "or train() was called past it (Trainer.train(trainer)): pass it as "
-                              "Trainer(..., callbacks=[EasyCkptCallback(...)]) and call trainer.train(...)")
+            raise ConfigError("EasyCkptCallback: train() was called past the Trainer's own (Trainer.train(trainer), "
+                              "or a subclass's train calling Trainer.train directly), so the Trainer chose its "
+                              "checkpoint itself: call trainer.train(...)")
+
+
+def _attach_when_added() -> None:
+    """``trainer.add_callback(EasyCkptCallback(...))`` after the Trainer was built (past on_init_end): the
+    callback takes over that Trainer's ``train`` there, as at on_init_end, so that ``train(resume_from_checkpoint=
+    True)`` is easyckpt's choice, not the Trainer's own search (which fails on an empty output_dir)."""
+    from transformers import Trainer
+    add = Trainer.add_callback
+    if getattr(add, "_easyckpt", False):
+        return
+
+    @functools.wraps(add)
+    def add_callback(self: "Trainer", callback: Any) -> None:
+        add(self, callback)
+        added = self.callback_handler.callbacks[-1] if isinstance(callback, type) else callback
+        if isinstance(added, EasyCkptCallback) and added._attached is None:
+            added._attach(self)
+
+    add_callback._easyckpt = True  # type: ignore[attr-defined]
+    Trainer.add_callback = add_callback  # type: ignore[method-assign]
+
+
+_attach_when_added()
 
 
 def _calling_trainer(callback: EasyCkptCallback) -> Optional["Trainer"]:
