@@ -27,6 +27,7 @@ from harness import (
     env,
     events,
     is_agent,
+    kill_all,
     last_iteration,
     losses,
     run,
@@ -286,3 +287,31 @@ def test_easyckpt_run_gives_up_after_max_restarts(tmp_path):
     assert out.returncode == 1 and "--max-restarts 1 used up" in out.stderr
     assert "2 attempt(s), 1 restart(s)" in out.stderr
     wait_no_agent(ckpt)
+
+
+def test_a_sigkilled_launcher_is_said_once_and_its_orphaned_ranks_train_on(tmp_path):
+    """SIGKILL to torchrun alone: its workers, re-parented, lose the store it held. They say so in one line
+    (rank 0) and train on to the end, committing; no "SIGTERM agreement" warning at every poll of a store that
+    cannot answer (before: 250 lines of TCPStore backtraces and warnings in 20 s)."""
+    save, loss, out = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "out"
+    proc = start(train_cmd(save, 2, "--iters", "40", "--step-sleep", "0.1", "--loss-file", str(loss),
+                           "--storage-interval", "10", "--idle-timeout", "5"), log=out)
+    workers = []
+    try:
+        wait_for_iteration(loss, 5, proc)
+        workers = list(worker_pids(proc, 2).values())
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 120
+        while any(alive(p) for p in workers):
+            assert time.monotonic() < deadline, "the orphaned ranks did not finish"
+            time.sleep(0.2)
+    finally:
+        kill_all(workers, signal.SIGKILL)
+    said = out.read_text()
+    assert said.count("that holds the ranks' store is gone: SIGTERM agreement is off") == 1, said[-3000:]
+    assert "SIGTERM agreement:" not in said, said[-3000:]
+    assert said.count("TCPStore.cpp") <= 2, said[-3000:]      # torch's own, once per rank at the moment of the kill
+    assert last_iteration(loss) == 40 and 40 in committed_steps(save)
+    wait_no_agent(save)
+

@@ -58,6 +58,12 @@ class Preemption:
         self.job_id, self.rank, self.world_size, self.grace, self.log = job_id, rank, world_size, grace, log
         self.tell_agent, self.dead_ranks = tell_agent, dead_ranks
         self.pending = False                  # the one attribute a safe point reads
+        # under torchrun the store lives in the launcher (TORCHELASTIC_USE_AGENT_STORE): once it is gone (the
+        # launcher was killed, its workers re-parented) every store call fails, each with a C++ backtrace
+        self._launcher = os.getppid() if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" \
+            else None
+        self._store_gone: Optional[str] = None
+        self._store_warned = 0.0
         self.signalled_at: Optional[float] = None   # wall time of the first SIGTERM not yet saved
         self.ack_timeout = min(60.0, grace / 4)
         # shared between the main thread and the watcher (guarded by _lock where both write)
@@ -243,12 +249,29 @@ class Preemption:
                     self.tell_agent(self.signalled_at)
                 except Exception as exc:  # noqa: BLE001 - the save at the safe point still happens
                     self.log.emit("warning", rank=self.rank, message=f"could not tell the agent of SIGTERM: {exc}")
-            if self.world_size > 1:
+            if self.world_size > 1 and self._store_gone is None and not self._launcher_gone():
                 try:
                     state = self._agree(state)
                 except Exception as exc:  # noqa: BLE001 - a broken store: the safe point times out, naming it
-                    self.log.emit("warning", rank=self.rank, message=f"SIGTERM agreement: {exc}")
                     time.sleep(0.5)
+                    if not self._launcher_gone() and time.monotonic() - self._store_warned > 60:
+                        self._store_warned = time.monotonic()     # once a minute, not at every poll
+                        self.log.emit("warning", rank=self.rank, message=f"SIGTERM agreement: {exc}")
+
+    def _launcher_gone(self) -> bool:
+        """Whether torchrun, which holds the store, has died (this process was re-parented): said once, on
+        rank 0's console, and the agreement stops (no store call can succeed again)."""
+        if self._store_gone is not None:
+            return True
+        if self._launcher is None or os.getppid() == self._launcher:
+            return False
+        self._store_gone = (f"the launcher (pid {self._launcher}) that holds the ranks' store is gone: SIGTERM "
+                            f"agreement is off for the rest of this run (snapshots and persistence go on)")
+        if self.rank == 0:
+            self.log.emit("warning", rank=self.rank, message=self._store_gone)
+        else:
+            self.log.record("warning", rank=self.rank, message=self._store_gone)
+        return True
 
     def _agree(self, state: "_Round") -> "_Round":
         base = _default_store()
