@@ -296,3 +296,31 @@ def test_hooked_loop_adopts_megatrons_own_torch_dist_checkpoint(tmp_path):
     assert commits and commits[-1] == ITERS
     wait_no_agent(ckpt)
     wait_no_agent(tmp_path / "ref")
+
+
+def test_hooked_loop_with_load_in_another_directory_says_that_megatron_loads_it(tmp_path):
+    """--load names another directory than --save (a fine-tune from a base run's checkpoint): the job has
+    nothing in --save, so Megatron's own loader resumes from --load; the console says that, not "training
+    starts from the beginning" (issue 34), and the losses are those of a run that never stopped."""
+    ref_out = tmp_path / "ref.out"
+    finish(launch(tmp_path / "ref", ref_out, TREE, hooked_script(tmp_path)), ref_out)
+    reference = losses(ref_out)
+
+    base, first = tmp_path / "base", tmp_path / "first.out"
+    finish(launch(base, first, TREE, None, ("--train-iters", "3", "--save-interval", "3")), first)
+    assert (base / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+    ckpt, second, log = tmp_path / "ckpt", tmp_path / "second.out", tmp_path / "audit.jsonl"
+    finish(launch(ckpt, second, TREE, hooked_script(tmp_path), ("--load", str(base)), log=log), second)
+    text = second.read_text()
+    assert f"easyckpt: no checkpoint of this job in {ckpt}: Megatron's own loader resumes from --load {base}" \
+        in text, text[-4000:]
+    assert "training starts from the beginning" not in text, text[-4000:]
+    got = losses(second)
+    assert sorted(got) == list(range(4, ITERS + 1)), f"resumed at {min(got)}, not after iteration 3 of --load"
+    diff = [i for i in got if i != 5 and got[i] != reference[i]]    # 5: Megatron's log accumulator (docstring)
+    assert not diff, f"losses differ at iterations {diff}"
+    commits = [e["step"] for e in events(log) if e["event"] == "commit"]
+    assert commits and commits[-1] == ITERS
+    wait_no_agent(ckpt)
+    wait_no_agent(tmp_path / "ref")

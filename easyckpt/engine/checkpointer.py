@@ -60,6 +60,11 @@ class FrameworkState(Protocol[R]):
         same world size: a snapshot taken on another one is not used. None: the world size says it all."""
         return None
 
+    def otherwise(self) -> Optional[str]:
+        """Where the framework itself resumes from when this job has nothing in save_dir (Megatron's own loader
+        reading another --load directory), for the console's line; None: training starts from the beginning."""
+        return None
+
     def snapshot_bytes(self) -> Optional[int]:
         """About how many bytes this rank's first snapshot holds, so its slots are reserved while training
         starts; None when the adapter cannot say."""
@@ -108,7 +113,7 @@ class Checkpointer:
     def load(self, state: FrameworkState[R]) -> Optional[R]:
         """Restore the newest complete state through ``state``; None (logged) when there is nothing."""
         # an adapter whose layout can change under the same world size (Megatron's TP/PP) says which it has
-        loaded = self.engine.load(state.needed, state.layout())
+        loaded = self.engine.load(state.needed, state.layout(), otherwise=state.otherwise())
         if loaded is None:
             self.engine.log.emit("load", step=0, rank=self.rank, source="none",
                                  message="no checkpoint found: starting from scratch")

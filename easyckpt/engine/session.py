@@ -317,7 +317,9 @@ class Engine:
         # logged: the audit shows the estimate next to the first snapshot's bytes
         self.log.emit("prepare", rank=self.rank, bytes=data_bytes, **({"skipped": skipped} if skipped else {}))
 
-    def load(self, needed: Needed, layout: Optional[str] = None) -> Optional[Loaded]:
+    def load(self, needed: Needed, layout: Optional[str] = None, otherwise: Optional[str] = None) -> Optional[Loaded]:
+        """The newest complete state this rank can restore, or None. ``otherwise``: where the framework itself
+        resumes from when there is none (FrameworkState.otherwise), said instead of "from the beginning"."""
         self.settle()
         self._introduce()
         fresh: List[int] = []
@@ -340,7 +342,7 @@ class Engine:
                           bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
             self.last_step = loaded.step
             self.progress.mark(loaded.step)
-        console.info(_resumed(loaded, self.cfg.save_dir, self.world_size, fresh))
+        console.info(_resumed(loaded, self.cfg.save_dir, self.world_size, fresh, otherwise))
         if self.rank == 0:
             runlog.record("resume", step=loaded.step if loaded else 0, source=loaded.source if loaded else "none",
                           seconds=round(loaded.seconds, 6) if loaded else 0.0)
@@ -400,13 +402,14 @@ class Engine:
         self.view.wait_committed(step, self.cfg.commit_timeout if timeout is None else timeout, agent_died)
 
 
-def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int, fresh: Sequence[int] = ()) -> str:
+def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int, fresh: Sequence[int] = (),
+             otherwise: Optional[str] = None) -> str:
     if loaded is None and fresh:
         return (f"none of this job's {len(fresh)} committed step(s) in {save_dir} ({', '.join(map(str, fresh))}) can "
                 f"be restored here: training starts from the beginning, as on_no_valid_checkpoint='start_fresh' "
                 f"allows; they are set aside as quarantined-<name>-<stamp>, kept whole (`easyckpt ls` lists them)")
     if loaded is None:
-        return f"no checkpoint of this job in {save_dir}: training starts from the beginning"
+        return f"no checkpoint of this job in {save_dir}: {otherwise or 'training starts from the beginning'}"
     where = {"memory": "memory (the snapshot that outlived the last run)",
              "peer": "a peer node's memory (the replica of this node's snapshot)",
              "storage": f"storage ({loaded.path}, verified)"}.get(loaded.source, f"{loaded.path} ({loaded.source})")

@@ -78,8 +78,12 @@ class MegatronState(FrameworkState[Any]):
     flops: Optional[float] = None
     strict: bool = True
     concat: bool = False
+    elsewhere: Optional[str] = None      # where Megatron's own loader resumes from when save_dir has nothing
     # the chunks this rank asks Megatron's reader for (torch_dist), what its partial reads follow
     _request: Optional[List[Tuple[str, List[int], List[int]]]] = field(default=None, init=False, repr=False)
+
+    def otherwise(self) -> Optional[str]:
+        return self.elsewhere
 
     def layout(self) -> str:
         # asked at every iteration's save call (the snapshot's info): fixed for a process once computed
@@ -228,11 +232,13 @@ def save_checkpoint(iteration: int, model: Model, optimizer: Optimizer, opt_para
 
 
 def load_checkpoint(model: Model, optimizer: Optimizer, opt_param_scheduler: Scheduler, load_arg: str = "load",
-                    strict: bool = True, concat: bool = False, **kwargs: Any) -> Tuple[int, float]:
+                    strict: bool = True, concat: bool = False, elsewhere: Optional[str] = None,
+                    **kwargs: Any) -> Tuple[int, float]:
     """Restore the newest complete state (memory or storage); ``(iteration, flops)`` or ``(0, 0)``. A
-    torch_dist checkpoint resumes on any TP/PP/DP layout; a torch one with ``concat=True``."""
+    torch_dist checkpoint resumes on any TP/PP/DP layout; a torch one with ``concat=True``. ``elsewhere``:
+    where the caller resumes from when there is nothing (said on the console instead of "from the beginning")."""
     restored = _default.require().load(MegatronState(model, optimizer, opt_param_scheduler, strict=strict,
-                                                     concat=concat))
+                                                     concat=concat, elsewhere=elsewhere))
     return (0, 0) if restored is None else restored
 
 

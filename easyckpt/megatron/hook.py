@@ -124,12 +124,16 @@ def load_checkpoint(model: _em.Model, optimizer: _em.Optimizer, opt_param_schedu
     args = get_args()
     if not _ensure_initialized():
         return _orig_load(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, **kwargs)
-    # concat: a run resumed on other parallel sizes reshards (Megatron-LM's torch_dist loader does too)
-    iteration, flops = _em.load_checkpoint(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
-                                           concat=True)
     other = getattr(args, load_arg, None)
-    if iteration == 0 and other and (os.path.realpath(other) != os.path.realpath(args.save)
-                                     or _megatron_only(other)):
+    # --load in another directory: when this job has nothing in --save, Megatron's own loader reads it (said so,
+    # not "training starts from the beginning")
+    elsewhere = other if other and os.path.realpath(other) != os.path.realpath(args.save) else None
+    # concat: a run resumed on other parallel sizes reshards (Megatron-LM's torch_dist loader does too)
+    iteration, flops = _em.load_checkpoint(
+        model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, concat=True,
+        elsewhere=f"Megatron's own loader resumes from --{load_arg} {other}, if it holds a checkpoint"
+        if elsewhere else None)
+    if iteration == 0 and other and (elsewhere or _megatron_only(other)):
         return _orig_load(model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, **kwargs)
     return iteration, flops
 
