@@ -314,6 +314,27 @@ def test_lora_with_tied_embeddings_resumes_exactly_and_writes_checkpoints_peft_a
     base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
     converted = PeftModel.from_pretrained(base, summary["output"]).state_dict()
     assert all(torch.equal(converted[k], trained[k]) for k in lora), "the converted adapter differs"
+    # ... or, given the base model, the merged model (checked against the frozen weights' checksum first)
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(42)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32)).save_pretrained(
+        tmp_path / "base")
+    torch.manual_seed(43)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32)).save_pretrained(
+        tmp_path / "other")
+    wrong = cli("convert", "safetensors", str(out), str(STEPS), "--output", str(tmp_path / "wrong"),
+                "--base-model", str(tmp_path / "other"), expect=1)
+    assert "not the model this adapter was trained on" in wrong.stderr and not (tmp_path / "wrong").exists()
+    summary = cli_json("convert", "safetensors", str(out), str(STEPS), "--output", str(tmp_path / "merged"),
+                       "--base-model", str(tmp_path / "base"))
+    assert summary["kind"] == "peft-merged", summary
+    merged = AutoModelForCausalLM.from_pretrained(summary["output"]).state_dict()
+    expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                         str(last)).merge_and_unload().state_dict()
+    assert set(merged) == set(expected) and all(torch.equal(merged[k], expected[k]) for k in expected)
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "base").state_dict()
+    assert not any(torch.equal(merged[k], original[k]) for k in merged if k.endswith("c_attn.weight")), \
+        "the merged weights are the base model's: the adapter was not merged"
     # snapshot bytes: the adapter and its optimizer, against the whole model's (both runs' first snapshot)
     snap = lambda path: next(e["bytes"] for e in events(path) if e["event"] == "snapshot")  # noqa: E731
     stall = lambda path: statistics.median(e["seconds"] for e in events(path) if e["event"] == "snapshot")  # noqa: E731

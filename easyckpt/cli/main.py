@@ -331,6 +331,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"easyckpt convert: step {entry.step} is not a complete checkpoint ({entry.why}); "
               f"`easyckpt ls {args.dir}` lists the complete ones", file=sys.stderr)
         return 1
+    if args.base_model is not None and (args.what != "safetensors" or cat.framework != "transformers"
+                                        or (args.output or "").endswith(".safetensors")):
+        print("easyckpt convert: --base-model merges a PEFT adapter of a Trainer checkpoint into its base model, "
+              "written as a from_pretrained folder (not a .safetensors --output)", file=sys.stderr)
+        return 1
     try:
         if args.what == "megatron-distopt":
             from easyckpt.cli.convert import to_megatron_distrib_optim
@@ -341,7 +346,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             summary = to_safetensors(entry.path, output, progress=_progress(args))
         else:
             from easyckpt.cli.pretrained import to_pretrained
-            summary = to_pretrained(entry.path, args.output, progress=_progress(args))
+            summary = to_pretrained(entry.path, args.output, progress=_progress(args), base_model=args.base_model)
     except ValueError as exc:
         print(f"easyckpt convert: {exc}", file=sys.stderr)
         return 1
@@ -399,6 +404,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                            "consolidated/ in the step directory), a DeepSpeed one a file (default: "
                            "consolidated.safetensors in the step directory); a name ending in .safetensors: "
                            "that one file of weights, for either")
+    conv.add_argument("--base-model", default=None, metavar="PATH",
+                      help="safetensors, a PEFT adapter's checkpoint: merge the adapter into this base model (what "
+                           "from_pretrained reads; checked against the checksum recorded in training) and write the "
+                           "merged model's folder (default: the adapter's folder, for PeftModel.from_pretrained)")
     from easyckpt.cli.launcher import add_parser as add_run
     add_run(sub)
     args = parser.parse_args(argv)

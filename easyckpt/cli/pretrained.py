@@ -15,9 +15,11 @@ earlier conversion that this one does not rewrite (another shard count) are remo
 
 A PEFT model's checkpoint (a LoRA adapter: ``adapter_model.safetensors`` + ``adapter_config.json``, no model
 weights, as the Trainer and easyckpt write it) becomes the folder ``PeftModel.from_pretrained`` reads: the
-two files, checked against the manifest and the weights parsed before anything is written. Merging the
-adapter into a model needs the base model, which the checkpoint does not hold: PEFT's ``merge_and_unload``
-after loading it does that.
+two files, checked against the manifest and the weights parsed before anything is written. Given the base
+model (``base_model``: the folder or name ``from_pretrained`` reads; the checkpoint does not hold it), the
+adapter is merged into it instead (PEFT's ``merge_and_unload``) and the folder is the merged model as
+``save_pretrained`` writes it. The base is checked first against the checksum of the frozen weights the
+training recorded: an adapter is never merged into another base model.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch
 from easyckpt.cli import outputs
 from easyckpt.cli.consolidate import Source, Weights, open_step
 from easyckpt.cli.outputs import ProgressFactory
+from easyckpt.engine import scratch
 from easyckpt.formats import manifest as mf
 from easyckpt.storage import stepfiles
 
@@ -48,11 +51,14 @@ _NOT_MODEL = re.compile(r"(trainer_state\.json|training_args\.bin|optimizer\.pt|
 
 
 def to_pretrained(step_dir: str, output_dir: Optional[str] = None, progress: Optional[ProgressFactory] = None,
-                  max_shard_bytes: int = MAX_SHARD_BYTES) -> Dict[str, Any]:
+                  max_shard_bytes: int = MAX_SHARD_BYTES, base_model: Optional[str] = None) -> Dict[str, Any]:
     """Write the committed Trainer step ``step_dir`` as a from_pretrained-ready folder ``output_dir``
     (default: ``consolidated/`` inside the step, listed in its manifest). Returns ``{"output": folder,
     "written": [paths], "tensors", "bytes", "kind"}``. ValueError, with what to do, when the step is not a
-    Trainer checkpoint with a config.json, or the folder is the step directory itself."""
+    Trainer checkpoint with a config.json, or the folder is the step directory itself. ``base_model``: for a
+    PEFT adapter's checkpoint, the model to merge the adapter into (the folder is then the merged model)."""
+    if base_model is not None:
+        return _merged(step_dir, output_dir, base_model, progress)
     adapter = _adapter(step_dir, output_dir, progress)
     if adapter is not None:
         return adapter
@@ -104,6 +110,63 @@ def _adapter(step_dir: str, output_dir: Optional[str], progress: Optional[Progre
     outputs.write(step_dir, man, files, progress)      # the config last: a folder with it holds the weights
     return {"output": folder, "written": list(files), "tensors": len(weights), "kind": "peft-adapter",
             "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+
+
+# PEFT's task types -> the transformers Auto class that loads their base model (PEFT's own AutoPeftModel* pairs)
+_AUTO_CLASS = {"CAUSAL_LM": "AutoModelForCausalLM", "SEQ_CLS": "AutoModelForSequenceClassification",
+               "SEQ_2_SEQ_LM": "AutoModelForSeq2SeqLM", "TOKEN_CLS": "AutoModelForTokenClassification",
+               "QUESTION_ANS": "AutoModelForQuestionAnswering", "FEATURE_EXTRACTION": "AutoModel"}
+
+
+def _merged(step_dir: str, output_dir: Optional[str], base_model: str,
+            progress: Optional[ProgressFactory]) -> Dict[str, Any]:
+    """The adapter of ``step_dir`` merged into ``base_model``, as the folder save_pretrained writes; ValueError
+    (nothing written) when the step holds no adapter, the base does not load, or it is not the base the adapter
+    was trained on (the checksum of its frozen weights in the manifest)."""
+    import tempfile
+
+    import transformers
+    from peft import PeftModel
+
+    from easyckpt.transformers import peftmodel
+
+    man = stepfiles.load(step_dir)
+    if ADAPTER not in man.files or ADAPTER_CONFIG not in man.files:
+        raise ValueError(f"{step_dir} holds no PEFT adapter ({ADAPTER}, {ADAPTER_CONFIG}): --base-model merges an "
+                         f"adapter into its base model; leave it out for this checkpoint")
+    folder = _folder(step_dir, output_dir)
+    adapter = {rel: stepfiles.read_verified(step_dir, rel, man) for rel in (ADAPTER, ADAPTER_CONFIG)}
+    task = str(json.loads(adapter[ADAPTER_CONFIG]).get("task_type") or "CAUSAL_LM")
+    auto = getattr(transformers, _AUTO_CLASS.get(task, "AutoModel"))
+    with tempfile.TemporaryDirectory(prefix="easyckpt-merge-") as tmp:
+        for rel, data in adapter.items():
+            with open(os.path.join(tmp, rel), "wb") as f:
+                f.write(data)
+        try:
+            base = auto.from_pretrained(base_model)
+        except Exception as exc:  # noqa: BLE001 - any failure of the base model's loading: said, nothing written
+            raise ValueError(f"--base-model {base_model} does not load with {auto.__name__}.from_pretrained "
+                             f"({exc}); nothing was written") from None
+        model = PeftModel.from_pretrained(base, tmp, is_trainable=True)    # trainable: the checksum's split
+        recorded = man.info.get(peftmodel.BASE_KEY)
+        if recorded is None:
+            logger.warning("%s records no checksum of its base model: the merge into %s is not checked",
+                           step_dir, base_model)
+        elif recorded != peftmodel.base_checksum(model):
+            raise ValueError(f"--base-model {base_model} is not the model this adapter was trained on (the checksum "
+                             f"of its frozen weights differs from the one step {man.step} recorded); nothing was "
+                             f"written")
+        merged = model.merge_and_unload()
+        out = os.path.join(tmp, "merged")
+        merged.save_pretrained(out)
+        names = sorted(os.listdir(out), key=lambda n: (n == CONFIG, n))     # config.json last: the folder is whole
+        for name in names:
+            outputs.refuse_replacing(step_dir, man, os.path.join(folder, name))
+        files = {os.path.join(folder, name): scratch.file_bytes(os.path.join(out, name)) for name in names}
+    state = merged.state_dict()
+    outputs.write(step_dir, man, files, progress)
+    return {"output": folder, "written": list(files), "tensors": len(state), "kind": "peft-merged",
+            "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
 
 def _folder(step_dir: str, output_dir: Optional[str]) -> str:
