@@ -349,6 +349,24 @@ def test_lora_with_tied_embeddings_resumes_exactly_and_writes_checkpoints_peft_a
     assert got == {i: ref[i] for i in got}, "plain Trainer from easyckpt's LoRA checkpoint: other losses"
 
 
+@pytest.mark.slow
+def test_lora_in_the_callback_form_resumes_exactly_after_kill9_and_sigterm(tmp_path):
+    """The same LoRA adapter with Trainer(callbacks=[EasyCkptCallback()]): kill -9 then SIGTERM, each resumed
+    with the losses of an uninterrupted run; checkpoint-N holds the adapter, not the model."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install -e .[peft])")
+    ref = reference(tmp_path / "ref", "--lora")
+    rnd = random.Random(SEED + 13)
+    kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
+    out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmd = hf(out, loss, "--lora", "--callback", "--step-sleep", "0.05", log=log)
+    interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    assert_losses_equal(losses(loss), ref, STEPS, "lora, callback form")
+    assert [e["source"] for e in events(log) if e["event"] == "load"] == ["none", "memory", "storage"]
+    wait_no_agent(out)
+    names = set(os.listdir(out / f"checkpoint-{STEPS}"))
+    assert "adapter_model.safetensors" in names and "model.safetensors" not in names, names
+
+
 def test_the_frozen_weights_checksum_tells_another_base_model_and_refuses_its_adapter():
     """What a LoRA checkpoint does not hold (the frozen weights) is checked at the resume: training the
     adapter leaves the checksum as it is; another base model changes it, and its step is refused."""
