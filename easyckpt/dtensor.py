@@ -16,10 +16,15 @@ Restore: from storage through DCP's FileSystemReader on the committed step (the 
 checked against the manifest first: rank r checks every data file whose number is r modulo the world
 size); from memory through a reader over the snapshot (no collective). Then ``set_state_dict`` puts the
 state into the live model and optimizer.
+
+The ``*_state`` functions do the same for any DCP state dict in a sub-directory of the step (``prefix``):
+the Trainer's FSDP layout is two DCP checkpoints, ``pytorch_model_fsdp_0/`` (``{"model": ...}``) and
+``optimizer_0/`` (``{"optimizer": ...}``), as accelerate's save_fsdp_model / save_fsdp_optimizer write them.
 """
 from __future__ import annotations
 
 import io
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -67,13 +72,19 @@ def _main_replica(value: Any, rank: int) -> bool:
 
 
 def collect(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], rank: int) -> List[ShardSpec]:
+    """The model's and optimizer's state as one DCP checkpoint at the step's top (collect_state)."""
+    return collect_state(_state(model, optimizer), rank)
+
+
+def collect_state(state: Dict[str, Any], rank: int, prefix: str = "") -> List[ShardSpec]:
     """This rank's data file (the items it writes), its memory-only LOCAL (the rest of what it holds) and,
-    on rank 0, ``.metadata`` (a gather of every rank's item list: a collective, on every rank)."""
+    on rank 0, ``.metadata`` (a gather of every rank's item list: a collective, on every rank), for the
+    DCP state dict ``state``, under ``prefix`` ("" or "<sub dir>/")."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
     planner = DefaultSavePlanner()
-    planner.set_up_planner(_state(model, optimizer), None, rank == 0)
+    planner.set_up_planner(state, None, rank == 0)
     plan = planner.create_local_plan()
     flat = planner.state_dict
     ids: List[List[Any]] = []
@@ -105,10 +116,10 @@ def collect(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], 
     for d, item in zip(described, items):
         d.append(dcp_item_size(item))
     gathered = gather_to_zero(described)
-    shards = [ShardSpec(data_file(rank), list(zip(ids, items)), persist=True, fmt=ShardFormat.DCP),
-              ShardSpec(LOCAL.format(rank), {"index": index, "local": local}, persist=False)]
+    shards = [ShardSpec(prefix + data_file(rank), list(zip(ids, items)), persist=True, fmt=ShardFormat.DCP),
+              ShardSpec(prefix + LOCAL.format(rank), {"index": index, "local": local}, persist=False)]
     if gathered is not None:
-        shards.append(ShardSpec(DCP_METADATA, metadata(gathered), persist=True, fmt=ShardFormat.RAW))
+        shards.append(ShardSpec(prefix + DCP_METADATA, metadata(gathered), persist=True, fmt=ShardFormat.RAW))
     return shards
 
 
@@ -128,35 +139,44 @@ def local_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     return params + (state or 2 * params)
 
 
-def needed(manifest: Manifest, rank: int, world_size: int) -> List[Tuple[str, bool]]:
+def needed(manifest: Manifest, rank: int, world_size: int, prefix: str = "") -> List[Tuple[str, bool]]:
     """``.metadata`` and the data files this rank checks (each checked once, by rank ``n % world_size``):
     DCP's reader then takes from them what this rank's shards need, on any world size."""
-    if DCP_METADATA not in manifest.files:
-        raise CheckpointError(f"step {manifest.step} holds no torch DCP checkpoint (.metadata): it was saved "
-                              f"from a model without FSDP (model.safetensors); it restores only into a model "
-                              f"whose parameters are not DTensors")
-    return [(DCP_METADATA, False)] + [(rel, False) for rel in checked_by(manifest.files, rank, world_size)]
+    if prefix + DCP_METADATA not in manifest.files:
+        raise CheckpointError(f"step {manifest.step} holds no torch DCP checkpoint ({prefix}{DCP_METADATA}): it was "
+                              f"saved from a model without FSDP; it restores only into a model whose parameters "
+                              f"are not DTensors")
+    under = [rel[len(prefix):] for rel in manifest.files if rel.startswith(prefix) and "/" not in rel[len(prefix):]]
+    return [(prefix + DCP_METADATA, False)] + [(prefix + rel, False) for rel in checked_by(under, rank, world_size)]
 
 
 def restore(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], trees: Dict[str, Any],
             path: Optional[str], rank: int) -> None:
     """Load the checkpoint into the live model and optimizer: from the committed step ``path`` through
     DCP's own reader (any world size), or from this rank's memory snapshot (``path`` None)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_state_dict,
     )
 
     state = _state(model, optimizer)
-    if path is not None:
-        dcp.load(state, checkpoint_id=path, planner=_safe_planner())
-    else:
-        dcp.load(state, storage_reader=_MemoryReader(trees, rank), planner=_safe_planner(), no_dist=True)
+    load_state(state, trees, path, rank)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def load_state(state: Dict[str, Any], trees: Dict[str, Any], path: Optional[str], rank: int, prefix: str = "") -> None:
+    """Fill the DCP state dict ``state`` (its tensors in place) from the checkpoint under ``prefix``: of the
+    committed step ``path`` through DCP's own reader (any world size; a collective), or from this rank's
+    memory snapshot (``path`` None; no collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    if path is not None:
+        dcp.load(state, checkpoint_id=os.path.join(path, prefix) if prefix else path, planner=_safe_planner())
+    else:
+        dcp.load(state, storage_reader=_MemoryReader(trees, rank, prefix), planner=_safe_planner(), no_dist=True)
 
 
 def _safe_planner() -> Any:
@@ -184,10 +204,10 @@ class _MemoryReader(_reader_base()):  # type: ignore[misc]  # torch's abstract S
     """DCP's StorageReader over this rank's memory snapshot: every item it held at the snapshot (what it
     wrote and what it kept in LOCAL), the same layout as now."""
 
-    def __init__(self, trees: Dict[str, Any], rank: int):
+    def __init__(self, trees: Dict[str, Any], rank: int, prefix: str = ""):
         super().__init__()
-        mine = trees[LOCAL.format(rank)]
-        pools = {"d": trees[data_file(rank)], "l": mine["local"]}
+        mine = trees[prefix + LOCAL.format(rank)]
+        pools = {"d": trees[prefix + data_file(rank)], "l": mine["local"]}
         self.items: Dict[Tuple[str, Tuple[int, ...]], Any] = {}
         self.sizes: Dict[str, List[int]] = {}
         for fqn, offsets, kind, pos, size in mine["index"]:

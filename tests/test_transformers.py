@@ -46,7 +46,7 @@ def hf(out, loss, *extra, nproc=1, log=None):
     args = ["--output-dir", str(out), "--loss-file", str(loss), "--max-steps", str(STEPS), "--idle-timeout", "20", *extra]
     if log is not None:
         args += ["--log-file", str(log)]
-    return script_cmd(HF, nproc, *args, torchrun="--zero" in extra)   # DeepSpeed wants a process group
+    return script_cmd(HF, nproc, *args, torchrun="--zero" in extra or "--fsdp" in extra)   # a process group
 
 
 def reference(tmp, *extra, nproc=1):
@@ -406,12 +406,45 @@ def test_the_frozen_weights_checksum_tells_another_base_model_and_refuses_its_ad
     assert missing == ["base_model.model.lm_head.weight"] and _tied(model, missing, whole) == set(missing)
 
 
-def test_the_trainers_fsdp_is_refused_before_anything_starts():
-    """The Trainer with FSDP (fsdp= / accelerate's FSDP plugin) never ran here (no FSDP on CPU, no GPU): it
-    is refused when the session starts, naming what is supported, rather than saved in an untested layout."""
+def test_the_trainers_fsdp2_on_cpu_resumes_exactly_after_kill9_and_sigterm_in_the_trainers_own_layout(tmp_path):
+    """The Trainer with FSDP2 (fsdp=True, fsdp_config={"fsdp_version": 2}) on 2 CPU ranks, which accelerate allows
+    after easyckpt.transformers.cpu.fsdp_on_cpu(): kill -9, then SIGTERM, each resumed with the losses of an
+    uninterrupted run on both ranks (from memory, then from storage through DCP's reader). checkpoint-N holds
+    what accelerate's FSDP save writes (SHARDED_STATE_DICT): pytorch_model_fsdp_0/ and optimizer_0/, each a
+    DCP checkpoint with one data file per rank; a plain Trainer with FSDP resumes from it with the same losses."""
+    ref = tmp_path / "ref"
+    run(hf(ref / "out", ref / "loss", "--fsdp", nproc=2), timeout=300)
+    wait_no_agent(ref / "out")
+    rnd = random.Random(SEED + 17)
+    kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
+    out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    cmd = hf(out, loss, "--fsdp", "--step-sleep", "0.05", nproc=2, log=log)
+    interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), losses(ref / "loss", rank), STEPS, f"Trainer FSDP2, rank {rank}")
+    assert [e["source"] for e in events(log) if e["event"] == "load" and e.get("rank") == 0] == \
+        ["none", "memory", "storage"]
+    wait_no_agent(out)
+    last = out / "checkpoint-20"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {p.name for p in (last / part).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}, part
+    assert not (last / "model.safetensors").exists() and not (last / "optimizer.pt").exists()
+
+    plain = tmp_path / "plain-loss"
+    run(hf(tmp_path / "plain", plain, "--fsdp", "--plain", "--resume", str(last), nproc=2), timeout=300)
+    got = losses(plain)
+    assert starts(plain) == [20] and sorted(got) == list(range(21, STEPS + 1)), got
+    assert got == {i: losses(ref / "loss")[i] for i in got}, "a plain Trainer from easyckpt's FSDP checkpoint: other losses"
+
+
+def test_the_trainers_fsdp1_is_refused_before_anything_starts():
+    """FSDP1 (fsdp_version 1, FullyShardedDataParallel) is not supported: refused when the session starts."""
     import types
 
     from easyckpt.errors import ConfigError
     from easyckpt.transformers.session import _Session
-    with pytest.raises(ConfigError, match="does not support the Trainer's FSDP.*FSDP2 is supported in a plain"):
-        _Session(types.SimpleNamespace(is_fsdp_enabled=True), None)
+    plugin = types.SimpleNamespace(fsdp_version=1)
+    fake = types.SimpleNamespace(is_fsdp_enabled=True, accelerator=types.SimpleNamespace(
+        state=types.SimpleNamespace(fsdp_plugin=plugin)))
+    with pytest.raises(ConfigError, match="supports the Trainer's FSDP2.*FSDP1"):
+        _Session(fake, None)

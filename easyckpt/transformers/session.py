@@ -27,6 +27,7 @@ import torch
 
 import easyckpt.deepspeed.state as ds
 import easyckpt.deepspeed.universal as universal
+from easyckpt import dtensor
 from easyckpt.config import NAMINGS
 from easyckpt.engine import scratch
 from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
 NAMING = NAMINGS["transformers"]
 STATE, ARGS, MODEL, OPTIM, SCHED, SCALER = ("trainer_state.json", "training_args.bin", "model.safetensors",
                                             "optimizer.pt", "scheduler.pt", "scaler.pt")
+# under FSDP2: two DCP checkpoints, as accelerate's save_fsdp_model / save_fsdp_optimizer write them
+# (SHARDED_STATE_DICT), so that the Trainer's own FSDP loader reads checkpoint-N too
+FSDP_MODEL, FSDP_OPTIM = "pytorch_model_fsdp_0/", "optimizer_0/"
 
 
 class _Session(FrameworkState[Any]):
@@ -53,15 +57,20 @@ class _Session(FrameworkState[Any]):
     FrameworkState of this adapter (collect, needed, restore)."""
 
     def __init__(self, trainer: "Trainer", engine: Checkpointer):
-        if getattr(trainer, "is_fsdp_enabled", False):
-            # untested (accelerate runs no FSDP on CPU): refused rather than saved in a layout never resumed
-            raise ConfigError("easyckpt does not support the Trainer's FSDP (fsdp= / accelerate's FSDP plugin) yet; "
-                              "FSDP2 is supported in a plain PyTorch loop (easyckpt.initialize_easyckpt with a "
-                              "fully_shard model), and the Trainer with DDP or DeepSpeed ZeRO 1-3")
+        self.fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
+        if self.fsdp:
+            plugin = trainer.accelerator.state.fsdp_plugin
+            if getattr(plugin, "fsdp_version", 1) != 2:
+                raise ConfigError("easyckpt supports the Trainer's FSDP2 (fsdp_config={'fsdp_version': 2}); FSDP1 "
+                                  "(fsdp_version 1, FullyShardedDataParallel) is not supported")
+            if peftmodel.peft_model(trainer.model) is not None:
+                raise ConfigError("easyckpt does not support a PEFT model under the Trainer's FSDP yet (LoRA is "
+                                  "supported with DDP; FSDP2 with a whole model)")
         self.trainer, self.engine = trainer, engine
         self.trees: Optional[Dict[str, Any]] = None      # what a resume feeds the Trainer's load hooks
         self.loaded_manifest: Optional[Manifest] = None
         self.loaded_path: Optional[str] = None
+        self.loaded_source: Optional[str] = None
         self.virtual_dir: Optional[str] = None
         self.saved_now = False
         self.requested: Set[int] = set()                # steps handed to the agent in this run
@@ -150,7 +159,9 @@ class _Session(FrameworkState[Any]):
         trainer.store_flos()          # as the Trainer does before each save (a sum across ranks)
         shards: List[ShardSpec] = [ShardSpec(name, data, persist=writer, fmt=ShardFormat.RAW) for name, data in self.static]
         dse = self.ds_engine
-        if dse is None:
+        if self.fsdp:
+            shards.extend(self._fsdp_shards())
+        elif dse is None:
             shards.append(ShardSpec(*self._weights(), persist=writer))
             assert trainer.optimizer is not None    # train() creates it before the first save
             shards.append(ShardSpec(OPTIM, trainer.optimizer.state_dict(), persist=writer, fmt=ShardFormat.TORCH))
@@ -169,6 +180,22 @@ class _Session(FrameworkState[Any]):
         shards.append(ShardSpec(STATE, self._trainer_state_json(), persist=writer, fmt=ShardFormat.RAW))
         return shards
 
+    def _fsdp_objects(self) -> Tuple[Any, Any]:
+        """The sharded model and the torch optimizer (accelerate's wrapper unwrapped)."""
+        opt = self.trainer.optimizer
+        assert opt is not None      # train() creates it before the first save and before loading
+        return self.trainer.model_wrapped, getattr(opt, "optimizer", opt)
+
+    def _fsdp_shards(self) -> List[ShardSpec]:
+        """Each rank's local shards of the model and of the optimizer state (nothing gathered), as the two DCP
+        checkpoints of the Trainer's FSDP layout (dtensor.py: each rank writes its own data file)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model, opt = self._fsdp_objects()
+        msd, osd = get_state_dict(model, opt)
+        rank = self.args.process_index
+        return dtensor.collect_state({"model": msd}, rank, FSDP_MODEL) + \
+            dtensor.collect_state({"optimizer": osd}, rank, FSDP_OPTIM)
+
     def snapshot_bytes(self) -> int:
         """About what the first snapshot holds (the slots are reserved ahead, engine/estimate.py). The
         Trainer creates its optimizer inside train(), after the resume point is chosen: without one
@@ -177,7 +204,7 @@ class _Session(FrameworkState[Any]):
         (the first snapshot allocates)."""
         from easyckpt.engine import estimate
 
-        if self.trainer.is_deepspeed_enabled:
+        if self.trainer.is_deepspeed_enabled or self.fsdp:     # (FSDP shards the model inside train())
             return 0
         total = estimate.tensor_bytes(self._weights()[1])
         opt = self.trainer.optimizer
@@ -268,7 +295,7 @@ class _Session(FrameworkState[Any]):
 
     def restore(self, loaded: Loaded) -> str:
         engine = self.engine
-        self.trees, self.loaded_path = loaded.trees, loaded.path
+        self.trees, self.loaded_path, self.loaded_source = loaded.trees, loaded.path, loaded.source
         self.loaded_manifest = loaded.manifest
         t = self.trainer
         # the Trainer's load hooks, shadowed by instance attributes (hooks() pops them)
@@ -287,7 +314,15 @@ class _Session(FrameworkState[Any]):
     @as_reads
     def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
         files = [(STATE, False), (self._rng_file(), True)]
-        if not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
+        fsdp_saved = FSDP_MODEL + dtensor.DCP_METADATA in manifest.files
+        if self.fsdp or fsdp_saved:
+            if not (self.fsdp and fsdp_saved):
+                raise CheckpointError(f"checkpoint-{manifest.step} was saved {'without' if self.fsdp else 'with'} the "
+                                      f"Trainer's FSDP: it restores only into a Trainer "
+                                      f"{'without' if self.fsdp else 'with'} FSDP (fsdp=)")
+            rank, world = self.args.process_index, self.args.world_size
+            files += dtensor.needed(manifest, rank, world, FSDP_MODEL) + dtensor.needed(manifest, rank, world, FSDP_OPTIM)
+        elif not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
             # a PeftModel's adapter (a checkpoint written before adapters were saved alone holds the model)
             weights = peftmodel.ADAPTER if self.peft is not None and MODEL not in manifest.files else MODEL
             if self.peft_base is not None:
@@ -303,6 +338,15 @@ class _Session(FrameworkState[Any]):
     def _load_model(self, resume_from_checkpoint: str, model: Optional[torch.nn.Module] = None) -> None:
         model = model if model is not None else self.trainer.model
         assert model is not None and self.trees is not None    # the Trainer's model; restore() set the trees
+        if self.fsdp:        # the model is sharded by now (the Trainer loads it after accelerate's prepare)
+            from torch.distributed.checkpoint.state_dict import (
+                get_model_state_dict,
+                set_model_state_dict,
+            )
+            state = {"model": get_model_state_dict(model)}
+            dtensor.load_state(state, self.trees, self._dcp_path(), self.args.process_index, FSDP_MODEL)
+            set_model_state_dict(model, state["model"])
+            return
         if peftmodel.ADAPTER in self.trees:
             peftmodel.restore_adapter(model, self.trees[peftmodel.ADAPTER])
             return
@@ -316,12 +360,26 @@ class _Session(FrameworkState[Any]):
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         t = self.trainer
         assert self.trees is not None       # restore() set them before the Trainer calls its load hooks
-        if self.ds_engine is None:
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                get_optimizer_state_dict,
+                set_optimizer_state_dict,
+            )
+            model, opt = self._fsdp_objects()
+            state = {"optimizer": get_optimizer_state_dict(model, opt)}
+            dtensor.load_state(state, self.trees, self._dcp_path(), self.args.process_index, FSDP_OPTIM)
+            set_optimizer_state_dict(model, opt, state["optimizer"])
+        elif self.ds_engine is None:
             assert t.optimizer is not None  # the Trainer loads into the optimizer it just created
             t.optimizer.load_state_dict(self.trees[OPTIM])
         if SCHED in self.trees and not _is_ds_scheduler(t.lr_scheduler):
             assert t.lr_scheduler is not None
             t.lr_scheduler.load_state_dict(self.trees[SCHED])
+
+    def _dcp_path(self) -> Optional[str]:
+        """The committed step DCP's own reader reads (any world size), or None: from this rank's snapshot."""
+        source = self.loaded_source
+        return None if source in ("memory", "peer") else self.loaded_path
 
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         scaler = getattr(self.trainer.accelerator, "scaler", None)

@@ -45,6 +45,9 @@ def parse() -> argparse.Namespace:
                    help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--fsdp", action="store_true",
+                   help="the Trainer's FSDP2 (fsdp=True, fsdp_config={'fsdp_version': 2}); on a CPU through "
+                        "easyckpt.transformers.cpu.fsdp_on_cpu()")
     p.add_argument("--lora", action="store_true",
                    help="train a LoRA adapter (PEFT) on the attention projections; the embeddings stay tied")
     p.add_argument("--dump-weights", default=None,
@@ -109,6 +112,12 @@ def main() -> int:
             "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 10 ** 9,
         }
+    if args.fsdp:
+        from easyckpt.transformers.cpu import fsdp_on_cpu
+        fsdp_on_cpu()        # no-op with CUDA: accelerate runs FSDP on accelerator process groups only
+        extra["fsdp"] = True
+        # the layout easyckpt writes (each rank its shards): a plain Trainer reads it with this setting
+        extra["fsdp_config"] = {"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT"}
     eval_args = {}
     if args.eval_best:
         eval_args = dict(eval_strategy="steps", eval_steps=args.save_steps, load_best_model_at_end=True,
