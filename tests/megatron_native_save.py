@@ -28,8 +28,9 @@ from easyckpt.megatron import state as S  # noqa: E402  (rng_capture: Megatron-L
 
 def save_torch_dist(step_dir, iteration, model, optimizer, scheduler, args):
     """``--ckpt-format torch_dist`` as Megatron-LM saves it: generate_state_dict's sharded form, the
-    DistributedOptimizer in Megatron-LM's default ``dp_reshardable`` sharding, and the options recorded as
-    the checkpoint's content metadata (common.pt)."""
+    DistributedOptimizer in Megatron-LM's default ``dp_reshardable`` sharding (``fully_reshardable`` with
+    NATIVE_OPTIM_SHARDING=fully_reshardable, as ``--dist-ckpt-optim-fully-reshardable`` saves), and the
+    options recorded as the checkpoint's content metadata (common.pt)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.utils import unwrap_model
@@ -37,7 +38,7 @@ def save_torch_dist(step_dir, iteration, model, optimizer, scheduler, args):
     where = S.parallel()
     meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if args.use_distributed_optimizer:
-        meta["distrib_optim_sharding_type"] = "dp_reshardable"
+        meta["distrib_optim_sharding_type"] = os.environ.get("NATIVE_OPTIM_SHARDING", "dp_reshardable")
     with_group = dict(meta, dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True))
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
              "model": unwrap_model(model)[0].sharded_state_dict(metadata=with_group)}

@@ -53,13 +53,17 @@ MEGATRON_LAYOUTS = {"tp2": (["--tp", "2"], ["mp_rank_00/model_optim_rng.pt", "mp
                     "dp2_distopt": (["--use-distributed-optimizer"],
                                     ["mp_rank_00/model_optim_rng.pt", "mp_rank_00/distrib_optim.pt"]),
                     "dp2_distopt_torch_dist": (["--use-distributed-optimizer", "--ckpt-format", "torch_dist"],
-                                               [".metadata", "metadata.json", "__0_0.distcp", "__1_0.distcp"])}
+                                               [".metadata", "metadata.json", "__0_0.distcp", "__1_0.distcp"]),
+                    "dp2_distopt_torch_dist_fully_reshardable": (
+                        ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"],
+                        [".metadata", "metadata.json", "__0_0.distcp"])}     # (rank 0 holds every replica here)
 # megatron-core 0.16's saver adds common.pt and a second file per rank (__R_1.distcp); 0.19's keeps the common
 # state inside the DCP files
 TORCH_DIST_EXTRA = re.compile(r"common\.pt|__\d+_\d+\.distcp")
 
 
-@pytest.mark.parametrize("layout", sorted(MEGATRON_LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow) if n.endswith("fully_reshardable") else n
+                                    for n in sorted(MEGATRON_LAYOUTS)])     # (the other sharding: the slow tier)
 def test_megatrons_own_checkpoint_is_adopted_and_later_saves_commit(tmp_path, layout):
     """Megatron saved iteration 3 itself (iter_0000003, tracker "3", no manifest); a relaunch with easyckpt
     resumes from it with Megatron's state (losses equal an uninterrupted run's), says so on the console,
@@ -68,8 +72,9 @@ def test_megatrons_own_checkpoint_is_adopted_and_later_saves_commit(tmp_path, la
     extra, files = MEGATRON_LAYOUTS[layout]
     common = ["--cpu", "--quiet", *extra, "--iters", "8"]
     ckpt, ref, loss, log = tmp_path / "ckpt", tmp_path / "ref-loss", tmp_path / "loss", tmp_path / "audit.jsonl"
+    sharding = {"NATIVE_OPTIM_SHARDING": "fully_reshardable"} if layout.endswith("fully_reshardable") else None
     run(megatron_cmd(ROOT / "tests" / "megatron_native_save.py", str(ckpt), "3", "--", *common, "--loss-file",
-                     str(ref)), timeout=300)
+                     str(ref)), extra_env=sharding, timeout=300)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
     native = tree_bytes(ckpt / "iter_0000003")
     names = {p.relative_to(ckpt / "iter_0000003").as_posix() for p in native}
