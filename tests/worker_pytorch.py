@@ -125,7 +125,10 @@ class TestHooks(train.Hooks):
 def full_state(model: torch.nn.Module, rank: int, path: str) -> None:
     """The model's whole state dict, saved by rank 0 (under FSDP a gather: every rank calls it)."""
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = model.state_dict()

@@ -362,6 +362,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_options(conv: argparse.ArgumentParser) -> None:
+    conv.add_argument("--output", default=None,
+                      help="safetensors: a Trainer checkpoint becomes a from_pretrained-ready folder (default: "
+                           "consolidated/ in the step directory), a DeepSpeed one a file (default: "
+                           "consolidated.safetensors in the step directory); a name ending in .safetensors: "
+                           "that one file of weights, for either")
+    conv.add_argument("--base-model", default=None, metavar="PATH",
+                      help="safetensors, a PEFT adapter's checkpoint: merge the adapter into this base model (what "
+                           "from_pretrained reads; checked against the checksum recorded in training) and write the "
+                           "merged model's folder (default: the adapter's folder, for PeftModel.from_pretrained)")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from easyckpt import __version__
     parser = argparse.ArgumentParser(prog="easyckpt", description=__doc__,
@@ -399,15 +411,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     conv = verb("convert", cmd_convert, "megatron-distopt: per-DP optimizer shards -> Megatron's distrib_optim.pt; "
                                        "safetensors: an HF or DeepSpeed ZeRO checkpoint -> consolidated weights",
                 step=True, what=["megatron-distopt", "safetensors"])
-    conv.add_argument("--output", default=None,
-                      help="safetensors: a Trainer checkpoint becomes a from_pretrained-ready folder (default: "
-                           "consolidated/ in the step directory), a DeepSpeed one a file (default: "
-                           "consolidated.safetensors in the step directory); a name ending in .safetensors: "
-                           "that one file of weights, for either")
-    conv.add_argument("--base-model", default=None, metavar="PATH",
-                      help="safetensors, a PEFT adapter's checkpoint: merge the adapter into this base model (what "
-                           "from_pretrained reads; checked against the checksum recorded in training) and write the "
-                           "merged model's folder (default: the adapter's folder, for PeftModel.from_pretrained)")
+    _convert_options(conv)
     from easyckpt.cli.launcher import add_parser as add_run
     add_run(sub)
     args = parser.parse_args(argv)

@@ -27,18 +27,17 @@ import torch
 
 import easyckpt.deepspeed.state as ds
 import easyckpt.deepspeed.universal as universal
-from easyckpt import dtensor
 from easyckpt.config import NAMINGS
 from easyckpt.engine import scratch
 from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
 from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
-from easyckpt.errors import CheckpointError, ConfigError
+from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
-from easyckpt.transformers import peftmodel
+from easyckpt.transformers import fsdp, peftmodel
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
@@ -47,9 +46,6 @@ if TYPE_CHECKING:
 NAMING = NAMINGS["transformers"]
 STATE, ARGS, MODEL, OPTIM, SCHED, SCALER = ("trainer_state.json", "training_args.bin", "model.safetensors",
                                             "optimizer.pt", "scheduler.pt", "scaler.pt")
-# under FSDP2: two DCP checkpoints, as accelerate's save_fsdp_model / save_fsdp_optimizer write them
-# (SHARDED_STATE_DICT), so that the Trainer's own FSDP loader reads checkpoint-N too
-FSDP_MODEL, FSDP_OPTIM = "pytorch_model_fsdp_0/", "optimizer_0/"
 
 
 class _Session(FrameworkState[Any]):
@@ -57,15 +53,9 @@ class _Session(FrameworkState[Any]):
     FrameworkState of this adapter (collect, needed, restore)."""
 
     def __init__(self, trainer: "Trainer", engine: Checkpointer):
-        self.fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
+        self.fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))      # FSDP2: fsdp.py's layout
         if self.fsdp:
-            plugin = trainer.accelerator.state.fsdp_plugin
-            if getattr(plugin, "fsdp_version", 1) != 2:
-                raise ConfigError("easyckpt supports the Trainer's FSDP2 (fsdp_config={'fsdp_version': 2}); FSDP1 "
-                                  "(fsdp_version 1, FullyShardedDataParallel) is not supported")
-            if peftmodel.peft_model(trainer.model) is not None:
-                raise ConfigError("easyckpt does not support a PEFT model under the Trainer's FSDP yet (LoRA is "
-                                  "supported with DDP; FSDP2 with a whole model)")
+            fsdp.check_supported(trainer)
         self.trainer, self.engine = trainer, engine
         self.trees: Optional[Dict[str, Any]] = None      # what a resume feeds the Trainer's load hooks
         self.loaded_manifest: Optional[Manifest] = None
@@ -160,7 +150,7 @@ class _Session(FrameworkState[Any]):
         shards: List[ShardSpec] = [ShardSpec(name, data, persist=writer, fmt=ShardFormat.RAW) for name, data in self.static]
         dse = self.ds_engine
         if self.fsdp:
-            shards.extend(self._fsdp_shards())
+            shards.extend(fsdp.shards(trainer, args.process_index))
         elif dse is None:
             shards.append(ShardSpec(*self._weights(), persist=writer))
             assert trainer.optimizer is not None    # train() creates it before the first save
@@ -179,22 +169,6 @@ class _Session(FrameworkState[Any]):
         shards.append(ShardSpec(self._rng_file(), _rng_states(args), persist=True, fmt=ShardFormat.TORCH))
         shards.append(ShardSpec(STATE, self._trainer_state_json(), persist=writer, fmt=ShardFormat.RAW))
         return shards
-
-    def _fsdp_objects(self) -> Tuple[Any, Any]:
-        """The sharded model and the torch optimizer (accelerate's wrapper unwrapped)."""
-        opt = self.trainer.optimizer
-        assert opt is not None      # train() creates it before the first save and before loading
-        return self.trainer.model_wrapped, getattr(opt, "optimizer", opt)
-
-    def _fsdp_shards(self) -> List[ShardSpec]:
-        """Each rank's local shards of the model and of the optimizer state (nothing gathered), as the two DCP
-        checkpoints of the Trainer's FSDP layout (dtensor.py: each rank writes its own data file)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        model, opt = self._fsdp_objects()
-        msd, osd = get_state_dict(model, opt)
-        rank = self.args.process_index
-        return dtensor.collect_state({"model": msd}, rank, FSDP_MODEL) + \
-            dtensor.collect_state({"optimizer": osd}, rank, FSDP_OPTIM)
 
     def snapshot_bytes(self) -> int:
         """About what the first snapshot holds (the slots are reserved ahead, engine/estimate.py). The
@@ -314,14 +288,9 @@ class _Session(FrameworkState[Any]):
     @as_reads
     def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
         files = [(STATE, False), (self._rng_file(), True)]
-        fsdp_saved = FSDP_MODEL + dtensor.DCP_METADATA in manifest.files
-        if self.fsdp or fsdp_saved:
-            if not (self.fsdp and fsdp_saved):
-                raise CheckpointError(f"checkpoint-{manifest.step} was saved {'without' if self.fsdp else 'with'} the "
-                                      f"Trainer's FSDP: it restores only into a Trainer "
-                                      f"{'without' if self.fsdp else 'with'} FSDP (fsdp=)")
-            rank, world = self.args.process_index, self.args.world_size
-            files += dtensor.needed(manifest, rank, world, FSDP_MODEL) + dtensor.needed(manifest, rank, world, FSDP_OPTIM)
+        sharded = fsdp.needed(manifest, self.fsdp, self.args.process_index, self.args.world_size)
+        if sharded is not None:
+            files += sharded
         elif not self.trainer.is_deepspeed_enabled:     # (its engine does not exist yet)
             # a PeftModel's adapter (a checkpoint written before adapters were saved alone holds the model)
             weights = peftmodel.ADAPTER if self.peft is not None and MODEL not in manifest.files else MODEL
@@ -339,13 +308,7 @@ class _Session(FrameworkState[Any]):
         model = model if model is not None else self.trainer.model
         assert model is not None and self.trees is not None    # the Trainer's model; restore() set the trees
         if self.fsdp:        # the model is sharded by now (the Trainer loads it after accelerate's prepare)
-            from torch.distributed.checkpoint.state_dict import (
-                get_model_state_dict,
-                set_model_state_dict,
-            )
-            state = {"model": get_model_state_dict(model)}
-            dtensor.load_state(state, self.trees, self._dcp_path(), self.args.process_index, FSDP_MODEL)
-            set_model_state_dict(model, state["model"])
+            fsdp.load_model(model, self.trees, self._dcp_path(), self.args.process_index)
             return
         if peftmodel.ADAPTER in self.trees:
             peftmodel.restore_adapter(model, self.trees[peftmodel.ADAPTER])
@@ -361,14 +324,7 @@ class _Session(FrameworkState[Any]):
         t = self.trainer
         assert self.trees is not None       # restore() set them before the Trainer calls its load hooks
         if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import (
-                get_optimizer_state_dict,
-                set_optimizer_state_dict,
-            )
-            model, opt = self._fsdp_objects()
-            state = {"optimizer": get_optimizer_state_dict(model, opt)}
-            dtensor.load_state(state, self.trees, self._dcp_path(), self.args.process_index, FSDP_OPTIM)
-            set_optimizer_state_dict(model, opt, state["optimizer"])
+            fsdp.load_optimizer(t, self.trees, self._dcp_path(), self.args.process_index)
         elif self.ds_engine is None:
             assert t.optimizer is not None  # the Trainer loads into the optimizer it just created
             t.optimizer.load_state_dict(self.trees[OPTIM])
