@@ -9,6 +9,7 @@ import difflib
 import functools
 import hashlib
 import os
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import (
@@ -230,6 +231,11 @@ def validate(cfg: Config) -> Config:
     check_values(cfg)
     if not cfg.save_dir or not isinstance(cfg.save_dir, (str, os.PathLike)):
         raise ConfigError(f"save_dir={cfg.save_dir!r} must be a directory path")
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", str(cfg.save_dir)):
+        # (without this, "s3://bucket/ckpt" would become a local directory named "s3:")
+        raise ConfigError(f"save_dir={str(cfg.save_dir)!r} is a URL: easyckpt does not persist to object storage "
+                          f"yet (easyckpt/storage/s3.py is the back-end its persist and resume paths are to use); "
+                          f"give a local or network file system directory")
     save_dir = Path(cfg.save_dir)
     try:
         save_dir.mkdir(parents=True, exist_ok=True)

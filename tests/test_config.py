@@ -40,6 +40,15 @@ def test_save_dir_that_cannot_be_created_fails_at_initialisation(tmp_path):
         easyckpt.initialize_easyckpt(str(blocker / "ckpt"))
 
 
+def test_an_object_store_url_as_save_dir_is_refused_not_made_a_local_directory(tmp_path, monkeypatch):
+    """s3:// is not a save directory yet: refused at initialisation, saying so, and no local "s3:" directory."""
+    from easyckpt.config import Config, validate
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="is a URL: easyckpt does not persist to object storage yet"):
+        validate(Config(save_dir="s3://bucket/ckpt"))
+    assert not (tmp_path / "s3:").exists()
+
+
 def test_log_file_that_cannot_be_written_fails_at_initialisation(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
