@@ -155,10 +155,11 @@ def test_wrapping_twice_is_refused_when_built(tmp_path):
         trainer(tmp_path / "d", callbacks=[shared])
 
 
-ADDED_LATER = textwrap.dedent("""
+# a tiny Trainer over output_dir=argv[1], max_steps=argv[2], a checkpoint every step: the scripts below add to it
+A_TRAINER = textwrap.dedent("""
     import sys, torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-    from easyckpt.transformers import EasyCkptCallback
+    from easyckpt.transformers import EasyCkptCallback, TrainerWrapper
 
     class Tokens(torch.utils.data.Dataset):
         def __len__(self):
@@ -171,6 +172,8 @@ ADDED_LATER = textwrap.dedent("""
                              save_steps=1, per_device_train_batch_size=2, disable_tqdm=True)
     t = Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)), args=args,
                 train_dataset=Tokens())
+""")
+ADDED_LATER = A_TRAINER + textwrap.dedent("""
     t.add_callback(EasyCkptCallback(agent_idle_timeout=2))
     t.train(resume_from_checkpoint=True)
 """)
@@ -202,22 +205,7 @@ def test_train_called_past_the_callback_refuses_to_train(tmp_path):
     assert t.state.global_step == 0
 
 
-SEQUENTIAL = textwrap.dedent("""
-    import sys, torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-    from easyckpt.transformers import TrainerWrapper
-
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self):
-            return 8
-
-        def __getitem__(self, i):
-            return {"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64}
-
-    args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to=[], max_steps=2, save_steps=1,
-                             per_device_train_batch_size=2, disable_tqdm=True)
-    t = Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)), args=args,
-                train_dataset=Tokens())
+SEQUENTIAL = A_TRAINER + textwrap.dedent("""
     first, second = (TrainerWrapper(t, agent_idle_timeout=2) for _ in range(2))
     first.train(resume_from_checkpoint=True)
     t.args.max_steps = 3
@@ -227,7 +215,7 @@ SEQUENTIAL = textwrap.dedent("""
 
 def test_two_wrappers_of_one_trainer_train_in_turn(tmp_path):
     out = tmp_path / "out"
-    run([sys.executable, "-c", SEQUENTIAL, str(out)], extra_env={"HF_HUB_OFFLINE": "1"}, timeout=300)
+    run([sys.executable, "-c", SEQUENTIAL, str(out), "2"], extra_env={"HF_HUB_OFFLINE": "1"}, timeout=300)
     wait_no_agent(out)
     loads = [(e["source"], e["step"]) for e in events(out / "easyckpt.log") if e["event"] == "load"]
     assert loads[0] == ("none", 0) and loads[1][1] == 2 and loads[1][0] in ("memory", "storage"), loads

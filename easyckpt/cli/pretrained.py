@@ -123,8 +123,6 @@ def _merged(step_dir: str, output_dir: Optional[str], base_model: str,
     """The adapter of ``step_dir`` merged into ``base_model``, as the folder save_pretrained writes; ValueError
     (nothing written) when the step holds no adapter, the base does not load, or it is not the base the adapter
     was trained on (the checksum of its frozen weights in the manifest)."""
-    import tempfile
-
     import transformers
     from peft import PeftModel
 
@@ -138,31 +136,34 @@ def _merged(step_dir: str, output_dir: Optional[str], base_model: str,
     adapter = {rel: stepfiles.read_verified(step_dir, rel, man) for rel in (ADAPTER, ADAPTER_CONFIG)}
     task = str(json.loads(adapter[ADAPTER_CONFIG]).get("task_type") or "CAUSAL_LM")
     auto = getattr(transformers, _AUTO_CLASS.get(task, "AutoModel"))
-    with tempfile.TemporaryDirectory(prefix="easyckpt-merge-") as tmp:
+    # PEFT and transformers read and write only by path: scratch directories in the save directory (beside the
+    # step, never inside it), removed after
+    near, tag = os.path.dirname(os.path.abspath(step_dir)), str(os.getpid())
+    adapter_dir = scratch.fresh(scratch.path(near, "adapter", tag))
+    try:
         for rel, data in adapter.items():
-            with open(os.path.join(tmp, rel), "wb") as f:
-                f.write(data)
+            scratch.staged_file(adapter_dir, rel, data)
         try:
             base = auto.from_pretrained(base_model)
         except Exception as exc:  # noqa: BLE001 - any failure of the base model's loading: said, nothing written
             raise ValueError(f"--base-model {base_model} does not load with {auto.__name__}.from_pretrained "
                              f"({exc}); nothing was written") from None
-        model = PeftModel.from_pretrained(base, tmp, is_trainable=True)    # trainable: the checksum's split
-        recorded = man.info.get(peftmodel.BASE_KEY)
-        if recorded is None:
-            logger.warning("%s records no checksum of its base model: the merge into %s is not checked",
-                           step_dir, base_model)
-        elif recorded != peftmodel.base_checksum(model):
-            raise ValueError(f"--base-model {base_model} is not the model this adapter was trained on (the checksum "
-                             f"of its frozen weights differs from the one step {man.step} recorded); nothing was "
-                             f"written")
-        merged = model.merge_and_unload()
-        out = os.path.join(tmp, "merged")
-        merged.save_pretrained(out)
-        names = sorted(os.listdir(out), key=lambda n: (n == CONFIG, n))     # config.json last: the folder is whole
-        for name in names:
-            outputs.refuse_replacing(step_dir, man, os.path.join(folder, name))
-        files = {os.path.join(folder, name): scratch.file_bytes(os.path.join(out, name)) for name in names}
+        model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)    # trainable: the checksum's split
+    finally:
+        scratch.remove(adapter_dir)
+    recorded = man.info.get(peftmodel.BASE_KEY)
+    if recorded is None:
+        logger.warning("%s records no checksum of its base model: the merge into %s is not checked",
+                       step_dir, base_model)
+    elif recorded != peftmodel.base_checksum(model):
+        raise ValueError(f"--base-model {base_model} is not the model this adapter was trained on (the checksum "
+                         f"of its frozen weights differs from the one step {man.step} recorded); nothing was written")
+    merged = model.merge_and_unload()
+    written = scratch.files_written_by(merged.save_pretrained, scratch.path(near, "merged", tag))
+    written.sort(key=lambda f: (f[0] == CONFIG, f[0]))          # config.json last: a folder with it is whole
+    for name, _ in written:
+        outputs.refuse_replacing(step_dir, man, os.path.join(folder, name))
+    files = {os.path.join(folder, name): data for name, data in written}
     state = merged.state_dict()
     outputs.write(step_dir, man, files, progress)
     return {"output": folder, "written": list(files), "tensors": len(state), "kind": "peft-merged",
