@@ -81,6 +81,10 @@ class UntrustedFileError(EasyCkptError, PermissionError):
     is open to others, or is a symlink: it may have been planted; nothing is read from it or written to it."""
 
 
+class AlreadyCommitted(EasyCkptError, FileExistsError):
+    """An object store's conditional create found the object there: a committed manifest is never replaced."""
+
+
 class CheckpointError(EasyCkptError, ValueError):
     """A checkpoint is damaged or cannot be loaded into the current job (a ValueError too: callers
     written before it existed caught that)."""

@@ -65,11 +65,11 @@ def store(server, monkeypatch):
 
 
 def test_objects_appear_whole_and_a_committed_manifest_is_never_replaced(store):
-    from easyckpt.storage.s3 import PreconditionFailed
+    from easyckpt.errors import AlreadyCommitted
     s, top = store
     manifest = f"{top}/job/step_00000005/easyckpt_manifest.json"
     s.create_exclusive(manifest, b'{"step": 5}')
-    with pytest.raises(PreconditionFailed, match="never replaced"):
+    with pytest.raises(AlreadyCommitted, match="never replaced"):
         s.create_exclusive(manifest, b'{"step": 5, "other": true}')
     assert s.read(manifest) == b'{"step": 5}'
     s.write_atomic(f"{top}/job/latest", b"step_00000005")

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from easyckpt.errors import ConfigError
+from easyckpt.errors import AlreadyCommitted, ConfigError
 from easyckpt.storage.base import Buffer
 
 SCHEME = "s3://"
@@ -56,10 +56,6 @@ class Location:
     def prefix(self) -> str:
         """The key as a directory prefix ("" or ending in "/")."""
         return self.key if not self.key or self.key.endswith("/") else self.key + "/"
-
-
-class PreconditionFailed(FileExistsError):
-    """A conditional create found the object already there (a committed manifest is never replaced)."""
 
 
 def client(endpoint_url: Optional[str] = None, max_pool: int = PARALLEL * 2) -> Any:
@@ -219,13 +215,13 @@ class S3Storage:
         self.c.put_object(Bucket=loc.bucket, Key=loc.key, Body=bytes(data))
 
     def create_exclusive(self, path: str, data: Buffer) -> None:
-        """Create ``path`` with ``data`` unless it exists (PreconditionFailed then): the commit's PUT."""
+        """Create ``path`` with ``data`` unless it exists (AlreadyCommitted then): the commit's PUT."""
         loc = Location.parse(path)
         try:
             self.c.put_object(Bucket=loc.bucket, Key=loc.key, Body=bytes(data), IfNoneMatch="*")
         except Exception as exc:  # noqa: BLE001 - the store's refusal is the answer
             if _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                raise PreconditionFailed(f"{path} exists: a committed object is never replaced") from None
+                raise AlreadyCommitted(f"{path} exists: a committed object is never replaced") from None
             raise
 
     def sync_dir(self, path: str) -> None:
