@@ -30,12 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from easyckpt.storage.s3 import S3Storage  # noqa: E402
 
 
-def best(fn: Callable[[], None], repeats: int) -> float:
+def best(fn: Callable[[], None], repeats: int, after: Callable[[], None]) -> float:
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+        after()          # (untimed) what an upload made is deleted: a test server's store is small
     return min(times)
 
 
@@ -45,10 +46,13 @@ def main() -> int:
     p.add_argument("--key", required=True)
     p.add_argument("--secret", required=True)
     p.add_argument("--mib", type=int, default=256)
+    # (scripts/s3-server.sh's memstore holds about twice what is stored, until the gateway's garbage collection
+    # frees deleted objects: start it with S3_STORE_BYTES well above a few times --mib)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--part-mib", type=int, default=None, help="easyckpt's part size (default: storage/s3.py's)")
     args = p.parse_args()
     os.environ.update(AWS_ACCESS_KEY_ID=args.key, AWS_SECRET_ACCESS_KEY=args.secret, AWS_DEFAULT_REGION="us-east-1")
-    s3 = S3Storage(endpoint_url=args.endpoint)
+    s3 = S3Storage(endpoint_url=args.endpoint, **({"part_bytes": args.part_mib << 20} if args.part_mib else {}))
     bucket = f"bench-{uuid.uuid4().hex[:10]}"
     s3.c.create_bucket(Bucket=bucket)
     data = os.urandom(args.mib << 20)
@@ -56,10 +60,16 @@ def main() -> int:
     up: Dict[str, Callable[[], None]] = {}
     down: Dict[str, Callable[[], None]] = {}
     counter = [0]
+    made: List[str] = []
 
     def key(name: str) -> str:
         counter[0] += 1
-        return f"{name}/{counter[0]}"
+        made.append(f"{name}/{counter[0]}")
+        return made[-1]
+
+    def forget() -> None:
+        while made:
+            s3.c.delete_object(Bucket=bucket, Key=made.pop())
 
     def easy_up() -> None:
         w = s3.open_writer(f"s3://{bucket}/{key('easy')}")
@@ -86,7 +96,7 @@ def main() -> int:
     try:
         for kind, cases in (("upload", up), ("download", down)):
             names: List[str] = list(cases)
-            got = {name: best(cases[name], args.repeats) for name in names}
+            got = {name: best(cases[name], args.repeats, forget) for name in names}
             top = min(got.values())
             print(f"\n{kind} of {args.mib} MiB, best of {args.repeats}:")
             for name in names:
