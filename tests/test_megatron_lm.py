@@ -288,14 +288,7 @@ def test_hooked_loop_adopts_megatrons_own_torch_dist_checkpoint(tmp_path):
     assert "easyckpt: resuming from Megatron's own checkpoint iter_0000003 (no easyckpt manifest)" in text, \
         text[-4000:]
     assert [e["step"] for e in events(log) if e["event"] == "load" and e.get("source") == "adopted"] == [3, 3]
-    got = losses(second)
-    assert sorted(got) == list(range(4, ITERS + 1)), f"resumed at {min(got)}, not after Megatron's iteration 3"
-    diff = [i for i in got if i != 5 and got[i] != reference[i]]    # 5: Megatron's log accumulator (docstring)
-    assert not diff, f"losses differ at iterations {diff}"
-    commits = [e["step"] for e in events(log) if e["event"] == "commit"]
-    assert commits and commits[-1] == ITERS
-    wait_no_agent(ckpt)
-    wait_no_agent(tmp_path / "ref")
+    resumed_after_three(second, reference, log, ckpt, tmp_path)
 
 
 def test_hooked_loop_with_load_in_another_directory_says_that_megatron_loads_it(tmp_path):
@@ -316,9 +309,16 @@ def test_hooked_loop_with_load_in_another_directory_says_that_megatron_loads_it(
     assert f"easyckpt: no checkpoint of this job in {ckpt}: Megatron's own loader resumes from --load {base}" \
         in text, text[-4000:]
     assert "training starts from the beginning" not in text, text[-4000:]
+    resumed_after_three(second, reference, log, ckpt, tmp_path)
+
+
+def resumed_after_three(second, reference, log, ckpt, tmp_path):
+    """The hooked run ``second`` went on from Megatron's iteration 3 with the losses of a run that never stopped
+    (but iteration 5: Megatron's log accumulator, see test_hooked_loop_adopts_megatrons_own_checkpoint...), and
+    its own saves committed to the last iteration."""
     got = losses(second)
-    assert sorted(got) == list(range(4, ITERS + 1)), f"resumed at {min(got)}, not after iteration 3 of --load"
-    diff = [i for i in got if i != 5 and got[i] != reference[i]]    # 5: Megatron's log accumulator (docstring)
+    assert sorted(got) == list(range(4, ITERS + 1)), f"resumed at {min(got)}, not after iteration 3"
+    diff = [i for i in got if i != 5 and got[i] != reference[i]]
     assert not diff, f"losses differ at iterations {diff}"
     commits = [e["step"] for e in events(log) if e["event"] == "commit"]
     assert commits and commits[-1] == ITERS
