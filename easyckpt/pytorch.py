@@ -114,9 +114,8 @@ class PytorchState(FrameworkState[Any]):
         trees = loaded.trees
         per_rank = trees.get(_rank_file(self.rank))
         if self.sharded:
-            # a snapshot in memory holds this rank's own shards; a committed step is read by DCP's reader
-            in_memory = loaded.source in ("memory", "peer")
-            dtensor.restore(self.model, self.optimizer, trees, None if in_memory else loaded.path, self.rank)
+            # a snapshot in memory (path None) holds this rank's own shards; a committed step is read by DCP's reader
+            dtensor.restore(self.model, self.optimizer, trees, loaded.path, self.rank)
             if self.lr_scheduler is not None and per_rank is not None and "lr_scheduler" in per_rank:
                 self.lr_scheduler.load_state_dict(per_rank["lr_scheduler"])
         else:

@@ -249,7 +249,7 @@ class Preemption:
                     self.tell_agent(self.signalled_at)
                 except Exception as exc:  # noqa: BLE001 - the save at the safe point still happens
                     self.log.emit("warning", rank=self.rank, message=f"could not tell the agent of SIGTERM: {exc}")
-            if self.world_size > 1 and self._store_gone is None and not self._launcher_gone():
+            if self.world_size > 1 and not self._launcher_gone():
                 try:
                     state = self._agree(state)
                 except Exception as exc:  # noqa: BLE001 - a broken store: the safe point times out, naming it

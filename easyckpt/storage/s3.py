@@ -88,14 +88,21 @@ class S3Writer:
         self._done = False
 
     def write(self, data: Buffer) -> int:
+        """Full parts go out as they are cut from ``data`` (one copy each); only a part's remainder is buffered."""
         view = memoryview(data).cast("B")
-        self._buf += view
-        self.size += len(view)
-        while len(self._buf) >= self.storage.part_bytes:
-            part = bytes(self._buf[:self.storage.part_bytes])
-            del self._buf[:self.storage.part_bytes]
-            self._send(part)
-        return len(view)
+        n, pos, part = len(view), 0, self.storage.part_bytes
+        self.size += n
+        if self._buf:
+            pos = min(part - len(self._buf), n)
+            self._buf += view[:pos]
+            if len(self._buf) == part:
+                self._send(bytes(self._buf))
+                self._buf = bytearray()
+        while n - pos >= part:
+            self._send(bytes(view[pos:pos + part]))
+            pos += part
+        self._buf += view[pos:]
+        return n
 
     def write_mapped(self, view: memoryview, start: int, end: int) -> None:
         self.write(view[start:end])
@@ -239,7 +246,6 @@ class S3Storage:
         keys = [k for k, _ in _list_keys(self, loc)]
         if self._head(loc) is not None:
             keys.append(loc.key)
-        keys.sort(key=lambda k: (not k.endswith("/easyckpt_manifest.json"), k))
         first = [k for k in keys if k.endswith("/easyckpt_manifest.json")]
         for k in first:
             self.c.delete_object(Bucket=loc.bucket, Key=k)

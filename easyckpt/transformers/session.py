@@ -60,7 +60,6 @@ class _Session(FrameworkState[Any]):
         self.trees: Optional[Dict[str, Any]] = None      # what a resume feeds the Trainer's load hooks
         self.loaded_manifest: Optional[Manifest] = None
         self.loaded_path: Optional[str] = None
-        self.loaded_source: Optional[str] = None
         self.virtual_dir: Optional[str] = None
         self.saved_now = False
         self.requested: Set[int] = set()                # steps handed to the agent in this run
@@ -269,7 +268,7 @@ class _Session(FrameworkState[Any]):
 
     def restore(self, loaded: Loaded) -> str:
         engine = self.engine
-        self.trees, self.loaded_path, self.loaded_source = loaded.trees, loaded.path, loaded.source
+        self.trees, self.loaded_path = loaded.trees, loaded.path
         self.loaded_manifest = loaded.manifest
         t = self.trainer
         # the Trainer's load hooks, shadowed by instance attributes (hooks() pops them)
@@ -308,7 +307,8 @@ class _Session(FrameworkState[Any]):
         model = model if model is not None else self.trainer.model
         assert model is not None and self.trees is not None    # the Trainer's model; restore() set the trees
         if self.fsdp:        # the model is sharded by now (the Trainer loads it after accelerate's prepare)
-            fsdp.load_model(model, self.trees, self._dcp_path(), self.args.process_index)
+            # (loaded_path is None for a snapshot in memory: dtensor reads it there)
+            fsdp.load_model(model, self.trees, self.loaded_path, self.args.process_index)
             return
         if peftmodel.ADAPTER in self.trees:
             peftmodel.restore_adapter(model, self.trees[peftmodel.ADAPTER])
@@ -324,18 +324,13 @@ class _Session(FrameworkState[Any]):
         t = self.trainer
         assert self.trees is not None       # restore() set them before the Trainer calls its load hooks
         if self.fsdp:
-            fsdp.load_optimizer(t, self.trees, self._dcp_path(), self.args.process_index)
+            fsdp.load_optimizer(t, self.trees, self.loaded_path, self.args.process_index)
         elif self.ds_engine is None:
             assert t.optimizer is not None  # the Trainer loads into the optimizer it just created
             t.optimizer.load_state_dict(self.trees[OPTIM])
         if SCHED in self.trees and not _is_ds_scheduler(t.lr_scheduler):
             assert t.lr_scheduler is not None
             t.lr_scheduler.load_state_dict(self.trees[SCHED])
-
-    def _dcp_path(self) -> Optional[str]:
-        """The committed step DCP's own reader reads (any world size), or None: from this rank's snapshot."""
-        source = self.loaded_source
-        return None if source in ("memory", "peer") else self.loaded_path
 
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         scaler = getattr(self.trainer.accelerator, "scaler", None)
