@@ -431,7 +431,12 @@ def test_the_trainers_fsdp2_on_cpu_resumes_exactly_after_kill9_and_sigterm_in_th
     assert not (last / "model.safetensors").exists() and not (last / "optimizer.pt").exists()
 
     plain = tmp_path / "plain-loss"
-    run(hf(tmp_path / "plain", plain, "--fsdp", "--plain", "--resume", str(last), nproc=2), timeout=300)
+    res = run(hf(tmp_path / "plain", plain, "--fsdp", "--plain", "--resume", str(last), nproc=2), timeout=300,
+              check=False)
+    # the plain Trainer's FSDP run on CPU (no easyckpt in it) trains to the end, then often aborts while the
+    # process exits (std::terminate in torch's teardown, 3 runs in 4 here): its losses are what is compared
+    said = res.stdout + res.stderr
+    assert res.returncode == 0 or said.count("terminate called without an active exception") >= 1, said[-4000:]
     got = losses(plain)
     assert starts(plain) == [20] and sorted(got) == list(range(21, STEPS + 1)), got
     assert got == {i: losses(ref / "loss")[i] for i in got}, "a plain Trainer from easyckpt's FSDP checkpoint: other losses"
