@@ -1,12 +1,39 @@
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Under pytest-xdist (the README's test command runs the tiers with -n) every worker gets a shared-memory
+# directory of its own, set before easyckpt is imported (ipc/shm.py reads it once): shm_clean's
+# before/after comparison, the reaper of dead jobs' segments and the tests' planted segments then see
+# only their own worker's segments.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "EASYCKPT_SHM_DIR" not in os.environ:
+    _SHM = Path("/dev/shm") / f"ectest-{os.getpid()}-{_WORKER}"
+    _SHM.mkdir(mode=0o1777)
+    os.chmod(_SHM, 0o1777)   # another local user (the `nobody` tests) creates segments there too
+    os.environ["EASYCKPT_SHM_DIR"] = str(_SHM)
+else:
+    _SHM = None
+
+# torchrun leaves a torchelastic_* directory in the temporary directory of every launch: the launched
+# processes get one of this session's own, removed at its end, so a run leaves /tmp as it found it
+_TMP = tempfile.mkdtemp(prefix="easyckpt-tests-")
+os.environ["TMPDIR"] = _TMP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_TMP, ignore_errors=True)
+    if _SHM is not None:
+        shutil.rmtree(_SHM, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -263,9 +263,13 @@ def assert_prepared(log: Path, nproc: int, estimated: bool = True) -> None:
         assert snap["bytes"] - (1 << 20) <= prep["bytes"] <= 1.25 * snap["bytes"] + (1 << 20), (prep, snap)
 
 
+# EASYCKPT_SHM_DIR lets two test runs (or two pytest-xdist workers) on one machine keep out of each other's
+# segments; tests name the directory through SHM, never /dev/shm itself
+SHM = Path(os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm"))
+
+
 def shm_segments() -> List[str]:
-    # EASYCKPT_SHM_DIR lets two test runs on one machine keep out of each other's segments
-    return sorted(n for n in os.listdir(os.environ.get("EASYCKPT_SHM_DIR", "/dev/shm")) if n.startswith("easyckpt-"))
+    return sorted(n for n in os.listdir(SHM) if n.startswith("easyckpt-"))
 
 
 def interrupted_runs(cmd: Sequence[str], loss: Path, workdir: Path, interrupts: Sequence[tuple],

@@ -15,6 +15,7 @@ import pytest
 import torch
 from harness import (
     ROOT,
+    SHM,
     committed_steps,
     events,
     job_id,
@@ -261,7 +262,7 @@ def test_too_small_shm_is_a_clear_error_before_any_copy(tmp_path):
 def test_leftover_segments_of_a_dead_job_are_cleaned_on_next_start(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
-    fake = Path("/dev/shm/easyckpt-0123456789ab-r00000-s0")
+    fake = SHM / "easyckpt-0123456789ab-r00000-s0"
     header = struct.pack("<8sIIqQQQQIIqII", b"EZCKSLOT", 1, 2, 7, 1, 0, 0, 0, 0, 0, dead.pid, 0, 1)
     fake.write_bytes(header + bytes(8192))
     os.utime(fake, (1e9, 1e9))   # untouched for long: a leftover, not a slot being set up

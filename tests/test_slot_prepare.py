@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import torch
-from harness import wait_no_agent
+from harness import SHM, wait_no_agent
 
 import easyckpt
 from easyckpt import pages
@@ -193,7 +193,7 @@ def test_a_slot_is_faulted_in_piece_by_piece_to_its_last_page(monkeypatch):
 
     monkeypatch.setattr(pages, "POPULATE_CHUNK", 64 << 10)
     monkeypatch.setattr(pages, "_libc", lambda: Counting())
-    path = f"/dev/shm/easyckpt-t{uuid.uuid4().hex[:10]}-piecewise"
+    path = str(SHM / f"easyckpt-t{uuid.uuid4().hex[:10]}-piecewise")
     size = (1 << 20) + 3 * 4096 + 100                 # not a whole number of pieces, nor of pages
     slot = shm.Slot.create_or_grow(path, size)
     try:

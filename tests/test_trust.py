@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from harness import (
+    SHM,
     TIMEOUT,
     events,
     job_id,
@@ -143,7 +144,7 @@ def test_the_jobs_own_user_without_the_key_gets_an_error_and_the_agent_lives_on(
     a bye before hello and a hello with another world size are refused with a reason, and the job still
     commits."""
     proc, save, go, out = _holder(tmp_path)
-    key = (Path("/dev/shm") / f"easyckpt-{job_id(save)}-key").read_text()
+    key = SHM / f"easyckpt-{job_id(save)}-key".read_text()
     address = f"\0easyckpt-agent-{job_id(save)}"
 
     def exchange(*lines: bytes):
@@ -186,7 +187,7 @@ def test_the_jobs_own_user_without_the_key_gets_an_error_and_the_agent_lives_on(
 def _planted_run(tmp_path: Path, plant) -> subprocess.CompletedProcess:
     save = tmp_path / "ckpt"
     jid = job_id(save)
-    planted = [Path(f"/dev/shm/easyckpt-{jid}-r00000-s{i}") for i in (0, 1)]
+    planted = [SHM / f"easyckpt-{jid}-r00000-s{i}" for i in (0, 1)]
     try:
         plant(planted)
         return run_worker(train_cmd(save, 1, "--iters", "3", "--storage-interval", "1"), check=False, timeout=TIMEOUT)
@@ -195,7 +196,7 @@ def _planted_run(tmp_path: Path, plant) -> subprocess.CompletedProcess:
             if os.path.lexists(p):
                 p.unlink()
         wait_no_agent(save)
-        for p in Path("/dev/shm").glob(f"easyckpt-{jid}-*"):
+        for p in SHM.glob(f"easyckpt-{jid}-*"):
             p.unlink(missing_ok=True)
 
 
@@ -368,7 +369,7 @@ def test_a_shard_that_failed_on_one_rank_is_rewritten_on_every_rank_after_the_tr
         time.sleep(0.1)
     assert {"rank_00000.safetensors", "rank_00001.safetensors"} <= set(json.loads(manifest.read_text())["files"])
     wait_no_agent(save, timeout=60)
-    for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):
+    for p in SHM.glob(f"easyckpt-{job_id(save)}-*"):
         p.unlink(missing_ok=True)
 
 
@@ -391,7 +392,7 @@ def test_an_agent_whose_last_step_failed_leaves_within_its_idle_timeout_not_comm
     assert idle and "nothing is left to persist" in idle[-1]["message"], idle
     assert any("No space left on device" in e.get("message", "") + e.get("error", "") for e in log if e["event"] == "error")
     assert not list(save.glob(".easyckpt-staging-*")), "a failed step's staging was left"
-    for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):     # the dead trainers' slots, kept for a restart
+    for p in SHM.glob(f"easyckpt-{job_id(save)}-*"):     # the dead trainers' slots, kept for a restart
         p.unlink(missing_ok=True)
 
 
@@ -550,11 +551,11 @@ def test_any_easyckpt_start_reaps_only_this_users_dead_jobs(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
     header = struct.pack("<8sIIqQQQQIIqII", b"EZCKSLOT", 1, 2, 7, 1, 0, 0, 0, 0, 0, dead.pid, 0, 1)
-    mine = Path("/dev/shm/easyckpt-0123456789ac-r00000-s0")
+    mine = SHM / "easyckpt-0123456789ac-r00000-s0"
     mine.write_bytes(header + bytes(4096))
-    key = Path("/dev/shm/easyckpt-0123456789ac-key")
+    key = SHM / "easyckpt-0123456789ac-key"
     key.write_text("0" * 64)
-    theirs = Path("/dev/shm/easyckpt-0123456789ad-r00000-s0")
+    theirs = SHM / "easyckpt-0123456789ad-r00000-s0"
     theirs.write_bytes(header + bytes(4096))
     try:
         if os.geteuid() == 0:
@@ -585,7 +586,7 @@ def test_a_trainer_never_talks_to_another_users_process_on_its_agents_address(tm
     """Row 17 the other way round: `nobody` binds the job's agent address first (the name is predictable):
     the trainer refuses to send it anything, the job's key included, and says whose process holds it."""
     save = tmp_path / "ckpt"
-    ready = Path("/dev/shm") / f"squat-{os.getpid()}"
+    ready = SHM / f"squat-{os.getpid()}"
     code = textwrap.dedent(f"""
         import socket, time, os
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -619,7 +620,7 @@ def test_a_trainer_never_talks_to_another_users_process_on_its_agents_address(tm
         assert res.returncode != 0 and "uid 65534" in res.stderr, res.stderr[-3000:]
     finally:
         ready.unlink(missing_ok=True)
-        for p in Path("/dev/shm").glob(f"easyckpt-{job_id(save)}-*"):
+        for p in SHM.glob(f"easyckpt-{job_id(save)}-*"):
             p.unlink(missing_ok=True)
         os.killpg(squatter.pid, signal.SIGKILL)
         out, _ = squatter.communicate(timeout=30)
