@@ -74,6 +74,11 @@ def _refuse_unknown_settings(cls: Type[T]) -> Type[T]:
     return cls
 
 
+def default_local_dir(job_id: str) -> str:
+    """An object-store job's node-local directory when local_dir is not set: ~/.cache/easyckpt/<job id>."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "easyckpt", job_id)
+
+
 @_refuse_unknown_settings
 @dataclass(frozen=True)
 class Config:
@@ -116,14 +121,34 @@ class Config:
     # "error" stops before training, listing each with its verdict; "start_fresh" sets them aside
     # (quarantined-<name>-<stamp>, kept whole) and trains from the beginning, never reusing their names
     on_no_valid_checkpoint: str = "error"
+    # an S3-compatible store's endpoint for an s3:// save_dir (None: AWS_ENDPOINT_URL or the AWS config files,
+    # else AWS itself); credentials come from where boto3 looks (AWS_ACCESS_KEY_ID..., ~/.aws/credentials)
+    endpoint_url: Optional[str] = None
+    # a node-local directory for what belongs to this node, not to the checkpoints: the audit log, the agent's
+    # log and the job lock. None: the save dir itself, or for an s3:// save_dir ~/.cache/easyckpt/<job id>
+    local_dir: Optional[str] = None
     naming: Naming = field(default_factory=Naming)
 
     @property
     def job_id(self) -> str:
         """Stable across restarts of the same job (same save dir and job name), so that a restarted
         trainer finds its agent and its shared-memory snapshots again."""
-        key = f"{os.path.realpath(self.save_dir)}\0{self.job_name or ''}"
+        where = self.save_dir.rstrip("/") if self.remote else os.path.realpath(self.save_dir)
+        key = f"{where}\0{self.job_name or ''}"
         return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    @property
+    def remote(self) -> bool:
+        """Whether save_dir is an object store's URL (s3://bucket/prefix)."""
+        return str(self.save_dir).startswith("s3://")
+
+    @property
+    def node_dir(self) -> str:
+        """Where this node's own files go (audit log, agent log, job lock): local_dir, else the save dir, or for
+        an object store a directory under ~/.cache/easyckpt named after the job."""
+        if self.local_dir:
+            return str(self.local_dir)
+        return default_local_dir(self.job_id) if self.remote else self.save_dir
 
     @property
     def audit_log(self) -> Optional[str]:
@@ -131,7 +156,7 @@ class Config:
         if self.log_file_path is False:
             return None
         if self.log_file_path is None or self.log_file_path is True:
-            return os.path.join(self.save_dir, DEFAULT_LOG_NAME)
+            return os.path.join(self.node_dir, DEFAULT_LOG_NAME)
         return str(self.log_file_path)
 
     def to_json(self) -> Dict[str, Any]:
@@ -149,7 +174,7 @@ class Config:
 ADVANCED = ("job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout",
             "autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "grace_deadline",
             "snapshot_overlap", "direct_io", "replication_factor", "replication_jump", "replica_interval",
-            "replica_bandwidth", "on_no_valid_checkpoint")
+            "replica_bandwidth", "on_no_valid_checkpoint", "endpoint_url", "local_dir")
 
 
 def check_advanced(verb: str, advanced: Mapping[str, Any]) -> None:
@@ -231,24 +256,20 @@ def validate(cfg: Config) -> Config:
     check_values(cfg)
     if not cfg.save_dir or not isinstance(cfg.save_dir, (str, os.PathLike)):
         raise ConfigError(f"save_dir={cfg.save_dir!r} must be a directory path")
-    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", str(cfg.save_dir)):
-        # (without this, "s3://bucket/ckpt" would become a local directory named "s3:")
-        raise ConfigError(f"save_dir={str(cfg.save_dir)!r} is a URL: easyckpt does not persist to object storage "
-                          f"yet (easyckpt/storage/s3.py is the back-end its persist and resume paths are to use); "
-                          f"give a local or network file system directory")
-    save_dir = Path(cfg.save_dir)
-    try:
-        save_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"save_dir={str(save_dir)!r} does not exist and cannot be created "
-                          f"({exc.strerror}); create it or point save_dir at a writable location") from exc
-    if not save_dir.is_dir():
-        raise ConfigError(f"save_dir={str(save_dir)!r} is not a directory")
-    try:
-        probe_writable(save_dir)
-    except OSError as exc:
-        raise ConfigError(f"save_dir={str(save_dir)!r} is not writable ({exc.strerror}); "
-                          f"fix its permissions or mount, or choose another save_dir") from exc
+    for name in ("endpoint_url", "local_dir"):
+        if getattr(cfg, name) is not None and not isinstance(getattr(cfg, name), str):
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} must be a string or None")
+    if cfg.remote:
+        _check_store(cfg)
+    elif re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", str(cfg.save_dir)):
+        # (without this, "gs://bucket/ckpt" would become a local directory named "gs:")
+        raise ConfigError(f"save_dir={str(cfg.save_dir)!r} is a URL easyckpt cannot write: object stores are "
+                          f"reached through s3:// (an S3-compatible endpoint, endpoint_url=...); else give a "
+                          f"local or network file system directory")
+    if not cfg.remote:
+        _check_dir("save_dir", cfg.save_dir)
+    if cfg.node_dir != cfg.save_dir:
+        _check_dir("local_dir", cfg.node_dir)
     if cfg.audit_log is not None:
         log = Path(cfg.audit_log)
         try:
@@ -258,3 +279,35 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"log_file_path={str(log)!r} cannot be appended to ({exc.strerror or exc}; a symlink is "
                               f"never followed); choose a writable path, or False for no audit log") from exc
     return cfg
+
+
+def _check_store(cfg: Config) -> None:
+    """An s3:// save_dir: a well-formed URL, boto3 installed, and the bucket reachable with these credentials
+    (storage/s3.py's check names what to fix), before anything trains."""
+    from easyckpt.storage import resolve, s3
+
+    try:
+        s3.Location.parse(cfg.save_dir)
+    except ValueError as exc:
+        raise ConfigError(f"save_dir: {exc}") from None
+    resolve.set_endpoint(cfg.endpoint_url)
+    store = resolve.remote(cfg.save_dir)
+    assert store is not None
+    store.check(cfg.save_dir)
+
+
+def _check_dir(name: str, where: str) -> None:
+    """A directory of ours: made if missing, and writable."""
+    save_dir = Path(where)
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{name}={str(save_dir)!r} does not exist and cannot be created "
+                          f"({exc.strerror}); create it or point {name} at a writable location") from exc
+    if not save_dir.is_dir():
+        raise ConfigError(f"{name}={str(save_dir)!r} is not a directory")
+    try:
+        probe_writable(save_dir)
+    except OSError as exc:
+        raise ConfigError(f"{name}={str(save_dir)!r} is not writable ({exc.strerror}); "
+                          f"fix its permissions or mount, or choose another {name}") from exc

@@ -85,6 +85,11 @@ class AlreadyCommitted(EasyCkptError, FileExistsError):
     """An object store's conditional create found the object there: a committed manifest is never replaced."""
 
 
+class StoreError(EasyCkptError, OSError):
+    """An object store refused a request or could not be reached (after the client's bounded retries); the
+    message names the operation, the URL and the store's answer."""
+
+
 class CheckpointError(EasyCkptError, ValueError):
     """A checkpoint is damaged or cannot be loaded into the current job (a ValueError too: callers
     written before it existed caught that)."""
@@ -120,5 +125,5 @@ class NoValidCheckpoint(CheckpointError):
 
 __all__ = ["EasyCkptError", "ConfigError", "UnknownSettingError", "ShmCapacityError", "AgentError",
            "SnapshotChanged", "PreemptionError", "PeerError", "PeerNotReady", "ProtocolError", "BadMessage", "CatalogError",
-           "UntrustedFileError", "CheckpointError", "ManifestError", "UnsafePath", "BadSlotMeta",
+           "UntrustedFileError", "AlreadyCommitted", "StoreError", "CheckpointError", "ManifestError", "UnsafePath", "BadSlotMeta",
            "SlotNotComplete", "NoValidCheckpoint"]

@@ -22,6 +22,7 @@ else:
 # torchrun leaves a torchelastic_* directory in the temporary directory of every launch: the launched
 # processes get one of this session's own, removed at its end, so a run leaves /tmp as it found it
 _TMP = tempfile.mkdtemp(prefix="easyckpt-tests-")
+os.chmod(_TMP, 0o1777)   # as /tmp is: the tests that act as another local user (`nobody`) work in it too
 os.environ["TMPDIR"] = _TMP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

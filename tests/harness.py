@@ -192,13 +192,16 @@ def agent_alive(job_id: str) -> bool:
         s.close()
 
 
-def job_id(save_dir: Path, job_name: Optional[str] = None) -> str:
+def job_id(save_dir: Any, job_name: Optional[str] = None) -> str:
     from easyckpt.config import Config
     return Config(save_dir=str(save_dir), job_name=job_name).job_id
 
 
-def wait_no_agent(save_dir: Path, timeout: float = 60, job_name: Optional[str] = None) -> None:
+def wait_no_agent(save_dir: Any, timeout: float = 60, job_name: Optional[str] = None,
+                  log: Optional[Path] = None) -> None:
+    """``save_dir``: a Path, or an s3:// URL (a str; its audit log is then ``log``, in the job's local_dir)."""
     jid = job_id(save_dir, job_name)
+    log = log if log is not None else Path(save_dir) / "easyckpt.log"
     deadline = time.monotonic() + timeout
     while agent_alive(jid):
         if time.monotonic() > deadline:
@@ -208,7 +211,7 @@ def wait_no_agent(save_dir: Path, timeout: float = 60, job_name: Optional[str] =
     # its processes to end too, so a test's own clean-up never races the agent's (bounded: a pid from another
     # namespace may name a live stranger)
     end = min(deadline, time.monotonic() + 10)
-    while time.monotonic() < end and any(_running(pid) for pid in _agent_pids(save_dir / "easyckpt.log", jid)):
+    while time.monotonic() < end and any(_running(pid) for pid in _agent_pids(log, jid)):
         time.sleep(0.05)
 
 

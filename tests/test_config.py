@@ -40,13 +40,22 @@ def test_save_dir_that_cannot_be_created_fails_at_initialisation(tmp_path):
         easyckpt.initialize_easyckpt(str(blocker / "ckpt"))
 
 
-def test_an_object_store_url_as_save_dir_is_refused_not_made_a_local_directory(tmp_path, monkeypatch):
-    """s3:// is not a save directory yet: refused at initialisation, saying so, and no local "s3:" directory."""
+def test_an_object_store_url_is_never_made_a_local_directory_and_an_unreachable_store_is_refused(tmp_path, monkeypatch):
+    """A URL easyckpt cannot write (gs://) is refused, saying how object stores are reached; an s3:// one with no
+    credentials is refused at initialisation, naming them; neither becomes a local "gs:" or "s3:" directory."""
     from easyckpt.config import Config, validate
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match="is a URL: easyckpt does not persist to object storage yet"):
-        validate(Config(save_dir="s3://bucket/ckpt"))
-    assert not (tmp_path / "s3:").exists()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))       # the default local_dir of an s3:// job
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="is a URL easyckpt cannot write: object stores are reached through s3://"):
+        validate(Config(save_dir="gs://bucket/ckpt"))
+    pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3])")
+    with pytest.raises(ConfigError, match="no credentials: set AWS_ACCESS_KEY_ID"):
+        validate(Config(save_dir="s3://bucket/ckpt", endpoint_url="http://127.0.0.1:9"))
+    assert not (tmp_path / "s3:").exists() and not (tmp_path / "gs:").exists()
 
 
 def test_log_file_that_cannot_be_written_fails_at_initialisation(tmp_path):

@@ -76,8 +76,10 @@ def test_overlapped_device_snapshots_are_pinned_and_persist_the_values_of_their_
 def test_a_gpu_run_resumes_exactly_after_kill9_and_sigterm(tmp_path, overlap):
     """The example's loop on the GPU (dropout draws from the CUDA generator): kill -9, then SIGTERM, each
     relaunched; the losses equal an uninterrupted run's bit for bit."""
+    # idle 60 s: the killed run's snapshot must outlive the relaunch, whose CUDA start can take more than 10 s
+    # (with 10, one H200 run resumed from storage: the agent had left before the relaunch attached)
     common = ["--device", "cuda", "--iters", str(ITERS), "--storage-interval", "4", "--overlap", overlap,
-              "--idle-timeout", "10"]
+              "--idle-timeout", "60"]
     ref = tmp_path / "ref"
     run(train_cmd(ref / "ckpt", 1, *common, "--loss-file", str(ref / "loss")), timeout=300)
     wait_no_agent(ref / "ckpt")
@@ -96,7 +98,7 @@ def test_fsdp2_on_a_cuda_mesh_resumes_exactly_after_kill9(tmp_path):
     easyckpt's own collectives): kill -9, relaunch, the losses of an uninterrupted run; the step is DCP's
     layout."""
     common = ["--save-dir", "", "--fsdp", "--device", "cuda", "--iters", str(ITERS), "--storage-interval", "4",
-              "--idle-timeout", "10"]
+              "--idle-timeout", "60"]
 
     def cmd(save, *more):
         args = list(common)

@@ -26,7 +26,9 @@ from harness import (
 )
 
 ITERS = 16
-COMMON = ["--fsdp", "--iters", str(ITERS), "--storage-interval", "4", "--idle-timeout", "10"]
+# the agent keeps the killed run's snapshot for 60 s: a restart on a loaded machine (or a GPU's first start) can take
+# more than 10, and the resume must come from memory
+COMMON = ["--fsdp", "--iters", str(ITERS), "--storage-interval", "4", "--idle-timeout", "60"]
 SEED = 20261125
 
 

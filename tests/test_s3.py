@@ -11,57 +11,27 @@ credentials, a missing bucket and an unreachable endpoint are refused with what 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import uuid
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-SERVER = ROOT / "scripts" / "s3-server.sh"
+import s3server
 
 boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3])")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    missing = [b for b in ("ceph-mon", "ceph-osd", "radosgw") if shutil.which(b) is None]
-    if missing:
-        pytest.skip(f"no S3 server here: {', '.join(missing)} not installed "
-                    f"(apt-get install -y --no-install-recommends ceph-mon ceph-osd radosgw)")
-    where = tmp_path_factory.mktemp("s3") / "server"
-    env = dict(os.environ, S3_PORT=os.environ.get("EASYCKPT_TEST_S3_PORT", "7481"))
-    started = subprocess.run(["bash", str(SERVER), "start", str(where)], capture_output=True, text=True, timeout=300,
-                             env=env)
-    if started.returncode != 0:
-        pytest.fail(f"the S3 server did not start:\n{started.stderr[-4000:]}")
-    values = dict(line.split("=", 1) for line in started.stdout.split())
-    try:
+    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7481, 40210) as values:
         yield values
-    finally:
-        subprocess.run(["bash", str(SERVER), "stop", str(where)], capture_output=True, timeout=120, env=env)
 
 
 @pytest.fixture
 def store(server, monkeypatch):
     """An S3Storage on the server and a fresh bucket; yields (storage, "s3://bucket")."""
-    from easyckpt.storage.s3 import S3Storage
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server["ACCESS_KEY"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server["SECRET_KEY"])
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    storage = S3Storage(endpoint_url=server["ENDPOINT"], part_bytes=5 << 20, parallel=4)
-    bucket = f"t-{uuid.uuid4().hex[:12]}"
-    storage.c.create_bucket(Bucket=bucket)
-    try:
-        yield storage, f"s3://{bucket}"
-    finally:
-        for page in storage.c.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            for obj in page.get("Contents", []):
-                storage.c.delete_object(Bucket=bucket, Key=obj["Key"])
-        storage.abort_uploads(f"s3://{bucket}")
-        storage.c.delete_bucket(Bucket=bucket)
-        storage.close()
+    for k, v in s3server.client_env(server).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    with s3server.bucket(server) as made:
+        yield made
 
 
 def test_objects_appear_whole_and_a_committed_manifest_is_never_replaced(store):

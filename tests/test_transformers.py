@@ -418,7 +418,9 @@ def test_the_trainers_fsdp2_on_cpu_resumes_exactly_after_kill9_and_sigterm_in_th
     rnd = random.Random(SEED + 17)
     kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
     out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
-    cmd = hf(out, loss, "--fsdp", "--step-sleep", "0.05", nproc=2, log=log)
+    # the agent keeps the killed run's snapshot for 60 s: the Trainer's restart on a loaded machine can take more
+    # than hf()'s 20, and the resume must come from memory
+    cmd = hf(out, loss, "--fsdp", "--step-sleep", "0.05", "--idle-timeout", "60", nproc=2, log=log)
     interrupted_runs(cmd, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
     for rank in (0, 1):
         assert_losses_equal(losses(loss, rank), losses(ref / "loss", rank), STEPS, f"Trainer FSDP2, rank {rank}")

@@ -144,7 +144,7 @@ def test_the_jobs_own_user_without_the_key_gets_an_error_and_the_agent_lives_on(
     a bye before hello and a hello with another world size are refused with a reason, and the job still
     commits."""
     proc, save, go, out = _holder(tmp_path)
-    key = SHM / f"easyckpt-{job_id(save)}-key".read_text()
+    key = (SHM / f"easyckpt-{job_id(save)}-key").read_text()
     address = f"\0easyckpt-agent-{job_id(save)}"
 
     def exchange(*lines: bytes):

@@ -33,9 +33,12 @@ class JobDir:
     def lock(self) -> JobLock:
         """docs/reliability.md promise 8, one job per directory: the coordinator's agent holds it while it has
         work."""
-        return JobLock(self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
+        return JobLock(self.cfg.node_dir, self.cfg.job_id, self.cfg.job_name)
 
-    def staging(self, step: int) -> str:
+    def begin(self, step: int) -> str:
+        """Where a rank's files of ``step`` go: its staging dir (on an object store the step's final prefix,
+        refused if a manifest commits it, then claimed for this job: SaveDir.begin_step)."""
+        self.sd.begin_step(step)
         return self.sd.staging_path(step)
 
     def shards(self, step: int) -> Optional[Set[int]]:

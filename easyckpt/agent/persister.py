@@ -137,7 +137,7 @@ def disk_work(job_id: str, jobdir: JobDir, log: AuditLog, direct_io: bool) -> Ca
     def persist(job: PersistJob) -> Result:
         with slots.reserved(job_id, job.rank, job.slot, job.generation) as path:
             faults.inject("agent.before_persist", job.rank)
-            step, files, nbytes, seconds, info = persist_slot(path, job.generation, jobdir.staging(job.step),
+            step, files, nbytes, seconds, info = persist_slot(path, job.generation, jobdir.begin(job.step),
                                                               job.rank, direct_io=direct_io, storage=jobdir.storage)
             if step != job.step:
                 raise RuntimeError(f"slot holds step {step}, expected {job.step}")

@@ -25,6 +25,7 @@ from easyckpt.errors import CatalogError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS, Naming
 from easyckpt.storage import stepfiles
+from easyckpt.storage.resolve import storage_for
 from easyckpt.storage.savedir import SaveDir
 
 FRAMEWORKS = sorted(NAMINGS)
@@ -101,8 +102,9 @@ def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False
          on_bytes: Optional[Callable[[int], None]] = None) -> Catalog:
     """The step directories of ``save_dir``, newest first. With ``checksums``, every file of every
     complete step is read and checked too, so that the pick is exactly the loader's."""
-    if not os.path.isdir(save_dir):
-        raise CatalogError(f"{save_dir}: no such directory" if not os.path.exists(save_dir)
+    store = storage_for(save_dir)
+    if not store.is_dir(save_dir):
+        raise CatalogError(f"{save_dir}: no such directory" if not store.exists(save_dir)
                            else f"{save_dir} is not a directory")
     if framework is None:
         framework, nm = detect(save_dir)
@@ -145,7 +147,8 @@ def verify(entry: Entry, on_bytes: Optional[Callable[[int], None]] = None) -> Li
 
 def stored_bytes(entries: List[Entry]) -> int:
     """What ``verify`` of these entries reads (a progress bar's total)."""
-    return sum(e.bytes for e in entries if not e.staging and os.path.exists(os.path.join(e.path, mf.MANIFEST_NAME)))
+    return sum(e.bytes for e in entries
+               if not e.staging and storage_for(e.path).exists(os.path.join(e.path, mf.MANIFEST_NAME)))
 
 
 def require(save_dir: str, framework: Optional[str] = None, **scan_args: Any) -> Catalog:
@@ -165,13 +168,13 @@ def _entry(step: int, path: str, framework: str) -> Entry:
     if man is None and why is None and framework == "transformers" and _trainer_step(path) == step:
         # the Trainer's own save: TrainerWrapper resumes from it when it is the newest (nothing to verify)
         nbytes, nfiles = _disk_usage(path)
-        return Entry(step, path, True, None, framework, os.path.getmtime(path), nbytes, nfiles,
+        return Entry(step, path, True, None, framework, storage_for(path).mtime(path), nbytes, nfiles,
                      layout_of(path, framework, None), state="plain")
     if man is None:
         damaged = why is not None
         why = why or "no manifest: not committed by easyckpt (interrupted, or written by the framework's own saver)"
         nbytes, nfiles = _disk_usage(path)
-        return Entry(step, path, False, why, framework, os.path.getmtime(path), nbytes, nfiles,
+        return Entry(step, path, False, why, framework, storage_for(path).mtime(path), nbytes, nfiles,
                      layout_of(path, framework, None), state="" if damaged else "incomplete")
     problems = [] if why is not None else stepfiles.check_sizes(path, man)
     if problems:
@@ -210,20 +213,13 @@ def _staging(sd: SaveDir, framework: str) -> List[Entry]:
     for step, job, path in sd.staging_entries():
         nbytes, nfiles = _disk_usage(path)
         out.append(Entry(step, path, False, "being written (staging), or left by a crash",
-                         framework, os.path.getmtime(path), nbytes, nfiles, {}, job, staging=True))
+                         framework, sd.storage.mtime(path), nbytes, nfiles, {}, job, staging=True))
     return out
 
 
 def _disk_usage(path: str) -> Tuple[int, int]:
-    total = count = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size    # a symlink's own size: never followed
-                count += 1
-            except OSError:
-                pass
-    return total, count
+    files = storage_for(path).files(path)
+    return sum(n for _, n in files), len(files)
 
 
 _MEGATRON_MP = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?/")
@@ -270,7 +266,4 @@ def layout_of(path: str, framework: str, man: Optional[mf.Manifest]) -> Dict[str
 
 
 def _relpaths(path: str) -> List[str]:
-    out = []
-    for root, _dirs, files in os.walk(path):
-        out += [os.path.relpath(os.path.join(root, f), path) for f in files]
-    return out
+    return [rel for rel, _ in storage_for(path).files(path)]

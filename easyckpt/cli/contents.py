@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import struct
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -32,6 +31,7 @@ from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardfile import DTYPE_NAMES
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.storage import stepfiles
+from easyckpt.storage.resolve import storage_for
 
 GROUPS = ("model", "optimizer", "other")
 _MODEL_KEYS = ("model", "module")
@@ -115,15 +115,9 @@ def _files(step_dir: str, man: Optional[Manifest]) -> List[Tuple[str, int, Shard
     """(relpath, size, format) of the step's files: the manifest's list, else what is on disk."""
     if man is not None:
         return [(rel, e.size, e.format or ShardFormat.of_filename(rel)) for rel, e in man.files.items()]
-    out = []
-    for root, _dirs, names in os.walk(step_dir):
-        for n in sorted(names):
-            p = os.path.join(root, n)
-            rel = os.path.relpath(p, step_dir)
-            st = os.lstat(p)
-            if rel != mf.MANIFEST_NAME and stat.S_ISREG(st.st_mode):     # symlinks are not followed
-                out.append((rel, st.st_size, ShardFormat.of_filename(rel)))
-    return sorted(out)
+    # regular files only: a symlink is listed by its own size and never followed (Storage.files)
+    return sorted((rel, size, ShardFormat.of_filename(rel)) for rel, size in storage_for(step_dir).files(step_dir)
+                  if rel != mf.MANIFEST_NAME)
 
 
 def _safetensors_tensors(step_dir: str, rel: str) -> Iterator[Tuple[str, str, List[int], int]]:
@@ -132,7 +126,7 @@ def _safetensors_tensors(step_dir: str, rel: str) -> Iterator[Tuple[str, str, Li
         if len(head) < 8:
             raise ValueError("shorter than a safetensors header")
         (n,) = struct.unpack("<Q", head)
-        if n > os.fstat(f.fileno()).st_size - 8:
+        if n > stepfiles.entry_size(step_dir, rel) - 8:
             raise ValueError(f"safetensors header length {n} exceeds the file")
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)

@@ -105,10 +105,11 @@ class AgentClient:
         self._connect()
 
     def _agent_log(self) -> str:
-        return os.path.join(self.cfg.save_dir, agent_log_name(socket.gethostname()))
+        return os.path.join(self.cfg.node_dir, agent_log_name(socket.gethostname()))
 
     def _spawn(self) -> None:
-        _, fd = SaveDir.of(self.cfg).open_agent_log(socket.gethostname())
+        # beside the audit log in the node's directory (the save dir itself, unless that is an object store)
+        _, fd = SaveDir(self.cfg.node_dir, self.cfg.naming).open_agent_log(socket.gethostname())
         try:
             self._spawned = subprocess.Popen(
                 [sys.executable, "-m", "easyckpt.agent", json.dumps(self.cfg.to_json())],

@@ -219,7 +219,7 @@ def _log_invalid_manifests(sd: SaveDir, valid: Set[int], log: AuditLog) -> None:
     """Step directories that hold a manifest the loader cannot trust: each one said in the audit log (they
     are skipped, not fatal: an older intact step still serves)."""
     for step, path in sd.step_dirs():
-        if step in valid or not os.path.lexists(os.path.join(path, mf.MANIFEST_NAME)):
+        if step in valid or not sd.storage.exists(os.path.join(path, mf.MANIFEST_NAME)):
             continue          # no manifest at all: an interrupted save or a framework's own, not damage
         _man, reason = stepfiles.judge(path, step)
         if reason is None:

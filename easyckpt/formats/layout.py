@@ -117,6 +117,19 @@ def parse_quarantine(name: str) -> Optional[Tuple[str, int]]:
     return (m.group("final"), int(m.group("stamp"))) if m else None
 
 
+def claim_name(job_id: str) -> str:
+    """On an object store (no staging directory, no rename) the object a job writes first under a step's prefix
+    it is writing, deleted by its commit: a prefix with this job's claim and no manifest is this job's
+    unfinished step, which its next agent may delete; one without a claim is never ours to delete."""
+    return f"{STAGING_PREFIX}{job_id}"
+
+
+def parse_claim(name: str) -> Optional[str]:
+    """The job id of a claim object's name; None for any other name."""
+    job = name[len(STAGING_PREFIX):] if name.startswith(STAGING_PREFIX) else ""
+    return job if _JOB_ID.match(job) else None
+
+
 def own_prefixes(job_id: str) -> Tuple[str, str]:
     """The name prefixes of job ``job_id``'s staging and trash directories: the only ones it may remove."""
     return f"{STAGING_PREFIX}{job_id}-", f"{TRASH_PREFIX}{job_id}-"

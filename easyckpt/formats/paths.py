@@ -39,8 +39,11 @@ def check_relpath(rel: object) -> str:
 
 
 def inside(base: str, rel: object) -> str:
-    """The path of ``rel`` inside directory ``base``, refused if it leaves ``base`` (symlinks resolved)."""
+    """The path of ``rel`` inside directory ``base``, refused if it leaves ``base`` (symlinks resolved). Under an
+    object store's URL (``s3://...``) there are no symlinks: a plain relative name is inside by construction."""
     path = os.path.join(base, check_relpath(rel))
+    if "://" in base:
+        return path
     real_base = os.path.realpath(base)
     real = os.path.realpath(path)
     if os.path.commonpath([real_base, real]) != real_base or real == real_base:

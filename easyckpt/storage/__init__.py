@@ -1,10 +1,10 @@
 """The save directory: the only code that writes, renames or deletes in it.
 
 base.py (the Storage interface; its docstring gives the call order a back-end sees) · posix.py and
-direct.py (the one implementation: POSIX file systems, O_DIRECT streaming) · savedir.py (SaveDir: the
+direct.py (POSIX file systems, O_DIRECT streaming) · savedir.py (SaveDir: the
 names, listings and deletes of one save directory) · commit.py (the commit sequence) · retention.py (what
 is pruned) · stepfiles.py (reading a step's manifest and listed files) · auditlog.py · joblock.py (one job per
 save directory) · s3.py (an S3-compatible object store as a Storage back-end: conditional create, parallel
-multipart uploads and ranged reads; not yet used by the persist, commit and load paths, which base.py's
-docstring says how it will fit).
+multipart uploads and ranged reads) · resolve.py (which back-end serves a path: s3:// URLs the store) ·
+remotefiles.py (stepfiles' reads of a step on the store).
 """

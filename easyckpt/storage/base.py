@@ -31,11 +31,13 @@ writer writes the files under the final prefix directly (no staging), ``rename_n
 ``write_atomic`` is a plain PUT (objects appear whole), ``sync``/``sync_dir`` are no-ops (a finished upload is
 durable), ``delete`` of a tree deletes every object under the prefix, manifest FIRST so that a half-deleted
 step is never mistaken for a checkpoint; a listing counts a step only when its manifest object exists, which
-is already the loader's rule here. (SaveDir implements the POSIX flavour today; has_rename is the switch.)
+is already the loader's rule here. SaveDir (savedir.py) and commit (commit.py) switch on has_rename; there a
+step being written carries its job's claim object (layout.claim_name), written first and deleted by the
+commit, so that an unfinished step is known as this job's and only its own next agent deletes it.
 """
 from __future__ import annotations
 
-from typing import List, Protocol, Union, runtime_checkable
+from typing import List, Protocol, Tuple, Union, runtime_checkable
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -90,6 +92,15 @@ class Storage(Protocol):
         the new one is durable (name included) when this returns."""
         ...
 
+    def create_exclusive(self, path: str, data: Buffer) -> None:
+        """Create a small file with ``data`` unless the name is taken (FileExistsError; AlreadyCommitted on a
+        store): an object store's commit, the manifest's conditional PUT."""
+        ...
+
+    def abort_uploads(self, path: str) -> List[str]:
+        """Drop the unfinished uploads under ``path`` (a killed writer's multipart uploads); their keys."""
+        ...
+
     def sync_dir(self, path: str) -> None:
         """The names in directory ``path`` (files created or renamed into it) are durable."""
         ...
@@ -110,6 +121,15 @@ class Storage(Protocol):
 
     def delete(self, path: str) -> None:
         """Remove a file or a whole tree; a missing one is no error."""
+        ...
+
+    def files(self, path: str) -> List[Tuple[str, int]]:
+        """(relative name, size) of every regular file under directory ``path``, recursively (symlinks are
+        not followed); empty when there is none. What the operator tools count and list."""
+        ...
+
+    def mtime(self, path: str) -> float:
+        """When ``path`` last changed (a prefix: its newest object); 0.0 when it is gone."""
         ...
 
     def read(self, path: str, offset: int = 0, length: int = -1) -> bytes:

@@ -19,7 +19,9 @@ A failure (not a crash) from 1 to 3 also removes the staging dir: its markers ar
 could never commit, and the error says what failed. Staging directories carry this job's id in their
 name, so a restart removes only its own leftovers.
 
-On a store without rename (base.py), 3 and 4 do not exist: the manifest written in 1 is the commit.
+On a store without rename (base.py), 2 to 4 do not exist: the files are under the step's final prefix, and
+the manifest, created in 1 only if no manifest is there (a conditional PUT), is the commit; the markers and
+the job's claim are deleted after it (_commit_in_place).
 """
 from __future__ import annotations
 
@@ -59,6 +61,9 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
         info.update(markers[rank].info)
     manifest = mf.build(step, job_id, sd.naming.framework, world_size, files, info, job_name=sd.job_name)
     final = sd.step_path(step)
+    if not sd.renames:
+        _commit_in_place(sd, step, final, manifest, markers, log)
+        return _after(sd, step, final, manifest)
     try:
         sd.write_manifest(staging, manifest)
         faults.inject("agent.after_manifest")
@@ -75,12 +80,33 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
         raise
     faults.inject("agent.after_rename")
     sd.storage.sync_dir(sd.root)
+    return _after(sd, step, final, manifest)
+
+
+def _after(sd: "SaveDir", step: int, final: str, manifest: mf.Manifest) -> Committed:
     sd.clear_damaged(os.path.basename(final))
     faults.inject("agent.before_tracker")
     if sd.naming.tracker:
         sd.storage.write_atomic(sd.path(sd.naming.tracker), sd.naming.tracker_text(step).encode())
     faults.inject("agent.after_tracker")
     return Committed(final, manifest.nbytes, manifest)
+
+
+def _commit_in_place(sd: "SaveDir", step: int, final: str, manifest: mf.Manifest, markers: Dict[int, Any],
+                     log: AuditLog) -> None:
+    """The commit on an object store: the files are already under the step's final prefix (SaveDir.begin_step
+    refused a committed one); the manifest's conditional create makes it a checkpoint, never over another
+    commit of the name (AlreadyCommitted); then the markers and this job's claim go."""
+    try:
+        faults.inject("agent.before_rename")
+        sd.storage.create_exclusive(os.path.join(final, mf.MANIFEST_NAME), manifest.to_bytes())
+    except Exception:
+        sd.remove_staging(log, step=step)    # keeps a step a manifest commits; removes an unfinished one
+        raise
+    faults.inject("agent.after_rename")
+    for rank in sorted(markers):
+        sd.storage.delete(os.path.join(final, layout.marker_name(rank)))
+    sd.storage.delete(sd.claim_path(step))
 
 
 def _retire_existing(sd: "SaveDir", step: int, final: str, new: mf.Manifest, log: AuditLog) -> None:

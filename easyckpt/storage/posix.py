@@ -16,7 +16,7 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import List, Union
+from typing import List, Tuple, Union
 
 from easyckpt.errors import UntrustedFileError
 from easyckpt.formats.paths import owner_name
@@ -153,6 +153,20 @@ class PosixStorage:
     def write_atomic(self, path: str, data: Buffer) -> None:
         atomic_write(path, data)
 
+    def create_exclusive(self, path: str, data: Buffer) -> None:
+        """A new small file with ``data``, durable with its name; FileExistsError if the name is taken."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(os.path.dirname(path) or ".")
+
+    def abort_uploads(self, path: str) -> List[str]:
+        """A file system has no unfinished uploads: a killed writer's file is in its staging directory."""
+        return []
+
     def sync_dir(self, path: str) -> None:
         fsync_dir(path)
 
@@ -183,6 +197,25 @@ class PosixStorage:
             shutil.rmtree(path, ignore_errors=True)
         else:
             _unlink_quiet(path)
+
+    def files(self, path: str) -> List[Tuple[str, int]]:
+        out = []
+        for root, _dirs, names in os.walk(path):
+            for name in names:
+                full = os.path.join(root, name)
+                try:
+                    st = os.lstat(full)           # a symlink is never followed, nor counted
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    out.append((os.path.relpath(full, path), st.st_size))
+        return out
+
+    def mtime(self, path: str) -> float:
+        try:
+            return os.lstat(path).st_mtime
+        except OSError:
+            return 0.0
 
     def read(self, path: str, offset: int = 0, length: int = -1) -> bytes:
         # O_NONBLOCK: a FIFO planted under a tracker's or marker's name must not hang the reader

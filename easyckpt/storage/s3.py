@@ -27,7 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from easyckpt.errors import AlreadyCommitted, ConfigError
+from easyckpt import _faults as faults
+from easyckpt.errors import AlreadyCommitted, ConfigError, StoreError
 from easyckpt.storage.base import Buffer
 
 SCHEME = "s3://"
@@ -74,6 +75,12 @@ def _code(exc: BaseException) -> str:
     return str(getattr(exc, "response", {}).get("Error", {}).get("Code", "")) if hasattr(exc, "response") else ""
 
 
+def _failed(what: str, url: str, exc: BaseException) -> StoreError:
+    """The client's exception (after its bounded retries) as an OSError naming the request and the answer."""
+    code = _code(exc)
+    return StoreError(f"{what} {url}: {code + ': ' if code else ''}{type(exc).__name__}: {exc}")
+
+
 class S3Writer:
     """One new object, written front to back: buffered into parts of ``part_bytes``, each uploaded by the pool
     as soon as it is full (a multipart upload, started at the first full part); ``finish`` completes it (a
@@ -117,6 +124,9 @@ class S3Writer:
         if len(pending) >= s.parallel:
             pending[0].result()
         self._parts.append((number, s.pool.submit(self._upload_part, number, part)))
+        if number == 1:
+            self._parts[0][1].result()
+            faults.inject("store.after_first_part")     # a writer killed mid-upload: tests/test_s3_checkpoints.py
 
     def _upload_part(self, number: int, data: bytes) -> str:
         reply = self.storage.c.upload_part(Bucket=self.loc.bucket, Key=self.loc.key, UploadId=self._upload_id,
@@ -189,7 +199,10 @@ class S3Storage:
             self.c.head_bucket(Bucket=loc.bucket)
         except Exception as exc:  # noqa: BLE001 - every failure is named for the user
             code = _code(exc)
-            if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+                hint = ("no credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the AWS credentials file, "
+                        "AWS_PROFILE) to a key of this store")
+            elif code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 hint = ("the credentials were refused: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the AWS "
                         "credentials file) to a key of this store")
             elif code in ("404", "NoSuchBucket"):
@@ -278,26 +291,32 @@ class S3Storage:
         except Exception as exc:  # noqa: BLE001
             if _code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return None
-            raise
+            raise _failed("HEAD", f"{SCHEME}{loc.bucket}/{loc.key}", exc) from None
 
     def listdir(self, path: str) -> List[str]:
         loc = Location.parse(path)
         names, found = set(), False
         paginator = self.c.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=loc.bucket, Prefix=loc.prefix(), Delimiter="/"):
-            for obj in page.get("Contents", []):
-                found = True
-                names.add(obj["Key"][len(loc.prefix()):])
-            for sub in page.get("CommonPrefixes", []):
-                found = True
-                names.add(sub["Prefix"][len(loc.prefix()):].rstrip("/"))
+        try:
+            for page in paginator.paginate(Bucket=loc.bucket, Prefix=loc.prefix(), Delimiter="/"):
+                for obj in page.get("Contents", []):
+                    found = True
+                    names.add(obj["Key"][len(loc.prefix()):])
+                for sub in page.get("CommonPrefixes", []):
+                    found = True
+                    names.add(sub["Prefix"][len(loc.prefix()):].rstrip("/"))
+        except Exception as exc:  # noqa: BLE001
+            raise _failed("LIST", path, exc) from None
         if not found:
             raise FileNotFoundError(f"{path}: no object under this prefix")
         return sorted(n for n in names if n)
 
     def is_dir(self, path: str) -> bool:
         loc = Location.parse(path)
-        page = self.c.list_objects_v2(Bucket=loc.bucket, Prefix=loc.prefix(), MaxKeys=1)
+        try:
+            page = self.c.list_objects_v2(Bucket=loc.bucket, Prefix=loc.prefix(), MaxKeys=1)
+        except Exception as exc:  # noqa: BLE001
+            raise _failed("LIST", path, exc) from None
         return bool(page.get("KeyCount") or page.get("Contents"))
 
     def exists(self, path: str) -> bool:
@@ -309,6 +328,18 @@ class S3Storage:
         if head is None:
             raise FileNotFoundError(path)
         return int(head["ContentLength"])
+
+    def files(self, path: str) -> List[Tuple[str, int]]:
+        loc = Location.parse(path)
+        return [(k[len(loc.prefix()):], n) for k, n in _list_keys(self, loc)]
+
+    def mtime(self, path: str) -> float:
+        loc = Location.parse(path)
+        head = self._head(loc)
+        if head is not None:
+            return float(head["LastModified"].timestamp())
+        stamps = [obj["LastModified"].timestamp() for obj in _list_objects(self, loc)]
+        return float(max(stamps)) if stamps else 0.0
 
     def read(self, path: str, offset: int = 0, length: int = -1) -> bytes:
         loc = Location.parse(path)
@@ -324,9 +355,11 @@ class S3Storage:
                 raise FileNotFoundError(path) from None
             if _code(exc) == "InvalidRange":
                 return b""
-            raise
+            raise _failed("GET", path, exc) from None
         try:
             return bytes(body.read())
+        except Exception as exc:  # noqa: BLE001 - a connection cut mid-body
+            raise _failed("GET (reading the body of)", path, exc) from None
         finally:
             body.close()
 
@@ -336,10 +369,18 @@ class S3Storage:
         return [f.result() for f in futures]
 
 
+def _list_objects(storage: S3Storage, loc: Location) -> List[Dict[str, Any]]:
+    """Every object under the prefix ``loc``, recursively, as the listing describes it."""
+    out: List[Dict[str, Any]] = []
+    try:
+        for page in storage.c.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.prefix()):
+            out.extend(page.get("Contents", []))
+    except Exception as exc:  # noqa: BLE001
+        raise _failed("LIST", f"{SCHEME}{loc.bucket}/{loc.key}", exc) from None
+    return out
+
+
 def _list_keys(storage: S3Storage, loc: Location) -> List[Tuple[str, int]]:
     """Every object under the prefix ``loc`` (key, size), recursively."""
-    out: List[Tuple[str, int]] = []
-    for page in storage.c.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.prefix()):
-        out.extend((obj["Key"], int(obj["Size"])) for obj in page.get("Contents", []))
-    return out
+    return [(obj["Key"], int(obj["Size"])) for obj in _list_objects(storage, loc)]
 

@@ -31,7 +31,7 @@ from easyckpt.formats.marker import Marker
 from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
-from easyckpt.storage.posix import PosixStorage
+from easyckpt.storage.resolve import set_endpoint, storage_for
 
 _MAX_RECORD_BYTES = 1 << 20     # markers and the damaged record are small JSON; a larger one is not ours
 
@@ -47,12 +47,19 @@ class SaveDir:
         self.naming = naming
         self.job_id = job_id
         self.job_name = job_name
-        self.storage: Storage = storage if storage is not None else PosixStorage()
+        self.storage: Storage = storage if storage is not None else storage_for(self.root)
 
     @classmethod
     def of(cls, cfg: Any, storage: Optional[Storage] = None) -> "SaveDir":
-        """The save directory of the job ``cfg`` (a Config) describes."""
+        """The save directory of the job ``cfg`` (a Config) describes (an s3:// one through the job's endpoint)."""
+        set_endpoint(cfg.endpoint_url)
         return cls(cfg.save_dir, cfg.naming, cfg.job_id, storage, job_name=cfg.job_name or "")
+
+    @property
+    def renames(self) -> bool:
+        """A file system: steps are staged aside and renamed into place. False on an object store: a step's
+        objects go under its final prefix, with this job's claim, and the manifest written last commits it."""
+        return self.storage.has_rename
 
     def _job(self) -> str:
         if self.job_id is None:
@@ -68,7 +75,24 @@ class SaveDir:
         return self.path(self.naming.dir_name(step))
 
     def staging_path(self, step: int) -> str:
+        if not self.renames:
+            return self.step_path(step)
         return self.path(layout.staging_name(self._job(), self.naming.dir_name(step)))
+
+    def claim_path(self, step: int) -> str:
+        return os.path.join(self.step_path(step), layout.claim_name(self._job()))
+
+    def begin_step(self, step: int) -> None:
+        """Before a rank writes ``step`` on an object store: refuse a prefix that holds a committed step (its
+        objects would be overwritten in place), then claim it for this job (idempotent: every rank does it). A
+        file system needs nothing: the step is staged in a directory of its own (stepwriter.py makes it)."""
+        if self.renames:
+            return
+        final = self.step_path(step)
+        if self.storage.exists(os.path.join(final, mf.MANIFEST_NAME)):
+            raise FileExistsError(f"{final} holds a committed step already: an object store cannot set it aside, "
+                                  f"so step {step} is not written over it (easyckpt prune or delete it to free the name)")
+        self.storage.write_atomic(self.claim_path(step), b"")
 
     def trash_path(self, victim: str) -> str:
         """Where a directory goes before it is deleted (a rename is atomic, a tree delete is not); named after
@@ -127,12 +151,16 @@ class SaveDir:
         return [(final, path) for _, final, path in sorted(out)]
 
     def staging_dirs(self) -> List[str]:
-        """This job's staging directories."""
+        """This job's staging directories (on an object store: the step prefixes with this job's claim)."""
+        if not self.renames:
+            return [path for step, path in self.step_dirs() if self.storage.exists(self.claim_path(step))]
         prefix = layout.own_prefixes(self._job())[0]
         return sorted(self.path(n) for n in self._names() if n.startswith(prefix))
 
     def staging_entries(self) -> List[Tuple[int, str, str]]:
         """(step, job id, path) of every job's staging directory of this naming."""
+        if not self.renames:
+            return [(step, job, path) for step, path in self.step_dirs() for job in self._claims(path)]
         out = []
         for name in sorted(self._names()):
             parsed = layout.parse_staging(name)
@@ -142,6 +170,14 @@ class SaveDir:
             if step is not None and self.storage.is_dir(self.path(name)):
                 out.append((step, parsed[0], self.path(name)))
         return out
+
+    def _claims(self, step_dir: str) -> List[str]:
+        """The job ids that claim an (unfinished) step prefix on an object store."""
+        try:
+            names = self.storage.listdir(step_dir)
+        except FileNotFoundError:
+            return []
+        return [job for job in map(layout.parse_claim, names) if job is not None]
 
     def tracker_step(self) -> Optional[int]:
         """The step the framework's tracker names, or None (no tracker, unreadable, not a regular file)."""
@@ -188,8 +224,10 @@ class SaveDir:
 
     def ready_ranks(self, step: int) -> Optional[Set[int]]:
         """The ranks whose shard of ``step`` is durable, or None when its staging dir is not there (never
-        made, failed and removed, or committed)."""
+        made, failed and removed, or committed; on an object store: this job's claim is not there)."""
         if not self.storage.is_dir(self.staging_path(step)):
+            return None
+        if not self.renames and not self.storage.exists(self.claim_path(step)):
             return None
         return set(self.read_markers(step))
 
@@ -199,6 +237,9 @@ class SaveDir:
         """Trash-then-delete, logged first: a crash mid-delete never leaves a half-deleted directory under a
         checkpoint's name (the rename is atomic; the trash goes at this job's next start if not now)."""
         log.emit("delete", path=path, reason=reason, **fields)
+        if not self.renames:             # the store deletes the manifest first: never a half-deleted checkpoint
+            self.storage.delete(path)
+            return
         trash = self.trash_path(path)
         self.storage.rename_noreplace(path, trash)
         self.storage.sync_dir(self.root)
@@ -209,6 +250,9 @@ class SaveDir:
         never anything without this job's prefix."""
         if step is not None:
             only = self.staging_path(step)
+        if not self.renames:
+            self._remove_claimed(log, only)
+            return
         for name in self._names():
             path = self.path(name)
             if not name.startswith(layout.own_prefixes(self._job())) or (only is not None and path != only):
@@ -216,12 +260,36 @@ class SaveDir:
             log.emit("delete", path=path, reason="staging leftover")
             self.storage.delete(path)
 
+    def _remove_claimed(self, log: AuditLog, only: Optional[str]) -> None:
+        """remove_staging on an object store: this job's claimed step prefixes (or only ``only``): an
+        unfinished one goes whole, its unfinished uploads aborted; one that a manifest commits keeps everything
+        but the claim and markers (a commit that died before dropping them)."""
+        for path in ([only] if only is not None else self.staging_dirs()):
+            step = self.naming.parse(os.path.basename(path))
+            if step is None or not self.storage.exists(self.claim_path(step)):
+                continue
+            if self.storage.exists(os.path.join(path, mf.MANIFEST_NAME)):
+                for name in self.storage.listdir(path):
+                    if layout.parse_marker(name) is not None:
+                        self.storage.delete(os.path.join(path, name))
+            else:
+                log.emit("delete", path=path, reason="staging leftover")
+                aborted = self.storage.abort_uploads(path)
+                if aborted:
+                    log.emit("delete", path=path, reason="unfinished uploads aborted", keys=len(aborted))
+                self.storage.delete(path)
+            self.storage.delete(self.claim_path(step))
+
     def quarantine(self, step: int, reason: str, log: AuditLog) -> Optional[str]:
         """Set committed step ``step`` aside under a quarantine name (layout.quarantine_name), whole: no
         loader, retention or commit takes it any more, nothing in it changes. Logged first. Returns the new
         path, or None when there is no committed step of this job by that name (a request from a trainer
         never sets aside another job's step, nor one another user owns)."""
         final = self.step_path(step)
+        if not self.renames:
+            log.emit("warning", step=step, path=final, message=f"kept in place, not set aside (an object store has "
+                     f"no rename): {reason[:300]}")
+            return None
         man = stepfiles.read(final) if self.storage.is_dir(final) else None
         if man is None or man.step != step or not self.owns(man) or stepfiles.owner_problem(final):
             log.emit("warning", step=step, path=final, message="not set aside: no committed step of this job there")

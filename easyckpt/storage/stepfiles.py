@@ -38,13 +38,27 @@ from easyckpt.errors import (
 )
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import paths
-from easyckpt.storage import fastread
+from easyckpt.storage import fastread, remotefiles
+from easyckpt.storage.resolve import remote
 from easyckpt.units import size_and_bytes
 
 
 def load(step_dir: str) -> mf.Manifest:
     """The validated manifest of ``step_dir``. FileNotFoundError when there is none (not a checkpoint);
     ManifestError, with the reason, when it is unreadable, not JSON, or fails ``validate``."""
+    store = remote(step_dir)
+    raw = remotefiles.load_raw(store, step_dir) if store is not None else _read_manifest_file(step_dir)
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ManifestError(f"{mf.MANIFEST_NAME} is not valid JSON ({exc})") from None
+    try:
+        return mf.validate(data)
+    except ManifestError as exc:
+        raise ManifestError(f"{mf.MANIFEST_NAME} is invalid: {exc}") from None
+
+
+def _read_manifest_file(step_dir: str) -> bytes:
     path = os.path.join(step_dir, mf.MANIFEST_NAME)
     try:
         fd = paths.open_regular(path, max_bytes=mf.MAX_MANIFEST_BYTES)
@@ -62,14 +76,7 @@ def load(step_dir: str) -> mf.Manifest:
         raise ManifestError(f"{mf.MANIFEST_NAME} unreadable ({exc.strerror})") from None
     if len(raw) > mf.MAX_MANIFEST_BYTES:
         raise ManifestError(f"{mf.MANIFEST_NAME} is larger than {size_and_bytes(mf.MAX_MANIFEST_BYTES)}")
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ManifestError(f"{mf.MANIFEST_NAME} is not valid JSON ({exc})") from None
-    try:
-        return mf.validate(data)
-    except ManifestError as exc:
-        raise ManifestError(f"{mf.MANIFEST_NAME} is invalid: {exc}") from None
+    return raw
 
 
 def read(step_dir: str) -> Optional[mf.Manifest]:
@@ -120,6 +127,8 @@ def entry_path(step_dir: str, rel: str) -> str:
 def open_entry(step_dir: str, rel: str) -> io.FileIO:
     """Listed file ``rel`` opened for reading (unbuffered), never through a symlink as its last component.
     ManifestError for a path that leaves the step; OSError as open raises it."""
+    if remote(step_dir) is not None:
+        return io.BytesIO(read_entry(step_dir, rel))   # type: ignore[return-value]  # what callers use of a file
     path = entry_path(step_dir, rel)
     try:
         fd = paths.open_regular(path)
@@ -132,6 +141,10 @@ def read_entry_hashed(step_dir: str, rel: str, algo: str = mf.ALGO,
                       on_bytes: Optional[Callable[[int], None]] = None) -> Tuple[memoryview, str]:
     """The whole of listed file ``rel`` and its checksum, read at the disk's speed (fastread.py: parallel
     O_DIRECT reads, checksummed on the way); opened as ``open_entry`` opens it."""
+    store = remote(step_dir)
+    if store is not None:
+        buf, digest = remotefiles.read_whole(store, step_dir, rel, algo, on_bytes)
+        return memoryview(buf), str(digest)
     path = entry_path(step_dir, rel)
     size = entry_size(step_dir, rel)
 
@@ -146,6 +159,9 @@ def read_entry_hashed(step_dir: str, rel: str, algo: str = mf.ALGO,
 
 def entry_size(step_dir: str, rel: str) -> int:
     """The size on disk of listed file ``rel`` (lstat: a symlink is not followed). OSError if missing."""
+    store = remote(step_dir)
+    if store is not None:
+        return remotefiles.entry_size(store, step_dir, rel)
     st = os.lstat(entry_path(step_dir, rel))
     if not stat.S_ISREG(st.st_mode):
         raise ManifestError(f"{rel}: not a regular file")
@@ -155,6 +171,9 @@ def entry_size(step_dir: str, rel: str) -> int:
 def read_entry(step_dir: str, rel: str, on_bytes: Optional[Callable[[int], None]] = None,
                chunk: int = 64 << 20) -> bytearray:
     """The whole of listed file ``rel`` (opened as ``open_entry`` opens it); ``on_bytes`` hears of each chunk."""
+    store = remote(step_dir)
+    if store is not None:
+        return remotefiles.read_whole(store, step_dir, rel, None, on_bytes)[0]
     with open_entry(step_dir, rel) as f:
         size = os.fstat(f.fileno()).st_size
         buf = bytearray(size)
@@ -175,6 +194,9 @@ def read_items(step_dir: str, rel: str, manifest: mf.Manifest, picked: Sequence[
     """Read and checksum only items ``picked`` of listed file ``rel`` (its manifest ``items``, validated
     checked when the manifest was parsed): (the first problem or None, bytes read). What a rank needs of a large shared file. ``keep``
     receives each checked item's bytes by index."""
+    store = remote(step_dir)
+    if store is not None:
+        return remotefiles.read_items(store, step_dir, rel, manifest, picked, on_bytes, keep)
     items = manifest.entry(rel).items or ()
     algo, nbytes = manifest.algo, 0
     with open_entry(step_dir, rel) as f:
@@ -239,6 +261,9 @@ def verify_file(step_dir: str, rel: str, manifest: mf.Manifest,
                 on_bytes: Optional[Callable[[int], None]] = None, chunk: int = 16 << 20) -> Optional[str]:
     """Size and checksum of one listed file, read in chunks (memory stays flat for large shards);
     the problem found, or None. ``on_bytes`` hears of every chunk (a progress bar)."""
+    store = remote(step_dir)
+    if store is not None:
+        return remotefiles.verify(store, step_dir, rel, manifest, on_bytes)
     entry = manifest.entry(rel)
     h = mf.Hasher(manifest.algo)
     size = 0
@@ -273,10 +298,17 @@ TRAINER_STATE_MAX = 64 << 20     # the Trainer's trainer_state.json: a log histo
 def trainer_state_step(step_dir: str) -> Optional[int]:
     """``global_step`` of the HF Trainer's ``trainer_state.json`` in ``step_dir``, or None: missing, not a
     regular file (a FIFO, a link to /dev/zero), larger than TRAINER_STATE_MAX, or not what the Trainer writes."""
+    store = remote(step_dir)
     try:
-        fd = paths.open_regular(os.path.join(step_dir, "trainer_state.json"), max_bytes=TRAINER_STATE_MAX)
-        with os.fdopen(fd, "rb") as f:
-            return int(json.loads(f.read(TRAINER_STATE_MAX + 1))["global_step"])
+        if store is not None:
+            raw = store.read(remotefiles.key(step_dir, "trainer_state.json"), 0, TRAINER_STATE_MAX + 1)
+        else:
+            fd = paths.open_regular(os.path.join(step_dir, "trainer_state.json"), max_bytes=TRAINER_STATE_MAX)
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(TRAINER_STATE_MAX + 1)
+        if len(raw) > TRAINER_STATE_MAX:
+            return None
+        return int(json.loads(raw)["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -285,7 +317,10 @@ def owner_problem(step_dir: str, rels: Iterable[str] = ()) -> Optional[str]:
     """Why ``step_dir`` cannot be trusted as this user's own checkpoint, or None: the directory, its manifest
     and the listed files ``rels`` (those a rank reads) must be owned by this user, and none writable by others
     (docs/reliability.md promise 13: in a shared save dir another user could have planted or re-sealed a
-    step). Missing files are check_sizes's."""
+    step). Missing files are check_sizes's. On an object store who may write is the bucket's policy: nothing
+    to check here."""
+    if remote(step_dir) is not None:
+        return None
     uid = os.geteuid()
     for rel in (None, mf.MANIFEST_NAME, *rels):
         try:

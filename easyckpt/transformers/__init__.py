@@ -166,6 +166,8 @@ class TrainerWrapper:
                  replica_interval: int = DEFAULT.replica_interval,
                  replica_bandwidth: float = DEFAULT.replica_bandwidth,
                  on_no_valid_checkpoint: str = DEFAULT.on_no_valid_checkpoint,
+                 endpoint_url: Optional[str] = DEFAULT.endpoint_url,
+                 local_dir: Optional[str] = DEFAULT.local_dir,
                  config: Optional[Config] = None, **unknown: Any) -> None:
         given = settings("TrainerWrapper", config, unknown, **signature_keywords(locals()))
         object.__setattr__(self, "_trainer", trainer)
@@ -228,6 +230,8 @@ class EasyCkptCallback(TrainerCallback):
                  replica_interval: int = DEFAULT.replica_interval,
                  replica_bandwidth: float = DEFAULT.replica_bandwidth,
                  on_no_valid_checkpoint: str = DEFAULT.on_no_valid_checkpoint,
+                 endpoint_url: Optional[str] = DEFAULT.endpoint_url,
+                 local_dir: Optional[str] = DEFAULT.local_dir,
                  config: Optional[Config] = None, **unknown: Any) -> None:
         self._settings = settings("EasyCkptCallback", config, unknown, **signature_keywords(locals()))
         self._attached: Optional[_Attached] = None

@@ -28,7 +28,11 @@ import easyckpt
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--save-dir", required=True)
+    p.add_argument("--save-dir", required=True, help="a directory, or s3://BUCKET/PREFIX (an object store)")
+    p.add_argument("--endpoint-url", default=None, help="endpoint_url: an S3-compatible store's endpoint")
+    p.add_argument("--local-dir", default=None,
+                   help="local_dir: this node's own files (audit and agent logs); default: the save dir, or "
+                        "~/.cache/easyckpt/<job id> for an s3:// one")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--mem-interval", type=int, default=1, help="save_mem_interval: snapshot to host memory")
@@ -152,7 +156,7 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
                                  exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm,
                                  snapshot_overlap={"auto": None, "on": True, "off": False}[args.overlap],
                                  on_no_valid_checkpoint="start_fresh" if args.start_fresh else "error",
-                                 **hooks.settings())
+                                 endpoint_url=args.endpoint_url, local_dir=args.local_dir, **hooks.settings())
     t0 = time.perf_counter()
     # extra: what the loop needs besides the model, optimizer and scheduler (here the data position)
     start, extra = (0, None) if args.no_resume else easyckpt.load_checkpoint(ddp, optimizer, scheduler)

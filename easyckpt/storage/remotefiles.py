@@ -1,0 +1,126 @@
+"""Reading a step on an object store: stepfiles.py's verbs for a step prefix (``s3://bucket/.../step_N``).
+
+stepfiles.py calls these when a step directory is a URL (resolve.remote), so the loader, the CLI and retention
+read a step the same way wherever it lies. What differs from a file system:
+
+- a listed name becomes a key only through ``paths.check_relpath`` (no ``..``, no absolute path, nothing
+  but our own naming); there are no symlinks to refuse.
+- a file is read by ranged GETs in parallel (``PIECE`` bytes each, the store's pool of threads) straight into
+  one buffer, and checksummed piece by piece in order; items of a shared file are fetched alone, the same way.
+- ownership is the bucket's policy, not a file mode: ``owner_problem`` has nothing to check.
+- every object read is bounded: a manifest larger than MAX_MANIFEST_BYTES is refused before it is read whole.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from easyckpt.errors import ManifestError, UnsafePath
+from easyckpt.formats import manifest as mf
+from easyckpt.formats import paths
+from easyckpt.storage.s3 import S3Storage
+from easyckpt.units import size_and_bytes
+
+PIECE = 32 << 20         # one ranged GET; a file is fetched as many of these at once as the pool runs
+
+
+def key(step_dir: str, rel: str) -> str:
+    """The URL of listed file ``rel`` of ``step_dir``; ManifestError when ``rel`` is not a plain relative path."""
+    try:
+        return step_dir.rstrip("/") + "/" + paths.check_relpath(rel)
+    except UnsafePath as exc:
+        raise ManifestError(f"{exc}; refusing to read it") from None
+
+
+def load_raw(store: S3Storage, step_dir: str) -> bytes:
+    """The manifest object's bytes; FileNotFoundError when there is none (not a checkpoint)."""
+    url = step_dir.rstrip("/") + "/" + mf.MANIFEST_NAME
+    size = store.size(url)
+    if size > mf.MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{mf.MANIFEST_NAME} is larger than {size_and_bytes(mf.MAX_MANIFEST_BYTES)}")
+    return store.read(url, 0, mf.MAX_MANIFEST_BYTES + 1)
+
+
+def entry_size(store: S3Storage, step_dir: str, rel: str) -> int:
+    return store.size(key(step_dir, rel))
+
+
+def _pieces(size: int) -> List[Tuple[int, int]]:
+    return [(off, min(PIECE, size - off)) for off in range(0, size, PIECE)]
+
+
+def read_whole(store: S3Storage, step_dir: str, rel: str, algo: Optional[str] = None,
+               on_bytes: Optional[Callable[[int], None]] = None) -> Tuple[bytearray, Optional[str]]:
+    """The whole of listed file ``rel`` (and its checksum when ``algo``): ranged GETs in parallel into one buffer."""
+    url = key(step_dir, rel)
+    size = store.size(url)
+    buf = bytearray(size)
+    h = mf.Hasher(algo) if algo else None
+    futures = [(off, store.pool.submit(store.read, url, off, n)) for off, n in _pieces(size)]
+    for off, fut in futures:
+        data = fut.result()
+        if off + len(data) > size or (len(data) == 0 and size):
+            raise OSError(f"{rel}: the store returned {len(data)} bytes at offset {off} of {size}")
+        buf[off:off + len(data)] = data
+        if h is not None:
+            h.update(data)
+        if on_bytes is not None:
+            on_bytes(len(data))
+    got = sum(len(f.result()) for _, f in futures)
+    if got != size:
+        raise OSError(f"{rel} changed while being read ({got} of {size} bytes)")
+    return buf, (h.hexdigest() if h is not None else None)
+
+
+def read_items(store: S3Storage, step_dir: str, rel: str, manifest: mf.Manifest, picked: Sequence[int],
+               on_bytes: Optional[Callable[[int], None]], keep: Optional[Dict[int, bytearray]]
+               ) -> Tuple[Optional[str], int]:
+    """stepfiles.read_items on the store: the picked items fetched in parallel, each checked alone."""
+    url = key(step_dir, rel)
+    items = manifest.entry(rel).items or ()
+    for i in picked:
+        if type(i) is not int or not 0 <= i < len(items):
+            return f"{rel}: no item {i!r}", 0
+    fetched = store.read_ranges(url, [(items[i].offset, items[i].length) for i in picked]) if picked else []
+    nbytes = 0
+    for i, data in zip(picked, fetched):
+        offset, length, digest, ident = items[i]
+        name = ident[0] if ident else "?"
+        if len(data) != length:
+            return f"{rel}: item {i} ({name}) cut short at byte {offset + len(data)}", nbytes
+        nbytes += length
+        if on_bytes is not None:
+            on_bytes(length)
+        got = mf.checksum(data, manifest.algo)
+        if got != digest:
+            return (f"{rel}: item {i} ({name}, bytes {offset}..{offset + length}) has checksum {got}, the manifest "
+                    f"records {digest} ({manifest.algo}): corrupted"), nbytes
+        if keep is not None:
+            keep[i] = bytearray(data)
+    return None, nbytes
+
+
+def verify(store: S3Storage, step_dir: str, rel: str, manifest: mf.Manifest,
+           on_bytes: Optional[Callable[[int], None]]) -> Optional[str]:
+    """stepfiles.verify_file on the store: size, then the checksum read piece by piece (memory stays flat)."""
+    entry = manifest.entry(rel)
+    try:
+        url = key(step_dir, rel)
+        size = store.size(url)
+        problem = mf.size_problem(rel, size, entry.size)
+        if problem:
+            return problem
+        h = mf.Hasher(manifest.algo)
+        for off, n in _pieces(size):
+            data = store.read(url, off, n)
+            if len(data) != n:
+                return f"{rel}: the store returned {len(data)} bytes at offset {off}, expected {n}"
+            h.update(data)
+            if on_bytes is not None:
+                on_bytes(n)
+    except ManifestError as exc:
+        return str(exc)
+    except FileNotFoundError:
+        return f"{rel}: missing"
+    except OSError as exc:
+        return f"{rel}: unreadable ({exc})"
+    return mf.compare(rel, size, h.hexdigest, entry, manifest.algo)

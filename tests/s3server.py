@@ -1,0 +1,62 @@
+"""A real S3 server for the object-store tests: Ceph's RADOS Gateway on 127.0.0.1, started by
+scripts/s3-server.sh (Debian's ceph-mon, ceph-osd and radosgw; .ci/run installs them), one per test module on
+ports of its own (pytest-xdist runs modules side by side). Without those packages a module's tests are skipped,
+saying so; a server that does not start fails them."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Iterator, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = ROOT / "scripts" / "s3-server.sh"
+
+
+@contextmanager
+def running(where: Path, port: int, mon_port: int) -> Iterator[Dict[str, str]]:
+    """A gateway on ``port`` (its monitor on ``mon_port`` and the next): ENDPOINT, ACCESS_KEY, SECRET_KEY."""
+    missing = [b for b in ("ceph-mon", "ceph-osd", "radosgw") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"no S3 server here: {', '.join(missing)} not installed "
+                    f"(apt-get install -y --no-install-recommends ceph-mon ceph-osd radosgw)")
+    env = dict(os.environ, S3_PORT=str(port), S3_MON_PORT=str(mon_port))
+    started = subprocess.run(["bash", str(SERVER), "start", str(where)], capture_output=True, text=True,
+                             timeout=300, env=env)
+    if started.returncode != 0:
+        pytest.fail(f"the S3 server did not start:\n{started.stderr[-4000:]}")
+    values = dict(line.split("=", 1) for line in started.stdout.split())
+    try:
+        yield values
+    finally:
+        subprocess.run(["bash", str(SERVER), "stop", str(where)], capture_output=True, timeout=120, env=env)
+
+
+def client_env(server: Dict[str, str]) -> Dict[str, str]:
+    """The environment that points boto3 (and so easyckpt) at the server."""
+    return {"AWS_ACCESS_KEY_ID": server["ACCESS_KEY"], "AWS_SECRET_ACCESS_KEY": server["SECRET_KEY"],
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": server["ENDPOINT"]}
+
+
+@contextmanager
+def bucket(server: Dict[str, str], part_bytes: int = 5 << 20, parallel: int = 4) -> Iterator[Tuple[object, str]]:
+    """A fresh bucket, emptied and removed afterwards: (an S3Storage on the server, "s3://bucket"). The caller
+    has set client_env's credentials (monkeypatch)."""
+    from easyckpt.storage.s3 import S3Storage
+    storage = S3Storage(endpoint_url=server["ENDPOINT"], part_bytes=part_bytes, parallel=parallel)
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    storage.c.create_bucket(Bucket=name)
+    try:
+        yield storage, f"s3://{name}"
+    finally:
+        for page in storage.c.get_paginator("list_objects_v2").paginate(Bucket=name):
+            for obj in page.get("Contents", []):
+                storage.c.delete_object(Bucket=name, Key=obj["Key"])
+        storage.abort_uploads(f"s3://{name}")
+        storage.c.delete_bucket(Bucket=name)
+        storage.close()

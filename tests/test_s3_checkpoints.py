@@ -1,0 +1,158 @@
+"""Checkpoints in an object store (save_dir="s3://bucket/prefix"), end to end against a real S3 server (Ceph's
+RADOS Gateway on 127.0.0.1, tests/s3server.py): the real training loop under torchrun (2 ranks, gloo), the real
+node agent persisting from shared memory to the store, the real loader resuming from it. Nothing is mocked.
+
+- a job killed with kill -9 resumes from the store with the losses of an uninterrupted run; retention keeps
+  max_ckpt_num steps there and leaves foreign objects under the prefix alone;
+- an agent killed in the middle of a multipart upload leaves no visible step; the job's next agent aborts the
+  upload and deletes the step's objects, and the job then commits again;
+- wrong credentials are refused at initialisation, before the first iteration, naming what to fix.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import s3server
+from harness import (
+    assert_losses_equal,
+    cli,
+    events,
+    kill_tree,
+    losses,
+    run,
+    start,
+    starts,
+    train_cmd,
+    wait_for_iteration,
+    wait_no_agent,
+)
+
+pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3])")
+
+FAST = ["--idle-timeout", "1"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7483, 40230) as values:
+        yield values
+
+
+@pytest.fixture
+def bucket(server, monkeypatch):
+    for k, v in s3server.client_env(server).items():
+        monkeypatch.setenv(k, v)
+    with s3server.bucket(server) as made:
+        yield made
+
+
+def _cmd(url: str, local: Path, nproc: int, *args: str):
+    # train_cmd's save dir is a path; an s3:// URL goes through as the string it is
+    return train_cmd(url, nproc, "--local-dir", str(local), *FAST, *args)   # type: ignore[arg-type]
+
+
+def _keys(store, url: str):
+    from easyckpt.storage.s3 import Location, _list_keys
+    loc = Location.parse(url)
+    return sorted(k[len(loc.prefix()):] for k, _ in _list_keys(store, loc))
+
+
+def _committed(keys):
+    return sorted(int(k.split("/")[0].split("_")[1]) for k in keys if k.endswith("/easyckpt_manifest.json"))
+
+
+def test_a_job_killed_with_kill_9_resumes_from_the_store_with_an_uninterrupted_runs_losses(bucket, tmp_path):
+    store, top = bucket
+    url, local = f"{top}/run", tmp_path / "local"
+    ref = tmp_path / "ref"
+    run(train_cmd(tmp_path / "ref-ckpt", 2, "--iters", "16", "--storage-interval", "4", "--loss-file", str(ref),
+                  *FAST))
+    wait_no_agent(tmp_path / "ref-ckpt")
+    # foreign objects under the prefix: a note, and a step-named prefix with no manifest and no claim of ours
+    store.write_atomic(f"{url}/NOTES.txt", b"not easyckpt's")
+    store.write_atomic(f"{url}/step_00000002/theirs.bin", b"someone else's half-written step")
+
+    loss = tmp_path / "loss"
+    proc = start(_cmd(url, local, 2, "--iters", "14", "--storage-interval", "4", "--max-ckpt", "2",
+                      "--loss-file", str(loss), "--step-sleep", "0.2"), log=tmp_path / "first.out")
+    wait_for_iteration(loss, 9, proc)
+    kill_tree(proc)                        # the trainers die; the agent persists their newest snapshot and leaves
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    first = _committed(_keys(store, url))
+    assert first and max(first) >= 8, first
+
+    second = run(_cmd(url, local, 2, "--iters", "14", "--storage-interval", "4", "--max-ckpt", "2",
+                      "--loss-file", str(loss)))
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    resumed = starts(loss)[-1]
+    assert resumed == max(first), (resumed, first)
+    assert f"resumed step {resumed} from storage ({url}/step_{resumed:08d}" in second.stdout + second.stderr
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), losses(ref, rank), 14, f"rank {rank}")
+
+    keys = _keys(store, url)
+    assert _committed(keys) == [12, 14], keys            # max_ckpt_num=2, pruned in the store
+    assert "NOTES.txt" in keys and "step_00000002/theirs.bin" in keys, keys     # foreign: untouched
+    assert not [k for k in keys if ".easyckpt-" in k], keys      # no claim or marker left behind
+    deletes = [e for e in events(local / "easyckpt.log") if e["event"] == "delete"]
+    assert deletes and all(e["path"].startswith(f"{url}/step_0000") for e in deletes), deletes
+
+    # a damaged object of the newest step: `easyckpt verify` names it, the loader falls back to step 12
+    victim = f"{url}/step_00000014/model.safetensors"
+    data = bytearray(store.read(victim))
+    data[-1] ^= 0xFF
+    store.write_atomic(victim, bytes(data))
+    verdict = cli("verify", url, expect=None)
+    assert verdict.returncode != 0 and "step 14: DAMAGED" in verdict.stdout + verdict.stderr, verdict.stdout
+    assert "model.safetensors" in verdict.stdout + verdict.stderr
+    third = run(_cmd(url, local, 2, "--iters", "16", "--storage-interval", "4", "--max-ckpt", "2",
+                     "--loss-file", str(loss)))
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    assert starts(loss)[-1] == 12, (third.stdout + third.stderr)[-3000:]
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), losses(ref, rank), 16, f"rank {rank} after the fallback")
+    # retention (max_ckpt_num=2) keeps the two newest verified steps; the damaged one goes, said why, only then
+    assert _committed(_keys(store, url)) == [12, 16]
+    gone = [e for e in events(local / "easyckpt.log") if e["event"] == "delete" and e["path"].endswith("step_00000014")]
+    assert len(gone) == 1 and gone[0]["reason"].startswith("damaged"), gone
+
+
+def test_an_agent_killed_mid_upload_leaves_no_step_and_the_next_agent_removes_what_it_wrote(bucket, tmp_path):
+    store, top = bucket
+    url, local = f"{top}/run", tmp_path / "local"
+    once = tmp_path / "once"
+    once.mkdir()
+    loss = tmp_path / "loss"
+    # a state of ~25 MiB in 5 MiB parts: the agent dies after the first part of its first multipart upload
+    env = {"EASYCKPT_FAULTS": "store.after_first_part=kill", "EASYCKPT_FAULT_ONCE_DIR": str(once),
+           "EASYCKPT_S3_PART_MIB": "5"}
+    proc = start(_cmd(url, local, 1, "--iters", "6", "--storage-interval", "3", "--hidden", "150000",
+                      "--loss-file", str(loss), "--step-sleep", "0.3"), env, log=tmp_path / "out")
+    try:
+        assert proc.wait(timeout=240) == 0, (tmp_path / "out").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    assert (once / "store.after_first_part").exists(), "the fault did not fire"
+    evs = events(local / "easyckpt.log")
+    starts_ = [e for e in evs if e["event"] == "agent_start"]
+    assert len(starts_) >= 2, "no new agent after the killed one"
+    cleaned = [e for e in evs if e["event"] == "delete" and e.get("reason") == "unfinished uploads aborted"]
+    assert cleaned and cleaned[0]["path"] == f"{url}/step_00000003", [e for e in evs if e["event"] == "delete"]
+    keys = _keys(store, url)
+    assert _committed(keys) == [6] or _committed(keys) == [3, 6], keys     # step 3 only if persisted again
+    assert not store.abort_uploads(url), "an unfinished upload was left behind"
+    assert not [k for k in keys if ".easyckpt-" in k], keys
+
+
+def test_wrong_credentials_are_refused_at_initialisation_naming_what_to_fix(bucket, tmp_path):
+    _store, top = bucket
+    loss = tmp_path / "loss"
+    out = run(_cmd(f"{top}/run", tmp_path / "local", 1, "--iters", "3", "--loss-file", str(loss)),
+              {"AWS_SECRET_ACCESS_KEY": "not-the-key"}, check=False)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "the credentials were refused" in text and "AWS_SECRET_ACCESS_KEY" in text, text[-3000:]
+    assert not losses(loss), "training started before the store was checked"
