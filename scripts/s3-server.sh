@@ -6,6 +6,8 @@
 #     scripts/s3-server.sh start [DIR]    start (or find running) and print ENDPOINT=, ACCESS_KEY=, SECRET_KEY=
 #     scripts/s3-server.sh stop [DIR]     stop the daemons this script started in DIR, then remove DIR
 #     scripts/s3-server.sh status [DIR]
+#     scripts/s3-server.sh gateway-stop|gateway-start [DIR]   the gateway alone (a store that goes away and
+#                                                           comes back; the objects stay in the cluster)
 #
 # DIR (default ${TMPDIR:-/tmp}/easyckpt-s3) holds the configuration, data, logs and the daemons' PIDs; stop
 # signals only those PIDs (checked against their command lines, in case a PID was reused). Every wait is
@@ -153,9 +155,32 @@ EOF
     cat "$dir/s3.env"
 }
 
+# The gateway alone, the cluster (and the objects in it) left running: a store that goes away and comes back
+gateway_stop() {
+    [[ -e $stamp ]] || fail "no server in $dir"
+    local pid i; pid=$(cat "$dir/pids/client.rgw.easyckpt" 2>/dev/null) || fail "no gateway pid in $dir"
+    mine "$pid" || { say "the gateway is not running"; return 0; }
+    kill -TERM "$pid"
+    for ((i = 0; i < 40; i++)); do mine "$pid" || break; sleep 0.25; done
+    mine "$pid" && { say "the gateway ($pid) ignored SIGTERM for 10 s: SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; }
+    say "gateway stopped"
+}
+
+gateway_start() {
+    [[ -e $stamp ]] || fail "no server in $dir"
+    answering 2>/dev/null && { say "the gateway already answers"; return 0; }
+    rm -f "$dir/run/client.rgw.easyckpt.pid"
+    timeout 60 radosgw -c "$conf" -n client.rgw.easyckpt </dev/null >>"$dir/log/setup.log" 2>&1
+    keep_pid client.rgw.easyckpt
+    until_ok 180 "the gateway on 127.0.0.1:$port" answering
+    say "gateway started"
+}
+
 case $cmd in
     start) start ;;
     stop) stop ;;
     status) status ;;
-    *) fail "usage: $0 start|stop|status [DIR]" ;;
+    gateway-stop) gateway_stop ;;
+    gateway-start) gateway_start ;;
+    *) fail "usage: $0 start|stop|status|gateway-stop|gateway-start [DIR]" ;;
 esac

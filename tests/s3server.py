@@ -31,6 +31,7 @@ def running(where: Path, port: int, mon_port: int) -> Iterator[Dict[str, str]]:
     if started.returncode != 0:
         pytest.fail(f"the S3 server did not start:\n{started.stderr[-4000:]}")
     values = dict(line.split("=", 1) for line in started.stdout.split())
+    values.update(DIR=str(where), PORT=str(port), MON_PORT=str(mon_port))
     try:
         yield values
     finally:
@@ -60,3 +61,11 @@ def bucket(server: Dict[str, str], part_bytes: int = 5 << 20, parallel: int = 4)
         storage.abort_uploads(f"s3://{name}")
         storage.c.delete_bucket(Bucket=name)
         storage.close()
+
+
+def gateway(server: Dict[str, str], verb: str) -> None:
+    """Stop or start the gateway alone ("stop" / "start"): the store goes away and comes back, its objects kept."""
+    env = dict(os.environ, S3_PORT=server["PORT"], S3_MON_PORT=server["MON_PORT"])
+    done = subprocess.run(["bash", str(SERVER), f"gateway-{verb}", server["DIR"]], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert done.returncode == 0, f"gateway-{verb} failed:\n{done.stderr[-3000:]}"

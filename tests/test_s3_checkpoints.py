@@ -6,10 +6,14 @@ node agent persisting from shared memory to the store, the real loader resuming 
   max_ckpt_num steps there and leaves foreign objects under the prefix alone;
 - an agent killed in the middle of a multipart upload leaves no visible step; the job's next agent aborts the
   upload and deletes the step's objects, and the job then commits again;
+- the store stopped for 30 s mid-run, then started again: training never stops, each step that could not be
+  persisted meanwhile is said on rank 0's console, persisting resumes when the store is back and the run ends
+  with its last step committed;
 - wrong credentials are refused at initialisation, before the first iteration, naming what to fix.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +160,35 @@ def test_wrong_credentials_are_refused_at_initialisation_naming_what_to_fix(buck
     text = out.stdout + out.stderr
     assert "the credentials were refused" in text and "AWS_SECRET_ACCESS_KEY" in text, text[-3000:]
     assert not losses(loss), "training started before the store was checked"
+
+
+def test_the_store_down_for_30_s_mid_run_stops_no_training_and_persisting_resumes_when_it_is_back(
+        bucket, server, tmp_path):
+    _store, top = bucket
+    url, local, loss = f"{top}/run", tmp_path / "local", tmp_path / "loss"
+    proc = start(_cmd(url, local, 2, "--iters", "120", "--storage-interval", "4", "--loss-file", str(loss),
+                      "--step-sleep", "0.5"), log=tmp_path / "out")
+    try:
+        wait_for_iteration(loss, 10, proc)
+        s3server.gateway(server, "stop")
+        down_at = max(losses(loss))
+        time.sleep(30)
+        assert proc.poll() is None, "training stopped while the store was down"
+        during = max(losses(loss))
+        s3server.gateway(server, "start")
+        assert proc.wait(timeout=300) == 0, (tmp_path / "out").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+        s3server.gateway(server, "start")
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    out = (tmp_path / "out").read_text()
+    assert during > down_at + 10, f"training stalled while the store was down: iterations {down_at} -> {during}"
+    for rank in (0, 1):
+        assert sorted(losses(loss, rank)) == list(range(1, 121)), f"rank {rank}: an iteration is missing"
+    assert "was not committed" in out and "StoreError" in out, out[-3000:]     # said on the console
+    evs = events(local / "easyckpt.log")
+    commits = [e["step"] for e in evs if e["event"] == "commit"]
+    assert 120 in commits and [s for s in commits if s > during], commits   # persisting resumed after the outage
+    assert any(e["event"] == "error" and "does not answer" in e.get("message", "") for e in evs)
+    assert sum(e["event"] == "agent_start" for e in evs) == 1, "the agent died while the store was down"

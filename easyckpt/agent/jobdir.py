@@ -1,14 +1,22 @@
 """The agent's one door to the save directory: this job's ``storage.SaveDir`` plus the job lock, with the
 audit log bound, so the rest of the agent never names a path or a storage call.
 
-It holds only settings that never change, so both the loop thread and the persist worker may call it;
-which thread calls what is fixed: the worker writes (persist.py through ``storage``, markers, commit,
-prune, removal of abandoned or superseded staging), the loop reads markers.
+It holds settings that never change, and two things of the loop thread's own (the markers' poll cache and the
+outage being reported), so both the loop thread and the persist worker may call it; which thread calls what is
+fixed: the worker writes (persist.py through ``storage``, markers, commit, prune, removal of abandoned or
+superseded staging), the loop reads markers and, at start, removes leftovers.
+
+A save directory that fails to answer (an object store down or throttling, a network file system's EIO) never
+stops the agent: the loop's reads say "no shard yet" (the step waits, bounded by commit_timeout), what the
+start could not clean up waits for the job's next agent (invisible to readers meanwhile), each outage is logged
+once when it starts and once when it ends;
+the worker's persists and commits fail as steps (reported to the trainers), and training goes on with memory
+snapshots. On an object store the loop polls a step's markers at most every POLL_S: each poll is a few requests.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Set
+from typing import Any, Dict, Optional, Set, Tuple
 
 from easyckpt.config import Config
 from easyckpt.formats.manifest import FileEntry
@@ -18,13 +26,21 @@ from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
 from easyckpt.storage.commit import commit
 from easyckpt.storage.joblock import JobLock
+from easyckpt.storage.resolve import storage_for
 from easyckpt.storage.savedir import SaveDir
+
+POLL_S = 0.25
 
 
 class JobDir:
     def __init__(self, cfg: Config, log: AuditLog):
         self.cfg, self.log = cfg, log
         self.sd = SaveDir.of(cfg)
+        # the loop thread's view: on an object store a client that tries once with short timeouts, so that the
+        # loop keeps answering its trainers while the store is down (the worker's persists retry with backoff)
+        self.quick = SaveDir.of(cfg, storage_for(cfg.save_dir, quick=True))
+        self._polled: Dict[int, Tuple[float, Optional[Set[int]]]] = {}     # step -> (when, ranks): the loop's
+        self._outage: Optional[str] = None        # what failed, while the save dir does not answer (the loop's)
 
     @property
     def storage(self) -> Storage:
@@ -43,8 +59,34 @@ class JobDir:
 
     def shards(self, step: int) -> Optional[Set[int]]:
         """The ranks whose shard of ``step`` is durable (their marker is written); None: no staging dir
-        (never started, committed, or removed)."""
-        return self.sd.ready_ranks(step)
+        (never started, committed, or removed). While the save dir does not answer: the last answer, or none
+        yet (the step waits; commit_timeout bounds it)."""
+        now = time.monotonic()
+        last = self._polled.get(step)
+        if last is not None and not self.sd.renames and now - last[0] < POLL_S:
+            return last[1]
+        try:
+            ranks = self.quick.ready_ranks(step)
+        except OSError as exc:
+            self.outage(f"reading the shards of step {step}", exc)
+            return last[1] if last is not None else set()
+        self.recovered()
+        self._polled = {s: v for s, v in self._polled.items() if now - v[0] < 60}
+        self._polled[step] = (now, ranks)
+        return ranks
+
+    def outage(self, doing: str, exc: BaseException) -> None:
+        """The save dir failed to answer: logged once per outage (the agent's log and the audit log)."""
+        if self._outage is None:
+            self._outage = doing
+            self.log.emit("error", path=self.cfg.save_dir, message=f"the save dir does not answer ({doing}: {exc}); "
+                          f"training goes on with memory snapshots, persisting resumes when it answers again")
+
+    def recovered(self) -> None:
+        if self._outage is not None:
+            self.log.emit("warning", path=self.cfg.save_dir, message=f"the save dir answers again (it failed "
+                          f"{self._outage})")
+            self._outage = None
 
     def write_marker(self, step: int, rank: int, files: Dict[str, FileEntry], info: Dict[str, Any]) -> None:
         self.sd.write_marker(step, rank, files, info)
@@ -61,8 +103,13 @@ class JobDir:
         return done.nbytes
 
     def newest_committed(self) -> Optional[int]:
-        """This job's newest commit (run, then step: SaveDir.committed's order), or None."""
-        done = self.sd.committed(own=True)
+        """This job's newest commit (run, then step: SaveDir.committed's order), or None (also when the save dir
+        does not answer: the caller then persists, and a store refuses to write over a committed step)."""
+        try:
+            done = self.quick.committed(own=True)
+        except OSError as exc:
+            self.outage("listing the committed steps", exc)
+            return None
         return done[0][0] if done else None
 
     def mark_damaged(self, step: int, reason: str) -> None:
@@ -72,19 +119,29 @@ class JobDir:
         self.sd.quarantine(step, reason, self.log)
 
     def drop(self, step: int) -> None:
-        """Remove ``step``'s staging dir (a failed or superseded step)."""
-        self.sd.remove_staging(self.log, step=step)
+        """Remove ``step``'s staging dir (a failed or superseded step); if the save dir does not answer, it stays
+        (invisible to readers) for the job's next agent."""
+        try:
+            self.quick.remove_staging(self.log, step=step)
+        except OSError as exc:
+            self.outage(f"removing the unfinished step {step}", exc)
 
     def drop_all_but(self, keep: Optional[int], why: str) -> None:
         """Remove every staging dir of this job but ``keep``'s, each logged with ``why``."""
         keep_dir = None if keep is None else self.sd.staging_path(keep)
-        for path in self.sd.staging_dirs():
-            if path != keep_dir:
-                self.log.emit("abandon", path=path, message=why)
-                self.sd.remove_staging(self.log, only=path)
+        try:
+            for path in self.quick.staging_dirs():
+                if path != keep_dir:
+                    self.log.emit("abandon", path=path, message=why)
+                    self.quick.remove_staging(self.log, only=path)
+        except OSError as exc:
+            self.outage("removing abandoned steps", exc)
 
     def clean_leftovers(self) -> None:
         """At start: this job's staging and trash left by an agent that died, and other jobs of this
         user whose processes are all gone."""
-        self.sd.remove_staging(self.log)
+        try:
+            self.quick.remove_staging(self.log)
+        except OSError as exc:     # they stay invisible to every reader until the job's next agent removes them
+            self.outage("removing what a killed agent left", exc)
         reap_dead_jobs(self.log, keep=self.cfg.job_id)

@@ -14,12 +14,12 @@ from typing import Dict, Optional, Tuple
 from easyckpt.errors import ConfigError
 from easyckpt.storage.base import Storage
 from easyckpt.storage.posix import PosixStorage
-from easyckpt.storage.s3 import PART_BYTES, S3Storage, is_url
+from easyckpt.storage.s3 import PART_BYTES, QUICK, Patience, S3Storage, is_url
 
 MIN_PART_MIB = 5     # S3's smallest part (but the last)
 
 _lock = threading.Lock()
-_stores: Dict[Tuple[Optional[str], ...], S3Storage] = {}
+_stores: Dict[Tuple[object, ...], S3Storage] = {}
 _endpoint: Optional[str] = None
 
 
@@ -44,21 +44,23 @@ def set_endpoint(endpoint_url: Optional[str]) -> None:
     _endpoint = endpoint_url or None
 
 
-def remote(path: str) -> Optional[S3Storage]:
-    """The object store serving ``path``, or None when it is a file-system path."""
+def remote(path: str, quick: bool = False) -> Optional[S3Storage]:
+    """The object store serving ``path``, or None when it is a file-system path. ``quick``: a client that tries
+    once with short timeouts (s3.QUICK), for a thread that must keep answering while the store is down."""
     if not is_url(str(path)):
         return None
     # keyed by what boto3 reads from the environment too: a process whose environment changes (a test, a
     # tool run on two stores) gets a client for the store it now names
-    key = (_endpoint, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_ACCESS_KEY_ID"))
+    key = (_endpoint, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_ACCESS_KEY_ID"), quick)
     with _lock:
         store = _stores.get(key)
         if store is None:
-            store = _stores[key] = S3Storage(_endpoint, part_bytes=part_bytes())
+            store = _stores[key] = S3Storage(_endpoint, part_bytes=part_bytes(),
+                                             patience=QUICK if quick else Patience())
         return store
 
 
-def storage_for(path: str) -> Storage:
+def storage_for(path: str, quick: bool = False) -> Storage:
     """The back-end of ``path``: the object store of an s3:// URL, else the POSIX file system."""
-    store = remote(path)
+    store = remote(path, quick)
     return store if store is not None else PosixStorage()

@@ -59,16 +59,31 @@ class Location:
         return self.key if not self.key or self.key.endswith("/") else self.key + "/"
 
 
-def client(endpoint_url: Optional[str] = None, max_pool: int = PARALLEL * 2) -> Any:
+@dataclass(frozen=True)
+class Patience:
+    """How long one request may take: boto3's attempts (standard mode: exponential backoff between them, on
+    throttling (503 SlowDown) and connection errors too) and its timeouts, in seconds."""
+    attempts: int = 5
+    connect_timeout: float = 10
+    read_timeout: float = 60
+
+
+# for a thread that must keep answering (the agent's loop): one attempt, short timeouts; it asks again later
+QUICK = Patience(attempts=1, connect_timeout=2, read_timeout=10)
+
+
+def client(endpoint_url: Optional[str] = None, max_pool: int = PARALLEL * 2, patience: Patience = Patience()) -> Any:
     """A boto3 S3 client (credentials and region as boto3 finds them; ``endpoint_url`` for a compatible store)."""
     try:
         import boto3
         from botocore.config import Config as BotoConfig
     except ImportError:
         raise ConfigError("s3:// save directories need boto3: pip install 'easyckpt[s3]'") from None
-    cfg = BotoConfig(max_pool_connections=max_pool, retries={"max_attempts": 5, "mode": "standard"},
-                     connect_timeout=10, read_timeout=60, s3={"addressing_style": "path"})
-    return boto3.client("s3", endpoint_url=endpoint_url, config=cfg)
+    cfg = BotoConfig(max_pool_connections=max_pool, retries={"max_attempts": patience.attempts, "mode": "standard"},
+                     connect_timeout=patience.connect_timeout, read_timeout=patience.read_timeout,
+                     s3={"addressing_style": "path"})
+    # a session of its own: the default session keeps the credentials it found first, whatever changes since
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
 
 
 def _code(exc: BaseException) -> str:
@@ -172,10 +187,10 @@ class S3Storage:
     has_rename = False
 
     def __init__(self, endpoint_url: Optional[str] = None, part_bytes: int = PART_BYTES, parallel: int = PARALLEL,
-                 c: Any = None):
+                 c: Any = None, patience: Patience = Patience()):
         self.endpoint_url = endpoint_url
         self.part_bytes, self.parallel = part_bytes, parallel
-        self.c = c if c is not None else client(endpoint_url, parallel * 2)
+        self.c = c if c is not None else client(endpoint_url, parallel * 2, patience)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
 
