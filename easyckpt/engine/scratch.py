@@ -9,11 +9,15 @@ made it removes it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from easyckpt.formats.layout import scratch_name
+from easyckpt.formats.manifest import Manifest
+from easyckpt.storage import stepfiles
 from easyckpt.storage.posix import PosixStorage
+from easyckpt.storage.resolve import remote
 
 _storage = PosixStorage()
 
@@ -55,3 +59,21 @@ def fresh(directory: str) -> str:
 
 def remove(directory: str) -> None:
     _storage.delete(directory)
+
+
+@contextlib.contextmanager
+def local_step(step_dir: str, manifest: Manifest, directory: str) -> Iterator[str]:
+    """``step_dir`` as a local directory for a framework reader that only opens paths (Megatron's torch_dist
+    reader): the step itself on a file system; for an object store, every listed file downloaded into
+    ``directory`` (checked against the manifest on the way), removed when the block ends."""
+    if remote(step_dir) is None:
+        yield step_dir
+        return
+    fresh(directory)
+    try:
+        for rel in manifest.files:
+            staged_file(os.path.dirname(os.path.join(directory, rel)), os.path.basename(rel),
+                        stepfiles.read_verified(step_dir, rel, manifest))
+        yield directory
+    finally:
+        remove(directory)

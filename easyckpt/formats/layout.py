@@ -140,14 +140,15 @@ def agent_log_name(host: str) -> str:
     return f".easyckpt-agent-{host}.log"
 
 
-SCRATCH_KINDS = ("universal", "processor", "resume", "adapter", "merged")
+SCRATCH_KINDS = ("universal", "processor", "resume", "adapter", "merged", "restore")
 
 
 def scratch_name(kind: str, job_id: str, rank: Optional[int] = None) -> str:
     """A job's scratch directory for a framework call that only speaks in paths: ``universal`` (DeepSpeed's
     converted copy), ``processor`` (the HF processor's save_pretrained), ``resume`` (per rank: the Trainer's
     trainer_state.json), ``adapter`` and ``merged`` (easyckpt convert --base-model: PEFT's adapter folder, the
-    merged model's save_pretrained). Job and rank in the name: two jobs or ranks never share one."""
+    merged model's save_pretrained), ``restore`` (per rank: an object store's step copied for Megatron's reader).
+    Job and rank in the name: two jobs or ranks never share one."""
     if kind not in SCRATCH_KINDS:
         raise ValueError(f"unknown scratch kind {kind!r}")
     return f".easyckpt-{kind}-{job_id}" + ("" if rank is None else f"-r{rank}")

@@ -110,7 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each iteration")
     p.add_argument("--quiet", action="store_true", help="no per-iteration log line")
     ck = p.add_argument_group("checkpointing (easyckpt)")
-    ck.add_argument("--save", default=None, help="checkpoint directory; none: no checkpoints")
+    ck.add_argument("--save", default=None, help="checkpoint directory, or s3://BUCKET/PREFIX; none: no checkpoints")
+    ck.add_argument("--local-dir", default=None,
+                    help="local_dir: this node's own files (audit and agent logs) for an s3:// --save")
     ck.add_argument("--save-mem-interval", type=int, default=1)
     ck.add_argument("--save-storage-interval", type=int, default=5)
     ck.add_argument("--max-ckpt-num", type=int, default=3)
@@ -492,7 +494,7 @@ def main(argv=None) -> int:
     if args.save:
         easyckpt_megatron.initialize_easyckpt(args.save_mem_interval, args.save_storage_interval,
                                               args.max_ckpt_num, args.ckpt_log, save_dir=args.save, args=args,
-                                              agent_idle_timeout=args.agent_idle_timeout,
+                                              agent_idle_timeout=args.agent_idle_timeout, local_dir=args.local_dir,
                                               exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
         start_iteration, _ = easyckpt_megatron.load_checkpoint(model, optimizer, scheduler, concat=args.concat)
         if args.dump_state and start_iteration:

@@ -1,0 +1,93 @@
+"""Megatron (megatron-core GPTModel and optimizer, 2 ranks on CPU with gloo, examples/megatron/pretrain_gpt.py)
+with its checkpoints in an object store (--save s3://...), against a real S3 server (Ceph's RADOS Gateway,
+tests/s3server.py). Nothing is mocked.
+
+- torch and torch_dist layouts on TP=2: kill -9, the agent gone with its snapshots, then a resume from the
+  store with the losses of an uninterrupted run;
+- a torch_dist checkpoint in the store resumed on TP=1 (Megatron's reader reshards it): the same losses as the
+  same resume from a copy of that checkpoint on a local disk.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import s3server
+from harness import (
+    ROOT,
+    assert_losses_equal,
+    kill_tree,
+    losses,
+    run,
+    start,
+    starts,
+    wait_for_iteration,
+    wait_no_agent,
+)
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
+pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3])")
+
+SCRIPT = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7485, 40250) as values:
+        yield values
+
+
+@pytest.fixture
+def bucket(server, monkeypatch):
+    for k, v in s3server.client_env(server).items():
+        monkeypatch.setenv(k, v)
+    with s3server.bucket(server) as made:
+        yield made
+
+
+def cmd(save: str, loss: Path, local: Path, iters: int, *extra: str):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
+            "--cpu", "--quiet", "--iters", str(iters), "--save", save, "--local-dir", str(local),
+            "--loss-file", str(loss), "--save-storage-interval", "4", "--agent-idle-timeout", "1", *extra]
+
+
+def _rank0(loss: Path):
+    return losses(loss, 0) or losses(loss, 1)     # the pipeline's last stage writes the losses
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_megatron_killed_resumes_from_the_store_with_an_uninterrupted_runs_losses(bucket, tmp_path, fmt):
+    _store, top = bucket
+    layout = ["--tp", "2", "--ckpt-format", fmt]
+    ref = tmp_path / "ref"
+    run(cmd(str(tmp_path / "ref-ckpt"), ref, tmp_path / "ref-local", 12, *layout), timeout=300)
+    url, local, loss = f"{top}/meg", tmp_path / "local", tmp_path / "loss"
+    proc = start(cmd(url, loss, local, 12, *layout, "--step-sleep", "0.3"), log=tmp_path / "first.out")
+    wait_for_iteration(loss, 9, proc, timeout=300)
+    kill_tree(proc)
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")     # its snapshots gone: the store serves
+    second = run(cmd(url, loss, local, 12, *layout), timeout=300)
+    assert f"from storage ({url}/iter_" in second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
+    assert starts(loss)[-1] >= 8, starts(loss)
+    assert_losses_equal(_rank0(loss), _rank0(ref), 12, f"Megatron {fmt} from the store")
+
+
+def test_a_torch_dist_checkpoint_in_the_store_resumes_on_another_tp_as_from_a_local_disk(bucket, tmp_path):
+    _store, top = bucket
+    url, local = f"{top}/meg", tmp_path / "local"
+    first = tmp_path / "first"
+    run(cmd(url, first, local, 8, "--tp", "2", "--ckpt-format", "torch_dist"), timeout=300)
+    run(cmd(str(tmp_path / "disk"), first, tmp_path / "disk-local", 8, "--tp", "2", "--ckpt-format", "torch_dist"),
+        timeout=300)
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    wait_no_agent(tmp_path / "disk", timeout=90, log=tmp_path / "disk-local" / "easyckpt.log")
+    from_store, from_disk = tmp_path / "from-store", tmp_path / "from-disk"
+    out = run(cmd(url, from_store, local, 12, "--tp", "1", "--ckpt-format", "torch_dist"), timeout=300)
+    text = out.stdout + out.stderr
+    assert f"resumed step 8 from storage ({url}/iter_0000008" in text and "resharded to tp1" in text, text[-3000:]
+    run(cmd(str(tmp_path / "disk"), from_disk, tmp_path / "disk-local", 12, "--tp", "1", "--ckpt-format",
+            "torch_dist"), timeout=300)
+    got, want = _rank0(from_store), _rank0(from_disk)
+    assert sorted(got) == list(range(9, 13)) and got == want, (got, want)
+    assert not list(local.glob(".easyckpt-scratch*")) and not [p for p in local.iterdir() if "restore" in p.name]
