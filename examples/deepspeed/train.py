@@ -24,7 +24,9 @@ from easyckpt.deepspeed.cpu import deepspeed_on_cpu
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--save-dir", required=True)
+    p.add_argument("--save-dir", required=True, help="a directory, or s3://BUCKET/PREFIX (an object store)")
+    p.add_argument("--local-dir", default=None,
+                   help="local_dir: this node's own files (audit and agent logs) for an s3:// save dir")
     p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3))
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--iters", type=int, default=30)
@@ -93,7 +95,7 @@ def main() -> int:
     eds.initialize_easyckpt(args.save_dir, save_mem_interval=args.mem_interval,
                             save_storage_interval=args.storage_interval, max_ckpt_num=args.max_ckpt,
                             log_file_path=args.log_file, agent_idle_timeout=args.idle_timeout,
-                            exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
+                            exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm, local_dir=args.local_dir)
     t0 = time.perf_counter()
     path, client = eds.load_checkpoint(engine)
     load_s = time.perf_counter() - t0

@@ -1,11 +1,13 @@
-"""Megatron (megatron-core GPTModel and optimizer, 2 ranks on CPU with gloo, examples/megatron/pretrain_gpt.py)
-with its checkpoints in an object store (--save s3://...), against a real S3 server (Ceph's RADOS Gateway,
-tests/s3server.py). Nothing is mocked.
+"""Megatron (megatron-core GPTModel and optimizer, 2 ranks on CPU with gloo, examples/megatron/pretrain_gpt.py) and
+DeepSpeed (a real engine, ZeRO-3, examples/deepspeed/train.py) with their checkpoints in an object store
+(s3://...), against a real S3 server (Ceph's RADOS Gateway, tests/s3server.py). Nothing is mocked.
 
 - torch and torch_dist layouts on TP=2: kill -9, the agent gone with its snapshots, then a resume from the
   store with the losses of an uninterrupted run;
 - a torch_dist checkpoint in the store resumed on TP=1 (Megatron's reader reshards it): the same losses as the
-  same resume from a copy of that checkpoint on a local disk.
+  same resume from a copy of that checkpoint on a local disk;
+- DeepSpeed ZeRO-3 (every rank's partition of the parameters and optimizer): kill -9, then a resume from the
+  store with the losses of an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -20,16 +22,17 @@ from harness import (
     kill_tree,
     losses,
     run,
+    script_cmd,
     start,
     starts,
     wait_for_iteration,
     wait_no_agent,
 )
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3])")
 
 SCRIPT = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
+DEEPSPEED = ROOT / "examples" / "deepspeed" / "train.py"
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,7 @@ def _rank0(loss: Path):
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_megatron_killed_resumes_from_the_store_with_an_uninterrupted_runs_losses(bucket, tmp_path, fmt):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
     _store, top = bucket
     layout = ["--tp", "2", "--ckpt-format", fmt]
     ref = tmp_path / "ref"
@@ -74,6 +78,7 @@ def test_megatron_killed_resumes_from_the_store_with_an_uninterrupted_runs_losse
 
 
 def test_a_torch_dist_checkpoint_in_the_store_resumes_on_another_tp_as_from_a_local_disk(bucket, tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
     _store, top = bucket
     url, local = f"{top}/meg", tmp_path / "local"
     first = tmp_path / "first"
@@ -91,3 +96,24 @@ def test_a_torch_dist_checkpoint_in_the_store_resumes_on_another_tp_as_from_a_lo
     got, want = _rank0(from_store), _rank0(from_disk)
     assert sorted(got) == list(range(9, 13)) and got == want, (got, want)
     assert not list(local.glob(".easyckpt-scratch*")) and not [p for p in local.iterdir() if "restore" in p.name]
+
+
+def ds(save: str, loss: Path, local: Path, iters: int, *extra: str):
+    return script_cmd(DEEPSPEED, 2, "--save-dir", save, "--local-dir", str(local), "--loss-file", str(loss),
+                      "--iters", str(iters), "--idle-timeout", "1", "--zero", "3", *extra, torchrun=True)
+
+
+def test_deepspeed_zero3_killed_resumes_from_the_store_with_an_uninterrupted_runs_losses(bucket, tmp_path):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e .[deepspeed])")
+    _store, top = bucket
+    ref = tmp_path / "ref"
+    run(ds(str(tmp_path / "ref-ckpt"), ref, tmp_path / "ref-local", 12), timeout=300)
+    url, local, loss = f"{top}/ds", tmp_path / "local", tmp_path / "loss"
+    proc = start(ds(url, loss, local, 12, "--step-sleep", "0.3"), log=tmp_path / "first.out")
+    wait_for_iteration(loss, 8, proc, timeout=300)
+    kill_tree(proc)
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")     # its snapshots gone: the store serves
+    second = run(ds(url, loss, local, 12), timeout=300)
+    assert f"from storage ({url}/global_step" in second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), losses(ref, rank), 12, f"DeepSpeed ZeRO-3 rank {rank} from the store")
