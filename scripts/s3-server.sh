@@ -11,7 +11,8 @@
 #
 # DIR (default ${TMPDIR:-/tmp}/easyckpt-s3) holds the configuration, data, logs and the daemons' PIDs; stop
 # signals only those PIDs (checked against their command lines, in case a PID was reused). Every wait is
-# bounded and says what it waits for. Settings: S3_PORT (7480), S3_MON_PORT (40200; +1 for msgr v1),
+# bounded and says what it waits for. Settings: S3_PORT (7480), S3_MON_PORT (27200, +1 for msgr v1: below the
+# kernel's ephemeral ports, where a daemon's own closed connection in TIME-WAIT could hold it for a minute),
 # S3_STORE_BYTES (memstore's cap, 4 GiB). Progress goes to stderr; stdout has the three KEY=VALUE lines.
 #
 # Two facts the configuration depends on: with authentication off, radosgw must talk to the monitor in
@@ -23,7 +24,7 @@ set -euo pipefail
 cmd=${1:-start}
 dir=$(realpath -m -- "${2:-${TMPDIR:-/tmp}/easyckpt-s3}")
 port=${S3_PORT:-7480}
-mon_port=${S3_MON_PORT:-40200}
+mon_port=${S3_MON_PORT:-27200}
 store_bytes=${S3_STORE_BYTES:-$((4 << 30))}
 conf=$dir/ceph.conf
 stamp=$dir/.easyckpt-s3-server

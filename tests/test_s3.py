@@ -20,7 +20,7 @@ boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7481, 40210) as values:
+    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7481, 27210) as values:
         yield values
 
 
@@ -128,3 +128,31 @@ def test_wrong_credentials_a_missing_bucket_and_no_endpoint_are_refused_naming_w
         config=BotoConfig(retries={"max_attempts": 1}, connect_timeout=2)))
     with pytest.raises(ConfigError, match="endpoint does not answer"):
         nowhere.check("s3://bucket/ckpt")
+
+
+def test_one_job_per_prefix_a_lease_object_taken_with_a_conditional_create(store):
+    """storage/storelock.py: of two jobs one holds the lease and the other is refused naming it; the holder's
+    restart takes its own lease over; a lease whose holder died ends LEASE_S after its last renewal; an operator
+    tool takes none while one runs; a body that is not ours counts as a running lease until it is old."""
+    from easyckpt.storage.storelock import LEASE_S, StoreLock
+    s, top = store
+    now = [1000.0]
+    a = StoreLock(s, f"{top}/job", "aaaaaaaaaaaa", "a", clock=lambda: now[0])
+    b = StoreLock(s, f"{top}/job", "bbbbbbbbbbbb", "b", clock=lambda: now[0])
+    assert a.acquire() is None and a.held
+    refused = b.acquire()
+    assert refused is not None and refused.startswith("job a (agent pid") and not b.held
+    assert StoreLock(s, f"{top}/job", "aaaaaaaaaaaa", "a", clock=lambda: now[0]).acquire() is None   # a's restart
+    assert StoreLock(s, f"{top}/job", "aaaaaaaaaaaa", None, own_ok=False, clock=lambda: now[0]).acquire() \
+        is not None                                           # `easyckpt prune` while the job runs: refused
+    now[0] += LEASE_S * 0.9
+    a.refresh()                                           # renewed: b is still refused after the first lease
+    now[0] += LEASE_S * 0.5
+    assert b.acquire() is not None
+    now[0] += LEASE_S + 1                                 # a died without releasing: its lease ended
+    assert b.acquire() is None and b.held
+    b.release()
+    assert not s.exists(f"{top}/job/.easyckpt.lock")
+    s.write_atomic(f"{top}/job/.easyckpt.lock", b"\xff not json")
+    c = StoreLock(s, f"{top}/job", "cccccccccccc", "c")    # (the real clock: the object's age decides)
+    assert "job ?" in (c.acquire() or "")                 # planted garbage: a running lease of someone unknown

@@ -39,7 +39,7 @@ FAST = ["--idle-timeout", "1"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7483, 40230) as values:
+    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7483, 27230) as values:
         yield values
 
 
@@ -192,3 +192,28 @@ def test_the_store_down_for_30_s_mid_run_stops_no_training_and_persisting_resume
     assert 120 in commits and [s for s in commits if s > during], commits   # persisting resumed after the outage
     assert any(e["event"] == "error" and "does not answer" in e.get("message", "") for e in evs)
     assert sum(e["event"] == "agent_start" for e in evs) == 1, "the agent died while the store was down"
+
+
+def test_two_jobs_on_one_prefix_the_second_is_refused_naming_the_first(bucket, tmp_path):
+    """The first job's coordinator holds the prefix's lease (storage/storelock.py); a second job (another name)
+    on the same prefix stops at initialisation naming it, writes nothing, and runs once the first is done."""
+    store, top = bucket
+    url = f"{top}/run"
+    first = start(_cmd(url, tmp_path / "a", 1, "--iters", "40", "--job-name", "first", "--step-sleep", "0.2",
+                       "--loss-file", str(tmp_path / "a-loss")), log=tmp_path / "a.out")
+    try:
+        wait_for_iteration(tmp_path / "a-loss", 3, first)
+        second = run(_cmd(url, tmp_path / "b", 1, "--iters", "4", "--job-name", "second",
+                          "--loss-file", str(tmp_path / "b-loss")), check=False)
+        text = second.stdout + second.stderr
+        assert second.returncode != 0 and f"save_dir {url} is in use by job first" in text, text[-3000:]
+        assert not losses(tmp_path / "b-loss")
+        assert first.wait(timeout=240) == 0, (tmp_path / "a.out").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            kill_tree(first)
+    wait_no_agent(url, timeout=90, log=tmp_path / "a" / "easyckpt.log", job_name="first")
+    assert not store.exists(f"{url}/.easyckpt.lock"), "the lease outlived its idle job"
+    run(_cmd(url, tmp_path / "b", 1, "--iters", "4", "--job-name", "second", "--loss-file", str(tmp_path / "b-loss")))
+    wait_no_agent(url, timeout=90, log=tmp_path / "b" / "easyckpt.log", job_name="second")
+    assert sorted(losses(tmp_path / "b-loss")) == [1, 2, 3, 4]

@@ -37,7 +37,7 @@ DEEPSPEED = ROOT / "examples" / "deepspeed" / "train.py"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7485, 40250) as values:
+    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7485, 27250) as values:
         yield values
 
 

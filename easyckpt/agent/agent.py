@@ -143,9 +143,17 @@ class Agent:
         self._execute()
         if self._serve_grace() or self._should_exit():
             return True
-        if self.lock.held and not self._busy():
-            self.lock.release()     # idle: another job may use the directory now
+        if self.lock.held:
+            self._lock_call(self.lock.refresh if self._busy() else self.lock.release)
         return False
+
+    def _lock_call(self, call: Callable[[], None]) -> None:
+        """Renew or release the job lock. On an object store that does not answer, the lease stays as it is
+        (it ends by itself LEASE_S after its last renewal); the outage is logged once (jobdir.py)."""
+        try:
+            call()
+        except OSError as exc:
+            self.jobdir.outage("renewing or releasing the job's lease", exc)
 
     def _busy(self) -> bool:
         # connections that never said hello (liveness probes) do not count
@@ -205,7 +213,7 @@ class Agent:
             if removed:
                 self.log.emit("shm_release", segments=len(removed))
             jobkey.remove(self.job_id)
-        self.lock.release()
+        self._lock_call(self.lock.release)
         self.log.emit("agent_exit", job_id=self.job_id)
         self.log.close()
 
@@ -298,7 +306,11 @@ class Agent:
                         f"{self.cfg.save_dir}: two jobs with the same save_dir and job_name; give the second one "
                         f"another save_dir")
         if rank == 0:
-            holder = self.lock.acquire()
+            try:
+                holder = self.lock.acquire()
+            except OSError as exc:      # the store does not answer: the job goes on without the lease
+                self.jobdir.outage("taking the job's lease", exc)
+                holder = None
             if holder is not None:
                 return (f"save_dir {self.cfg.save_dir} is in use by {holder}; two jobs must not share a save "
                         f"directory: give this one another save_dir, or stop the other job first")

@@ -16,7 +16,7 @@ snapshots. On an object store the loop polls a step's markers at most every POLL
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple, Union
 
 from easyckpt.config import Config
 from easyckpt.formats.manifest import FileEntry
@@ -26,8 +26,9 @@ from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
 from easyckpt.storage.commit import commit
 from easyckpt.storage.joblock import JobLock
-from easyckpt.storage.resolve import storage_for
+from easyckpt.storage.resolve import remote, storage_for
 from easyckpt.storage.savedir import SaveDir
+from easyckpt.storage.storelock import StoreLock
 
 POLL_S = 0.25
 
@@ -46,10 +47,13 @@ class JobDir:
     def storage(self) -> Storage:
         return self.sd.storage
 
-    def lock(self) -> JobLock:
+    def lock(self) -> Union[JobLock, StoreLock]:
         """docs/reliability.md promise 8, one job per directory: the coordinator's agent holds it while it has
-        work."""
-        return JobLock(self.cfg.node_dir, self.cfg.job_id, self.cfg.job_name)
+        work (a flock in the save dir; on an object store a lease object, storelock.py)."""
+        store = remote(self.cfg.save_dir, quick=True)
+        if store is not None:
+            return StoreLock(store, self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
+        return JobLock(self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
 
     def begin(self, step: int) -> str:
         """Where a rank's files of ``step`` go: its staging dir (on an object store the step's final prefix,

@@ -26,14 +26,13 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
-from easyckpt.cli import catalog
+from easyckpt.cli import catalog, jobfiles
 from easyckpt.cli.catalog import FRAMEWORKS, CatalogError
 from easyckpt.errors import EasyCkptError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.replies import ReplicaStatus, StatusReply
 from easyckpt.storage import retention, stepfiles
 from easyckpt.storage.resolve import storage_for
-from easyckpt.storage.s3 import is_url
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.units import human
 
@@ -162,7 +161,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
     the Trainer's best checkpoint kept; the job's lock is taken so that a running job is never pruned
     under its feet."""
     from easyckpt.storage.auditlog import AuditLog
-    from easyckpt.storage.joblock import JobLock
     if args.keep < 1:
         print("easyckpt prune: --keep must be at least 1 (the newest checkpoint is never deleted)", file=sys.stderr)
         return 2
@@ -191,13 +189,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
                               "deleted": [], "would_delete": [s for s, _ in doomed] if args.dry_run else [],
                               "other_jobs_untouched": others}
     if not args.dry_run and doomed:
-        lock = JobLock(_node_dir(args.dir, job), job, None)
+        lock = jobfiles.prune_lock(args.dir, job)
         holder = lock.acquire()
         if holder is not None:
             print(f"easyckpt prune: {holder} is running on {args.dir} and prunes after each commit itself; "
                   f"stop it first, or set max_ckpt_num", file=sys.stderr)
             return 1
-        log = AuditLog(args.log_file or os.path.join(_node_dir(args.dir, job), "easyckpt-prune.log"), "cli")
+        log = AuditLog(args.log_file or os.path.join(jobfiles.node_dir(args.dir, job), "easyckpt-prune.log"), "cli")
         try:
             report["deleted"] = retention.prune(sd, policy, log)
         finally:
@@ -215,17 +213,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
           + (f"; every delete logged to {report['log_file']}" if report.get("log_file") else "")
           + (f"; other jobs' checkpoints untouched ({', '.join(others)})" if others else ""))
     return 0
-
-
-def _node_dir(save_dir: str, job: str) -> str:
-    """Where prune's lock and log go: the save dir, or for an object store the job's default local_dir
-    (config.Config.node_dir; the lock then excludes a job on this node only: a store has no lock)."""
-    from easyckpt.config import default_local_dir
-    if not is_url(save_dir):
-        return save_dir
-    where = default_local_dir(job)
-    storage_for(where).makedirs(where)
-    return where
 
 
 def _prune_target(args: argparse.Namespace, cat: catalog.Catalog, jobs: List[str]) -> Optional[SaveDir]:

@@ -52,6 +52,9 @@ class JobLock:
         self.fd = fd
         return None
 
+    def refresh(self) -> None:
+        """A flock needs no renewing (storelock.py's lease does)."""
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)    # closing drops the flock; the file stays (it names the last holder)

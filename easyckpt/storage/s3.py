@@ -87,13 +87,42 @@ def client(endpoint_url: Optional[str] = None, max_pool: int = PARALLEL * 2, pat
 
 
 def _code(exc: BaseException) -> str:
+    """The store's error code (NoSuchKey, 412, SlowDown...) of a failed request; "" when it never answered."""
+    if isinstance(exc, StoreError) and exc.__cause__ is not None:
+        exc = exc.__cause__
     return str(getattr(exc, "response", {}).get("Error", {}).get("Code", "")) if hasattr(exc, "response") else ""
 
 
 def _failed(what: str, url: str, exc: BaseException) -> StoreError:
     """The client's exception (after its bounded retries) as an OSError naming the request and the answer."""
+    if isinstance(exc, StoreError):
+        return exc
     code = _code(exc)
-    return StoreError(f"{what} {url}: {code + ': ' if code else ''}{type(exc).__name__}: {exc}")
+    failed = StoreError(f"{what} {url}: {code + ': ' if code else ''}{type(exc).__name__}: {exc}")
+    failed.__cause__ = exc
+    return failed
+
+
+class _Client:
+    """The boto3 client with every request's failure (after boto3's bounded retries) an OSError, StoreError,
+    caused by the client's exception (``_code`` reads the store's answer from it): callers that survive a store
+    that does not answer (the agent) catch OSError, as they do for a file system."""
+
+    def __init__(self, c: Any):
+        self._c = c
+
+    def get_paginator(self, name: str) -> Any:
+        return self._c.get_paginator(name)      # pages fail while iterated: their callers turn that into StoreError
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._c, name)
+
+        def call(**kwargs: Any) -> Any:
+            try:
+                return method(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - every failure of a request is the store's answer
+                raise _failed(name, f"{SCHEME}{kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}", exc) from exc
+        return call
 
 
 class S3Writer:
@@ -190,7 +219,7 @@ class S3Storage:
                  c: Any = None, patience: Patience = Patience()):
         self.endpoint_url = endpoint_url
         self.part_bytes, self.parallel = part_bytes, parallel
-        self.c = c if c is not None else client(endpoint_url, parallel * 2, patience)
+        self.c = _Client(c if c is not None else client(endpoint_url, parallel * 2, patience))
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
 
@@ -214,7 +243,8 @@ class S3Storage:
             self.c.head_bucket(Bucket=loc.bucket)
         except Exception as exc:  # noqa: BLE001 - every failure is named for the user
             code = _code(exc)
-            if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+            cause = exc.__cause__ if isinstance(exc, StoreError) and exc.__cause__ is not None else exc
+            if type(cause).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
                 hint = ("no credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the AWS credentials file, "
                         "AWS_PROFILE) to a key of this store")
             elif code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
@@ -223,9 +253,10 @@ class S3Storage:
             elif code in ("404", "NoSuchBucket"):
                 hint = f"bucket {loc.bucket!r} does not exist: create it first"
             elif not code:
-                hint = f"the endpoint does not answer ({type(exc).__name__}: {exc}): check endpoint_url / AWS_ENDPOINT_URL"
+                hint = (f"the endpoint does not answer ({type(cause).__name__}: {cause}): check endpoint_url / "
+                        f"AWS_ENDPOINT_URL")
             else:
-                hint = f"{code}: {exc}"
+                hint = f"{code}: {cause}"
             raise ConfigError(f"cannot use {where}: {hint}") from None
 
     # ---- writes -----------------------------------------------------------------------------------
