@@ -75,6 +75,7 @@ def main() -> int:
         w = s3.open_writer(f"s3://{bucket}/{key('easy')}")
         w.write(memoryview(data))
         w.finish()
+        w.sync()
     up["easyckpt S3Storage (boto3)"] = easy_up
     up["boto3 upload_fileobj"] = lambda: s3.c.upload_fileobj(io.BytesIO(data), bucket, key("boto3"))
     s3.write_atomic(f"s3://{bucket}/src", data)          # (one PUT: up to 5 GiB)

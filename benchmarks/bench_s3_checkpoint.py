@@ -105,6 +105,7 @@ def main() -> int:
                 w = s3.open_writer(f"{url}{i}")
                 w.write(data)
                 w.finish()
+                w.sync()
                 ups.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 piece = 32 << 20

@@ -284,10 +284,10 @@ def validate(cfg: Config) -> Config:
 def _check_store(cfg: Config) -> None:
     """An s3:// save_dir: a well-formed URL, boto3 installed, and the bucket reachable with these credentials
     (storage/s3.py's check names what to fix), before anything trains."""
-    from easyckpt.storage import resolve, s3
+    from easyckpt.storage import resolve, s3client
 
     try:
-        s3.Location.parse(cfg.save_dir)
+        s3client.Location.parse(cfg.save_dir)
     except ValueError as exc:
         raise ConfigError(f"save_dir: {exc}") from None
     resolve.set_endpoint(cfg.endpoint_url)

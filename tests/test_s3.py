@@ -63,6 +63,7 @@ def test_a_large_object_is_a_parallel_multipart_upload_read_back_by_ranged_gets(
         w.write(view[i:i + (3 << 20)])
     assert not s.exists(path), "an upload in progress must be invisible"
     w.finish()
+    w.sync()
     w.close()
     assert w.size == len(data) and s.size(path) == len(data)
     assert s.read(path) == data

@@ -57,7 +57,8 @@ def _cmd(url: str, local: Path, nproc: int, *args: str):
 
 
 def _keys(store, url: str):
-    from easyckpt.storage.s3 import Location, _list_keys
+    from easyckpt.storage.s3 import _list_keys
+    from easyckpt.storage.s3client import Location
     loc = Location.parse(url)
     return sorted(k[len(loc.prefix()):] for k, _ in _list_keys(store, loc))
 

@@ -14,7 +14,8 @@ from typing import Dict, Optional, Tuple
 from easyckpt.errors import ConfigError
 from easyckpt.storage.base import Storage
 from easyckpt.storage.posix import PosixStorage
-from easyckpt.storage.s3 import PART_BYTES, QUICK, Patience, S3Storage, is_url
+from easyckpt.storage.s3 import S3Storage
+from easyckpt.storage.s3client import PART_BYTES, QUICK, Patience, is_url
 
 MIN_PART_MIB = 5     # S3's smallest part (but the last)
 

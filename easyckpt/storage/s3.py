@@ -24,111 +24,30 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt import _faults as faults
 from easyckpt.errors import AlreadyCommitted, ConfigError, StoreError
 from easyckpt.storage.base import Buffer
-
-SCHEME = "s3://"
-PART_BYTES = 64 << 20          # S3 allows 5 MiB to 5 GiB per part, 10,000 parts
-PARALLEL = 8
-
-
-def is_url(path: str) -> bool:
-    return str(path).startswith(SCHEME)
-
-
-@dataclass(frozen=True)
-class Location:
-    bucket: str
-    key: str            # without a leading "/"; "" is the bucket's top
-
-    @classmethod
-    def parse(cls, url: str) -> "Location":
-        if not is_url(url):
-            raise ValueError(f"{url!r} is not an s3:// URL")
-        bucket, _, key = url[len(SCHEME):].partition("/")
-        if not bucket or "//" in key or any(part in (".", "..") for part in key.split("/")):
-            raise ValueError(f"{url!r}: expected s3://BUCKET/PREFIX (no '.', '..' or empty path parts)")
-        return cls(bucket, key)
-
-    def prefix(self) -> str:
-        """The key as a directory prefix ("" or ending in "/")."""
-        return self.key if not self.key or self.key.endswith("/") else self.key + "/"
-
-
-@dataclass(frozen=True)
-class Patience:
-    """How long one request may take: boto3's attempts (standard mode: exponential backoff between them, on
-    throttling (503 SlowDown) and connection errors too) and its timeouts, in seconds."""
-    attempts: int = 5
-    connect_timeout: float = 10
-    read_timeout: float = 60
-
-
-# for a thread that must keep answering (the agent's loop): one attempt, short timeouts; it asks again later
-QUICK = Patience(attempts=1, connect_timeout=2, read_timeout=10)
-
-
-def client(endpoint_url: Optional[str] = None, max_pool: int = PARALLEL * 2, patience: Patience = Patience()) -> Any:
-    """A boto3 S3 client (credentials and region as boto3 finds them; ``endpoint_url`` for a compatible store)."""
-    try:
-        import boto3
-        from botocore.config import Config as BotoConfig
-    except ImportError:
-        raise ConfigError("s3:// save directories need boto3: pip install 'easyckpt[s3]'") from None
-    cfg = BotoConfig(max_pool_connections=max_pool, retries={"max_attempts": patience.attempts, "mode": "standard"},
-                     connect_timeout=patience.connect_timeout, read_timeout=patience.read_timeout,
-                     s3={"addressing_style": "path"})
-    # a session of its own: the default session keeps the credentials it found first, whatever changes since
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
-
-
-def _code(exc: BaseException) -> str:
-    """The store's error code (NoSuchKey, 412, SlowDown...) of a failed request; "" when it never answered."""
-    if isinstance(exc, StoreError) and exc.__cause__ is not None:
-        exc = exc.__cause__
-    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", "")) if hasattr(exc, "response") else ""
-
-
-def _failed(what: str, url: str, exc: BaseException) -> StoreError:
-    """The client's exception (after its bounded retries) as an OSError naming the request and the answer."""
-    if isinstance(exc, StoreError):
-        return exc
-    code = _code(exc)
-    failed = StoreError(f"{what} {url}: {code + ': ' if code else ''}{type(exc).__name__}: {exc}")
-    failed.__cause__ = exc
-    return failed
-
-
-class _Client:
-    """The boto3 client with every request's failure (after boto3's bounded retries) an OSError, StoreError,
-    caused by the client's exception (``_code`` reads the store's answer from it): callers that survive a store
-    that does not answer (the agent) catch OSError, as they do for a file system."""
-
-    def __init__(self, c: Any):
-        self._c = c
-
-    def get_paginator(self, name: str) -> Any:
-        return self._c.get_paginator(name)      # pages fail while iterated: their callers turn that into StoreError
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._c, name)
-
-        def call(**kwargs: Any) -> Any:
-            try:
-                return method(**kwargs)
-            except Exception as exc:  # noqa: BLE001 - every failure of a request is the store's answer
-                raise _failed(name, f"{SCHEME}{kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}", exc) from exc
-        return call
+from easyckpt.storage.s3client import (
+    PARALLEL,
+    PART_BYTES,
+    SCHEME,
+    Location,
+    Patience,
+    _Client,
+    _code,
+    _failed,
+    client,
+)
 
 
 class S3Writer:
     """One new object, written front to back: buffered into parts of ``part_bytes``, each uploaded by the pool
-    as soon as it is full (a multipart upload, started at the first full part); ``finish`` completes it (a
-    small object is one PUT). Nothing is visible under the key before ``finish``."""
+    as soon as it is full (a multipart upload, started at the first full part). ``finish`` hands over the rest
+    (a small object's one PUT goes to the pool) and returns; ``sync`` waits for it and completes the upload:
+    the object is visible, whole, when ``sync`` returns, never before. So a step's files upload side by side
+    (stepwriter.py finishes every file, then syncs them all) instead of one after the other."""
 
     def __init__(self, storage: "S3Storage", loc: Location):
         self.storage, self.loc = storage, loc
@@ -136,6 +55,7 @@ class S3Writer:
         self._buf = bytearray()
         self._upload_id: Optional[str] = None
         self._parts: List[Tuple[int, "Future[str]"]] = []
+        self._put: Optional["Future[Any]"] = None     # a small object's one PUT, handed over by finish
         self._done = False
 
     def write(self, data: Buffer) -> int:
@@ -178,27 +98,45 @@ class S3Writer:
         return str(reply["ETag"])
 
     def finish(self) -> None:
+        """Everything written is handed over; ``sync`` makes the object whole and visible."""
         s = self.storage
         try:
             if self._upload_id is None:
-                s.c.put_object(Bucket=self.loc.bucket, Key=self.loc.key, Body=bytes(self._buf))
-            else:
-                if self._buf:
-                    self._send(bytes(self._buf))
-                parts = [{"PartNumber": n, "ETag": f.result()} for n, f in self._parts]
-                s.c.complete_multipart_upload(Bucket=self.loc.bucket, Key=self.loc.key, UploadId=self._upload_id,
-                                              MultipartUpload={"Parts": parts})
+                if self._put is None:
+                    s.wait_for_room()      # at most ``parallel`` small objects held in memory, in flight
+                    self._put = s.track(s.pool.submit(s.c.put_object, Bucket=self.loc.bucket, Key=self.loc.key,
+                                                      Body=bytes(self._buf)))
+            elif self._buf:
+                self._send(bytes(self._buf))
             self._buf = bytearray()
-            self._done = True
         except BaseException:
             self.close()
             raise
 
     def sync(self) -> None:
-        """A completed upload is durable."""
+        """The object is complete, whole and durable (a completed upload is): waits for what finish handed over."""
+        if self._done:
+            return
+        s = self.storage
+        try:
+            if self._put is None and self._upload_id is None:
+                self.finish()
+            if self._upload_id is None:
+                assert self._put is not None
+                self._put.result()
+            else:
+                parts = [{"PartNumber": n, "ETag": f.result()} for n, f in self._parts]
+                s.c.complete_multipart_upload(Bucket=self.loc.bucket, Key=self.loc.key, UploadId=self._upload_id,
+                                              MultipartUpload={"Parts": parts})
+            self._done = True
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
-        """An unfinished upload is aborted (its parts freed); a finished one stays."""
+        """An unfinished upload is aborted (its parts freed); a synced one stays. (A small object's PUT handed
+        over but never synced may still land: nothing lists it without a manifest, and its step's clean-up
+        deletes it.)"""
         if self._done or self._upload_id is None:
             return
         for _, f in self._parts:
@@ -222,6 +160,25 @@ class S3Storage:
         self.c = _Client(c if c is not None else client(endpoint_url, parallel * 2, patience))
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
+        self._puts: List["Future[Any]"] = []
+
+    def track(self, put: "Future[Any]") -> "Future[Any]":
+        with self._lock:
+            self._puts = [f for f in self._puts if not f.done()] + [put]
+        return put
+
+    def wait_for_room(self) -> None:
+        """Until fewer than ``parallel`` handed-over PUTs are in flight (memory: parallel x part_bytes at most)."""
+        while True:
+            with self._lock:
+                self._puts = [f for f in self._puts if not f.done()]
+                oldest = self._puts[0] if len(self._puts) >= self.parallel else None
+            if oldest is None:
+                return
+            try:
+                oldest.result()
+            except Exception:  # noqa: BLE001 - its own writer's sync reports it
+                pass
 
     @property
     def pool(self) -> ThreadPoolExecutor:
