@@ -73,6 +73,8 @@ CONFLICT = [
                                     r"TrainingArguments\(output_dir='.*elsewhere'\), or leave save_dir out"),
     ({"save_steps": 7}, {"config": ("OUT", 4, 5)}, r"config.save_storage_interval=4 but the Trainer's save_steps=7"),
     ({}, {"config": ("ELSEWHERE", 5, 5)}, r"config.save_dir='.*elsewhere' is not the Trainer's output_dir"),
+    ({}, {"save_dir": "s3://bucket/run"}, r"save_dir='s3://bucket/run': under the Trainer easyckpt writes checkpoint-N "
+                                          r"to a directory only .* an object store is not supported here yet"),
 ]
 
 

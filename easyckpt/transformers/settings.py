@@ -103,8 +103,13 @@ def resolve(s: Settings, args: "TrainingArguments") -> Config:
     set where a given setting disagrees with it. Prepares the save directory (validate)."""
     output_dir = str(args.output_dir)
     verb, labels = s.verb, s.labels
-    if "save_dir" in s.parity:
-        save_dir = str(s.parity["save_dir"])
+    if "save_dir" in s.parity or "://" in output_dir:
+        save_dir = str(s.parity.get("save_dir", output_dir))
+        if "://" in save_dir or "://" in output_dir:
+            raise ConfigError(f"{verb}: {labels['save_dir']}={save_dir!r}: under the Trainer easyckpt writes "
+                              f"checkpoint-N to a directory only (the Trainer reads the best model and its resume "
+                              f"files from output_dir itself); an object store is not supported here yet: give a "
+                              f"local or network file system output_dir")
         if os.path.realpath(save_dir) != os.path.realpath(output_dir):
             raise ConfigError(f"{verb}: {labels['save_dir']}={save_dir!r} is not the Trainer's output_dir="
                               f"{output_dir!r}: the Trainer writes checkpoint-N to output_dir; set "
