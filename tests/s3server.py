@@ -45,7 +45,8 @@ def client_env(server: Dict[str, str]) -> Dict[str, str]:
 
 
 @contextmanager
-def bucket(server: Dict[str, str], part_bytes: int = 5 << 20, parallel: int = 4) -> Iterator[Tuple[object, str]]:
+def new_bucket(server: Dict[str, str], part_bytes: int = 5 << 20,
+               parallel: int = 4) -> Iterator[Tuple[object, str]]:
     """A fresh bucket, emptied and removed afterwards: (an S3Storage on the server, "s3://bucket"). The caller
     has set client_env's credentials (monkeypatch)."""
     from easyckpt.storage.s3 import S3Storage
@@ -69,3 +70,23 @@ def gateway(server: Dict[str, str], verb: str) -> None:
     done = subprocess.run(["bash", str(SERVER), f"gateway-{verb}", server["DIR"]], capture_output=True, text=True,
                           timeout=240, env=env)
     assert done.returncode == 0, f"gateway-{verb} failed:\n{done.stderr[-3000:]}"
+
+
+def fixtures(port: int, mon_port: int):
+    """A test module's two fixtures: ``server`` (its own gateway, on ports of its own, for the module) and
+    ``bucket`` (the client's environment set, a fresh bucket: (an S3Storage, "s3://bucket")). In the module:
+    ``server, bucket = s3server.fixtures(PORT, MON_PORT)``."""
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory):
+        with running(tmp_path_factory.mktemp("s3") / "server", port, mon_port) as values:
+            yield values
+
+    @pytest.fixture
+    def bucket(server, monkeypatch):
+        for k, v in client_env(server).items():
+            monkeypatch.setenv(k, v)
+        with new_bucket(server) as made:
+            yield made
+
+    return server, bucket

@@ -30,7 +30,7 @@ def store(server, monkeypatch):
     for k, v in s3server.client_env(server).items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_ENDPOINT_URL")
-    with s3server.bucket(server) as made:
+    with s3server.new_bucket(server) as made:
         yield made
 
 

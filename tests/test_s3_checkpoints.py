@@ -37,18 +37,7 @@ pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3
 FAST = ["--idle-timeout", "1"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7483, 27230) as values:
-        yield values
-
-
-@pytest.fixture
-def bucket(server, monkeypatch):
-    for k, v in s3server.client_env(server).items():
-        monkeypatch.setenv(k, v)
-    with s3server.bucket(server) as made:
-        yield made
+server, bucket = s3server.fixtures(7483, 27230)     # its own gateway, on ports of its own
 
 
 def _cmd(url: str, local: Path, nproc: int, *args: str):

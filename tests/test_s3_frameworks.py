@@ -35,18 +35,7 @@ SCRIPT = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
 DEEPSPEED = ROOT / "examples" / "deepspeed" / "train.py"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7485, 27250) as values:
-        yield values
-
-
-@pytest.fixture
-def bucket(server, monkeypatch):
-    for k, v in s3server.client_env(server).items():
-        monkeypatch.setenv(k, v)
-    with s3server.bucket(server) as made:
-        yield made
+server, bucket = s3server.fixtures(7485, 27250)     # its own gateway, on ports of its own
 
 
 def cmd(save: str, loss: Path, local: Path, iters: int, *extra: str):
