@@ -37,6 +37,7 @@ from typing import Any, Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from easyckpt.storage.resolve import part_bytes  # noqa: E402
 from easyckpt.storage.s3 import S3Storage  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "pytorch" / "train.py"
@@ -81,7 +82,7 @@ def main() -> int:
                  AWS_ENDPOINT_URL=args.endpoint)
     os.environ.update(creds)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    s3 = S3Storage(endpoint_url=args.endpoint)
+    s3 = S3Storage(endpoint_url=args.endpoint, part_bytes=part_bytes())     # the agent's part size (EASYCKPT_S3_PART_MIB)
     bucket = f"bench-{uuid.uuid4().hex[:10]}"
     s3.c.create_bucket(Bucket=bucket)
     rows: List[str] = []
