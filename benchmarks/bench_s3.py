@@ -27,6 +27,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from easyckpt._testing.buckets import drop_bucket  # noqa: E402
 from easyckpt.storage.s3 import S3Storage  # noqa: E402
 
 
@@ -104,12 +105,7 @@ def main() -> int:
                 print(f"  {name:<42} {got[name]:7.3f} s  {n / got[name] / 1e6:8.1f} MB/s  "
                       f"{top / got[name]:.2f} of the fastest")
     finally:
-        for page in s3.c.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            for obj in page.get("Contents", []):
-                s3.c.delete_object(Bucket=bucket, Key=obj["Key"])
-        s3.abort_uploads(f"s3://{bucket}")
-        s3.c.delete_bucket(Bucket=bucket)
-        s3.close()
+        drop_bucket(s3, bucket)
     return 0
 
 

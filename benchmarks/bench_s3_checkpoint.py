@@ -37,6 +37,7 @@ from typing import Any, Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from easyckpt._testing.buckets import drop_bucket  # noqa: E402
 from easyckpt.storage.resolve import part_bytes  # noqa: E402
 from easyckpt.storage.s3 import S3Storage  # noqa: E402
 
@@ -136,12 +137,7 @@ def main() -> int:
             rows.append(f"stall per save, store/disk  {stall_s3 / stall_disk:5.2f}   ({stall_s3 * 1e3:.1f} vs "
                         f"{stall_disk * 1e3:.1f} ms per snapshot)   goal <= 1.1")
     finally:
-        for k, _ in [(o["Key"], 0) for page in s3.c.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-                     for o in page.get("Contents", [])]:
-            s3.c.delete_object(Bucket=bucket, Key=k)
-        s3.abort_uploads(f"s3://{bucket}")
-        s3.c.delete_bucket(Bucket=bucket)
-        s3.close()
+        drop_bucket(s3, bucket)
     print("\n".join(rows))
     if args.out:
         Path(args.out).write_text("\n".join(rows) + "\n")

@@ -49,6 +49,7 @@ def new_bucket(server: Dict[str, str], part_bytes: int = 5 << 20,
                parallel: int = 4) -> Iterator[Tuple[object, str]]:
     """A fresh bucket, emptied and removed afterwards: (an S3Storage on the server, "s3://bucket"). The caller
     has set client_env's credentials (monkeypatch)."""
+    from easyckpt._testing.buckets import drop_bucket
     from easyckpt.storage.s3 import S3Storage
     storage = S3Storage(endpoint_url=server["ENDPOINT"], part_bytes=part_bytes, parallel=parallel)
     name = f"t-{uuid.uuid4().hex[:12]}"
@@ -56,12 +57,7 @@ def new_bucket(server: Dict[str, str], part_bytes: int = 5 << 20,
     try:
         yield storage, f"s3://{name}"
     finally:
-        for page in storage.c.get_paginator("list_objects_v2").paginate(Bucket=name):
-            for obj in page.get("Contents", []):
-                storage.c.delete_object(Bucket=name, Key=obj["Key"])
-        storage.abort_uploads(f"s3://{name}")
-        storage.c.delete_bucket(Bucket=name)
-        storage.close()
+        drop_bucket(storage, name)
 
 
 def gateway(server: Dict[str, str], verb: str) -> None:
@@ -72,10 +68,11 @@ def gateway(server: Dict[str, str], verb: str) -> None:
     assert done.returncode == 0, f"gateway-{verb} failed:\n{done.stderr[-3000:]}"
 
 
-def fixtures(port: int, mon_port: int):
+def fixtures(port: int, mon_port: int, endpoint_env: bool = True):
     """A test module's two fixtures: ``server`` (its own gateway, on ports of its own, for the module) and
     ``bucket`` (the client's environment set, a fresh bucket: (an S3Storage, "s3://bucket")). In the module:
-    ``server, bucket = s3server.fixtures(PORT, MON_PORT)``."""
+    ``server, bucket = s3server.fixtures(PORT, MON_PORT)``. Without ``endpoint_env`` the endpoint is left out
+    of the environment (the storage layer's own tests give it by ``resolve.set_endpoint``)."""
 
     @pytest.fixture(scope="module")
     def server(tmp_path_factory):
@@ -86,6 +83,8 @@ def fixtures(port: int, mon_port: int):
     def bucket(server, monkeypatch):
         for k, v in client_env(server).items():
             monkeypatch.setenv(k, v)
+        if not endpoint_env:
+            monkeypatch.delenv("AWS_ENDPOINT_URL")
         with new_bucket(server) as made:
             yield made
 

@@ -197,6 +197,19 @@ def test_size_and_checksum_messages_say_exactly_what_differs_in_readable_units(t
         mf.validate(raw)
 
 
+def test_a_file_far_larger_than_its_manifest_entry_is_refused_before_a_buffer_is_made_for_it(tmp_path):
+    # a sparse 1 TiB file where the manifest lists 16 bytes: reading it whole first would need 1 TiB of memory
+    data = b"0123456789abcdef"
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.write(data)
+        f.truncate(1 << 40)
+    man = mf.build(1, "job", "pytorch", 1, {"big.bin": mf.FileEntry(len(data), mf.checksum(data))})
+    with pytest.raises(ManifestError, match="too long"):
+        stepfiles.read_verified(str(tmp_path), "big.bin", man)
+    with pytest.raises(ManifestError, match="too long"):
+        stepfiles.read_entry_hashed(str(tmp_path), "big.bin", man.algo, expect=len(data))
+
+
 def test_shm_capacity_message_names_a_small_shortfall_in_readable_units(monkeypatch):
     from easyckpt.engine import snapshot
     from easyckpt.errors import ShmCapacityError

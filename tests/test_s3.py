@@ -18,20 +18,8 @@ import s3server
 boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3])")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with s3server.running(tmp_path_factory.mktemp("s3") / "server", 7481, 27210) as values:
-        yield values
-
-
-@pytest.fixture
-def store(server, monkeypatch):
-    """An S3Storage on the server and a fresh bucket; yields (storage, "s3://bucket")."""
-    for k, v in s3server.client_env(server).items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_ENDPOINT_URL")
-    with s3server.new_bucket(server) as made:
-        yield made
+# ``store``: an S3Storage on the server and a fresh bucket, (storage, "s3://bucket")
+server, store = s3server.fixtures(7481, 27210, endpoint_env=False)
 
 
 def test_objects_appear_whole_and_a_committed_manifest_is_never_replaced(store):

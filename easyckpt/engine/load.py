@@ -310,10 +310,10 @@ def _read_files(step_dir: str, man: Manifest, asked: Sequence[Union[Read, Sequen
                 continue
             # the step is whole; this job needs a file it never had (another world size or layout)
             return None, verdicts.incompatible(f"{rel}: needed here, and not part of this checkpoint"), 0, man
-        problems = stepfiles.check_sizes(step_dir, man, [rel])
-        if problems:
-            return None, verdicts.corrupt(problems[0]), 0, man
         if not want.whole:
+            problems = stepfiles.check_sizes(step_dir, man, [rel])   # items are read at their recorded offsets
+            if problems:
+                return None, verdicts.corrupt(problems[0]), 0, man
             if want.pick is not None:   # a torch.save file: its pickle and the tensors ``pick`` chooses
                 read = lambda: torchparts.read(step_dir, rel, man, want.pick, trees, on_bytes)  # noqa: E731
             else:                       # these items only: the framework's reader takes them from the file
@@ -329,7 +329,7 @@ def _read_files(step_dir: str, man: Manifest, asked: Sequence[Union[Read, Sequen
             nbytes += n
             continue
         algo = man.algo
-        got, verdict = _attempt(rel, lambda: stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes))
+        got, verdict = _attempt(rel, lambda: stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes, entry.size))
         if verdict is None:
             buf, digest = got
             problem = mf.compare(rel, len(buf), lambda: digest, entry, algo)

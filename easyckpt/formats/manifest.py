@@ -364,6 +364,14 @@ def size_problem(rel: str, size: int, recorded: int) -> Optional[str]:
     return f"{rel}: size {size_and_bytes(size)} on disk, the manifest records {size_and_bytes(recorded)}: {how}"
 
 
+def require_size(rel: str, size: int, recorded: Optional[int]) -> None:
+    """ManifestError when a file reported as ``size`` bytes is not the ``recorded`` size (None: nothing to
+    compare with): said before a buffer is allocated for it, as the reported size is not to be trusted with memory."""
+    problem = None if recorded is None else size_problem(rel, size, recorded)
+    if problem:
+        raise ManifestError(problem)
+
+
 def compare(rel: str, size: int, digest: Callable[[], str], entry: FileEntry, algo: str = ALGO) -> Optional[str]:
     """The problem of a file of ``size`` bytes against its manifest entry (the digest only when the size
     is right), or None."""

@@ -115,6 +115,16 @@ class Storage(Protocol):
 
     def is_dir(self, path: str) -> bool: ...
 
+    def subdirs(self, path: str) -> List[str]:
+        """Names of the directories in directory ``path`` (symlinks are none), in one listing; empty when there
+        is none. What the step and staging listings read: one request on an object store, not one per name."""
+        ...
+
+    def is_file(self, path: str) -> bool:
+        """A regular file (an object) under that name; a symlink is none. One request on an object store, where
+        ``exists`` must also list the prefix."""
+        ...
+
     def exists(self, path: str) -> bool:
         """Anything under that name (a dangling symlink too: a name that is taken)."""
         ...

@@ -183,6 +183,19 @@ class PosixStorage:
         except OSError:
             return False
 
+    def subdirs(self, path: str) -> List[str]:
+        try:
+            with os.scandir(path) as entries:
+                return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def is_file(self, path: str) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(path).st_mode)
+        except OSError:
+            return False
+
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)
 

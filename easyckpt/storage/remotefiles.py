@@ -49,25 +49,26 @@ def _pieces(size: int) -> List[Tuple[int, int]]:
 
 
 def read_whole(store: S3Storage, step_dir: str, rel: str, algo: Optional[str] = None,
-               on_bytes: Optional[Callable[[int], None]] = None) -> Tuple[bytearray, Optional[str]]:
-    """The whole of listed file ``rel`` (and its checksum when ``algo``): ranged GETs in parallel into one buffer."""
+               on_bytes: Optional[Callable[[int], None]] = None,
+               expect: Optional[int] = None) -> Tuple[bytearray, Optional[str]]:
+    """The whole of listed file ``rel`` (and its checksum when ``algo``): ranged GETs in parallel into one buffer.
+    With ``expect`` (the manifest's size) an object of another size is refused (ManifestError) before the
+    buffer is allocated."""
     url = key(step_dir, rel)
     size = store.size(url)
+    mf.require_size(rel, size, expect)
     buf = bytearray(size)
     h = mf.Hasher(algo) if algo else None
-    futures = [(off, store.pool.submit(store.read, url, off, n)) for off, n in _pieces(size)]
-    for off, fut in futures:
+    futures = [(off, n, store.pool.submit(store.read, url, off, n)) for off, n in _pieces(size)]
+    for off, n, fut in futures:
         data = fut.result()
-        if off + len(data) > size or (len(data) == 0 and size):
-            raise OSError(f"{rel}: the store returned {len(data)} bytes at offset {off} of {size}")
+        if len(data) != n:     # every piece whole: an object replaced while read is not stitched together
+            raise OSError(f"{rel} changed while being read: {len(data)} bytes at offset {off}, asked {n}")
         buf[off:off + len(data)] = data
         if h is not None:
             h.update(data)
         if on_bytes is not None:
             on_bytes(len(data))
-    got = sum(len(f.result()) for _, f in futures)
-    if got != size:
-        raise OSError(f"{rel} changed while being read ({got} of {size} bytes)")
     return buf, (h.hexdigest() if h is not None else None)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from easyckpt import _faults as faults
 from easyckpt.errors import AlreadyCommitted, ConfigError, StoreError
@@ -228,10 +228,9 @@ class S3Storage:
         pass
 
     def open_writer(self, path: str, direct: bool = True) -> S3Writer:
-        loc = Location.parse(path)
-        if self.exists(path):
+        if self.is_file(path):      # one HEAD: a prefix of the same name is no object (``exists`` would LIST too)
             raise FileExistsError(f"{path} exists")
-        return S3Writer(self, loc)
+        return S3Writer(self, Location.parse(path))
 
     def write_atomic(self, path: str, data: Buffer) -> None:
         loc = Location.parse(path)
@@ -321,6 +320,20 @@ class S3Storage:
         except Exception as exc:  # noqa: BLE001
             raise _failed("LIST", path, exc) from None
         return bool(page.get("KeyCount") or page.get("Contents"))
+
+    def subdirs(self, path: str) -> List[str]:
+        loc = Location.parse(path)
+        names: Set[str] = set()
+        try:
+            for page in self.c.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.prefix(),
+                                                                         Delimiter="/"):
+                names.update(sub["Prefix"][len(loc.prefix()):].rstrip("/") for sub in page.get("CommonPrefixes", []))
+        except Exception as exc:  # noqa: BLE001
+            raise _failed("LIST", path, exc) from None
+        return sorted(n for n in names if n)
+
+    def is_file(self, path: str) -> bool:
+        return self._head(Location.parse(path)) is not None
 
     def exists(self, path: str) -> bool:
         loc = Location.parse(path)

@@ -89,7 +89,7 @@ class SaveDir:
         if self.renames:
             return
         final = self.step_path(step)
-        if self.storage.exists(os.path.join(final, mf.MANIFEST_NAME)):
+        if self.storage.is_file(os.path.join(final, mf.MANIFEST_NAME)):
             raise FileExistsError(f"{final} holds a committed step already: an object store cannot set it aside, "
                                   f"so step {step} is not written over it (easyckpt prune or delete it to free the name)")
         self.storage.write_atomic(self.claim_path(step), b"")
@@ -107,12 +107,15 @@ class SaveDir:
         except FileNotFoundError:
             return []
 
+    def _dirs(self) -> List[str]:
+        return self.storage.subdirs(self.root)
+
     def step_dirs(self) -> List[Tuple[int, str]]:
         """(step, path) of every directory named like a step directory, newest first."""
         out = []
-        for name in self._names():
+        for name in self._dirs():
             step = self.naming.parse(name)
-            if step is not None and self.storage.is_dir(self.path(name)):
+            if step is not None:
                 out.append((step, self.path(name)))
         return sorted(out, reverse=True)
 
@@ -144,16 +147,16 @@ class SaveDir:
     def quarantined(self) -> List[Tuple[str, str]]:
         """(former step directory name, path) of every quarantined step, oldest first."""
         out = []
-        for name in sorted(self._names()):
+        for name in sorted(self._dirs()):
             parsed = layout.parse_quarantine(name)
-            if parsed is not None and self.naming.parse(parsed[0]) is not None and self.storage.is_dir(self.path(name)):
+            if parsed is not None and self.naming.parse(parsed[0]) is not None:
                 out.append((parsed[1], parsed[0], self.path(name)))
         return [(final, path) for _, final, path in sorted(out)]
 
     def staging_dirs(self) -> List[str]:
         """This job's staging directories (on an object store: the step prefixes with this job's claim)."""
         if not self.renames:
-            return [path for step, path in self.step_dirs() if self.storage.exists(self.claim_path(step))]
+            return [path for _, path in self.step_dirs() if self._job() in self._claims(path)]
         prefix = layout.own_prefixes(self._job())[0]
         return sorted(self.path(n) for n in self._names() if n.startswith(prefix))
 
@@ -162,12 +165,12 @@ class SaveDir:
         if not self.renames:
             return [(step, job, path) for step, path in self.step_dirs() for job in self._claims(path)]
         out = []
-        for name in sorted(self._names()):
+        for name in sorted(self._dirs()):
             parsed = layout.parse_staging(name)
             if parsed is None:
                 continue
             step = self.naming.parse(parsed[1])
-            if step is not None and self.storage.is_dir(self.path(name)):
+            if step is not None:
                 out.append((step, parsed[0], self.path(name)))
         return out
 

@@ -138,15 +138,19 @@ def open_entry(step_dir: str, rel: str) -> io.FileIO:
 
 
 def read_entry_hashed(step_dir: str, rel: str, algo: str = mf.ALGO,
-                      on_bytes: Optional[Callable[[int], None]] = None) -> Tuple[memoryview, str]:
+                      on_bytes: Optional[Callable[[int], None]] = None,
+                      expect: Optional[int] = None) -> Tuple[memoryview, str]:
     """The whole of listed file ``rel`` and its checksum, read at the disk's speed (fastread.py: parallel
-    O_DIRECT reads, checksummed on the way); opened as ``open_entry`` opens it."""
+    O_DIRECT reads, checksummed on the way); opened as ``open_entry`` opens it. With ``expect`` (the manifest's
+    size) a file of another size is refused (ManifestError) before a byte is allocated for it: the size the
+    disk or the store reports is not trusted with memory."""
     store = remote(step_dir)
     if store is not None:
-        buf, digest = remotefiles.read_whole(store, step_dir, rel, algo, on_bytes)
+        buf, digest = remotefiles.read_whole(store, step_dir, rel, algo, on_bytes, expect)
         return memoryview(buf), str(digest)
     path = entry_path(step_dir, rel)
     size = entry_size(step_dir, rel)
+    mf.require_size(rel, size, expect)
 
     def open_fd(extra: int) -> int:
         try:
@@ -191,9 +195,9 @@ def read_entry(step_dir: str, rel: str, on_bytes: Optional[Callable[[int], None]
 def read_items(step_dir: str, rel: str, manifest: mf.Manifest, picked: Sequence[int],
                on_bytes: Optional[Callable[[int], None]] = None, keep: Optional[Dict[int, bytearray]] = None
                ) -> Tuple[Optional[str], int]:
-    """Read and checksum only items ``picked`` of listed file ``rel`` (its manifest ``items``, validated
-    checked when the manifest was parsed): (the first problem or None, bytes read). What a rank needs of a large shared file. ``keep``
-    receives each checked item's bytes by index."""
+    """Read and checksum only items ``picked`` of listed file ``rel`` (its manifest ``items``, validated when
+    the manifest was parsed): (the first problem or None, bytes read). What a rank needs of a large shared file.
+    ``keep`` receives each checked item's bytes by index."""
     store = remote(step_dir)
     if store is not None:
         return remotefiles.read_items(store, step_dir, rel, manifest, picked, on_bytes, keep)
@@ -250,7 +254,8 @@ def read_verified(step_dir: str, rel: str, manifest: mf.Manifest) -> bytes:
     """The bytes of one listed file, after checking its size and checksum; ValueError if damaged or not
     listed (ManifestError is a ValueError too: a path that leaves the step)."""
     entry, algo = manifest.entry(rel), manifest.algo
-    data, digest = read_entry_hashed(step_dir, rel, algo)     # one pass: read and checksum together
+    # one pass: read and checksum together; a file not of the manifest's size is refused before it is read
+    data, digest = read_entry_hashed(step_dir, rel, algo, expect=entry.size)
     problem = mf.compare(rel, len(data), lambda: digest, entry, algo)
     if problem:
         raise CheckpointError(problem)
