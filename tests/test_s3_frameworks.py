@@ -7,10 +7,15 @@ DeepSpeed (a real engine, ZeRO-3, examples/deepspeed/train.py) with their checkp
 - a torch_dist checkpoint in the store resumed on TP=1 (Megatron's reader reshards it): the same losses as the
   same resume from a copy of that checkpoint on a local disk;
 - DeepSpeed ZeRO-3 (every rank's partition of the parameters and optimizer): kill -9, then a resume from the
-  store with the losses of an uninterrupted run.
+  store with the losses of an uninterrupted run;
+- the Hugging Face Trainer (2 processes, DDP, TrainerWrapper, examples/deepspeed/hf_train.py) with save_dir in
+  the store beside a local output_dir, evaluating and keeping the best checkpoint: kill -9, then a resume from
+  the store with an uninterrupted run's losses, and at the end the best model loaded from the store with the
+  weights the uninterrupted run loads from its disk.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -33,6 +38,7 @@ pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3
 
 SCRIPT = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
 DEEPSPEED = ROOT / "examples" / "deepspeed" / "train.py"
+HF = ROOT / "examples" / "deepspeed" / "hf_train.py"
 
 
 server, bucket = s3server.fixtures(7485, 27250)     # its own gateway, on ports of its own
@@ -106,3 +112,37 @@ def test_deepspeed_zero3_killed_resumes_from_the_store_with_an_uninterrupted_run
     assert f"from storage ({url}/global_step" in second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
     for rank in (0, 1):
         assert_losses_equal(losses(loss, rank), losses(ref, rank), 12, f"DeepSpeed ZeRO-3 rank {rank} from the store")
+
+
+def hf(out: Path, loss: Path, weights: Path, *extra: str):
+    # the best checkpoint is the highest eval loss: an early one, so that loading it changes the weights
+    return script_cmd(HF, 2, "--output-dir", str(out), "--loss-file", str(loss), "--max-steps", "20", "--eval-best",
+                      "--best-greater", "--dump-weights", str(weights), "--idle-timeout", "1", *extra)
+
+
+def test_the_trainer_killed_resumes_from_the_store_and_loads_its_best_model_from_there(bucket, tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[transformers])")
+    import torch
+    _store, top = bucket
+    ref, ref_weights = tmp_path / "ref", tmp_path / "ref-weights.pt"
+    run(hf(tmp_path / "ref-out", ref, ref_weights), timeout=300)
+    url, out, loss, weights = f"{top}/hf", tmp_path / "out", tmp_path / "loss", tmp_path / "weights.pt"
+    proc = start(hf(out, loss, weights, "--save-dir", url, "--step-sleep", "0.3"), log=tmp_path / "first.out")
+    wait_for_iteration(loss, 12, proc, timeout=300)
+    kill_tree(proc)
+    wait_no_agent(url, timeout=90, log=out / "easyckpt.log")     # its snapshots gone: the store serves
+    second = run(hf(out, loss, weights, "--save-dir", url), timeout=300)
+    text = second.stdout + second.stderr
+    assert f"from storage ({url}/checkpoint-1" in text, text[-3000:]     # 10, or 11 (persisted as the job died)
+    assert "does not exist anymore" not in text, text[-3000:]          # the best checkpoint in the store is kept
+    assert not list(out.glob("checkpoint-*")), "checkpoint-N go to the store, not to output_dir"
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), losses(ref, rank), 20, f"Trainer rank {rank} from the store")
+    # load_best_model_at_end: the uninterrupted run loads an early checkpoint from its disk; the resumed one the
+    # same checkpoint from the store (through a verified local copy, since removed), so the same weights
+    best = json.loads((tmp_path / "ref-out" / "checkpoint-20" / "trainer_state.json").read_text())
+    assert not best["best_model_checkpoint"].endswith("checkpoint-20"), best["best_model_checkpoint"]
+    got, want = torch.load(weights), torch.load(ref_weights)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not [p for p in out.iterdir() if "best" in p.name or "resume" in p.name or "restore" in p.name], \
+        sorted(p.name for p in out.iterdir())

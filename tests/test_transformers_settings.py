@@ -73,9 +73,18 @@ CONFLICT = [
                                     r"TrainingArguments\(output_dir='.*elsewhere'\), or leave save_dir out"),
     ({"save_steps": 7}, {"config": ("OUT", 4, 5)}, r"config.save_storage_interval=4 but the Trainer's save_steps=7"),
     ({}, {"config": ("ELSEWHERE", 5, 5)}, r"config.save_dir='.*elsewhere' is not the Trainer's output_dir"),
-    ({}, {"save_dir": "s3://bucket/run"}, r"save_dir='s3://bucket/run': under the Trainer easyckpt writes checkpoint-N "
-                                          r"to a directory only .* an object store is not supported here yet"),
+    # an object store is the one save_dir beside output_dir; another scheme is refused, naming s3://
+    ({}, {"save_dir": "gs://bucket/run"}, r"save_dir='gs://bucket/run'.* reached through s3://"),
+    # accepted as a save_dir, and checked at once: a store that does not answer is refused when built
+    ({}, {"save_dir": "s3://bucket/run", "endpoint_url": "http://127.0.0.1:9"}, r"127.0.0.1:9"),
 ]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_object_store_as_output_dir_is_refused_naming_save_dir(tmp_path, form):
+    with pytest.raises(ConfigError, match=r"output_dir='s3://bucket/out'\): the Trainer writes its logs and runs to "
+                                          r"output_dir, a local directory; .* give save_dir='s3://bucket/prefix'"):
+        build(form, "s3://bucket/out", {})
 
 
 def keywords(tmp_path, easyckpt):

@@ -13,6 +13,7 @@ import contextlib
 import os
 from typing import Callable, Iterator, List, Optional, Tuple
 
+from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import scratch_name
 from easyckpt.formats.manifest import Manifest
 from easyckpt.storage import stepfiles
@@ -61,19 +62,40 @@ def remove(directory: str) -> None:
     _storage.delete(directory)
 
 
-@contextlib.contextmanager
-def local_step(step_dir: str, manifest: Manifest, directory: str) -> Iterator[str]:
+def local_copy(step_dir: str, manifest: Manifest, directory: str) -> str:
     """``step_dir`` as a local directory for a framework reader that only opens paths (Megatron's torch_dist
-    reader): the step itself on a file system; for an object store, every listed file downloaded into
-    ``directory`` (checked against the manifest on the way), removed when the block ends."""
+    reader, DCP's, DeepSpeed's, the Trainer's best-model load): the step itself on a file system; for an object
+    store, every listed file downloaded into ``directory`` (checked against the manifest on the way), which the
+    caller removes."""
     if remote(step_dir) is None:
-        yield step_dir
-        return
+        return step_dir
     fresh(directory)
     try:
         for rel in manifest.files:
             staged_file(os.path.dirname(os.path.join(directory, rel)), os.path.basename(rel),
                         stepfiles.read_verified(step_dir, rel, manifest))
-        yield directory
-    finally:
+    except BaseException:
         remove(directory)
+        raise
+    return directory
+
+
+@contextlib.contextmanager
+def local_step(step_dir: str, manifest: Manifest, directory: str) -> Iterator[str]:
+    """local_copy for the length of a block: a downloaded copy is removed when it ends."""
+    here = local_copy(step_dir, manifest, directory)
+    try:
+        yield here
+    finally:
+        if here != step_dir:
+            remove(here)
+
+
+@contextlib.contextmanager
+def local_committed(step_dir: str, step: int, directory: str) -> Iterator[str]:
+    """local_step of committed step ``step`` at ``step_dir``; CheckpointError if its manifest does not commit it."""
+    manifest = stepfiles.committed(step_dir, step)
+    if manifest is None:
+        raise CheckpointError(f"{step_dir}: no committed step {step} there (its manifest is missing or invalid)")
+    with local_step(step_dir, manifest, directory) as here:
+        yield here

@@ -140,14 +140,16 @@ def agent_log_name(host: str) -> str:
     return f".easyckpt-agent-{host}.log"
 
 
-SCRATCH_KINDS = ("universal", "processor", "resume", "adapter", "merged", "restore")
+SCRATCH_KINDS = ("universal", "processor", "resume", "adapter", "merged", "restore", "best")
 
 
 def scratch_name(kind: str, job_id: str, rank: Optional[int] = None) -> str:
     """A job's scratch directory for a framework call that only speaks in paths: ``universal`` (DeepSpeed's
     converted copy), ``processor`` (the HF processor's save_pretrained), ``resume`` (per rank: the Trainer's
     trainer_state.json), ``adapter`` and ``merged`` (easyckpt convert --base-model: PEFT's adapter folder, the
-    merged model's save_pretrained), ``restore`` (per rank: an object store's step copied for Megatron's reader).
+    merged model's save_pretrained), ``restore`` (per rank: an object store's step copied for a reader that opens
+    paths: Megatron's, DCP's, DeepSpeed's), ``best`` (per rank: the Trainer's best checkpoint copied from an object
+    store for its load_best_model_at_end).
     Job and rank in the name: two jobs or ranks never share one."""
     if kind not in SCRATCH_KINDS:
         raise ValueError(f"unknown scratch kind {kind!r}")

@@ -16,7 +16,9 @@ What easyckpt changes, and what it keeps (easyckpt/transformers/session.py holds
 - Layout: the Trainer's native ``checkpoint-N/`` (model.safetensors, config.json, optimizer.pt,
   scheduler.pt, rng_state[_R].pth, trainer_state.json, training_args.bin; with DeepSpeed
   ``global_stepN/`` + ``latest`` + zero_to_fp32.py instead of optimizer.pt), plus easyckpt_manifest.json.
-  A plain Trainer resumes from it with ``train(resume_from_checkpoint=path)``.
+  A plain Trainer resumes from it with ``train(resume_from_checkpoint=path)``. In an object store
+  (``save_dir="s3://bucket/prefix"`` beside a local ``output_dir``) the same layout; the Trainer's own readers,
+  which open paths (trainer_state.json, the best model at the end), get a local file or a checked copy.
 - Resume (``resume_from_checkpoint=True``): the newest complete state — a surviving memory snapshot, else
   the newest committed ``checkpoint-N`` whose manifest verifies (damaged or incomplete ones are skipped
   loudly) — is fed to the Trainer's own resume path (data skipping, RNG, trainer state, callbacks) through

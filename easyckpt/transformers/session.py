@@ -9,7 +9,6 @@ import dataclasses
 import io
 import json
 import os
-import random
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -22,7 +21,6 @@ from typing import (
     Tuple,
 )
 
-import numpy as np
 import torch
 
 import easyckpt.deepspeed.state as ds
@@ -37,7 +35,7 @@ from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
-from easyckpt.transformers import fsdp, peftmodel
+from easyckpt.transformers import fsdp, peftmodel, rng
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
@@ -61,6 +59,7 @@ class _Session(FrameworkState[Any]):
         self.loaded_manifest: Optional[Manifest] = None
         self.loaded_path: Optional[str] = None
         self.virtual_dir: Optional[str] = None
+        self.local_dir: Optional[str] = None             # a loaded step copied from an object store (_local)
         self.saved_now = False
         self.requested: Set[int] = set()                # steps handed to the agent in this run
         # a PeftModel's checkpoint holds its adapter; the frozen weights are checked by their checksum
@@ -165,7 +164,7 @@ class _Session(FrameworkState[Any]):
         scaler = getattr(trainer.accelerator, "scaler", None)
         if scaler is not None:
             shards.append(ShardSpec(SCALER, scaler.state_dict(), persist=writer, fmt=ShardFormat.TORCH))
-        shards.append(ShardSpec(self._rng_file(), _rng_states(args), persist=True, fmt=ShardFormat.TORCH))
+        shards.append(ShardSpec(self._rng_file(), rng.states(args), persist=True, fmt=ShardFormat.TORCH))
         shards.append(ShardSpec(STATE, self._trainer_state_json(), persist=writer, fmt=ShardFormat.RAW))
         return shards
 
@@ -239,7 +238,8 @@ class _Session(FrameworkState[Any]):
         """The Trainer's save points: snapshot this step now (the state may have changed since the last
         snapshot of the same step: evaluation, best metric) and hand it to the agent."""
         state, args = self.trainer.state, self.args
-        run_dir = self.trainer._get_output_dir(trial=trial)
+        config = self.engine.config     # checkpoint-N go to the save_dir (output_dir, or an object store)
+        run_dir = config.save_dir if config.remote else self.trainer._get_output_dir(trial=trial)
         if args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
             best = state.best_global_step
             if best in self.requested or best == state.global_step or self.engine.is_committed(best, run_dir):
@@ -253,11 +253,34 @@ class _Session(FrameworkState[Any]):
             # the Trainer loads the best weights in place: the last snapshot's background copy ends first (else
             # it would be torn, and the user told to turn the overlap off for what the Trainer did)
             self.engine.settle()
-            best = _step_of(self.trainer.state.best_model_checkpoint)
+            state = self.trainer.state
+            where, best = state.best_model_checkpoint, _step_of(state.best_model_checkpoint)
             if best is not None and best in self.requested:
                 self.engine.wait_committed(best)      # its persist may still be under way
-            return original(*args, **kwargs)
+            if where is None or best is None or not self.engine.config.remote:
+                return original(*args, **kwargs)
+            # the Trainer reads the best weights by path: from an object store, a verified copy on this node
+            with scratch.local_committed(where, best, self._scratch("best")) as here:
+                state.best_model_checkpoint = here
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    state.best_model_checkpoint = where
         return wrapped
+
+    def _scratch(self, kind: str) -> str:
+        assert self.args.output_dir is not None     # TrainingArguments fills in its default
+        return scratch.path(self.args.output_dir, kind, self.engine.config.job_id, self.engine.rank)
+
+    def _local(self) -> Optional[str]:
+        """The loaded step for readers that open paths (DCP's, DeepSpeed's universal checkpoint): the step
+        itself, or a verified copy of it from an object store (removed by cleanup); None: from memory."""
+        if self.loaded_path is None or not self.engine.config.remote:
+            return self.loaded_path
+        if self.local_dir is None:
+            assert self.loaded_manifest is not None     # restore() set it with the path
+            self.local_dir = scratch.local_copy(self.loaded_path, self.loaded_manifest, self._scratch("restore"))
+        return self.local_dir
 
     # ---- resume -----------------------------------------------------------------------------------
 
@@ -276,13 +299,14 @@ class _Session(FrameworkState[Any]):
         t._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler  # type: ignore[method-assign]
         t._load_scaler = self._load_scaler  # type: ignore[method-assign]
         t._load_rng_state = self._load_rng_state  # type: ignore[method-assign]
-        if loaded.path is not None:
+        if loaded.path is not None and not engine.config.remote:
             return loaded.path
-        # from memory: the Trainer reads trainer_state.json by path; give it just that file
-        assert self.args.output_dir is not None     # TrainingArguments fills in its default
-        self.virtual_dir = os.path.join(scratch.path(self.args.output_dir, "resume", engine.config.job_id, engine.rank),
-                                        NAMING.dir_name(loaded.step))
-        return scratch.staged_file(self.virtual_dir, STATE, loaded.trees[STATE])
+        # from memory or an object store: the Trainer reads trainer_state.json by path; give it just that file
+        self.virtual_dir = os.path.join(self._scratch("resume"), NAMING.dir_name(loaded.step))
+        state = loaded.trees[STATE]
+        if engine.config.remote:    # a best checkpoint in the store is no directory to the Trainer: kept aside
+            state = json.dumps(dict(json.loads(state), best_model_checkpoint=None)).encode()
+        return scratch.staged_file(self.virtual_dir, STATE, state)
 
     @as_reads
     def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
@@ -308,7 +332,7 @@ class _Session(FrameworkState[Any]):
         assert model is not None and self.trees is not None    # the Trainer's model; restore() set the trees
         if self.fsdp:        # the model is sharded by now (the Trainer loads it after accelerate's prepare)
             # (loaded_path is None for a snapshot in memory: dtensor reads it there)
-            fsdp.load_model(model, self.trees, self.loaded_path, self.args.process_index)
+            fsdp.load_model(model, self.trees, self._local(), self.args.process_index)
             return
         if peftmodel.ADAPTER in self.trees:
             peftmodel.restore_adapter(model, self.trees[peftmodel.ADAPTER])
@@ -323,14 +347,27 @@ class _Session(FrameworkState[Any]):
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         t = self.trainer
         assert self.trees is not None       # restore() set them before the Trainer calls its load hooks
+        self._keep_remote_best()
         if self.fsdp:
-            fsdp.load_optimizer(t, self.trees, self.loaded_path, self.args.process_index)
+            fsdp.load_optimizer(t, self.trees, self._local(), self.args.process_index)
         elif self.ds_engine is None:
             assert t.optimizer is not None  # the Trainer loads into the optimizer it just created
             t.optimizer.load_state_dict(self.trees[OPTIM])
         if SCHED in self.trees and not _is_ds_scheduler(t.lr_scheduler):
             assert t.lr_scheduler is not None
             t.lr_scheduler.load_state_dict(self.trees[SCHED])
+
+    def _keep_remote_best(self) -> None:
+        """The resumed state's best checkpoint in an object store, which the Trainer would drop as missing (it
+        looks with os.path.isdir; restore() hid it from that check): kept when committed there. This hook is the
+        Trainer's next call after it loads the state."""
+        best = json.loads(self.trees[STATE]).get("best_model_checkpoint") if self.trees else None
+        config = self.engine.config
+        if not (config.remote and isinstance(best, str) and os.path.dirname(best) == config.save_dir.rstrip("/")):
+            return
+        step = _step_of(best)
+        if step is not None and self.engine.is_committed(step, config.save_dir):
+            self.trainer.state.best_model_checkpoint = best
 
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         scaler = getattr(self.trainer.accelerator, "scaler", None)
@@ -345,14 +382,7 @@ class _Session(FrameworkState[Any]):
         if state is None:
             self.engine.emit("warning", message="no RNG state saved for this process")
             return
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.random.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            if isinstance(state["cuda"], (list, tuple)):
-                torch.cuda.random.set_rng_state_all(state["cuda"])
-            else:
-                torch.cuda.random.set_rng_state(state["cuda"])
+        rng.restore(state)
 
     def _deepspeed_load(self, original: Callable[..., None]) -> Callable[..., None]:
         def load(ds_engine: Any, checkpoint_path: str, load_module_strict: bool = True) -> None:
@@ -367,7 +397,7 @@ class _Session(FrameworkState[Any]):
             else:
                 self.engine.emit("convert", step=step, path=self.loaded_path,
                                  message="data-parallel size changed: loading through DeepSpeed's universal checkpoint")
-                ds.restore_universal(ds_engine, os.path.join(self.loaded_path, tag), tag,
+                ds.restore_universal(ds_engine, os.path.join(str(self._local()), tag), tag,
                                      universal.work_dir(self.engine.config), self.engine.rank,
                                      self.engine.world_size, **kwargs)
         return load
@@ -376,17 +406,10 @@ class _Session(FrameworkState[Any]):
         if self.virtual_dir is not None:
             scratch.remove(os.path.dirname(self.virtual_dir))
             self.virtual_dir = None
+        if self.local_dir is not None:
+            scratch.remove(self.local_dir)
+            self.local_dir = None
         self.trees = None
-
-
-def _rng_states(args: "TrainingArguments") -> Dict[str, Any]:
-    """The Trainer's rng_state file content (see Trainer._save_rng_state)."""
-    states: Dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                              "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = (torch.cuda.random.get_rng_state_all() if args.parallel_mode.value == "distributed"
-                          else torch.cuda.random.get_rng_state())
-    return states
 
 
 def _is_ds_scheduler(scheduler: Any) -> bool:

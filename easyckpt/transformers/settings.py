@@ -3,7 +3,8 @@ TrainingArguments that already mean the same thing.
 
 The Trainer has three of easyckpt's settings, and keeps deciding them:
 
-    save_dir               = output_dir        checkpoint-N go there
+    save_dir               = output_dir        checkpoint-N go there (or to an object store, s3://bucket/prefix,
+                                               given as save_dir: output_dir stays local for the Trainer's logs)
     save_storage_interval  = save_steps        only with save_strategy="steps" ("epoch", "best", "no": none)
     max_ckpt_num           = save_total_limit  None (or <= 0): every checkpoint stays
 
@@ -103,17 +104,21 @@ def resolve(s: Settings, args: "TrainingArguments") -> Config:
     set where a given setting disagrees with it. Prepares the save directory (validate)."""
     output_dir = str(args.output_dir)
     verb, labels = s.verb, s.labels
-    if "save_dir" in s.parity or "://" in output_dir:
-        save_dir = str(s.parity.get("save_dir", output_dir))
-        if "://" in save_dir or "://" in output_dir:
-            raise ConfigError(f"{verb}: {labels['save_dir']}={save_dir!r}: under the Trainer easyckpt writes "
-                              f"checkpoint-N to a directory only (the Trainer reads the best model and its resume "
-                              f"files from output_dir itself); an object store is not supported here yet: give a "
-                              f"local or network file system output_dir")
-        if os.path.realpath(save_dir) != os.path.realpath(output_dir):
-            raise ConfigError(f"{verb}: {labels['save_dir']}={save_dir!r} is not the Trainer's output_dir="
+    if "://" in output_dir:
+        raise ConfigError(f"{verb}: TrainingArguments(output_dir={output_dir!r}): the Trainer writes its logs and "
+                          f"runs to output_dir, a local directory; for checkpoints in an object store keep a local "
+                          f"output_dir and give {labels['save_dir']}='s3://bucket/prefix' beside it")
+    save_dir, local_dir = output_dir, s.base.local_dir
+    if "save_dir" in s.parity:
+        given = str(s.parity["save_dir"])
+        if "://" in given:      # an object store (validate refuses any scheme but s3://): checkpoint-N go there,
+            # the Trainer's logs, runs and this node's own files (audit log, agent log) stay in output_dir
+            save_dir, local_dir = given, local_dir or output_dir
+        elif os.path.realpath(given) != os.path.realpath(output_dir):
+            raise ConfigError(f"{verb}: {labels['save_dir']}={given!r} is not the Trainer's output_dir="
                               f"{output_dir!r}: the Trainer writes checkpoint-N to output_dir; set "
-                              f"TrainingArguments(output_dir={save_dir!r}), or leave {labels['save_dir']} out")
+                              f"TrainingArguments(output_dir={given!r}), or leave {labels['save_dir']} out (an "
+                              f"object store, s3://bucket/prefix, is the one save_dir beside output_dir)")
     if "save_storage_interval" in s.parity:
         n, name = s.parity["save_storage_interval"], labels["save_storage_interval"]
         strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
@@ -135,8 +140,13 @@ def resolve(s: Settings, args: "TrainingArguments") -> Config:
                           f"TrainingArguments(save_total_limit={m!r}), or leave {name} out")
     # the Trainer's save points decide what is persisted (save_now); the checkpointer's own storage interval
     # goes unused and only has to be a multiple of the memory interval
-    return validate(replace(s.base, save_dir=output_dir, max_ckpt_num=limit,
-                            save_storage_interval=s.base.save_mem_interval))
+    try:
+        return validate(replace(s.base, save_dir=save_dir, local_dir=local_dir, max_ckpt_num=limit,
+                                save_storage_interval=s.base.save_mem_interval))
+    except ConfigError as exc:      # (a directory that cannot be made, a store that does not answer) said as ours
+        if str(exc).startswith(f"{verb}: "):
+            raise
+        raise ConfigError(f"{verb}: {exc}") from None
 
 
 def signature_keywords(local: Dict[str, Any]) -> Dict[str, Any]:

@@ -25,6 +25,8 @@ from easyckpt.deepspeed.cpu import deepspeed_on_cpu
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", required=True)
+    p.add_argument("--save-dir", default=None,
+                   help="where checkpoint-N go when not output_dir: an object store, s3://bucket/prefix")
     p.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage; none: DDP")
     p.add_argument("--max-steps", type=int, default=24)
     p.add_argument("--save-strategy", default="steps", choices=("no", "steps", "epoch"))
@@ -32,6 +34,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-total-limit", type=int, default=None)
     p.add_argument("--mem-interval", type=int, default=1)
     p.add_argument("--eval-best", action="store_true", help="evaluate every save and keep the best (eval loss)")
+    p.add_argument("--best-greater", action="store_true",
+                   help="with --eval-best: the highest eval loss is the best (a best checkpoint that is not the last)")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--global-batch", type=int, default=8, help="kept fixed when the process count changes")
     p.add_argument("--plain", action="store_true", help="the Trainer alone, without easyckpt")
@@ -121,7 +125,7 @@ def main() -> int:
     eval_args = {}
     if args.eval_best:
         eval_args = dict(eval_strategy="steps", eval_steps=args.save_steps, load_best_model_at_end=True,
-                         metric_for_best_model="loss", greater_is_better=False)
+                         metric_for_best_model="loss", greater_is_better=args.best_greater)
     targs = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.global_batch // world,
         per_device_eval_batch_size=4, learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=3,
@@ -156,6 +160,8 @@ def main() -> int:
     easyckpt_settings = dict(save_mem_interval=args.mem_interval, log_file_path=args.log_file,
                              agent_idle_timeout=args.idle_timeout,
                              exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
+    if args.save_dir:
+        easyckpt_settings["save_dir"] = args.save_dir
     callbacks = [LossFile()]
     if args.callback:
         from easyckpt.transformers import EasyCkptCallback
