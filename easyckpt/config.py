@@ -127,6 +127,12 @@ class Config:
     # a node-local directory for what belongs to this node, not to the checkpoints: the audit log, the agent's
     # log and the job lock. None: the save dir itself, or for an s3:// save_dir ~/.cache/easyckpt/<job id>
     local_dir: Optional[str] = None
+    # a fast tier on this node's disk (agent/localtier.py): every save_local_interval-th step (a multiple of
+    # save_mem_interval; None: no tier) each rank's snapshot is also written under node_dir, where it outlives
+    # the agent and the node's memory; the loader takes it when it is the newest state every rank has there.
+    # The newest max_local_ckpt_num steps stay
+    save_local_interval: Optional[int] = None
+    max_local_ckpt_num: int = 2
     naming: Naming = field(default_factory=Naming)
 
     @property
@@ -174,7 +180,8 @@ class Config:
 ADVANCED = ("job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout",
             "autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "grace_deadline",
             "snapshot_overlap", "direct_io", "replication_factor", "replication_jump", "replica_interval",
-            "replica_bandwidth", "on_no_valid_checkpoint", "endpoint_url", "local_dir")
+            "replica_bandwidth", "on_no_valid_checkpoint", "endpoint_url", "local_dir", "save_local_interval",
+            "max_local_ckpt_num")
 
 
 def check_advanced(verb: str, advanced: Mapping[str, Any]) -> None:
@@ -222,7 +229,12 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             f"save_storage_interval={sto} is not a multiple of save_mem_interval={mem}: only memory "
             f"snapshots can be persisted; use save_storage_interval={hint}")
-    for name in ("replication_factor", "replication_jump", "replica_interval"):
+    if cfg.save_local_interval is not None:
+        local = _positive_int("save_local_interval", cfg.save_local_interval)
+        if local % mem:
+            raise ConfigError(f"save_local_interval={local} is not a multiple of save_mem_interval={mem}: only memory "
+                              f"snapshots go to the local tier; use save_local_interval={(local // mem + 1) * mem}")
+    for name in ("replication_factor", "replication_jump", "replica_interval", "max_local_ckpt_num"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value!r} must be a positive integer"

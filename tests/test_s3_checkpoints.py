@@ -9,19 +9,26 @@ node agent persisting from shared memory to the store, the real loader resuming 
 - the store stopped for 30 s mid-run, then started again: training never stops, each step that could not be
   persisted meanwhile is said on rank 0's console, persisting resumes when the store is back and the run ends
   with its last step committed;
-- wrong credentials are refused at initialisation, before the first iteration, naming what to fix.
+- wrong credentials are refused at initialisation, before the first iteration, naming what to fix;
+- the local tier (save_local_interval) beside the store: after a reboot (the agent and the trainers killed at
+  once, the node's shared memory gone), the job resumes from the tier's step, newer than the store's, with the
+  losses of an uninterrupted run.
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 import s3server
 from harness import (
+    SHM,
     assert_losses_equal,
     cli,
     events,
+    job_id,
     kill_tree,
     losses,
     run,
@@ -207,3 +214,40 @@ def test_two_jobs_on_one_prefix_the_second_is_refused_naming_the_first(bucket, t
     run(_cmd(url, tmp_path / "b", 1, "--iters", "4", "--job-name", "second", "--loss-file", str(tmp_path / "b-loss")))
     wait_no_agent(url, timeout=90, log=tmp_path / "b" / "easyckpt.log", job_name="second")
     assert sorted(losses(tmp_path / "b-loss")) == [1, 2, 3, 4]
+
+
+def test_after_a_reboot_the_local_tiers_newer_step_resumes_with_an_uninterrupted_runs_losses(bucket, tmp_path):
+    store, top = bucket
+    ref = tmp_path / "ref"
+    run(train_cmd(tmp_path / "ref-ckpt", 2, "--iters", "16", "--storage-interval", "6", "--loss-file", str(ref),
+                  *FAST))
+    wait_no_agent(tmp_path / "ref-ckpt")
+    url, local, loss = f"{top}/tier", tmp_path / "local", tmp_path / "loss"
+    args = ["--iters", "16", "--storage-interval", "6", "--local-interval", "2", "--loss-file", str(loss)]
+    proc = start(_cmd(url, local, 2, *args, "--step-sleep", "0.3"), log=tmp_path / "first.out")
+    wait_for_iteration(loss, 11, proc)
+    # a reboot: the agent first (it would persist the trainers' newest snapshot), the trainers, the node's memory
+    jid = job_id(url)
+    for e in events(local / "easyckpt.log"):
+        if e["event"] == "agent_start" and e.get("job_id") == jid:
+            try:
+                os.kill(int(e["pid"]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    kill_tree(proc)
+    wait_no_agent(url, timeout=30, log=local / "easyckpt.log")
+    for name in os.listdir(SHM):
+        if name.startswith(f"easyckpt-{jid}-"):
+            os.unlink(SHM / name)
+    stored = _committed(_keys(store, url))
+    assert stored and max(stored) == 6, stored
+    second = run(_cmd(url, local, 2, *args))
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    text = second.stdout + second.stderr
+    resumed = starts(loss)[-1]
+    assert resumed in (8, 10) and f"resumed step {resumed} from the local tier" in text, (resumed, text[-3000:])
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), losses(ref, rank), 16, f"rank {rank} from the local tier")
+    saved = [e for e in events(local / "easyckpt.log") if e["event"] == "tier_saved"]
+    assert {e["rank"] for e in saved} == {0, 1} and all(e["step"] % 2 == 0 for e in saved), saved
+    assert _committed(_keys(store, url))[-1] == 16      # the store goes on as before: the last step committed

@@ -11,6 +11,7 @@ wired here; the loop thread owns all their state, and the persist worker thread 
   slots.py        the agent's reads and writes of the shm slots; jobdir.py its calls into storage
   replicas.py     peer replicas: this node's snapshots sent to other nodes' agents, theirs kept here
                   (peerserve.py), a lost node's state pulled back — threads of their own, never the loop
+  localtier.py    the local tier: snapshots copied to this node's disk — a thread of its own
 
 One turn of the loop: wait for a message or a worker result (at most 50 ms) → each message goes to
 its handler below, which tells the coordinator → each result goes to the coordinator → the
@@ -48,6 +49,7 @@ from easyckpt.agent.coordinator import (
 from easyckpt.agent.grace import Grace
 from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.jobs import CommitJob, Job, PersistJob, Result
+from easyckpt.agent.localtier import LocalTier
 from easyckpt.agent.persister import Persister, Worker, disk_work
 from easyckpt.agent.recovery import Recovery
 from easyckpt.agent.replicas import Replicas, Table
@@ -91,6 +93,7 @@ class Agent:
         self.server.watch(self.persister.wake_fd())
         self.replicas = Replicas(cfg, self.log)
         self.server.watch(self.replicas.wake_fd())
+        self.tier = LocalTier(cfg, self.log)      # its own thread, when save_local_interval is set
         self.local_ranks: Set[int] = set()
         self.dead_ranks: Set[int] = set()
         self.ever_connected = False
@@ -157,7 +160,8 @@ class Agent:
 
     def _busy(self) -> bool:
         # connections that never said hello (liveness probes) do not count
-        return bool(self.server.trainers()) or self.coordinator.busy() or self.replicas.busy()
+        return (bool(self.server.trainers()) or self.coordinator.busy() or self.replicas.busy()
+                or self.tier.busy())
 
     def _should_exit(self) -> bool:
         if self._busy():
@@ -208,6 +212,7 @@ class Agent:
     def shutdown(self) -> None:
         self.server.close()
         self.replicas.close()
+        self.tier.close()           # before the slots it copies from go
         if not any(c.rank is not None and not c.said_bye for c in self.server.clients.values()):
             removed = [p for p in shm.segments_of(self.job_id) if shm.unlink_quiet(p)]
             if removed:

@@ -3,10 +3,12 @@
 Order:
   1. every rank lists its complete shared-memory snapshots and the committed step directories;
   2. all ranks exchange them (one all_gather): memory candidates are the steps every rank holds;
-  3. a memory snapshot at least as new as the newest committed checkpoint wins (it is faster); a rank
-     whose node lost its memory (a replacement node) takes that step from a peer node's replica of it
-     (engine/peers.py), pulled into its own slot first; a step counts as in memory when every rank
-     has it on its node or on a peer;
+  3. a memory snapshot at least as new as the newest committed checkpoint (and the local tier's) wins (it is
+     faster); a rank whose node lost its memory (a replacement node) takes that step from a peer node's
+     replica of it (engine/peers.py), pulled into its own slot first; a step counts as in memory when every
+     rank has it on its node or on a peer; then the local tier (agent/localtier.py: each rank's snapshot
+     on its node's disk) when its newest step every rank has is at least as new as the committed ones,
+     each copy checked against its record;
   4. otherwise, newest committed step first: each rank reads the files it needs and checks sizes
      and checksums against the manifest; all ranks exchange the verdict; any failure anywhere
      rejects the step for everyone (loudly) and the next older one is tried.
@@ -54,9 +56,10 @@ from easyckpt.formats import verdicts
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.verdicts import Verdict
 from easyckpt.progress import Progress
-from easyckpt.storage import stepfiles
+from easyckpt.storage import stepfiles, tierfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
+from easyckpt.storage.tierfiles import TierCopy
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
 # when the checkpoint was written); (relpath, optional, [item, ...]): only those items of a file the
@@ -68,8 +71,9 @@ from easyckpt.storage.savedir import SaveDir
 @dataclass
 class Loaded:
     step: int
-    source: str               # "memory", "peer" (a replica on another node), "storage" or "adopted" (the
-                              # framework's own checkpoint, adopt.py)
+    source: str               # "memory", "peer" (a replica on another node), "local" (the local tier: a
+                              # snapshot on this node's disk), "storage" or "adopted" (the framework's own
+                              # checkpoint, adopt.py); path is None for the snapshots (memory, peer, local)
     path: Optional[str]
     trees: Dict[str, Any]
     nbytes: int
@@ -102,14 +106,26 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     _say_other_jobs([e for e in every if not sd.owns(e[2])], rank, log)
     _log_invalid_manifests(sd, {s for s, _, _ in every}, log)
     native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own
-    views = gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native], on_peer), world_size)
-    common_mem = set.intersection(*(set(m) | set(p) for m, _, _, p in views))
-    common_nat = set.intersection(*(set(n) for _, _, n, _ in views))
-    common_sto = mf.newest_first(set.intersection(*(set(s) for _, s, _, _ in views)) | common_nat, runs)
+    # the local tier, read whenever it holds copies (also when save_local_interval is off now): a state kept
+    tiered = {c.step: c for c in tierfiles.listing(tierfiles.directory(cfg.node_dir, cfg.job_id), cfg.job_id, rank,
+                                                   log)
+              if c.record.world_size == world_size and (layout is None or c.record.layout == layout)}
+    views = gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native], on_peer, sorted(tiered)),
+                   world_size)
+    common_mem = set.intersection(*(set(v[0]) | set(v[3]) for v in views))
+    common_nat = set.intersection(*(set(v[2]) for v in views))
+    common_sto = mf.newest_first(set.intersection(*(set(v[1]) for v in views)) | common_nat, runs)
+    common_tier = set.intersection(*(set(v[4]) for v in views))
     best_mem = max(common_mem) if common_mem else None
+    best_tier = max(common_tier) if common_tier else None
     _say_lost_memory(views, rank, log)
-    if best_mem is not None and (not common_sto or best_mem >= common_sto[0]):
+    if best_mem is not None and (not common_sto or best_mem >= common_sto[0]) and \
+            (best_tier is None or best_mem >= best_tier):
         loaded = _from_memory(cfg, rank, world_size, best_mem, mem, remote, layout, log, gather)
+        if loaded is not None:
+            return loaded
+    if best_tier is not None and (not common_sto or best_tier >= common_sto[0]):
+        loaded = _from_tier(tiered[best_tier], rank, world_size, log, gather)
         if loaded is not None:
             return loaded
     foreign = {c.step: c for c in native if c.step in common_nat}
@@ -148,6 +164,28 @@ def _from_memory(cfg: Config, rank: int, world_size: int, step: int, mem: List[A
     log.record("warning", step=step, message=f"memory snapshot unusable on some rank: {bad}; falling back to storage")
     if rank == 0:
         console.warning(f"step {step} in memory is unusable ({bad}): resuming from storage instead")
+    return None
+
+
+def _from_tier(copy: TierCopy, rank: int, world_size: int, log: AuditLog, gather: Gather) -> Optional[Loaded]:
+    """Step ``copy.step`` from every rank's copy in the local tier, each checked against its record first; None,
+    on every rank, when any rank cannot read its copy (kept as it is: storage serves instead)."""
+    t0 = time.perf_counter()
+    trees, err = None, None
+    try:
+        tierfiles.verify(copy)
+        trees = snapshot.read_slot_file(copy.path, copy.step)
+    except Exception as exc:  # noqa: BLE001 - any failure means: use storage instead
+        err = f"{type(exc).__name__}: {exc}"
+    errors = gather(err, world_size)
+    if all(v is None for v in errors):
+        trees = cast(Dict[str, Any], trees)       # this rank's err is None too: it read its copy
+        return Loaded(copy.step, "local", None, trees, estimate.tensor_bytes(trees), time.perf_counter() - t0)
+    bad = "; ".join(f"rank {r}: {v}" for r, v in enumerate(errors) if v is not None)
+    log.record("warning", step=copy.step, message=f"local tier copy unusable on some rank: {bad}; kept as it is, "
+                                                   f"falling back")
+    if rank == 0:
+        console.warning(f"step {copy.step} in the local tier is unusable ({bad}): resuming from storage instead")
     return None
 
 
@@ -207,7 +245,7 @@ def _say_other_jobs(others: List[Tuple[int, str, Manifest]], rank: int, log: Aud
 def _say_lost_memory(views: List[Any], rank: int, log: AuditLog) -> None:
     """Ranks with no snapshot in memory anywhere, while others have one: their node and every holder of its
     replicas were lost (or replicas are off). Storage serves; said loudly, once."""
-    empty = [r for r, (m, _, _, p) in enumerate(views) if not m and not p]
+    empty = [r for r, v in enumerate(views) if not v[0] and not v[3]]
     if empty and len(empty) < len(views):
         why = (f"rank(s) {empty} have no snapshot in memory, neither on their node nor on a peer node (their node "
                f"and the holders of its replicas were lost, or replicas are off): resuming from storage, which "

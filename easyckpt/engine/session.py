@@ -412,6 +412,7 @@ def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int, fresh: Se
         return f"no checkpoint of this job in {save_dir}: {otherwise or 'training starts from the beginning'}"
     where = {"memory": "memory (the snapshot that outlived the last run)",
              "peer": "a peer node's memory (the replica of this node's snapshot)",
+             "local": "the local tier (each rank's snapshot on its node's disk, verified)",
              "storage": f"storage ({loaded.path}, verified)"}.get(loaded.source, f"{loaded.path} ({loaded.source})")
     size = human(loaded.nbytes) + (" on rank 0" if world_size > 1 else "")
     if loaded.from_peers and loaded.source != "peer":

@@ -367,7 +367,12 @@ def complete_snapshots(job_id: str, rank: int) -> List[SlotInfo]:
 def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[str, Any]:
     """Rebuild ``{relpath: tree}`` from a complete slot; tensors are copied out of shared memory so
     that nothing the trainer keeps aliases a slot it will overwrite later."""
-    slot = shm.Slot(shm.slot_path(job_id, rank, slot_index), writable=False)
+    return read_slot_file(shm.slot_path(job_id, rank, slot_index), step)
+
+
+def read_slot_file(path: str, step: int) -> Dict[str, Any]:
+    """read_snapshot of the slot file at ``path``: a slot in /dev/shm, or its copy in the local tier."""
+    slot = shm.Slot(path, writable=False)
     try:
         done = slotread.check(slot, expect_step=step)
         with warnings.catch_warnings():   # the mapping is read-only and we only read through it

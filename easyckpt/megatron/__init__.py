@@ -165,7 +165,7 @@ class MegatronState(FrameworkState[Any]):
     def restore(self, loaded: Loaded) -> Tuple[int, float]:
         where = _state.parallel()
         if _dist.COMMON in loaded.trees or _dist.METADATA_JSON in loaded.trees:    # torch_dist
-            in_memory = loaded.source in ("memory", "peer")    # else a step directory: Megatron's reader
+            in_memory = loaded.path is None     # a snapshot (memory, a peer, the local tier); else a step directory
             same = True if in_memory else _dist.same_layout(
                 loaded.manifest, _dist.common_state(loaded.trees, loaded.path), self.layout())
             t0 = time.perf_counter()

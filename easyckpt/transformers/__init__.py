@@ -170,6 +170,8 @@ class TrainerWrapper:
                  on_no_valid_checkpoint: str = DEFAULT.on_no_valid_checkpoint,
                  endpoint_url: Optional[str] = DEFAULT.endpoint_url,
                  local_dir: Optional[str] = DEFAULT.local_dir,
+                 save_local_interval: Optional[int] = DEFAULT.save_local_interval,
+                 max_local_ckpt_num: int = DEFAULT.max_local_ckpt_num,
                  config: Optional[Config] = None, **unknown: Any) -> None:
         given = settings("TrainerWrapper", config, unknown, **signature_keywords(locals()))
         object.__setattr__(self, "_trainer", trainer)
@@ -234,6 +236,8 @@ class EasyCkptCallback(TrainerCallback):
                  on_no_valid_checkpoint: str = DEFAULT.on_no_valid_checkpoint,
                  endpoint_url: Optional[str] = DEFAULT.endpoint_url,
                  local_dir: Optional[str] = DEFAULT.local_dir,
+                 save_local_interval: Optional[int] = DEFAULT.save_local_interval,
+                 max_local_ckpt_num: int = DEFAULT.max_local_ckpt_num,
                  config: Optional[Config] = None, **unknown: Any) -> None:
         self._settings = settings("EasyCkptCallback", config, unknown, **signature_keywords(locals()))
         self._attached: Optional[_Attached] = None

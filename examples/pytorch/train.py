@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-interval", type=int, default=1, help="save_mem_interval: snapshot to host memory")
     p.add_argument("--storage-interval", type=int, default=5, help="save_storage_interval: also persist")
     p.add_argument("--max-ckpt", type=int, default=3, help="max_ckpt_num: committed checkpoints kept")
+    p.add_argument("--local-interval", type=int, default=None,
+                   help="save_local_interval: also copy the snapshot to the local tier (under --local-dir)")
     p.add_argument("--log-file", default=None, help="the audit log (every save, commit, load, delete)")
     p.add_argument("--loss-file", default=None, help="prefix; rank r appends to PREFIX.rank{r}")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a kill")
@@ -156,7 +158,8 @@ def main(argv: Optional[List[str]] = None, p: Optional[argparse.ArgumentParser] 
                                  exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm,
                                  snapshot_overlap={"auto": None, "on": True, "off": False}[args.overlap],
                                  on_no_valid_checkpoint="start_fresh" if args.start_fresh else "error",
-                                 endpoint_url=args.endpoint_url, local_dir=args.local_dir, **hooks.settings())
+                                 endpoint_url=args.endpoint_url, local_dir=args.local_dir,
+                                 save_local_interval=args.local_interval, **hooks.settings())
     t0 = time.perf_counter()
     # extra: what the loop needs besides the model, optimizer and scheduler (here the data position)
     start, extra = (0, None) if args.no_resume else easyckpt.load_checkpoint(ddp, optimizer, scheduler)

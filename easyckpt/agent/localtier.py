@@ -1,0 +1,117 @@
+"""The local tier (Config.save_local_interval): every save_local_interval-th step, each local rank's snapshot is
+copied from its shared-memory slot to this node's disk (storage/tierfiles.py), where it outlives the agent, a
+reboot and /dev/shm; the newest max_local_ckpt_num steps stay.
+
+A thread of its own, never the agent's loop: it looks at the local ranks' slots every POLL seconds, and copies a
+rank's newest complete snapshot of a due step that is newer than the last one it wrote (a due snapshot that both
+slots' next snapshots overwrite before a look, in steps shorter than POLL, is missed: the next due one is taken). While it copies, the slot
+is marked busy (slots.reserved: the trainer does not overwrite it), except when that would take the trainer's
+last free slot (a persist holds the other): then it waits for the next look. The copy is checked against the
+slot's seqlock before its record is written (a snapshot rewritten meanwhile is not kept). A failure (a full
+disk) is said once a minute at most and costs nothing else: training and storage persists go on.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+from easyckpt import console
+from easyckpt.agent import priority, slots
+from easyckpt.config import Config
+from easyckpt.errors import SlotNotComplete
+from easyckpt.formats import tier as tf
+from easyckpt.ipc import shm, slotread
+from easyckpt.storage import tierfiles
+from easyckpt.storage.auditlog import AuditLog
+
+POLL = 0.05         # a look is two small reads per rank; a due snapshot overwritten sooner than this is missed
+
+
+class LocalTier:
+    def __init__(self, cfg: Config, log: AuditLog):
+        self.cfg, self.log = cfg, log
+        self.every = cfg.save_local_interval
+        self.where = tierfiles.directory(cfg.node_dir, cfg.job_id)
+        self.written: Dict[int, int] = {}          # rank -> the newest step copied (this thread's alone)
+        self._seen: Optional[Tuple[Tuple[int, int, int], ...]] = None   # the slots' headers at the last look
+        self._copying = False
+        self._closed = threading.Event()
+        self._said: Dict[str, float] = {}
+        self.errors: List[str] = []
+        self._thread: Optional[threading.Thread] = None
+        if self.every is not None:
+            self._thread = threading.Thread(target=self._loop, name="easyckpt-local-tier", daemon=True)
+            self._thread.start()
+
+    def busy(self) -> bool:
+        """A copy under way (the agent does not leave in the middle of one)."""
+        return self._copying
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop looking; a copy under way ends first (at most ``timeout`` seconds are waited for it)."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        priority.bulk_thread()
+        while not self._closed.wait(POLL):
+            try:
+                self.look()
+            except Exception as exc:  # noqa: BLE001 - the tier is best effort; training never depends on it
+                self._error(f"local tier: {type(exc).__name__}: {exc}")
+
+    def look(self) -> None:
+        """One look at the local ranks' slots: copy what is due (the thread's body; tests call it directly)."""
+        assert self.every is not None
+        job = self.cfg.job_id
+        ranks = sorted({seg.rank for seg in shm.list_segments(job) if not seg.replica})
+        seen = tuple(shm.peek(shm.slot_path(job, r, i)) for r in ranks for i in (0, 1))
+        if seen == self._seen:
+            return       # no slot changed since the last look (its metadata is read only then)
+        self._seen = seen
+        per_rank = slots.complete_snapshots(job, ranks, self.log)
+        for rank in ranks:
+            due = [s for s in per_rank[rank] if s % self.every == 0 and s > self.written.get(rank, -1)]
+            if not due:
+                continue
+            step = max(due)
+            slot, generation = per_rank[rank][step]
+            if slots.trainers_last_free(job, rank, slot):
+                self._seen = None    # a persist holds the other slot, and pinning this one would stall the
+                continue             # trainer: looked at again next time (a released persist changes no header)
+            self._copying = True
+            try:
+                self._copy(rank, slot, generation, step)
+            except SlotNotComplete:
+                pass        # overwritten before or while it was copied: the next due step is taken
+            finally:
+                self._copying = False
+
+    def _copy(self, rank: int, slot: int, generation: int, step: int) -> None:
+        job, t0 = self.cfg.job_id, time.perf_counter()
+        with slots.reserved(job, rank, slot, generation, release=False) as path:
+            opened = shm.Slot(path, writable=False)
+            try:
+                done = slotread.check(opened, expect_step=step, expect_generation=generation)
+                assert opened.mm is not None        # a complete slot is mapped
+                record = tf.TierRecord(job, step, rank, done.header.world_size, done.meta.layout or "", 0, "", "")
+                written = tierfiles.write(self.where, record, memoryview(opened.mm),
+                                          lambda: slotread.ensure_unchanged(opened, done), self.cfg.direct_io)
+            finally:
+                opened.close()
+        self.written[rank] = step
+        seconds = round(time.perf_counter() - t0, 6)
+        self.log.emit("tier_saved", step=step, rank=rank, bytes=written.size, seconds=seconds, path=self.where)
+        tierfiles.prune(self.where, job, rank, self.cfg.max_local_ckpt_num, self.log)
+
+    def _error(self, message: str) -> None:
+        """Said once a minute at most per message: a full disk must not flood the log."""
+        now = time.monotonic()
+        if now - self._said.get(message, -1e9) < 60:
+            return
+        self._said[message] = now
+        self.errors.append(message)
+        self.log.record("warning", message=message)
+        console.warning(message)

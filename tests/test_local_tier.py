@@ -1,0 +1,179 @@
+"""The local tier (Config.save_local_interval): each rank's snapshot copied to its node's disk by the agent, read
+back by the loader when it is the newest state every rank has.
+
+- storage/tierfiles.py on its own: a copy and its record written, listed, checked; a damaged, truncated or
+  planted copy or record is passed over (and kept: readers delete nothing); pruning keeps the newest N steps
+  and logs every delete;
+- the engine and the real Agent in one interpreter (tests/inproc.py): 2 ranks with storage every 6 steps and
+  the tier every 2; the agent and the node's memory then lost (a reboot): the resume takes the tier's step,
+  newer than the store's, and trains on exactly as an uninterrupted run; with one rank's copy damaged, both
+  ranks take the committed step instead and the damaged copy stays.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+
+import pytest
+from inproc import model_and_optimizer, node, ranks, state, train_step
+
+from easyckpt.config import Config, validate
+from easyckpt.errors import ConfigError, ManifestError
+from easyckpt.formats import tier as tf
+from easyckpt.ipc import jobkey, shm
+from easyckpt.storage import tierfiles
+from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.savedir import SaveDir
+
+JOB = "0123456789ab"
+
+
+def _write(where, step, rank=0, data=b"x" * 10000):
+    mem = mmap.mmap(-1, len(data))
+    mem.write(data)
+    try:
+        return tierfiles.write(where, tf.TierRecord(JOB, step, rank, 2, "", 0, "", ""), memoryview(mem),
+                               lambda: None, direct=False)
+    finally:
+        mem.close()
+
+
+def test_a_copy_is_listed_only_with_its_record_and_checked_against_it(tmp_path):
+    where = str(tmp_path / tf.dir_name(JOB))
+    record = _write(where, 4, data=os.urandom(20000))
+    assert record.size == 20000 and record.checksum
+    [copy] = tierfiles.listing(where, JOB, 0)
+    assert copy.step == 4 and copy.record == record
+    tierfiles.verify(copy)
+    assert tierfiles.listing(where, JOB, 1) == [] and tierfiles.listing(where, "ba9876543210", 0) == []
+
+    with open(copy.path, "r+b") as f:       # one bit flipped: the checksum names it
+        f.seek(123)
+        byte = f.read(1)
+        f.seek(123)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ManifestError, match="corrupted"):
+        tierfiles.verify(copy)
+    assert os.path.exists(copy.path)        # a reader deletes nothing
+
+    os.truncate(copy.path, 100)             # truncated: its size is not its record's, no longer listed
+    log = AuditLog(str(tmp_path / "audit.log"), "test")
+    assert tierfiles.listing(where, JOB, 0, log) == []
+    log.close()
+    assert "passed over" in (tmp_path / "audit.log").read_text()
+
+
+def test_planted_records_and_copies_are_passed_over_without_blocking(tmp_path):
+    where = str(tmp_path / tf.dir_name(JOB))
+    _write(where, 2)
+    # a record under step 6's name that describes step 2: refused (a name is ours only when its content agrees)
+    with open(os.path.join(where, tf.record_name(2, 0)), "rb") as f:
+        os.link(os.path.join(where, tf.copy_name(2, 0)), os.path.join(where, tf.copy_name(6, 0)))
+        (tmp_path / "r6").write_bytes(f.read())
+    os.rename(tmp_path / "r6", os.path.join(where, tf.record_name(6, 0)))
+    # a FIFO as step 8's copy, with a record of the right size: never opened
+    os.mkfifo(os.path.join(where, tf.copy_name(8, 0)))
+    rec = json.loads(open(os.path.join(where, tf.record_name(2, 0))).read())
+    rec["step"] = 8
+    with open(os.path.join(where, tf.record_name(8, 0)), "w") as f:
+        json.dump(rec, f)
+    # a huge record for step 10
+    with open(os.path.join(where, tf.record_name(10, 0)), "wb") as f:
+        f.truncate(1 << 30)
+    t0 = time.monotonic()
+    assert [c.step for c in tierfiles.listing(where, JOB, 0)] == [2]
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(ManifestError, match="exactly the fields"):
+        tf.TierRecord.parse(b'{"step": 1}', JOB, 1, 0)
+    with pytest.raises(ManifestError, match="under the name of job"):
+        tf.TierRecord.parse(json.dumps(dict(rec, step=8)).encode(), JOB, 9, 0)
+
+
+def test_pruning_keeps_the_newest_steps_of_the_rank_and_logs_each_delete(tmp_path):
+    where = str(tmp_path / tf.dir_name(JOB))
+    for step in (2, 4, 6, 8):
+        _write(where, step)
+    _write(where, 6, rank=1)
+    with open(os.path.join(where, tf.copy_name(3, 0)), "wb") as f:     # an unfinished copy (no record)
+        f.write(b"half")
+    log = AuditLog(str(tmp_path / "audit.log"), "test")
+    assert tierfiles.prune(where, JOB, 0, 2, log) == [2, 3, 4]
+    log.close()
+    assert [c.step for c in tierfiles.listing(where, JOB, 0)] == [8, 6]
+    assert [c.step for c in tierfiles.listing(where, JOB, 1)] == [6]     # another rank's: untouched
+    deletes = [json.loads(ln) for ln in (tmp_path / "audit.log").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in deletes] == [("tier_delete", 2), ("tier_delete", 3), ("tier_delete", 4)]
+
+
+def test_save_local_interval_must_be_a_multiple_of_the_memory_interval(tmp_path):
+    with pytest.raises(ConfigError, match="save_local_interval=3 is not a multiple of save_mem_interval=2"):
+        validate(Config(save_dir=str(tmp_path), save_mem_interval=2, save_storage_interval=4, save_local_interval=3))
+    with pytest.raises(ConfigError, match="max_local_ckpt_num=0 must be a positive integer"):
+        validate(Config(save_dir=str(tmp_path), save_local_interval=2, max_local_ckpt_num=0))
+
+
+def _lose_the_node(cfg: Config) -> None:
+    """What a reboot leaves: no agent (closed by the caller), no shared memory; the disks as they were."""
+    for path in shm.segments_of(cfg.job_id):
+        shm.unlink_quiet(path)
+    jobkey.remove(cfg.job_id)
+
+
+def _wait_for_tier(cfg: Config, step: int, nranks: int, timeout: float = 30) -> None:
+    where = tierfiles.directory(cfg.node_dir, cfg.job_id)
+    deadline = time.monotonic() + timeout
+    while not all(any(c.step == step for c in tierfiles.listing(where, cfg.job_id, r)) for r in range(nranks)):
+        assert time.monotonic() < deadline, f"the agent did not copy step {step} to the local tier in {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_after_a_reboot_the_local_tiers_newer_step_resumes_exactly_else_the_committed_one(tmp_path, damaged):
+    cfg = validate(Config(save_dir=str(tmp_path / "ckpt"), local_dir=str(tmp_path / "local"), save_mem_interval=1,
+                          save_storage_interval=6, save_local_interval=2, max_local_ckpt_num=2,
+                          autocheckpoint_on_sigterm=False))
+
+    def first(ckpt, group):
+        model, opt = model_and_optimizer()
+        for step in range(1, 10):
+            train_step(model, opt, step)
+            ckpt.save(step, state(ckpt, model, opt, step), optimizer=opt)
+            if step in (6, 8):     # the tier copies in the background: the next steps would take its slot
+                _wait_for_tier(cfg, step, 2)
+
+    with node(cfg) as local:
+        ranks(cfg, local, 2, first)           # no finalize: the job dies with its node below
+        local.tick(0.5)
+    _lose_the_node(cfg)
+    assert [s for s, _ in SaveDir.of(cfg).committed(own=True)] == [6]
+    where = tierfiles.directory(cfg.node_dir, cfg.job_id)
+    assert [c.step for c in tierfiles.listing(where, cfg.job_id, 0)] == [8, 6]     # max_local_ckpt_num=2
+    if damaged:
+        victim = tierfiles.listing(where, cfg.job_id, 1)[0].path
+        with open(victim, "r+b") as f:
+            f.seek(os.path.getsize(victim) // 2)
+            f.write(b"\xff\x00\xff")
+
+    def resumed(ckpt, group):
+        model, opt = model_and_optimizer(seed=1)
+        step, _ = ckpt.load(state(ckpt, model, opt))
+        more = [train_step(model, opt, s) for s in range(step + 1, step + 3)]
+        ckpt.finalize(persist=False)
+        return step, more
+
+    with node(cfg) as local:
+        got = ranks(cfg, local, 2, resumed)
+    want = 6 if damaged else 8
+    assert [s for s, _ in got] == [want, want]
+    model, opt = model_and_optimizer()
+    reference = [train_step(model, opt, s) for s in range(1, want + 3)]
+    assert got[0][1] == reference[want:want + 2] and got[1][1] == reference[want:want + 2]
+    log = (tmp_path / "local" / "easyckpt.log").read_text()
+    if damaged:
+        assert "local tier copy unusable on some rank: rank 1" in log and "corrupted" in log
+        assert os.path.exists(victim)        # kept as it is
+    else:
+        loads = [json.loads(ln) for ln in log.splitlines() if '"event": "load"' in ln]
+        assert loads and all(e["source"] == "local" for e in loads[-2:]), loads
