@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,11 +63,27 @@ def events(log: Path) -> List[Dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
 
 
-def train(save: str, local: Path, hidden: int, iters: int, env: Dict[str, str]) -> List[Dict[str, Any]]:
+def train(save: str, local: Path, hidden: int, iters: int, env: Dict[str, str], *extra: str) -> List[Dict[str, Any]]:
     cmd = [sys.executable, str(EXAMPLE), "--save-dir", save, "--local-dir", str(local), "--hidden", str(hidden),
-           "--iters", str(iters), "--storage-interval", "3", "--max-ckpt", "1", "--log-file", str(local / "a.log")]
+           "--iters", str(iters), "--storage-interval", "3", "--max-ckpt", "1", "--log-file", str(local / "a.log"),
+           *extra]
     subprocess.run(cmd, check=True, env=env, timeout=1800, capture_output=True)
     return events(local / "a.log")
+
+
+def local_tier_row(bucket: str, t: Path, args: argparse.Namespace, env: Dict[str, str]) -> str:
+    """The same step resumed from the local tier, then (its tier removed) from the store: the loader's seconds."""
+    url, local = f"s3://{bucket}/tier", t / "tier-local"
+    train(url, local, args.hidden, args.iters, env, "--local-interval", "3")
+    # resumed at its last step (nothing left to train): from the tier, then with the tier gone from the store
+    tier = next(e for e in train(url, local, args.hidden, args.iters, env)[::-1] if e["event"] == "load")
+    for d in local.glob(".easyckpt-local-*"):
+        shutil.rmtree(d)
+    store = next(e for e in train(url, local, args.hidden, args.iters, env)[::-1] if e["event"] == "load")
+    if tier.get("source") != "local" or store.get("source") != "storage" or tier["step"] != store["step"]:
+        return f"restore local tier / store    not measured (loaded {tier.get('source')} then {store.get('source')})"
+    return (f"restore local tier / store  {tier['seconds'] / store['seconds']:5.2f}   ({tier['seconds']:.2f} vs "
+            f"{store['seconds']:.2f} s for step {tier['step']}, {tier['bytes'] / 1e6:.0f} MB)   measured")
 
 
 def main() -> int:
@@ -136,6 +153,7 @@ def main() -> int:
             rows.append(line)
             rows.append(f"stall per save, store/disk  {stall_s3 / stall_disk:5.2f}   ({stall_s3 * 1e3:.1f} vs "
                         f"{stall_disk * 1e3:.1f} ms per snapshot)   goal <= 1.1")
+            rows.append(local_tier_row(bucket, t, args, env))
     finally:
         drop_bucket(s3, bucket)
     print("\n".join(rows))

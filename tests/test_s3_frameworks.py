@@ -11,7 +11,8 @@ DeepSpeed (a real engine, ZeRO-3, examples/deepspeed/train.py) with their checkp
 - the Hugging Face Trainer (2 processes, DDP, TrainerWrapper, examples/deepspeed/hf_train.py) with save_dir in
   the store beside a local output_dir, evaluating and keeping the best checkpoint: kill -9, then a resume from
   the store with an uninterrupted run's losses, and at the end the best model loaded from the store with the
-  weights the uninterrupted run loads from its disk.
+  weights the uninterrupted run loads from its disk; ``easyckpt convert`` of a step in the store to a local
+  folder gives the weights of the same step on a disk.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import s3server
 from harness import (
     ROOT,
     assert_losses_equal,
+    cli,
     kill_tree,
     losses,
     run,
@@ -146,3 +148,11 @@ def test_the_trainer_killed_resumes_from_the_store_and_loads_its_best_model_from
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert not [p for p in out.iterdir() if "best" in p.name or "resume" in p.name or "restore" in p.name], \
         sorted(p.name for p in out.iterdir())
+    # easyckpt convert reads a step in the store into a local folder (never into the committed step itself)
+    refused = cli("convert", "safetensors", url, "20", expect=1)
+    assert "object store, where a committed step is never changed: give --output a local path" in refused.stderr
+    cli("convert", "safetensors", url, "20", "--output", str(tmp_path / "conv"))
+    from safetensors.torch import load_file
+    got = load_file(str(tmp_path / "conv" / "model.safetensors"))
+    want = load_file(str(tmp_path / "ref-out" / "checkpoint-20" / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

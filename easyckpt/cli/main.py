@@ -32,7 +32,7 @@ from easyckpt.errors import EasyCkptError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.replies import ReplicaStatus, StatusReply
 from easyckpt.storage import retention, stepfiles
-from easyckpt.storage.resolve import storage_for
+from easyckpt.storage.resolve import remote, storage_for
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.units import human
 
@@ -330,6 +330,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if not entry.complete:
         print(f"easyckpt convert: step {entry.step} is not a complete checkpoint ({entry.why}); "
               f"`easyckpt ls {args.dir}` lists the complete ones", file=sys.stderr)
+        return 1
+    if remote(entry.path) is not None and (args.what == "megatron-distopt" or not args.output or "://" in args.output):
+        print(f"easyckpt convert: {args.dir} is in an object store, where a committed step is never changed: give "
+              f"--output a local path" + (" (megatron-distopt writes into the step itself: copy the step to a disk "
+                                          "first)" if args.what == "megatron-distopt" else ""), file=sys.stderr)
         return 1
     if args.base_model is not None and (args.what != "safetensors" or cat.framework != "transformers"
                                         or (args.output or "").endswith(".safetensors")):
