@@ -82,7 +82,9 @@ def test_a_whole_model_checkpoint_is_not_restored_into_an_fsdp_model_and_says_wh
     ckpt = tmp_path / "ckpt"
     run(train_cmd(ckpt, 2, "--iters", "4", "--storage-interval", "4", "--idle-timeout", "5"), timeout=300)
     wait_no_agent(ckpt)
-    out = run(train_cmd(ckpt, 2, *COMMON, "--loss-file", str(tmp_path / "loss")), timeout=300, check=False)
+    # (an idle timeout of its own: the refused job leaves no snapshot to keep, and the wait below is for its agent)
+    out = run(train_cmd(ckpt, 2, *COMMON, "--idle-timeout", "5", "--loss-file", str(tmp_path / "loss")), timeout=300,
+              check=False)
     said = out.stdout + out.stderr
     assert out.returncode != 0 and "restores only into a model whose parameters are not DTensors" in said, \
         said[-3000:]

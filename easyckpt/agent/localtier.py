@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
-from easyckpt import console
 from easyckpt.agent import priority, slots
+from easyckpt.agent.warnings import Warnings
 from easyckpt.config import Config
 from easyckpt.errors import SlotNotComplete
 from easyckpt.formats import tier as tf
@@ -37,8 +37,7 @@ class LocalTier:
         self._seen: Optional[Tuple[Tuple[int, int, int], ...]] = None   # the slots' headers at the last look
         self._copying = False
         self._closed = threading.Event()
-        self._said: Dict[str, float] = {}
-        self.errors: List[str] = []
+        self.warnings = Warnings(log)      # once a minute at most each: a full disk must not flood the log
         self._thread: Optional[threading.Thread] = None
         if self.every is not None:
             self._thread = threading.Thread(target=self._loop, name="easyckpt-local-tier", daemon=True)
@@ -60,7 +59,7 @@ class LocalTier:
             try:
                 self.look()
             except Exception as exc:  # noqa: BLE001 - the tier is best effort; training never depends on it
-                self._error(f"local tier: {type(exc).__name__}: {exc}")
+                self.warnings.say(f"local tier: {type(exc).__name__}: {exc}")
 
     def look(self) -> None:
         """One look at the local ranks' slots: copy what is due (the thread's body; tests call it directly)."""
@@ -106,12 +105,3 @@ class LocalTier:
         self.log.emit("tier_saved", step=step, rank=rank, bytes=written.size, seconds=seconds, path=self.where)
         tierfiles.prune(self.where, job, rank, self.cfg.max_local_ckpt_num, self.log)
 
-    def _error(self, message: str) -> None:
-        """Said once a minute at most per message: a full disk must not flood the log."""
-        now = time.monotonic()
-        if now - self._said.get(message, -1e9) < 60:
-            return
-        self._said[message] = now
-        self.errors.append(message)
-        self.log.record("warning", message=message)
-        console.warning(message)

@@ -23,19 +23,18 @@ and seqlock checked, peerwire.py), where the trainer's loader then reads it like
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from easyckpt import console
 from easyckpt.agent import priority, slots
 from easyckpt.agent.cadence import Cadence
 from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.peerserve import PeerServer, Warm, receive_slot, send_slot
+from easyckpt.agent.warnings import Warnings
 from easyckpt.config import Config
 from easyckpt.errors import (
     BadSlotMeta,
@@ -90,11 +89,11 @@ class Replicas:
         self.server: Optional[PeerServer] = None
         # Threads: the agent's loop (status, unsent, kick, set_table), the sender (_send_loop) and the fetch
         # pool (remote_steps, fetch) all touch what follows; ``lock`` guards every field that more than one
-        # of them reads or writes (sent, _retry_at, errors, _said, _force), and readers take copies under it.
+        # of them reads or writes (sent, _retry_at, _force), and readers take copies under it (``warnings`` has
+        # a lock of its own).
         self.lock = threading.Lock()
         self.sent: Dict[int, Dict[str, Any]] = {}      # holder node -> the last step it got: step, bytes, seconds
-        self.errors: Deque[str] = collections.deque(maxlen=4)
-        self._said: Dict[str, float] = {}
+        self.warnings = Warnings(log)
         self._wake = threading.Event()
         self._force = False
         self._seen: Tuple[Any, ...] = ()      # the slots' (rank, slot, (state, generation, step)) when last looked at
@@ -192,7 +191,7 @@ class Replicas:
     def status(self) -> ReplicaStatus:
         t = self.table
         with self.lock:
-            sent, errors = dict(self.sent), list(self.errors)
+            sent, errors = dict(self.sent), self.warnings.recent()
         holds = []
         for seg in shm.list_segments(self.job_id):
             if seg.replica:
@@ -379,14 +378,11 @@ class Replicas:
         return peerwire.Pacer(self.cfg.replica_bandwidth,
                               lambda: any(st == shm.WRITING for _, _, (st, _, _) in self._look(ranks, sending=True)))
 
+    @property
+    def errors(self) -> List[str]:
+        """The newest warnings said (easyckpt status shows them)."""
+        return self.warnings.recent()
+
     def _error(self, message: str) -> None:
-        """Said once a minute at most per message: a peer that stays away must not flood the log."""
-        now = time.monotonic()
-        with self.lock:
-            if now - self._said.get(message, -1e9) < 60:
-                return
-            self._said[message] = now
-            self.errors.append(message)
-        self.log.record("warning", message=message)
-        console.warning(message)
+        self.warnings.say(message)      # once a minute at most: a peer that stays away must not flood the log
 
