@@ -173,8 +173,8 @@ def _from_tier(copy: TierCopy, rank: int, world_size: int, log: AuditLog, gather
     t0 = time.perf_counter()
     trees, err = None, None
     try:
-        tierfiles.verify(copy)
-        trees = snapshot.read_slot_file(copy.path, copy.step)
+        # checked against its record in the same mapping the tensors are then copied from (one pass over the disk)
+        trees = snapshot.read_slot_file(copy.path, copy.step, lambda mapped: tierfiles.verify(copy, mapped))
     except Exception as exc:  # noqa: BLE001 - any failure means: use storage instead
         err = f"{type(exc).__name__}: {exc}"
     errors = gather(err, world_size)

@@ -370,10 +370,16 @@ def read_snapshot(job_id: str, rank: int, slot_index: int, step: int) -> Dict[st
     return read_slot_file(shm.slot_path(job_id, rank, slot_index), step)
 
 
-def read_slot_file(path: str, step: int) -> Dict[str, Any]:
-    """read_snapshot of the slot file at ``path``: a slot in /dev/shm, or its copy in the local tier."""
-    slot = shm.Slot(path, writable=False)
+def read_slot_file(path: str, step: int, check: Optional[Callable[[memoryview], None]] = None) -> Dict[str, Any]:
+    """read_snapshot of the slot file at ``path``: a slot in /dev/shm, or its copy in the local tier. ``check``
+    sees the whole mapping first and raises when it is not what it must be (a tier copy's checksum): one pass
+    over the file's pages, which the tensors are then copied from."""
+    slot = shm.Slot(path, writable=False, populate=check is not None)
     try:
+        if check is not None:
+            assert slot.mm is not None      # a file of the record's size (listing checked it) is mapped
+            with memoryview(slot.mm) as whole:      # released even when check raises: the slot closes below
+                check(whole)
         done = slotread.check(slot, expect_step=step)
         with warnings.catch_warnings():   # the mapping is read-only and we only read through it
             warnings.simplefilter("ignore")

@@ -8,6 +8,7 @@ last, atomically) says so and its size and checksum match it. Every delete is lo
 """
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from dataclasses import dataclass
@@ -104,21 +105,25 @@ def listing(where: str, job_id: str, rank: int, log: Optional[AuditLog] = None) 
     return sorted(found, key=lambda c: -c.step)
 
 
-def verify(copy: TierCopy) -> None:
-    """ManifestError unless the copy's bytes are the ones its record describes (size and checksum)."""
-    fd = paths.open_regular(copy.path, os.O_RDONLY)
-    try:
-        hasher, size = mf.Hasher(copy.record.algo), 0
-        while True:
-            data = os.read(fd, CHUNK)
-            if not data:
-                break
-            hasher.update(data)
-            size += len(data)
-            if size > copy.record.size:
-                break
-    finally:
-        os.close(fd)
+def verify(copy: TierCopy, data: Optional[memoryview] = None) -> None:
+    """ManifestError unless the copy's bytes are the ones its record describes (size and checksum). ``data``: the
+    copy already mapped (the loader's, which then copies the tensors out of the same pages); else it is read."""
+    if data is None:
+        fd = paths.open_regular(copy.path, os.O_RDONLY)
+        try:
+            mem = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if os.fstat(fd).st_size else None
+        finally:
+            os.close(fd)
+        try:
+            with memoryview(mem if mem is not None else b"") as view:
+                return verify(copy, view)
+        finally:
+            if mem is not None:
+                mem.close()
+    hasher, size = mf.Hasher(copy.record.algo), len(data)
+    if size == copy.record.size:
+        for start in range(0, size, CHUNK):
+            hasher.update(data[start:start + CHUNK])
     problem = mf.size_problem(copy.path, size, copy.record.size)
     if problem is None and hasher.hexdigest() != copy.record.checksum:
         problem = (f"{copy.path}: checksum {hasher.hexdigest()}, its record says {copy.record.checksum} "
