@@ -57,6 +57,9 @@ def test_a_large_object_is_a_parallel_multipart_upload_read_back_by_ranged_gets(
     assert s.read(path) == data
     ranges = [(0, 10), (5 << 20, 1 << 20), (len(data) - 7, 7)]
     assert s.read_ranges(path, ranges) == [data[o:o + n] for o, n in ranges]
+    into = bytearray(3 << 20)       # a ranged GET straight into a buffer; at the end, only what the object holds
+    assert s.read_into(path, 7 << 20, memoryview(into)) == 3 << 20 and into == data[7 << 20:10 << 20]
+    assert s.read_into(path, len(data) - 5, memoryview(into)[:10]) == 5 and into[:5] == data[-5:]
     with pytest.raises(FileExistsError):
         s.open_writer(path)                       # objects are created once
 

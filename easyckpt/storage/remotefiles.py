@@ -58,17 +58,19 @@ def read_whole(store: S3Storage, step_dir: str, rel: str, algo: Optional[str] = 
     size = store.size(url)
     mf.require_size(rel, size, expect)
     buf = bytearray(size)
+    whole = memoryview(buf)
     h = mf.Hasher(algo) if algo else None
-    futures = [(off, n, store.pool.submit(store.read, url, off, n)) for off, n in _pieces(size)]
+    # each piece straight from its socket into its place in the buffer, in the pool's threads; checksummed here
+    # in order as they arrive
+    futures = [(off, n, store.pool.submit(store.read_into, url, off, whole[off:off + n])) for off, n in _pieces(size)]
     for off, n, fut in futures:
-        data = fut.result()
-        if len(data) != n:     # every piece whole: an object replaced while read is not stitched together
-            raise OSError(f"{rel} changed while being read: {len(data)} bytes at offset {off}, asked {n}")
-        buf[off:off + len(data)] = data
+        got = fut.result()
+        if got != n:     # every piece whole: an object replaced while read is not stitched together
+            raise OSError(f"{rel} changed while being read: {got} bytes at offset {off}, asked {n}")
         if h is not None:
-            h.update(data)
+            h.update(whole[off:off + n])
         if on_bytes is not None:
-            on_bytes(len(data))
+            on_bytes(n)
     return buf, (h.hexdigest() if h is not None else None)
 
 

@@ -379,6 +379,34 @@ class S3Storage:
         finally:
             body.close()
 
+    def read_into(self, path: str, offset: int, view: memoryview) -> int:
+        """``len(view)`` bytes from ``offset`` straight into ``view`` (one ranged GET; no bytes object between the
+        socket and the caller's buffer); the bytes received, fewer only when the object is shorter."""
+        loc = Location.parse(path)
+        if not len(view):
+            return 0
+        try:
+            body = self.c.get_object(Bucket=loc.bucket, Key=loc.key,
+                                     Range=f"bytes={offset}-{offset + len(view) - 1}")["Body"]
+        except Exception as exc:  # noqa: BLE001
+            if _code(exc) in ("404", "NoSuchKey"):
+                raise FileNotFoundError(path) from None
+            if _code(exc) == "InvalidRange":
+                return 0
+            raise _failed("GET", path, exc) from None
+        got = 0
+        try:
+            while got < len(view):
+                n = body.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        except Exception as exc:  # noqa: BLE001 - a connection cut mid-body
+            raise _failed("GET (reading the body of)", path, exc) from None
+        finally:
+            body.close()
+        return got
+
     def read_ranges(self, path: str, ranges: List[Tuple[int, int]]) -> List[bytes]:
         """Several ``(offset, length)`` ranges of one object, fetched in parallel (ranged GETs)."""
         futures = [self.pool.submit(self.read, path, off, n) for off, n in ranges]
