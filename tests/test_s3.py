@@ -148,3 +148,24 @@ def test_one_job_per_prefix_a_lease_object_taken_with_a_conditional_create(store
     s.write_atomic(f"{top}/job/.easyckpt.lock", b"\xff not json")
     c = StoreLock(s, f"{top}/job", "cccccccccccc", "c")    # (the real clock: the object's age decides)
     assert "job ?" in (c.acquire() or "")                 # planted garbage: a running lease of someone unknown
+
+
+def test_a_step_set_aside_is_copied_whole_manifest_last_then_removed(store):
+    s, top = store
+    src, dst = f"{top}/job/step_00000003", f"{top}/job/quarantined-step_00000003-1"
+    files = {"easyckpt_manifest.json": b'{"step": 3}', "model.safetensors": os.urandom(6 << 20), "sub/x.pt": b"x"}
+    for rel, data in files.items():
+        s.write_atomic(f"{src}/{rel}", data)
+    copied = []
+    original = s.c.copy
+    s.c.copy = lambda **kw: (copied.append(kw["Key"]), original(**kw))[1]    # the order of the copies, seen
+    try:
+        s.set_aside(src, dst)
+    finally:
+        del s.c.copy
+    assert copied[-1].endswith("/easyckpt_manifest.json") and len(copied) == 3
+    assert not s.is_dir(src) and {rel: s.read(f"{dst}/{rel}") for rel in files} == files
+    s.write_atomic(f"{src}/model.safetensors", b"again")
+    with pytest.raises(FileExistsError):
+        s.set_aside(src, dst)                  # never onto a name that is taken
+    assert s.read(f"{src}/model.safetensors") == b"again"

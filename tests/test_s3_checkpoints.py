@@ -10,6 +10,8 @@ node agent persisting from shared memory to the store, the real loader resuming 
   persisted meanwhile is said on rank 0's console, persisting resumes when the store is back and the run ends
   with its last step committed;
 - wrong credentials are refused at initialisation, before the first iteration, naming what to fix;
+- a fresh start (on_no_valid_checkpoint="start_fresh") over steps in the store that no rank can restore sets them
+  aside whole under quarantine names (copied in the store, then removed), and the new run commits its own;
 - the local tier (save_local_interval) beside the store: after a reboot (the agent and the trainers killed at
   once, the node's shared memory gone), the job resumes from the tier's step, newer than the store's, with the
   losses of an uninterrupted run.
@@ -60,7 +62,8 @@ def _keys(store, url: str):
 
 
 def _committed(keys):
-    return sorted(int(k.split("/")[0].split("_")[1]) for k in keys if k.endswith("/easyckpt_manifest.json"))
+    return sorted(int(k.split("/")[0].split("_")[1]) for k in keys
+                  if k.startswith("step_") and k.endswith("/easyckpt_manifest.json"))
 
 
 def test_a_job_killed_with_kill_9_resumes_from_the_store_with_an_uninterrupted_runs_losses(bucket, tmp_path):
@@ -251,3 +254,35 @@ def test_after_a_reboot_the_local_tiers_newer_step_resumes_with_an_uninterrupted
     saved = [e for e in events(local / "easyckpt.log") if e["event"] == "tier_saved"]
     assert {e["rank"] for e in saved} == {0, 1} and all(e["step"] % 2 == 0 for e in saved), saved
     assert _committed(_keys(store, url))[-1] == 16      # the store goes on as before: the last step committed
+
+
+def test_a_fresh_start_over_damaged_steps_in_the_store_sets_them_aside_whole(bucket, tmp_path):
+    store, top = bucket
+    url, local, loss = f"{top}/fresh", tmp_path / "local", tmp_path / "loss"
+    run(_cmd(url, local, 2, "--iters", "8", "--storage-interval", "4"))
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    assert _committed(_keys(store, url)) == [4, 8]
+    for step in (4, 8):
+        victim = f"{url}/step_{step:08d}/model.safetensors"
+        data = bytearray(store.read(victim))
+        data[-1] ^= 0xFF
+        store.write_atomic(victim, bytes(data))
+    damaged = {k: store.read(f"{url}/{k}") for k in _keys(store, url) if k.startswith("step_")}
+
+    refused = run(_cmd(url, local, 2, "--iters", "8", "--storage-interval", "4"), check=False)
+    assert refused.returncode != 0 and "on_no_valid_checkpoint" in refused.stdout + refused.stderr
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    run(_cmd(url, local, 2, "--iters", "8", "--storage-interval", "4", "--start-fresh", "--loss-file", str(loss)))
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    assert starts(loss) == [0]
+    keys = _keys(store, url)
+    aside = {}
+    for k in keys:
+        if k.startswith("quarantined-step_"):
+            name, rel = k.split("/", 1)
+            aside.setdefault(name, {})[rel] = store.read(f"{url}/{k}")
+    assert len(aside) == 2, sorted(aside)
+    kept = {name.split("-")[1]: files for name, files in aside.items()}     # quarantined-step_N-<stamp>
+    assert {f"{step}/{rel}": data for step, files in kept.items() for rel, data in files.items()} == damaged
+    assert _committed(keys) == [4, 8]          # the new run's own steps, under their names
+    assert "quarantined" in cli("ls", url).stdout

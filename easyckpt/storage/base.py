@@ -109,6 +109,13 @@ class Storage(Protocol):
         """Rename directory ``src`` to ``dst`` atomically; FileExistsError if ``dst`` exists (never replaced)."""
         ...
 
+    def set_aside(self, src: str, dst: str) -> None:
+        """Move committed step ``src`` to the new name ``dst``, whole (a quarantine); FileExistsError if ``dst``
+        exists. A file system renames (atomically, made durable); an object store copies every object, the
+        manifest last, then deletes the originals, the manifest first: at every moment one of the two is a
+        whole committed step (both for a moment; a crash between leaves both, the original taken up again)."""
+        ...
+
     def listdir(self, path: str) -> List[str]:
         """Entry names of a directory; FileNotFoundError when there is none."""
         ...

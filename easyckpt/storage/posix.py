@@ -173,6 +173,10 @@ class PosixStorage:
     def rename_noreplace(self, src: str, dst: str) -> None:
         rename_noreplace(src, dst)
 
+    def set_aside(self, src: str, dst: str) -> None:
+        rename_noreplace(src, dst)
+        fsync_dir(os.path.dirname(dst) or ".")
+
     def listdir(self, path: str) -> List[str]:
         return os.listdir(path)
 

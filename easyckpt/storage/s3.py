@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from easyckpt import _faults as faults
 from easyckpt.errors import AlreadyCommitted, ConfigError, StoreError
+from easyckpt.formats.manifest import MANIFEST_NAME
 from easyckpt.storage.base import Buffer
 from easyckpt.storage.s3client import (
     PARALLEL,
@@ -252,6 +253,18 @@ class S3Storage:
     def rename_noreplace(self, src: str, dst: str) -> None:
         raise NotImplementedError("an object store has no rename: the manifest written last is the commit")
 
+    def set_aside(self, src: str, dst: str) -> None:
+        """Copied in the store (server-side; boto3's managed copy, in parts for large objects), the manifest last;
+        then the originals deleted, the manifest first (Storage.set_aside)."""
+        s, d = Location.parse(src), Location.parse(dst)
+        if _list_keys(self, d):
+            raise FileExistsError(f"{dst} exists")
+        keys = sorted((k for k, _ in _list_keys(self, s)), key=lambda k: k.endswith("/" + MANIFEST_NAME))
+        for k in keys:
+            self.c.copy(CopySource={"Bucket": s.bucket, "Key": k}, Bucket=d.bucket,
+                        Key=d.prefix() + k[len(s.prefix()):])
+        self.delete(src)
+
     def delete(self, path: str) -> None:
         """An object, or every object under the prefix ``path/``; the manifest (``*/easyckpt_manifest.json``)
         first, so a half-deleted step is never taken for a checkpoint."""
@@ -261,7 +274,7 @@ class S3Storage:
         keys = [k for k, _ in _list_keys(self, loc)]
         if self._head(loc) is not None:
             keys.append(loc.key)
-        first = [k for k in keys if k.endswith("/easyckpt_manifest.json")]
+        first = [k for k in keys if k.endswith("/" + MANIFEST_NAME)]
         for k in first:
             self.c.delete_object(Bucket=loc.bucket, Key=k)
         rest = [k for k in keys if k not in first]

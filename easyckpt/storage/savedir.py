@@ -289,10 +289,6 @@ class SaveDir:
         path, or None when there is no committed step of this job by that name (a request from a trainer
         never sets aside another job's step, nor one another user owns)."""
         final = self.step_path(step)
-        if not self.renames:
-            log.emit("warning", step=step, path=final, message=f"kept in place, not set aside (an object store has "
-                     f"no rename): {reason[:300]}")
-            return None
         man = stepfiles.read(final) if self.storage.is_dir(final) else None
         if man is None or man.step != step or not self.owns(man) or stepfiles.owner_problem(final):
             log.emit("warning", step=step, path=final, message="not set aside: no committed step of this job there")
@@ -304,8 +300,7 @@ class SaveDir:
                 break
             stamp += 1
         log.emit("quarantine", step=step, path=final, to=dest, reason=reason[:500])
-        self.storage.rename_noreplace(final, dest)
-        self.storage.sync_dir(self.root)
+        self.storage.set_aside(final, dest)     # an object store: copied, then the original deleted
         self.clear_damaged(os.path.basename(final))
         return dest
 
