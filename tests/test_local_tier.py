@@ -17,6 +17,7 @@ import os
 import time
 
 import pytest
+from harness import cli_json
 from inproc import model_and_optimizer, node, ranks, state, train_step
 
 from easyckpt.config import Config, validate
@@ -150,6 +151,9 @@ def test_after_a_reboot_the_local_tiers_newer_step_resumes_exactly_else_the_comm
     assert [s for s, _ in SaveDir.of(cfg).committed(own=True)] == [6]
     where = tierfiles.directory(cfg.node_dir, cfg.job_id)
     assert [c.step for c in tierfiles.listing(where, cfg.job_id, 0)] == [8, 6]     # max_local_ckpt_num=2
+    tier = cli_json("status", cfg.save_dir, "--local-dir", str(cfg.local_dir))["local_tier"]     # what an operator sees
+    assert tier["dir"] == where and sorted((c["step"], c["rank"]) for c in tier["copies"]) == [(6, 0), (6, 1), (8, 0),
+                                                                                              (8, 1)]
     if damaged:
         victim = tierfiles.listing(where, cfg.job_id, 1)[0].path
         with open(victim, "r+b") as f:
