@@ -12,7 +12,8 @@ DeepSpeed (a real engine, ZeRO-3, examples/deepspeed/train.py) with their checkp
   the store beside a local output_dir, evaluating and keeping the best checkpoint: kill -9, then a resume from
   the store with an uninterrupted run's losses, and at the end the best model loaded from the store with the
   weights the uninterrupted run loads from its disk; ``easyckpt convert`` of a step in the store to a local
-  folder gives the weights of the same step on a disk.
+  folder gives the weights of the same step on a disk; the same Trainer with FSDP2 (its DCP layout, read by DCP's
+  reader from a checked local copy of the step) resumed from the store with an uninterrupted run's losses.
 """
 from __future__ import annotations
 
@@ -156,3 +157,25 @@ def test_the_trainer_killed_resumes_from_the_store_and_loads_its_best_model_from
     got = load_file(str(tmp_path / "conv" / "model.safetensors"))
     want = load_file(str(tmp_path / "ref-out" / "checkpoint-20" / "model.safetensors"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_trainers_fsdp2_killed_resumes_from_the_store_with_an_uninterrupted_runs_losses(bucket, tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[transformers])")
+    _store, top = bucket
+
+    def fsdp(out: Path, loss: Path, *extra: str):
+        return script_cmd(HF, 2, "--output-dir", str(out), "--loss-file", str(loss), "--max-steps", "20", "--fsdp",
+                          "--idle-timeout", "1", *extra)
+    ref = tmp_path / "ref"
+    run(fsdp(tmp_path / "ref-out", ref), timeout=300)
+    url, out, loss = f"{top}/fsdp", tmp_path / "out", tmp_path / "loss"
+    proc = start(fsdp(out, loss, "--save-dir", url, "--step-sleep", "0.3"), log=tmp_path / "first.out")
+    wait_for_iteration(loss, 12, proc, timeout=300)
+    kill_tree(proc)
+    wait_no_agent(url, timeout=90, log=out / "easyckpt.log")     # its snapshots gone: the store serves
+    second = run(fsdp(out, loss, "--save-dir", url), timeout=300)
+    assert f"from storage ({url}/checkpoint-1" in second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), losses(ref, rank), 20, f"Trainer FSDP2 rank {rank} from the store")
+    left = sorted(p.name for p in out.iterdir())
+    assert not [n for n in left if "restore" in n or "resume" in n], left     # the local copy is removed
