@@ -7,7 +7,8 @@ DeepSpeed (a real engine, ZeRO-3, examples/deepspeed/train.py) with their checkp
 - a torch_dist checkpoint in the store resumed on TP=1 (Megatron's reader reshards it): the same losses as the
   same resume from a copy of that checkpoint on a local disk;
 - DeepSpeed ZeRO-3 (every rank's partition of the parameters and optimizer): kill -9, then a resume from the
-  store with the losses of an uninterrupted run;
+  store with the losses of an uninterrupted run; ZeRO-2 saved on 2 ranks in the store resumed on 1 through
+  DeepSpeed's universal checkpoint (its converter reads a checked local copy of the step);
 - the Hugging Face Trainer (2 processes, DDP, TrainerWrapper, examples/deepspeed/hf_train.py) with save_dir in
   the store beside a local output_dir, evaluating and keeping the best checkpoint: kill -9, then a resume from
   the store with an uninterrupted run's losses, and at the end the best model loaded from the store with the
@@ -25,8 +26,10 @@ import pytest
 import s3server
 from harness import (
     ROOT,
+    assert_losses_close,
     assert_losses_equal,
     cli,
+    events,
     kill_tree,
     losses,
     run,
@@ -99,6 +102,28 @@ def test_a_torch_dist_checkpoint_in_the_store_resumes_on_another_tp_as_from_a_lo
 def ds(save: str, loss: Path, local: Path, iters: int, *extra: str):
     return script_cmd(DEEPSPEED, 2, "--save-dir", save, "--local-dir", str(local), "--loss-file", str(loss),
                       "--iters", str(iters), "--idle-timeout", "1", "--zero", "3", *extra, torchrun=True)
+
+
+def test_deepspeed_zero2_saved_on_two_ranks_in_the_store_resumes_on_one_through_the_universal_checkpoint(
+        bucket, tmp_path):
+    """DeepSpeed's converter opens paths: the step comes through a checked local copy, removed after."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e .[deepspeed])")
+    _store, top = bucket
+    ref = tmp_path / "ref"
+    run(script_cmd(DEEPSPEED, 1, "--save-dir", str(tmp_path / "ref-ckpt"), "--loss-file", str(ref), "--iters", "12",
+                   "--idle-timeout", "1", "--zero", "2", "--dropout", "0", torchrun=True), timeout=300)
+    url, local, loss = f"{top}/ds-dp", tmp_path / "local", tmp_path / "loss"
+    run(script_cmd(DEEPSPEED, 2, "--save-dir", url, "--local-dir", str(local), "--loss-file", str(loss), "--iters", "8",
+                   "--idle-timeout", "1", "--zero", "2", "--dropout", "0", torchrun=True), timeout=300)
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    second = run(script_cmd(DEEPSPEED, 1, "--save-dir", url, "--local-dir", str(local), "--loss-file", str(loss),
+                            "--iters", "12", "--idle-timeout", "1", "--zero", "2", "--dropout", "0", torchrun=True),
+                 timeout=300)
+    text = second.stdout + second.stderr
+    assert f"resumed step 8 from storage ({url}/global_step8" in text, text[-3000:]
+    assert any(e["event"] == "convert" for e in events(local / "easyckpt.log"))
+    assert_losses_close(losses(loss), losses(ref), range(9, 13), rel=1e-4)
+    assert not [p for p in local.iterdir() if "universal" in p.name or "restore" in p.name], sorted(local.iterdir())
 
 
 def test_deepspeed_zero3_killed_resumes_from_the_store_with_an_uninterrupted_runs_losses(bucket, tmp_path):

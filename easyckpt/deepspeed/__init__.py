@@ -40,7 +40,7 @@ from easyckpt.deepspeed.state import (
     same_layout,
 )
 from easyckpt.deepspeed.state import snapshot_bytes as ds_snapshot_bytes
-from easyckpt.engine import rng
+from easyckpt.engine import rng, scratch
 from easyckpt.engine.checkpointer import (
     Checkpointer,
     DefaultCheckpointer,
@@ -105,9 +105,14 @@ class DeepSpeedState(FrameworkState[Any]):
             ckpt.emit("convert", step=loaded.step, path=loaded.path,
                       message=f"data-parallel size {loaded.manifest.info.get('dp_world_size') if loaded.manifest else None} → "
                               f"{dp_size(self.engine)}: loading through DeepSpeed's universal checkpoint")
-            assert loaded.path is not None      # only a committed step can have another layout
-            client_state = restore_universal(self.engine, loaded.path, tag, universal.work_dir(ckpt.config),
-                                             ckpt.rank, ckpt.world_size, **kwargs)
+            # only a committed step can have another layout
+            assert loaded.path is not None and loaded.manifest is not None
+            cfg = ckpt.config
+            # DeepSpeed's converter opens paths: a step in an object store is read through a checked local copy
+            with scratch.local_step(loaded.path, loaded.manifest,
+                                    scratch.path(cfg.node_dir, "restore", cfg.job_id, ckpt.rank)) as step_dir:
+                client_state = restore_universal(self.engine, step_dir, tag, universal.work_dir(cfg),
+                                                 ckpt.rank, ckpt.world_size, **kwargs)
         per_rank = loaded.trees.get(_rng_file(ckpt.rank))
         if per_rank is not None:
             rng.restore(per_rank["rng"])

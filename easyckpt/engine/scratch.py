@@ -15,7 +15,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import scratch_name
-from easyckpt.formats.manifest import Manifest
+from easyckpt.formats.manifest import MANIFEST_NAME, Manifest
 from easyckpt.storage import stepfiles
 from easyckpt.storage.posix import PosixStorage
 from easyckpt.storage.resolve import remote
@@ -65,8 +65,8 @@ def remove(directory: str) -> None:
 def local_copy(step_dir: str, manifest: Manifest, directory: str) -> str:
     """``step_dir`` as a local directory for a framework reader that only opens paths (Megatron's torch_dist
     reader, DCP's, DeepSpeed's, the Trainer's best-model load): the step itself on a file system; for an object
-    store, every listed file downloaded into ``directory`` (checked against the manifest on the way), which the
-    caller removes."""
+    store, every listed file downloaded into ``directory`` (checked against the manifest on the way), then the
+    manifest, which the caller removes."""
     if remote(step_dir) is None:
         return step_dir
     fresh(directory)
@@ -74,6 +74,8 @@ def local_copy(step_dir: str, manifest: Manifest, directory: str) -> str:
         for rel in manifest.files:
             staged_file(os.path.dirname(os.path.join(directory, rel)), os.path.basename(rel),
                         stepfiles.read_verified(step_dir, rel, manifest))
+        # the manifest last, as in a committed step: a reader that looks for it (DeepSpeed's converter) finds one
+        staged_file(directory, MANIFEST_NAME, manifest.to_bytes())
     except BaseException:
         remove(directory)
         raise
