@@ -31,6 +31,12 @@ from easyckpt.storage.savedir import SaveDir
 JOB = "0123456789ab"
 
 
+def _verify(copy):
+    """tierfiles.verify over the copy as the loader maps it."""
+    with open(copy.path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mem, memoryview(mem) as view:
+        tierfiles.verify(copy, view)
+
+
 def _write(where, step, rank=0, data=b"x" * 10000):
     mem = mmap.mmap(-1, len(data))
     mem.write(data)
@@ -47,7 +53,7 @@ def test_a_copy_is_listed_only_with_its_record_and_checked_against_it(tmp_path):
     assert record.size == 20000 and record.checksum
     [copy] = tierfiles.listing(where, JOB, 0)
     assert copy.step == 4 and copy.record == record
-    tierfiles.verify(copy)
+    _verify(copy)
     assert tierfiles.listing(where, JOB, 1) == [] and tierfiles.listing(where, "ba9876543210", 0) == []
 
     with open(copy.path, "r+b") as f:       # one bit flipped: the checksum names it
@@ -56,7 +62,7 @@ def test_a_copy_is_listed_only_with_its_record_and_checked_against_it(tmp_path):
         f.seek(123)
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(ManifestError, match="corrupted"):
-        tierfiles.verify(copy)
+        _verify(copy)
     assert os.path.exists(copy.path)        # a reader deletes nothing
 
     os.truncate(copy.path, 100)             # truncated: its size is not its record's, no longer listed
@@ -90,6 +96,18 @@ def test_planted_records_and_copies_are_passed_over_without_blocking(tmp_path):
         tf.TierRecord.parse(b'{"step": 1}', JOB, 1, 0)
     with pytest.raises(ManifestError, match="under the name of job"):
         tf.TierRecord.parse(json.dumps(dict(rec, step=8)).encode(), JOB, 9, 0)
+
+
+def test_a_tier_directory_others_can_write_is_passed_over_whole(tmp_path):
+    where = str(tmp_path / tf.dir_name(JOB))
+    _write(where, 2)
+    os.chmod(where, 0o777)                 # anyone could have planted its records and copies
+    log = AuditLog(str(tmp_path / "audit.log"), "test")
+    assert tierfiles.listing(where, JOB, 0, log) == []
+    log.close()
+    assert "local tier passed over" in (tmp_path / "audit.log").read_text()
+    os.chmod(where, 0o755)
+    assert [c.step for c in tierfiles.listing(where, JOB, 0)] == [2]
 
 
 def test_pruning_keeps_the_newest_steps_of_the_rank_and_logs_each_delete(tmp_path):

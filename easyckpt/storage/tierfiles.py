@@ -8,7 +8,6 @@ last, atomically) says so and its size and checksum match it. Every delete is lo
 """
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ from typing import Callable, List, Optional
 
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
-from easyckpt.formats import paths
 from easyckpt.formats import tier as tf
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.direct import SequentialWriter
@@ -83,9 +81,18 @@ def _names(where: str) -> List[str]:
 
 def listing(where: str, job_id: str, rank: int, log: Optional[AuditLog] = None) -> List[TierCopy]:
     """The copies of ``rank`` whose record is valid and whose size matches it, newest first. A record that
-    cannot be trusted is logged and passed over (kept: nothing is deleted by a reader)."""
-    found = []
-    for name in _names(where):
+    cannot be trusted is logged and passed over (kept: nothing is deleted by a reader), and so is the whole
+    directory when it is not this user's own (a symlink, another user's, writable by others)."""
+    found: List[TierCopy] = []
+    names = _names(where)
+    if names:
+        try:
+            _storage.check_own_dir(where)
+        except OSError as exc:
+            if log is not None:
+                log.record("warning", rank=rank, message=f"local tier passed over: {exc}")
+            return found
+    for name in names:
         parsed = tf.parse_name(name)
         if parsed is None or parsed[1] != rank or parsed[2] != "json":
             continue
@@ -105,21 +112,9 @@ def listing(where: str, job_id: str, rank: int, log: Optional[AuditLog] = None) 
     return sorted(found, key=lambda c: -c.step)
 
 
-def verify(copy: TierCopy, data: Optional[memoryview] = None) -> None:
-    """ManifestError unless the copy's bytes are the ones its record describes (size and checksum). ``data``: the
-    copy already mapped (the loader's, which then copies the tensors out of the same pages); else it is read."""
-    if data is None:
-        fd = paths.open_regular(copy.path, os.O_RDONLY)
-        try:
-            mem = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if os.fstat(fd).st_size else None
-        finally:
-            os.close(fd)
-        try:
-            with memoryview(mem if mem is not None else b"") as view:
-                return verify(copy, view)
-        finally:
-            if mem is not None:
-                mem.close()
+def verify(copy: TierCopy, data: memoryview) -> None:
+    """ManifestError unless ``data``, the copy as the loader mapped it (it then copies the tensors out of the same
+    pages), is what its record describes (size and checksum)."""
     hasher, size = mf.Hasher(copy.record.algo), len(data)
     if size == copy.record.size:
         for start in range(0, size, CHUNK):
