@@ -66,10 +66,14 @@ class LocalTier:
         assert self.every is not None
         job = self.cfg.job_id
         ranks = sorted({seg.rank for seg in shm.list_segments(job) if not seg.replica})
-        seen = tuple(shm.peek(shm.slot_path(job, r, i)) for r in ranks for i in (0, 1))
+        peeked = {(r, i): shm.peek(shm.slot_path(job, r, i)) for r in ranks for i in (0, 1)}
+        seen = tuple(peeked.values())
         if seen == self._seen:
-            return       # no slot changed since the last look (its metadata is read only then)
+            return       # no slot changed since the last look
         self._seen = seen
+        if not any(state == shm.COMPLETE and step % self.every == 0 and step > self.written.get(r, -1)
+                   for (r, _), (state, _, step) in peeked.items()):
+            return       # no slot's header says a due step: its metadata is not read (every snapshot's case)
         per_rank = slots.complete_snapshots(job, ranks, self.log)
         for rank in ranks:
             due = [s for s in per_rank[rank] if s % self.every == 0 and s > self.written.get(rank, -1)]
