@@ -90,8 +90,9 @@ class SaveDir:
             return
         final = self.step_path(step)
         if self.storage.is_file(os.path.join(final, mf.MANIFEST_NAME)):
-            raise FileExistsError(f"{final} holds a committed step already: an object store cannot set it aside, "
-                                  f"so step {step} is not written over it (easyckpt prune or delete it to free the name)")
+            raise FileExistsError(f"{final} holds a committed step already: in an object store a step is written in "
+                                  f"place, so step {step} is not written over it (easyckpt prune or delete it to free "
+                                  f"the name)")
         self.storage.write_atomic(self.claim_path(step), b"")
 
     def trash_path(self, victim: str) -> str:
