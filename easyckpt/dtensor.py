@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -46,8 +47,9 @@ LOCAL = "easyckpt_dcp/rank_{:05d}.safetensors"     # memory only: what this rank
 
 
 def is_dtensor_model(model: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    # a DTensor parameter means its module was imported: without it, no need to import it (most of a second)
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
 
 
 def _state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
@@ -176,7 +178,10 @@ def load_state(state: Dict[str, Any], trees: Dict[str, Any], path: Optional[str]
     if path is not None:
         dcp.load(state, checkpoint_id=os.path.join(path, prefix) if prefix else path, planner=_safe_planner())
     else:
-        dcp.load(state, storage_reader=_MemoryReader(trees, rank, prefix), planner=_safe_planner(), no_dist=True)
+        # defined on DCP's StorageReader, so imported only here
+        from easyckpt.engine.dcpmemory import MemoryReader
+        dcp.load(state, storage_reader=MemoryReader(trees, rank, LOCAL, prefix), planner=_safe_planner(),
+                 no_dist=True)
 
 
 def _safe_planner() -> Any:
@@ -193,84 +198,3 @@ def _safe_planner() -> Any:
             super().load_bytes(read_item, again)
 
     return SafeLoadPlanner()
-
-
-def _reader_base() -> Any:
-    from torch.distributed.checkpoint import StorageReader
-    return StorageReader
-
-
-class _MemoryReader(_reader_base()):  # type: ignore[misc]  # torch's abstract StorageReader
-    """DCP's StorageReader over this rank's memory snapshot: every item it held at the snapshot (what it
-    wrote and what it kept in LOCAL), the same layout as now."""
-
-    def __init__(self, trees: Dict[str, Any], rank: int, prefix: str = ""):
-        super().__init__()
-        mine = trees[prefix + LOCAL.format(rank)]
-        pools = {"d": trees[prefix + data_file(rank)], "l": mine["local"]}
-        self.items: Dict[Tuple[str, Tuple[int, ...]], Any] = {}
-        self.sizes: Dict[str, List[int]] = {}
-        for fqn, offsets, kind, pos, size in mine["index"]:
-            pool = pools.get(kind)
-            if pool is None or type(pos) is not int or not 0 <= pos < len(pool):
-                raise CheckpointError(f"the snapshot's index places {fqn} at {kind!r} {pos!r}, which it does not hold")
-            self.items[(fqn, tuple(offsets or ()))] = pool[pos]
-            if size is not None:
-                self.sizes[fqn] = size
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            ChunkStorageMetadata,
-            Metadata,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
-        md: Dict[str, Any] = {}
-        for (fqn, offsets), value in self.items.items():
-            if not isinstance(value, torch.Tensor):
-                md[fqn] = BytesStorageMetadata()
-                continue
-            entry = md.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=value.dtype),
-                                                             torch.Size(self.sizes.get(fqn, value.shape)), []))
-            entry.chunks.append(ChunkStorageMetadata(torch.Size(offsets), value.shape))
-        return Metadata(state_dict_metadata=md)
-
-    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        return plan
-
-    def prepare_global_plan(self, plans: Any) -> Any:
-        return plans
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.futures import Future
-
-        for ri in plan.items:
-            value = self.items.get((ri.storage_index.fqn, tuple(ri.storage_index.offset or ())))
-            if value is None:
-                raise CheckpointError(f"the snapshot in memory has no {ri.storage_index.fqn} at "
-                                      f"{list(ri.storage_index.offset or ())}: it was taken on another layout")
-            if ri.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(ri, io.BytesIO(bytes(value)))
-                continue
-            source = value
-            for dim, (offset, length) in enumerate(zip(ri.storage_offsets, ri.lengths)):
-                source = source.narrow(dim, offset, length)
-            target = planner.resolve_tensor(ri).detach()
-            target.copy_(source)
-            planner.commit_tensor(ri, target)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
-
