@@ -44,3 +44,29 @@ def shm_clean():
     yield
     after = set(harness.shm_segments()) - before
     assert not after, f"test left shared-memory segments behind: {sorted(after)}"
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted(key, produce)``: ``produce(directory)``'s result (an uninterrupted run's losses), run
+    once per session for each ``key`` and shared by every test that asks for the same run. A key names what
+    decides the losses (the script, the layout, the flags that change training), never the checkpoint
+    format: the format must not change training, so tests of both formats compare with one run."""
+    cache = {}
+
+    def get(key, produce):
+        if key not in cache:
+            cache[key] = produce(tmp_path_factory.mktemp("uninterrupted"))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def s3_gateway(tmp_path_factory):
+    """The session's S3 server (tests/s3server.py), started when a test first needs it and stopped at the end:
+    one start (about 15 s) for every object-store module, not one per module."""
+    import s3server
+    port, mon_port = s3server.ports()
+    with s3server.running(tmp_path_factory.mktemp("s3") / "server", port, mon_port) as values:
+        yield values

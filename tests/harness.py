@@ -344,6 +344,17 @@ def killed_then_resumed(first: Sequence[str], then: Sequence[str], save_dir: Pat
     return starts(loss)[-1]
 
 
+def worker_reference(uninterrupted: Callable[..., Any], nproc: int, *args: str) -> Dict[int, Dict[int, str]]:
+    """rank -> losses of an uninterrupted run of the test worker with ``args`` (no save dir or loss file among
+    them), run once per session and shared by every test that asks for the same (conftest.uninterrupted)."""
+    def produce(d: Path) -> Dict[int, Dict[int, str]]:
+        import inproc
+        inproc.run_worker(train_cmd(d / "ckpt", nproc, *args, "--loss-file", str(d / "loss")))
+        wait_no_agent(d / "ckpt")
+        return {rank: losses(d / "loss", rank) for rank in range(nproc)}
+    return uninterrupted(("worker", nproc, *args), produce)
+
+
 def worker_pids(proc: subprocess.Popen, n: int, timeout: float = 60) -> Dict[int, int]:
     """rank -> pid of the trainers below ``proc`` (torchrun's workers, or ``proc`` itself), by their RANK."""
     deadline = time.monotonic() + timeout

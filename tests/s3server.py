@@ -1,6 +1,7 @@
 """A real S3 server for the object-store tests: Ceph's RADOS Gateway on 127.0.0.1, started by
-scripts/s3-server.sh (Debian's ceph-mon, ceph-osd and radosgw; .ci/run installs them), one per test module on
-ports of its own (pytest-xdist runs modules side by side). Without those packages a module's tests are skipped,
+scripts/s3-server.sh (Debian's ceph-mon, ceph-osd and radosgw; .ci/run installs them), one per test session
+(conftest.py's s3_gateway: started by the first module that needs it, shared by the others, each test on a bucket
+of its own), on ports of its own per pytest-xdist worker. Without those packages a module's tests are skipped,
 saying so; a server that does not start fails them."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import pytest
 
@@ -68,16 +69,37 @@ def gateway(server: Dict[str, str], verb: str) -> None:
     assert done.returncode == 0, f"gateway-{verb} failed:\n{done.stderr[-3000:]}"
 
 
-def fixtures(port: int, mon_port: int, endpoint_env: bool = True):
-    """A test module's two fixtures: ``server`` (its own gateway, on ports of its own, for the module) and
-    ``bucket`` (the client's environment set, a fresh bucket: (an S3Storage, "s3://bucket")). In the module:
-    ``server, bucket = s3server.fixtures(PORT, MON_PORT)``. Without ``endpoint_env`` the endpoint is left out
-    of the environment (the storage layer's own tests give it by ``resolve.set_endpoint``)."""
+def bucket_quota(server: Dict[str, str], bucket: str, max_bytes: Optional[int]) -> None:
+    """The gateway's own quota on ``bucket`` (radosgw-admin): at most ``max_bytes`` stored; None lifts it. A put
+    that would go over is refused (QuotaExceeded), as a full bucket or an account out of quota refuses it."""
+    conf = str(Path(server["DIR"]) / "ceph.conf")
+    if max_bytes is None:
+        steps = [["quota", "disable", "--quota-scope=bucket", f"--bucket={bucket}"]]
+    else:
+        steps = [["quota", "set", "--quota-scope=bucket", f"--bucket={bucket}", f"--max-size={max_bytes}"],
+                 ["quota", "enable", "--quota-scope=bucket", f"--bucket={bucket}"]]
+    for args in steps:
+        done = subprocess.run(["radosgw-admin", "-c", conf, *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"radosgw-admin {' '.join(args)}: {done.stderr[-2000:]}"
+
+
+def ports() -> Tuple[int, int]:
+    """The gateway's port and its monitor's (that and the next) for this session: below the ephemeral range,
+    apart for each pytest-xdist worker (gw0, gw1, ...) so that workers' servers never meet."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    n = int(worker[2:]) if worker[2:].isdigit() else 0
+    return 7481 + 2 * n, 27210 + 10 * n
+
+
+def fixtures(endpoint_env: bool = True):
+    """A test module's two fixtures: ``server`` (the session's gateway, conftest.s3_gateway) and ``bucket``
+    (the client's environment set, a fresh bucket: (an S3Storage, "s3://bucket")). In the module:
+    ``server, bucket = s3server.fixtures()``. Without ``endpoint_env`` the endpoint is left out of the
+    environment (the storage layer's own tests give it by ``resolve.set_endpoint``)."""
 
     @pytest.fixture(scope="module")
-    def server(tmp_path_factory):
-        with running(tmp_path_factory.mktemp("s3") / "server", port, mon_port) as values:
-            yield values
+    def server(s3_gateway):
+        return s3_gateway
 
     @pytest.fixture
     def bucket(server, monkeypatch):

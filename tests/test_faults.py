@@ -25,6 +25,7 @@ from harness import (
     starts,
     train_cmd,
     wait_no_agent,
+    worker_reference,
 )
 from inproc import run_worker
 
@@ -61,14 +62,13 @@ def verify(ckpt: Path, *args: str):
 
 # ---- row 1 ----------------------------------------------------------------------------------
 
-def test_kill_mid_snapshot_ignores_the_half_written_slot(tmp_path):
+def test_kill_mid_snapshot_ignores_the_half_written_slot(tmp_path, uninterrupted):
     """Rank 0 is killed inside its 9th memory copy; the resume uses the previous complete snapshot.
     (No persist is pending here: while one is, the other slot is the only one a snapshot can use.)"""
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
     args = ["--iters", "14", "--storage-interval", "100", "--loss-file", str(loss), "--log-file", str(log),
             "--idle-timeout", "60"]
-    ref = tmp_path / "ref"
-    run_worker(train_cmd(ref / "ckpt", 2, "--iters", "14", "--loss-file", str(ref / "loss")))
+    reference = worker_reference(uninterrupted, 2, "--iters", "14")
     once = tmp_path / "once"
     once.mkdir()
     first = run_worker(train_cmd(ckpt, 2, *args), check=False, extra_env={
@@ -78,12 +78,11 @@ def test_kill_mid_snapshot_ignores_the_half_written_slot(tmp_path):
     run_worker(train_cmd(ckpt, 2, *args))
     assert starts(loss)[-1] == 8, "the resume must come from step 8, the snapshot before the torn one"
     for rank in (0, 1):
-        assert losses(loss, rank) == losses(ref / "loss", rank)
+        assert losses(loss, rank) == reference[rank]
     wait_no_agent(ckpt)
-    wait_no_agent(ref / "ckpt")
 
 
-def test_a_step_one_rank_never_handed_over_is_abandoned_not_mixed_with_the_rerun(tmp_path):
+def test_a_step_one_rank_never_handed_over_is_abandoned_not_mixed_with_the_rerun(tmp_path, uninterrupted):
     """Rank 1 dies inside its copy of step 10, a persist step that rank 0 has already handed to the agent.
     Step 10 can never be completed by these trainers: the agent must drop rank 0's half of it (a rerun of
     step 10 must not be committed with it) and must not wait for it; the relaunch resumes from step 9."""
@@ -91,8 +90,7 @@ def test_a_step_one_rank_never_handed_over_is_abandoned_not_mixed_with_the_rerun
     once.mkdir()
     args = ["--iters", "14", "--storage-interval", "5", "--loss-file", str(loss), "--log-file", str(log),
             "--step-sleep", "0.05", "--idle-timeout", "30"]
-    ref = tmp_path / "ref"
-    run_worker(train_cmd(ref / "ckpt", 2, "--iters", "14", "--loss-file", str(ref / "loss")))
+    reference = worker_reference(uninterrupted, 2, "--iters", "14")
     first = run_worker(train_cmd(ckpt, 2, *args), check=False, extra_env={
         "EASYCKPT_FAULTS": "trainer.mid_snapshot@1=kill", "EASYCKPT_FAULT_AFTER": "trainer.mid_snapshot:9",
         "EASYCKPT_FAULT_ONCE_DIR": str(once)})
@@ -100,7 +98,7 @@ def test_a_step_one_rank_never_handed_over_is_abandoned_not_mixed_with_the_rerun
     run_worker(train_cmd(ckpt, 2, *args))
     assert starts(loss)[-1] == 9
     for rank in (0, 1):
-        assert losses(loss, rank) == losses(ref / "loss", rank)
+        assert losses(loss, rank) == reference[rank]
     assert committed_steps(ckpt)[-1] == 14 and verify(ckpt).returncode == 0
     evs = events(log)
     death = next(i for i, e in enumerate(evs) if e["event"] == "persist_after_death")
@@ -109,7 +107,6 @@ def test_a_step_one_rank_never_handed_over_is_abandoned_not_mixed_with_the_rerun
         assert any(e["event"] == "abandon" for e in evs), "rank 0's half of step 10 was kept"
     assert [e["event"] for e in evs if e.get("step") == 10 and e["event"] in ("persist", "commit")][-1] == "commit"
     wait_no_agent(ckpt, timeout=20)      # nothing left pending: the agent leaves as soon as the job is done
-    wait_no_agent(ref / "ckpt")
 
 
 # ---- row 2 ----------------------------------------------------------------------------------

@@ -12,8 +12,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -273,9 +271,7 @@ def test_deepspeed_conversions_read_only_listed_files_and_never_run_a_pickle(tmp
 
     # `easyckpt convert`: the listed pickle is refused; the unlisted one is never read
     out = tmp_path / "out.safetensors"
-    done = subprocess.run([sys.executable, "-m", "easyckpt.cli", "convert", "safetensors", str(ckpt), "4",
-                           "--output", str(out)], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = cli("convert", "safetensors", ckpt, "4", "--output", out, expect=None)    # main(argv), in this process
     assert not marker.exists(), "convert ran a pickle from the checkpoint"
     if variant == "listed":
         assert done.returncode == 1 and planted in done.stderr, done.stderr[-2000:]

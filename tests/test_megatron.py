@@ -65,22 +65,36 @@ def starts(prefix: Path):
     return [int(l.split()[2]) for l in path.read_text().splitlines() if l.startswith("# start")]
 
 
+def reference(uninterrupted, *extra: str, nproc: int = 2):
+    """The losses of an uninterrupted run of ``cmd(..., *extra)`` ({"rank<N>": losses} for each rank that
+    writes them), run once per session for each layout and shared by the tests of both formats, and by
+    test_s3_frameworks' (conftest.uninterrupted)."""
+    flags = list(extra)
+    if "--ckpt-format" in flags:
+        at = flags.index("--ckpt-format")
+        del flags[at:at + 2]
+
+    def produce(d: Path):
+        run(cmd(d / "ckpt", d / "loss", *extra, nproc=nproc), timeout=300)
+        wait_no_agent(d / "ckpt")
+        return loss_files(d / "loss")
+    return uninterrupted(("megatron", ITERS, nproc, *flags), produce)
+
+
 # PP=2 repeats the TP=2 path with another mp_rank naming: -m slow (CI stays under 15 minutes)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n for n in CONFIGS])
-def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, name):
+def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, uninterrupted, name):
     """kill -9 of every trainer, relaunch, then SIGTERM to the launcher (torchrun forwards it to its
     workers), relaunch: the stitched losses equal an uninterrupted run's."""
     extra = CONFIGS[name]
-    ref = tmp_path / "ref"
-    run(cmd(ref / "ckpt", ref / "loss", *extra), timeout=300)
-    reference = loss_files(ref / "loss")
-    assert reference and all(sorted(v) == list(range(1, ITERS + 1)) for v in reference.values())
+    want = reference(uninterrupted, *extra)
+    assert want and all(sorted(v) == list(range(1, ITERS + 1)) for v in want.values())
 
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
     args = cmd(ckpt, loss, *extra, "--ckpt-log", str(log), "--step-sleep", "0.15")
     rnd = random.Random(SEED + len(name))
     kill_at, term_at = rnd.randint(3, 5), rnd.randint(7, 9)
-    watch = int(sorted(reference)[0][len("rank"):])     # with PP only the last stage writes losses
+    watch = int(sorted(want)[0][len("rank"):])     # with PP only the last stage writes losses
     last = interrupted_runs(args, loss, tmp_path, [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)],
                             rank=watch)
     resumed = starts(loss)[1:]
@@ -88,9 +102,8 @@ def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_pat
         f"resumed from {resumed} after interrupts at {kill_at}, {term_at}: progress was lost"
     assert any(e["event"] == "load" and e.get("source") == "memory" for e in events(log))
     assert_console(tmp_path, last, resumed, ckpt, "iter_{:07d}".format, nproc=2)   # (stdout, as print_rank_0)
-    assert loss_files(loss) == reference, "losses after the resumes differ from the uninterrupted run"
+    assert loss_files(loss) == want, "losses after the resumes differ from the uninterrupted run"
     wait_no_agent(ckpt)
-    wait_no_agent(ref / "ckpt")
 
     newest = sorted(ckpt.glob("iter_*"))[-1]
     if "torch_dist" in extra:    # Megatron's distributed layout: its loader picks the backend from metadata.json
@@ -116,14 +129,12 @@ def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_pat
     pytest.param(2, 1, "--use-distributed-optimizer", marks=pytest.mark.slow),
     pytest.param(1, 2, "--use-distributed-optimizer", marks=pytest.mark.slow),
     pytest.param(2, 1, "", marks=pytest.mark.slow)], ids=["distopt-2to1", "distopt-1to2", "plain-2to1"])
-def test_concat_resumes_on_another_data_parallel_size(tmp_path, saved_dp, resumed_dp, opt):
+def test_concat_resumes_on_another_data_parallel_size(tmp_path, uninterrupted, saved_dp, resumed_dp, opt):
     """Saved at one DP size, resumed at the other with concat=True. DP=1 and DP=2 runs of this model
     agree to ~5e-7 on their own, so the resumed losses must match a run that never stopped to 1e-5;
     misplaced moments or main params would put them far apart within a step or two."""
     opt_args = [opt] if opt else []
     half = ITERS // 2
-    ref = tmp_path / "ref"
-    run(cmd(ref / "ckpt", ref / "loss", *opt_args, nproc=resumed_dp), timeout=300)
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
 
     def launch(nproc, *extra):
@@ -136,12 +147,11 @@ def test_concat_resumes_on_another_data_parallel_size(tmp_path, saved_dp, resume
     assert f"resharded to tp1.pp1.dp{resumed_dp}." in out.stdout, out.stdout[-3000:]
     loads = [e for e in events(log) if e["event"] == "load" and e.get("step")]
     assert loads and all(e["source"] == "storage" for e in loads), "another world size must load from storage"
-    reference = loss_files(ref / "loss")["rank0"]
+    want = reference(uninterrupted, *opt_args, nproc=resumed_dp)["rank0"]
     got = loss_files(loss)["rank0"]
     assert sorted(got) == list(range(1, ITERS + 1))
-    assert_losses_close(got, reference, range(half + 1, ITERS + 1), rel=1e-5)
+    assert_losses_close(got, want, range(half + 1, ITERS + 1), rel=1e-5)
     wait_no_agent(ckpt)
-    wait_no_agent(ref / "ckpt")
 
 
 @pytest.mark.slow

@@ -90,14 +90,19 @@ def global_state(prefix: Path, tag: str):
 @pytest.mark.parametrize("change,opt,fmt", [
     pytest.param(c, o, f, id=f"{c}-{o}-{f}", marks=() if (c, o, f) in DEFAULT_TIER else pytest.mark.slow)
     for f in ("torch_dist", "torch") for c in CHANGES for o in ("plain", "distopt")])
-def test_a_checkpoint_resumes_on_another_layout_with_the_same_state(tmp_path, change, opt, fmt):
+def test_a_checkpoint_resumes_on_another_layout_with_the_same_state(tmp_path, uninterrupted, change, opt, fmt):
     saved, n_saved, resumed, n_resumed = CHANGES[change]
     extra = ["--use-distributed-optimizer"] if opt == "distopt" else []
     # the torch layout reshards with concat=True (the hook passes it)
     again = ["--concat"] if fmt == "torch" else []
     half = ITERS // 2
-    ref, ckpt, log = tmp_path / "ref", tmp_path / "ckpt", tmp_path / "audit.jsonl"
-    run(cmd(ref / "ckpt", ref / "loss", saved, n_saved, "--iters", str(ITERS), *extra, fmt=fmt), timeout=300)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
+
+    def produce(ref: Path):     # the saved layout's uninterrupted run, shared by both formats' tests
+        run(cmd(ref / "ckpt", ref / "loss", saved, n_saved, "--iters", str(ITERS), *extra, fmt=fmt), timeout=300)
+        wait_no_agent(ref / "ckpt")
+        return losses(ref / "loss")
+    reference = uninterrupted(("megatron-reshard", n_saved, *saved, *extra), produce)
     run(cmd(ckpt, tmp_path / "a", saved, n_saved, "--iters", str(half), "--dump-state", str(tmp_path / "a"),
             "--ckpt-log", str(log), *extra, fmt=fmt), timeout=300)
     wait_no_agent(ckpt)
@@ -114,11 +119,10 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_same_state(tmp_path, ch
         assert torch.equal(before[key], after[key]), f"{key} differs after resharding ({change}, {opt}, {fmt})"
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in before), sorted(before)[:5]
 
-    got, reference = losses(tmp_path / "b"), losses(ref / "loss")
+    got = losses(tmp_path / "b")
     assert sorted(got) == list(range(half + 1, ITERS + 1))
     assert_losses_close(got, reference, range(half + 1, ITERS + 1), rel=REL)
     wait_no_agent(ckpt)
-    wait_no_agent(ref / "ckpt")
 
 
 # per format: the data file stage 0 reads part of, and the file of the second stage's (PP 2) checkpoint

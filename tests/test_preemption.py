@@ -38,6 +38,7 @@ from harness import (
     wait_for_iteration,
     wait_no_agent,
     worker_pids,
+    worker_reference,
 )
 
 N = 30
@@ -47,12 +48,13 @@ MODES = ("one rank", "all ranks", "process group")
 SWEEP = int(os.environ.get("EASYCKPT_SIGTERM_SWEEP", "12"))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("reference")
-    run(train_cmd(d / "ckpt", 2, *COMMON, "--loss-file", str(d / "loss")))
-    wait_no_agent(d / "ckpt")
-    return {r: losses(d / "loss", r) for r in (0, 1)}
+@pytest.fixture
+def reference(uninterrupted):
+    """Two ranks trained N iterations without a stop (the checkpoint cadence does not change training: this
+    run is shared with the other modules that train N iterations on two ranks)."""
+    ref = worker_reference(uninterrupted, 2, "--iters", str(N))
+    assert sorted(ref[0]) == list(range(1, N + 1)) and sorted(ref[1]) == list(range(1, N + 1))
+    return ref
 
 
 def sigterm_run(workdir: Path, seed: int, mode: str, reference) -> int:

@@ -17,8 +17,8 @@ from harness import (
     train_cmd,
     wait_for_iteration,
     wait_no_agent,
+    worker_reference,
 )
-from inproc import run_worker
 
 N = 30
 MEM = 2
@@ -26,13 +26,12 @@ COMMON = ["--iters", str(N), "--mem-interval", str(MEM), "--storage-interval", "
 SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("reference")
-    run_worker(train_cmd(d / "ckpt", 2, *COMMON, "--loss-file", str(d / "loss")))
-    ref = {r: losses(d / "loss", r) for r in (0, 1)}
+@pytest.fixture
+def reference(uninterrupted):
+    """Two ranks trained N iterations without a stop (the checkpoint cadence does not change training: this
+    run is shared with the other modules that train N iterations on two ranks)."""
+    ref = worker_reference(uninterrupted, 2, "--iters", str(N))
     assert sorted(ref[0]) == list(range(1, N + 1)) and sorted(ref[1]) == list(range(1, N + 1))
-    wait_no_agent(d / "ckpt")
     return ref
 
 

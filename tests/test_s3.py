@@ -19,7 +19,7 @@ boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install
 
 
 # ``store``: an S3Storage on the server and a fresh bucket, (storage, "s3://bucket")
-server, store = s3server.fixtures(7481, 27210, endpoint_env=False)
+server, store = s3server.fixtures(endpoint_env=False)
 
 
 def test_objects_appear_whole_and_a_committed_manifest_is_never_replaced(store):
