@@ -9,6 +9,8 @@ node agent persisting from shared memory to the store, the real loader resuming 
 - the store stopped for 30 s mid-run, then started again: training never stops, each step that could not be
   persisted meanwhile is said on rank 0's console, persisting resumes when the store is back and the run ends
   with its last step committed;
+- a full bucket (the gateway's quota): each step that does not fit fails cleanly, said on the console, leaving
+  nothing behind; older steps are unharmed and not pruned; training goes on, and commits again once there is room;
 - wrong credentials are refused at initialisation, before the first iteration, naming what to fix;
 - a fresh start (on_no_valid_checkpoint="start_fresh") over steps in the store that no rank can restore sets them
   aside whole under quarantine names (copied in the store, then removed), and the new run commits its own;
@@ -46,7 +48,7 @@ pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3
 FAST = ["--idle-timeout", "1"]
 
 
-server, bucket = s3server.fixtures(7483, 27230)     # its own gateway, on ports of its own
+server, bucket = s3server.fixtures()     # the session's gateway, a bucket per test
 
 
 def _cmd(url: str, local: Path, nproc: int, *args: str):
@@ -149,6 +151,45 @@ def test_an_agent_killed_mid_upload_leaves_no_step_and_the_next_agent_removes_wh
     assert _committed(keys) == [6] or _committed(keys) == [3, 6], keys     # step 3 only if persisted again
     assert not store.abort_uploads(url), "an unfinished upload was left behind"
     assert not [k for k in keys if ".easyckpt-" in k], keys
+
+
+def test_a_full_bucket_fails_the_step_cleanly_harms_nothing_older_and_persisting_resumes_with_room(
+        bucket, server, tmp_path):
+    """Row 4 on a store: steps 5 and 10 are committed; then the bucket is full (the gateway's quota leaves less
+    room than a step). Training goes on to step 20; each refused persist is said (QuotaExceeded), leaves no
+    object and no unfinished upload behind, nothing is pruned, and steps 5 and 10 stay byte-identical. With room
+    again, the next run resumes step 10 and commits its own steps."""
+    store, top = bucket
+    name = top[len("s3://"):]
+    url, local, loss, log = f"{top}/run", tmp_path / "local", tmp_path / "loss", tmp_path / "audit.jsonl"
+    common = ["--storage-interval", "5", "--max-ckpt", "2", "--hidden", "512", "--log-file", str(log),
+              "--loss-file", str(loss)]
+    run(_cmd(url, local, 1, "--iters", "10", *common))
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    before = {k: store.read(f"{url}/{k}") for k in _keys(store, url)}
+    assert _committed(before) == [5, 10], sorted(before)
+    used = sum(len(v) for v in before.values())
+    step = sum(len(v) for k, v in before.items() if k.startswith("step_00000010/"))
+    s3server.bucket_quota(server, name, used + step // 2)          # room for half a step
+    try:
+        out = run(_cmd(url, local, 1, "--iters", "20", *common), check=False)
+        wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    finally:
+        s3server.bucket_quota(server, name, None)
+    text = out.stdout + out.stderr
+    assert max(losses(loss)) == 20, "a full bucket must not stop training"
+    assert out.returncode != 0 and "QuotaExceeded" in text, text[-3000:]      # finalize: the last step is not durable
+    failed = {e["step"] for e in events(log) if e["event"] == "error" and "QuotaExceeded" in e.get("message", "")}
+    assert {15, 20} <= failed, failed
+    after = {k: store.read(f"{url}/{k}") for k in _keys(store, url)}
+    assert after == before, "a refused step left objects behind, or an older step changed or was pruned"
+    assert not store.abort_uploads(url), "an unfinished upload was left behind"
+
+    again = run(_cmd(url, local, 1, "--iters", "20", *common))
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    said = again.stdout + again.stderr
+    assert f"resumed step 10 from storage ({url}/step_00000010" in said, said[-3000:]
+    assert _committed(_keys(store, url)) == [15, 20]
 
 
 def test_wrong_credentials_are_refused_at_initialisation_naming_what_to_fix(bucket, tmp_path):
