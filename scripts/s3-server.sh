@@ -8,6 +8,8 @@
 #     scripts/s3-server.sh status [DIR]
 #     scripts/s3-server.sh gateway-stop|gateway-start [DIR]   the gateway alone (a store that goes away and
 #                                                           comes back; the objects stay in the cluster)
+#     scripts/s3-server.sh gateway-pause|gateway-resume [DIR] the gateway frozen (SIGSTOP) and thawed: a store
+#                                                           that takes connections and never answers (a hang)
 #
 # DIR (default ${TMPDIR:-/tmp}/easyckpt-s3) holds the configuration, data, logs and the daemons' PIDs; stop
 # signals only those PIDs (checked against their command lines, in case a PID was reused). Every wait is
@@ -177,11 +179,23 @@ gateway_start() {
     say "gateway started"
 }
 
+# The gateway frozen: the kernel still takes connections on its port, nothing answers them (a hung gateway,
+# a partitioned network), until gateway-resume
+gateway_signal() {   # SIGNAL WORD
+    [[ -e $stamp ]] || fail "no server in $dir"
+    local pid; pid=$(cat "$dir/pids/client.rgw.easyckpt" 2>/dev/null) || fail "no gateway pid in $dir"
+    mine "$pid" || fail "the gateway is not running"
+    kill "-$1" "$pid"
+    say "gateway $2"
+}
+
 case $cmd in
     start) start ;;
     stop) stop ;;
     status) status ;;
     gateway-stop) gateway_stop ;;
     gateway-start) gateway_start ;;
-    *) fail "usage: $0 start|stop|status|gateway-stop|gateway-start [DIR]" ;;
+    gateway-pause) gateway_signal STOP paused ;;
+    gateway-resume) gateway_signal CONT resumed ;;
+    *) fail "usage: $0 start|stop|status|gateway-stop|gateway-start|gateway-pause|gateway-resume [DIR]" ;;
 esac

@@ -62,7 +62,8 @@ def new_bucket(server: Dict[str, str], part_bytes: int = 5 << 20,
 
 
 def gateway(server: Dict[str, str], verb: str) -> None:
-    """Stop or start the gateway alone ("stop" / "start"): the store goes away and comes back, its objects kept."""
+    """Stop or start the gateway alone ("stop" / "start"): the store goes away and comes back, its objects kept;
+    or freeze and thaw it ("pause" / "resume"): connections are taken and never answered, as by a hung gateway."""
     env = dict(os.environ, S3_PORT=server["PORT"], S3_MON_PORT=server["MON_PORT"])
     done = subprocess.run(["bash", str(SERVER), f"gateway-{verb}", server["DIR"]], capture_output=True, text=True,
                           timeout=240, env=env)

@@ -169,3 +169,24 @@ def test_a_step_set_aside_is_copied_whole_manifest_last_then_removed(store):
     with pytest.raises(FileExistsError):
         s.set_aside(src, dst)                  # never onto a name that is taken
     assert s.read(f"{src}/model.safetensors") == b"again"
+
+
+def test_a_hung_gateway_is_a_store_error_naming_the_request_and_the_store_serves_again_after(store, server):
+    """A gateway that takes connections and never answers (frozen with SIGSTOP: a hang, a partition): a request
+    of a client that tries once times out as a StoreError naming the request, which the agent's loop survives
+    as an outage. (A timeout's exception carries ``response=None``; reading the store's error code from it
+    raised AttributeError, which killed the agent at its next lease request, and every agent after it.)"""
+    from easyckpt.errors import StoreError
+    from easyckpt.storage.s3 import S3Storage
+    from easyckpt.storage.s3client import Patience
+    s, top = store
+    quick = S3Storage(endpoint_url=server["ENDPOINT"], patience=Patience(attempts=1, connect_timeout=2,
+                                                                         read_timeout=2))
+    s3server.gateway(server, "pause")
+    try:
+        with pytest.raises(StoreError, match=r"put_object s3://.*/lease: ReadTimeoutError"):
+            quick.create_exclusive(f"{top}/lease", b"ours")
+    finally:
+        s3server.gateway(server, "resume")
+    quick.write_atomic(f"{top}/after", b"served")
+    assert s.read(f"{top}/after") == b"served"

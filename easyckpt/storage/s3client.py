@@ -67,7 +67,10 @@ def _code(exc: BaseException) -> str:
     """The store's error code (NoSuchKey, 412, SlowDown...) of a failed request; "" when it never answered."""
     if isinstance(exc, StoreError) and exc.__cause__ is not None:
         exc = exc.__cause__
-    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", "")) if hasattr(exc, "response") else ""
+    # a timeout has a ``response`` too, None (requests' exceptions, botocore's ReadTimeoutError): no answer
+    response = getattr(exc, "response", None)
+    error = response.get("Error") if isinstance(response, dict) else None
+    return str(error.get("Code", "")) if isinstance(error, dict) else ""
 
 
 def _failed(what: str, url: str, exc: BaseException) -> StoreError:
