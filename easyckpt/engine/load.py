@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import (
     Any,
@@ -58,6 +59,7 @@ from easyckpt.formats.verdicts import Verdict
 from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles, tierfiles
 from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.resolve import remote
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.storage.tierfiles import TierCopy
 
@@ -340,46 +342,89 @@ def _read_files(step_dir: str, man: Manifest, asked: Sequence[Union[Read, Sequen
     trees: Dict[str, Any] = {}
     wanted = [Read.of(w) for w in asked]
     nbytes = 0
-    for want in wanted:
-        rel, optional = want.relpath, want.optional
-        entry = man.files.get(rel)
-        if entry is None:
-            if optional:
-                continue
-            # the step is whole; this job needs a file it never had (another world size or layout)
-            return None, verdicts.incompatible(f"{rel}: needed here, and not part of this checkpoint"), 0, man
-        if not want.whole:
-            problems = stepfiles.check_sizes(step_dir, man, [rel])   # items are read at their recorded offsets
-            if problems:
-                return None, verdicts.corrupt(problems[0]), 0, man
-            if want.pick is not None:   # a torch.save file: its pickle and the tensors ``pick`` chooses
-                read = lambda: torchparts.read(step_dir, rel, man, want.pick, trees, on_bytes)  # noqa: E731
-            else:                       # these items only: the framework's reader takes them from the file
-                read = lambda: (None,) + stepfiles.read_items(step_dir, rel, man, list(want.items or ()),  # noqa: E731
-                                                              on_bytes)
-            got, verdict = _attempt(rel, read)
-            if verdict is None:
-                tree, problem, n = got
-                verdict = verdicts.corrupt(problem) if problem else None
-            if verdict:
-                return None, verdict, 0, man
-            trees[rel] = tree
-            nbytes += n
-            continue
-        algo = man.algo
-        got, verdict = _attempt(rel, lambda: stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes, entry.size))
+    with _Prefetch(step_dir, man, wanted) as ahead:
+        for want in wanted:
+            answer = _read_one(step_dir, man, want, trees, on_bytes, ahead)
+            if isinstance(answer, Verdict):
+                return None, answer, 0, man
+            nbytes += answer
+    return trees, None, nbytes, man
+
+
+class _Prefetch:
+    """On an object store, every whole file this rank reads is fetched at once, each by a thread of its own that
+    hands its ranged GETs to the store's pool: the pool stays full across file boundaries and a file is decoded
+    while the next ones arrive (read one after the other, the pool ran dry at the end of each). What is not
+    taken (a verdict ended the read) is cancelled, or waited for and dropped. On a file system: nothing."""
+
+    def __init__(self, step_dir: str, man: Manifest, wanted: Sequence[Read]):
+        self.futures: Dict[str, "Future[Tuple[memoryview, str]]"] = {}
+        self.pool: Optional[ThreadPoolExecutor] = None
+        whole = [w.relpath for w in wanted if w.whole and w.relpath in man.files]
+        if remote(step_dir) is None or len(whole) < 2:
+            return
+        self.pool = ThreadPoolExecutor(max_workers=len(whole), thread_name_prefix="easyckpt-prefetch")
+        for rel in whole:
+            self.futures[rel] = self.pool.submit(stepfiles.read_entry_hashed, step_dir, rel, man.algo, None,
+                                                 man.files[rel].size)
+
+    def take(self, rel: str) -> "Optional[Future[Tuple[memoryview, str]]]":
+        return self.futures.pop(rel, None)
+
+    def __enter__(self) -> "_Prefetch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _read_one(step_dir: str, man: Manifest, want: Read, trees: Dict[str, Any],
+              on_bytes: Optional[Callable[[int], None]], ahead: _Prefetch) -> Union[int, Verdict]:
+    """Read, check and decode one entry of ``needed`` into ``trees``: the bytes it took, or the verdict."""
+    rel, optional = want.relpath, want.optional
+    entry = man.files.get(rel)
+    if entry is None:
+        if optional:
+            return 0
+        # the step is whole; this job needs a file it never had (another world size or layout)
+        return verdicts.incompatible(f"{rel}: needed here, and not part of this checkpoint")
+    if not want.whole:
+        problems = stepfiles.check_sizes(step_dir, man, [rel])   # items are read at their recorded offsets
+        if problems:
+            return verdicts.corrupt(problems[0])
+        if want.pick is not None:   # a torch.save file: its pickle and the tensors ``pick`` chooses
+            read = lambda: torchparts.read(step_dir, rel, man, want.pick, trees, on_bytes)  # noqa: E731
+        else:                       # these items only: the framework's reader takes them from the file
+            read = lambda: (None,) + stepfiles.read_items(step_dir, rel, man, list(want.items or ()),  # noqa: E731
+                                                          on_bytes)
+        got, verdict = _attempt(rel, read)
         if verdict is None:
-            buf, digest = got
-            problem = mf.compare(rel, len(buf), lambda: digest, entry, algo)
+            tree, problem, n = got
             verdict = verdicts.corrupt(problem) if problem else None
         if verdict:
-            return None, verdict, 0, man
-        try:
-            trees[rel] = codecs.decode(buf, entry.shard_format)
-        except Exception as exc:  # noqa: BLE001 - a listed file whose checksum matched and does not decode
-            return None, verdicts.corrupt(f"{rel}: unreadable ({exc})"), 0, man
-        nbytes += len(buf)
-    return trees, None, nbytes, man
+            return verdict
+        trees[rel] = tree
+        return int(n)
+    algo = man.algo
+    fetched = ahead.take(rel)
+    if fetched is not None:
+        got, verdict = _attempt(rel, fetched.result)
+        if verdict is None and on_bytes is not None:
+            on_bytes(len(got[0]))
+    else:
+        got, verdict = _attempt(rel, lambda: stepfiles.read_entry_hashed(step_dir, rel, algo, on_bytes, entry.size))
+    if verdict is None:
+        buf, digest = got
+        problem = mf.compare(rel, len(buf), lambda: digest, entry, algo)
+        verdict = verdicts.corrupt(problem) if problem else None
+    if verdict:
+        return verdict
+    try:
+        trees[rel] = codecs.decode(buf, entry.shard_format)
+    except Exception as exc:  # noqa: BLE001 - a listed file whose checksum matched and does not decode
+        return verdicts.corrupt(f"{rel}: unreadable ({exc})")
+    return len(buf)
 
 
 def _attempt(rel: str, read: Callable[[], Any]) -> Tuple[Any, Optional[Verdict]]:
