@@ -131,7 +131,9 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
         if loaded is not None:
             return loaded
     foreign = {c.step: c for c in native if c.step in common_nat}
-    return _from_storage(cfg, rank, world_size, needed, log, common_sto, dict(stored), foreign, on_rejected, gather)
+    known = {s: man for s, _, man in ours}      # read and validated by the listing: not read again
+    return _from_storage(cfg, rank, world_size, needed, log, common_sto, dict(stored), known, foreign, on_rejected,
+                         gather)
 
 
 def _from_memory(cfg: Config, rank: int, world_size: int, step: int, mem: List[Any], remote: Optional[Remote],
@@ -192,7 +194,7 @@ def _from_tier(copy: TierCopy, rank: int, world_size: int, log: AuditLog, gather
 
 
 def _from_storage(cfg: Config, rank: int, world_size: int, needed: Needed, log: AuditLog, order: List[int],
-                  paths: Dict[int, str], foreign: Dict[int, adopt.Candidate],
+                  paths: Dict[int, str], known: Dict[int, Manifest], foreign: Dict[int, adopt.Candidate],
                   on_rejected: Optional[Callable[[int, str], object]], gather: Gather) -> Optional[Loaded]:
     """The newest committed step (``order``) every rank can restore, verified; the framework's own steps
     (``foreign``) adopted where no commit of that step exists. NoValidCheckpoint when this job's steps
@@ -205,7 +207,7 @@ def _from_storage(cfg: Config, rank: int, world_size: int, needed: Needed, log: 
                 return loaded
             continue
         t0 = time.perf_counter()
-        trees, mine, nbytes, man = _read_step(paths[step], needed, progress=rank == 0)
+        trees, mine, nbytes, man = _read_step(paths[step], needed, progress=rank == 0, listed=known.get(step))
         verdict = verdicts.combine(step, paths[step], gather(mine, world_size))
         if verdict is None:
             # no verdict on this rank either: _read_step returned its trees
@@ -301,10 +303,12 @@ def _say(rank: int, log: AuditLog, text: str, event: str = "warning") -> None:
         console.warning(text)
 
 
-def _read_step(step_dir: str, needed: Needed, progress: bool = False
+def _read_step(step_dir: str, needed: Needed, progress: bool = False, listed: Optional[Manifest] = None
                ) -> Tuple[Optional[Dict[str, Any]], Optional[Verdict], int, Optional[Manifest]]:
+    """``listed``: the step's manifest as the listing read and validated it (a committed manifest is never
+    replaced); else it is read here."""
     try:
-        man = stepfiles.load(step_dir)
+        man = listed if listed is not None else stepfiles.load(step_dir)
     except ManifestError as exc:
         return None, verdicts.corrupt(str(exc)), 0, None
     except FileNotFoundError:
