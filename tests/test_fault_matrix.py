@@ -205,10 +205,12 @@ def test_ranks_that_disagree_on_the_step_get_no_manifest(tmp_path):
 
 def test_a_rank_dying_while_the_other_waits_to_commit_is_named(tmp_path):
     """Rank 1 is killed inside its copy of the last step (12) while rank 0 waits in finalize for the
-    commit: rank 0 fails after commit_timeout (4 s) naming rank 1, and step 12 gets no manifest."""
+    commit: rank 0 fails after commit_timeout (4 s) naming rank 1, and step 12 gets no manifest. (The fault
+    counts snapshots: steps of 50 ms let the persists of steps 5 and 10 keep up, where back-pressure on a loaded
+    machine skipped snapshots 11 and 12 and the kill never came.)"""
     ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
     out = run_worker(train_cmd(ckpt, 2, "--iters", "12", "--storage-interval", "5", "--log-file", str(log),
-                        "--commit-timeout", "4", "--idle-timeout", "1"), check=False,
+                        "--commit-timeout", "4", "--idle-timeout", "1", "--step-sleep", "0.05"), check=False,
               extra_env={"EASYCKPT_FAULTS": "trainer.mid_snapshot@1=kill",
                          "EASYCKPT_FAULT_AFTER": "trainer.mid_snapshot:11"})
     assert out.returncode != 0
