@@ -351,7 +351,11 @@ def worker_reference(uninterrupted: Callable[..., Any], nproc: int, *args: str) 
         import inproc
         inproc.run_worker(train_cmd(d / "ckpt", nproc, *args, "--loss-file", str(d / "loss")))
         wait_no_agent(d / "ckpt")
-        return {rank: losses(d / "loss", rank) for rank in range(nproc)}
+        got = {rank: losses(d / "loss", rank) for rank in range(nproc)}
+        if "--iters" in args:       # every rank trained every iteration
+            n = int(args[args.index("--iters") + 1])
+            assert all(sorted(v) == list(range(1, n + 1)) for v in got.values()), {r: len(v) for r, v in got.items()}
+        return got
     return uninterrupted(("worker", nproc, *args), produce)
 
 

@@ -49,12 +49,8 @@ SWEEP = int(os.environ.get("EASYCKPT_SIGTERM_SWEEP", "12"))
 
 
 @pytest.fixture
-def reference(uninterrupted):
-    """Two ranks trained N iterations without a stop (the checkpoint cadence does not change training: this
-    run is shared with the other modules that train N iterations on two ranks)."""
-    ref = worker_reference(uninterrupted, 2, "--iters", str(N))
-    assert sorted(ref[0]) == list(range(1, N + 1)) and sorted(ref[1]) == list(range(1, N + 1))
-    return ref
+def reference(uninterrupted):   # the cadence does not change training: one run for every such module
+    return worker_reference(uninterrupted, 2, "--iters", str(N))
 
 
 def sigterm_run(workdir: Path, seed: int, mode: str, reference) -> int:
