@@ -37,6 +37,12 @@ def _skips(point: str) -> int:
     return 0
 
 
+def armed(point: str) -> bool:
+    """Whether the environment names ``point``: code that must wait for something only so that a fault can fire
+    there asks first, and does not wait otherwise."""
+    return "EASYCKPT_FAULTS" in os.environ and any(name == point for name, _, _ in _parse())
+
+
 def inject(point: str, rank: Optional[int] = None) -> None:
     if "EASYCKPT_FAULTS" not in os.environ:
         return

@@ -147,7 +147,7 @@ def read_entry_hashed(step_dir: str, rel: str, algo: str = mf.ALGO,
     store = remote(step_dir)
     if store is not None:
         buf, digest = remotefiles.read_whole(store, step_dir, rel, algo, on_bytes, expect)
-        return memoryview(buf), str(digest)
+        return buf, str(digest)
     path = entry_path(step_dir, rel)
     size = entry_size(step_dir, rel)
     mf.require_size(rel, size, expect)
@@ -173,7 +173,7 @@ def entry_size(step_dir: str, rel: str) -> int:
 
 
 def read_entry(step_dir: str, rel: str, on_bytes: Optional[Callable[[int], None]] = None,
-               chunk: int = 64 << 20) -> bytearray:
+               chunk: int = 64 << 20) -> Union[bytearray, memoryview]:
     """The whole of listed file ``rel`` (opened as ``open_entry`` opens it); ``on_bytes`` hears of each chunk."""
     store = remote(step_dir)
     if store is not None:
