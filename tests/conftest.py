@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-# Under pytest-xdist (the README's test command runs the tiers with -n) every worker gets a shared-memory
+# Under pytest-xdist (the README's test command and .ci/run run the tiers with -n 2) every worker gets a shared-memory
 # directory of its own, set before easyckpt is imported (ipc/shm.py reads it once): shm_clean's
 # before/after comparison, the reaper of dead jobs' segments and the tests' planted segments then see
 # only their own worker's segments.
