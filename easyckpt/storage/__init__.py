@@ -5,6 +5,7 @@ direct.py (POSIX file systems, O_DIRECT streaming) · savedir.py (SaveDir: the
 names, listings and deletes of one save directory) · commit.py (the commit sequence) · retention.py (what
 is pruned) · stepfiles.py (reading a step's manifest and listed files) · auditlog.py · joblock.py (one job per
 save directory) · s3.py (an S3-compatible object store as a Storage back-end: conditional create, parallel
-multipart uploads and ranged reads; s3client.py: URLs, the boto3 client, its failures as StoreError) · resolve.py (which back-end serves a path: s3:// URLs the store) ·
+multipart uploads and ranged reads; s3writer.py: one object's multipart upload; s3client.py: URLs, the boto3
+client, its failures as StoreError) · resolve.py (which back-end serves a path: s3:// URLs the store) ·
 remotefiles.py (stepfiles' reads of a step on the store).
 """

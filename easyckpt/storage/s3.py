@@ -26,10 +26,10 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from easyckpt import _faults as faults
 from easyckpt.errors import AlreadyCommitted, ConfigError, StoreError
 from easyckpt.formats.manifest import MANIFEST_NAME
 from easyckpt.storage.base import Buffer
+from easyckpt.storage.s3writer import S3Writer
 from easyckpt.storage.s3client import (
     PARALLEL,
     PART_BYTES,
@@ -44,114 +44,6 @@ from easyckpt.storage.s3client import (
 
 
 _CHUNK = 1 << 20     # read_into's reads from a reply's body
-
-
-class S3Writer:
-    """One new object, written front to back: buffered into parts of ``part_bytes``, each uploaded by the pool
-    as soon as it is full (a multipart upload, started at the first full part). ``finish`` hands over the rest
-    (a small object's one PUT goes to the pool) and returns; ``sync`` waits for it and completes the upload:
-    the object is visible, whole, when ``sync`` returns, never before. So a step's files upload side by side
-    (stepwriter.py finishes every file, then syncs them all) instead of one after the other."""
-
-    def __init__(self, storage: "S3Storage", loc: Location):
-        self.storage, self.loc = storage, loc
-        self.size = 0
-        self._buf = bytearray()
-        self._upload_id: Optional[str] = None
-        self._parts: List[Tuple[int, "Future[str]"]] = []
-        self._put: Optional["Future[Any]"] = None     # a small object's one PUT, handed over by finish
-        self._done = False
-
-    def write(self, data: Buffer) -> int:
-        """Full parts go out as they are cut from ``data`` (one copy each); only a part's remainder is buffered."""
-        view = memoryview(data).cast("B")
-        n, pos, part = len(view), 0, self.storage.part_bytes
-        self.size += n
-        if self._buf:
-            pos = min(part - len(self._buf), n)
-            self._buf += view[:pos]
-            if len(self._buf) == part:
-                self._send(bytes(self._buf))
-                self._buf = bytearray()
-        while n - pos >= part:
-            self._send(bytes(view[pos:pos + part]))
-            pos += part
-        self._buf += view[pos:]
-        return n
-
-    def write_mapped(self, view: memoryview, start: int, end: int) -> None:
-        self.write(view[start:end])
-
-    def _send(self, part: bytes) -> None:
-        s = self.storage
-        if self._upload_id is None:
-            self._upload_id = s.c.create_multipart_upload(Bucket=self.loc.bucket, Key=self.loc.key)["UploadId"]
-        number = len(self._parts) + 1
-        # at most ``parallel`` parts in flight (memory: parallel x part_bytes): wait for the oldest first
-        pending = [f for _, f in self._parts if not f.done()]
-        if len(pending) >= s.parallel:
-            pending[0].result()
-        self._parts.append((number, s.pool.submit(self._upload_part, number, part)))
-        if number == 1 and faults.armed("store.after_first_part"):
-            # a writer killed with a part in the store (tests/test_s3_checkpoints.py); otherwise the first part
-            # does not hold back the next ones (a 216 MB file is 4 parts: waiting made a quarter of it serial)
-            self._parts[0][1].result()
-            faults.inject("store.after_first_part")
-
-    def _upload_part(self, number: int, data: bytes) -> str:
-        reply = self.storage.c.upload_part(Bucket=self.loc.bucket, Key=self.loc.key, UploadId=self._upload_id,
-                                           PartNumber=number, Body=data)
-        return str(reply["ETag"])
-
-    def finish(self) -> None:
-        """Everything written is handed over; ``sync`` makes the object whole and visible."""
-        s = self.storage
-        try:
-            if self._upload_id is None:
-                if self._put is None:
-                    s.wait_for_room()      # at most ``parallel`` small objects held in memory, in flight
-                    self._put = s.track(s.pool.submit(s.c.put_object, Bucket=self.loc.bucket, Key=self.loc.key,
-                                                      Body=bytes(self._buf)))
-            elif self._buf:
-                self._send(bytes(self._buf))
-            self._buf = bytearray()
-        except BaseException:
-            self.close()
-            raise
-
-    def sync(self) -> None:
-        """The object is complete, whole and durable (a completed upload is): waits for what finish handed over."""
-        if self._done:
-            return
-        s = self.storage
-        try:
-            if self._put is None and self._upload_id is None:
-                self.finish()
-            if self._upload_id is None:
-                assert self._put is not None
-                self._put.result()
-            else:
-                parts = [{"PartNumber": n, "ETag": f.result()} for n, f in self._parts]
-                s.c.complete_multipart_upload(Bucket=self.loc.bucket, Key=self.loc.key, UploadId=self._upload_id,
-                                              MultipartUpload={"Parts": parts})
-            self._done = True
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        """An unfinished upload is aborted (its parts freed); a synced one stays. (A small object's PUT handed
-        over but never synced may still land: nothing lists it without a manifest, and its step's clean-up
-        deletes it.)"""
-        if self._done or self._upload_id is None:
-            return
-        for _, f in self._parts:
-            f.cancel()
-        try:
-            self.storage.c.abort_multipart_upload(Bucket=self.loc.bucket, Key=self.loc.key, UploadId=self._upload_id)
-        except Exception:  # noqa: BLE001 - best effort: abort_uploads removes what is left
-            pass
-        self._upload_id = None
 
 
 class S3Storage:
