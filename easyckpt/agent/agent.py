@@ -134,6 +134,7 @@ class Agent:
         for result in self.persister.results():
             if isinstance(result.job, PersistJob) and result.error is None:
                 self.grace.wrote(result.seconds)
+                self.jobdir.marker_written(result.job.step)
             if isinstance(result.job, CommitJob) and result.error is None:
                 step = result.job.step
                 asked = self.asked.pop(step, None)

@@ -95,6 +95,13 @@ class JobDir:
     def write_marker(self, step: int, rank: int, files: Dict[str, FileEntry], info: Dict[str, Any]) -> None:
         self.sd.write_marker(step, rank, files, info)
 
+    def marker_written(self, step: int) -> None:
+        """This agent wrote a marker of ``step`` (the loop hears it from the persist's result): the next ``shards``
+        reads the markers again instead of the answer of up to POLL_S ago, which lacked this one. Without it a
+        step whose last rank finished within POLL_S of the previous poll committed a tick later (up to 0.25 s of
+        save -> durable on a store). Called by the loop thread, which alone reads and writes ``_polled``."""
+        self._polled.pop(step, None)
+
     def commit(self, step: int, world_size: int) -> int:
         """Commit ``step`` (storage/commit.py's durable sequence), then prune older steps of this job.
         Returns the bytes the step holds."""
