@@ -46,6 +46,17 @@ def shm_clean():
     assert not after, f"test left shared-memory segments behind: {sorted(after)}"
 
 
+@pytest.fixture(autouse=True)
+def s3_endpoint_restored():
+    """Every test leaves the object-store endpoint as it found it. ``resolve.set_endpoint`` is process-wide (a
+    job's setting, made by validating a Config or opening its SaveDir): test_config's unreachable endpoint
+    (127.0.0.1:9) reached test_s3_checkpoints' in-process CLI calls when a pytest-xdist worker ran both."""
+    from easyckpt.storage import resolve
+    before = resolve._endpoint
+    yield
+    resolve.set_endpoint(before)
+
+
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
     """``uninterrupted(key, produce)``: ``produce(directory)``'s result (an uninterrupted run's losses), run

@@ -192,16 +192,14 @@ def test_a_hung_gateway_is_a_store_error_naming_the_request_and_the_store_serves
     assert s.read(f"{top}/after") == b"served"
 
 
-def test_a_marker_the_agent_wrote_is_seen_at_once_not_after_the_next_poll(store, tmp_path, monkeypatch):
+def test_a_marker_the_agent_wrote_is_seen_at_once_not_after_the_next_poll(store, tmp_path):
     """On a store the agent's loop reads a step's markers at most every POLL_S (each read is a LIST and GETs). A
     persist's result makes the next read go to the store again: the answer of the previous poll lacked the marker
     just written, and the step then committed a tick later (up to 0.25 s more from save to durable)."""
     from easyckpt.agent.jobdir import JobDir
     from easyckpt.config import Config
-    from easyckpt.storage import resolve
     from easyckpt.storage.auditlog import AuditLog
     s, top = store
-    monkeypatch.setattr(resolve, "_endpoint", s.endpoint_url)      # restored after the test
     cfg = Config(save_dir=f"{top}/job", local_dir=str(tmp_path), endpoint_url=s.endpoint_url)
     jobdir = JobDir(cfg, AuditLog(None, "agent"))
     jobdir.begin(7)

@@ -86,4 +86,3 @@ class MemoryReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
-
