@@ -192,14 +192,19 @@ def test_a_hung_gateway_is_a_store_error_naming_the_request_and_the_store_serves
     assert s.read(f"{top}/after") == b"served"
 
 
-def test_a_marker_the_agent_wrote_is_seen_at_once_not_after_the_next_poll(store, tmp_path):
+def test_a_marker_the_agent_wrote_is_seen_at_once_not_after_the_next_poll(store, tmp_path, monkeypatch):
     """On a store the agent's loop reads a step's markers at most every POLL_S (each read is a LIST and GETs). A
     persist's result makes the next read go to the store again: the answer of the previous poll lacked the marker
     just written, and the step then committed a tick later (up to 0.25 s more from save to durable)."""
+    from types import SimpleNamespace
+
+    from easyckpt.agent import jobdir as jobdir_module
     from easyckpt.agent.jobdir import JobDir
     from easyckpt.config import Config
     from easyckpt.storage.auditlog import AuditLog
     s, top = store
+    # the loop's clock stands still: every read below is within POLL_S of the first, however loaded the machine
+    monkeypatch.setattr(jobdir_module, "time", SimpleNamespace(monotonic=lambda: 1000.0))
     cfg = Config(save_dir=f"{top}/job", local_dir=str(tmp_path), endpoint_url=s.endpoint_url)
     jobdir = JobDir(cfg, AuditLog(None, "agent"))
     jobdir.begin(7)

@@ -52,7 +52,8 @@ def _room(size: int) -> memoryview:
     zeroes every page first, one fault at a time (77 ms of the 240 ms a 144 MB file took from the local RGW);
     an anonymous mapping faulted by the threads that fill it is slower still (they contend for the mapping);
     MAP_POPULATE makes the pages present in one call (about 49 ms). With the reads of S3Storage.read_into the
-    file takes 0.20 s, the raw ranged GETs into fresh bytes 0.175 s (benchmarks/bench_s3_checkpoint.py)."""
+    file took 0.19-0.20 s, the raw ranged GETs into fresh bytes 0.165-0.175 s (a probe timing each variant, best
+    of 5, not kept; the whole restore's ratio is benchmarks/bench_s3_checkpoint.py's)."""
     if size < _MAPPED:
         return memoryview(bytearray(size))
     return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE))
