@@ -10,11 +10,16 @@ gives what easyckpt did, and the same bytes are then moved by the raw client (st
 same boto3 client, parts and threads) for the ratios of the issue's table:
 
   persist / raw upload       bytes/s of the agent's persist (slot -> store, checksummed, manifest and commit
-                             excluded; the median of the run's persists, most of them while the loop trains)
-                             over a multipart upload of the same bytes from memory (goal >= 0.9); and the
-                             last persist's, made at finalize when the loop no longer competes for the cores
-  restore / raw ranged GET   bytes/s of the loader's restore from the store (checksummed, into the live
-                             tensors) over parallel ranged GETs of the same bytes (goal >= 0.9)
+                             excluded) over a multipart upload of the same bytes from memory, each a median, in
+                             two conditions (goal >= 0.9 in each): while the training loop computes on the
+                             machine's cores (the run's persists before its last; the raw uploads beside the same
+                             loop saving to a local disk), and with the cores free (a run whose loop sleeps
+                             --idle-sleep seconds after each step, so its agent persists alone; the raw uploads
+                             alone)
+  restore / raw ranged GET   bytes/s of the loader's restore from the store (checksummed, decoded), the median of
+                             three resumes, over the raw client's parallel ranged GETs of the same objects (the
+                             step's files), the median of three, each in a fresh process as a resume is
+                             (goal >= 0.9)
   save -> durable            seconds from the save call until the step is committed in the store, over the
                              same for torch DCP's async_save through its fsspec writer (s3fs) to the same server,
                              when --dcp-python names a Python with s3fs (it conflicts with boto3's botocore in
@@ -25,6 +30,7 @@ same boto3 client, parts and threads) for the ratios of the issue's table:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -35,7 +41,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -59,6 +65,21 @@ fut = dcp.async_save(state, storage_writer=FsspecWriter(url, sync_files=False, t
 fut.result()
 print(time.perf_counter() - t)
 '''
+# the raw client's parallel ranged GETs of a step's objects (each object in 32 MiB ranges, as the loader's, all at
+# once through the store's pool), timed in a process of its own as a resume's reads are
+RAW_GET = r'''
+import sys, time
+from concurrent.futures import ThreadPoolExecutor
+from easyckpt.storage.s3 import S3Storage
+step, endpoint = sys.argv[1], sys.argv[2]
+s3 = S3Storage(endpoint_url=endpoint)
+objects = s3.files(step)       # the client made and a connection open, as the loader's listing leaves them
+t = time.perf_counter()
+with ThreadPoolExecutor(len(objects)) as each:
+    list(each.map(lambda o: s3.read_ranges(f"{step}/{o[0]}",
+                                           [(p, min(32 << 20, o[1] - p)) for p in range(0, o[1], 32 << 20)]), objects))
+print(time.perf_counter() - t, sum(n for _, n in objects))
+'''
 
 
 def events(log: Path) -> List[Dict[str, Any]]:
@@ -71,6 +92,52 @@ def train(save: str, local: Path, hidden: int, iters: int, env: Dict[str, str], 
            *extra]
     subprocess.run(cmd, check=True, env=env, timeout=1800, capture_output=True)
     return events(local / "a.log")
+
+
+def raw_uploads(s3: S3Storage, url: str, data: bytes) -> List[float]:
+    """Seconds of three multipart uploads of ``data`` from memory by the raw client."""
+    ups = []
+    for i in range(3):
+        t0 = time.perf_counter()
+        w = s3.open_writer(f"{url}{i}")
+        w.write(data)
+        w.finish()
+        w.sync()
+        ups.append(time.perf_counter() - t0)
+        s3.delete(f"{url}{i}")
+    return ups
+
+
+def raw_gets(step: str, env: Dict[str, str]) -> Tuple[List[float], int]:
+    """Seconds of three reads of committed step ``step``'s objects by the raw client (RAW_GET), and their bytes."""
+    runs = [subprocess.run([sys.executable, "-c", RAW_GET, step, env["AWS_ENDPOINT_URL"]], check=True, env=env,
+                           capture_output=True, text=True, timeout=600).stdout.split() for _ in range(3)]
+    return [float(r[0]) for r in runs], int(runs[0][1])
+
+
+@contextlib.contextmanager
+def training_beside(hidden: int, env: Dict[str, str], t: Path) -> Iterator[None]:
+    """The example's training loop, as the store run has it (snapshots included) but with its save dir on the local
+    disk and no persist, training for the duration of the block (from its first snapshot on), then stopped by
+    SIGTERM (its agreed step saved)."""
+    log = t / "beside.log"
+    cmd = [sys.executable, str(EXAMPLE), "--save-dir", str(t / "beside"), "--hidden", str(hidden), "--iters",
+           "100000", "--storage-interval", "100000", "--max-ckpt", "1", "--log-file", str(log)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (log.exists() and '"snapshot"' in log.read_text()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the training loop beside the raw uploads did not start (exit {proc.poll()})")
+            time.sleep(0.1)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def local_tier_row(bucket: str, t: Path, args: argparse.Namespace, env: Dict[str, str]) -> str:
@@ -94,7 +161,9 @@ def main() -> int:
     p.add_argument("--key", required=True)
     p.add_argument("--secret", required=True)
     p.add_argument("--hidden", type=int, default=1_000_000)
-    p.add_argument("--iters", type=int, default=9)
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--idle-sleep", type=float, default=2.0,
+                   help="seconds the loop of the cores-free run sleeps after each step (longer than a persist)")
     p.add_argument("--dcp-python", default=None)
     p.add_argument("--out", default=None, help="also write the table here")
     args = p.parse_args()
@@ -102,7 +171,8 @@ def main() -> int:
                  AWS_ENDPOINT_URL=args.endpoint)
     os.environ.update(creds)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    s3 = S3Storage(endpoint_url=args.endpoint, part_bytes=part_bytes())     # the agent's part size (EASYCKPT_S3_PART_MIB)
+    # the agent's part size (EASYCKPT_S3_PART_MIB)
+    s3 = S3Storage(endpoint_url=args.endpoint, part_bytes=part_bytes())
     bucket = f"bench-{uuid.uuid4().hex[:10]}"
     s3.c.create_bucket(Bucket=bucket)
     rows: List[str] = []
@@ -111,44 +181,37 @@ def main() -> int:
             t = Path(tmp)
             disk = train(str(t / "disk"), t / "disk-local", args.hidden, args.iters, env)
             store = train(f"s3://{bucket}/run", t / "s3-local", args.hidden, args.iters, env)
-            resumed = train(f"s3://{bucket}/run", t / "s3-local2", args.hidden, args.iters + 1, env)
-            persists = [e for e in store if e["event"] == "persist"]
-            nbytes = persists[-1]["bytes"]
-            persist_bps = statistics.median(e["bytes"] / e["seconds"] for e in persists)
-            load = next(e for e in resumed if e["event"] == "load" and e.get("source") == "storage")
-            restore_bps = load["bytes"] / load["seconds"]
-            # the raw client, the same bytes: one multipart upload from memory, then parallel ranged GETs
+            # the same run with its loop asleep after each step: its agent persists with the cores free
+            idle = train(f"s3://{bucket}/idle", t / "idle-local", args.hidden, args.iters, env, "--step-sleep",
+                         str(args.idle_sleep))
+            # three resumes, each from the step the one before committed (the same bytes each time)
+            loads = []
+            for more in (1, 2, 3):
+                resumed = train(f"s3://{bucket}/run", t / f"s3-local{more}", args.hidden, args.iters + more, env)
+                loads.append(next(e for e in resumed if e["event"] == "load" and e.get("source") == "storage"))
+            # the raw reads: the objects of the step the last resume committed (the same files as those loaded)
+            gets, got = raw_gets([e for e in resumed if e["event"] == "commit"][-1]["path"], env)
+            busy = [e for e in store if e["event"] == "persist"][:-1]    # the last one is made at finalize
+            alone = [e for e in idle if e["event"] == "persist"]
+            nbytes = alone[-1]["bytes"]
+            restore_bps = statistics.median(e["bytes"] / e["seconds"] for e in loads)
             data = os.urandom(nbytes)
-            url = f"s3://{bucket}/raw/blob"
-            ups, gets = [], []
-            for i in range(3):
-                t0 = time.perf_counter()
-                w = s3.open_writer(f"{url}{i}")
-                w.write(data)
-                w.finish()
-                w.sync()
-                ups.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                piece = 32 << 20
-                s3.read_ranges(f"{url}{i}", [(o, min(piece, nbytes - o)) for o in range(0, nbytes, piece)])
-                gets.append(time.perf_counter() - t0)
-                s3.delete(f"{url}{i}")
-            raw_up, raw_get = nbytes / min(ups), nbytes / min(gets)
+            ups = raw_uploads(s3, f"s3://{bucket}/raw/blob", data)
+            with training_beside(args.hidden, env, t):
+                ups_busy = raw_uploads(s3, f"s3://{bucket}/raw/busy", data)
+            raw_up, raw_busy = (nbytes / statistics.median(x) for x in (ups, ups_busy))
+            raw_get = got / statistics.median(gets)
+            rows.append(f"state per step: {nbytes / 1e6:.1f} MB (--hidden {args.hidden}), endpoint {args.endpoint}")
+            for what, persists, raw in (("cores free", alone, raw_up), ("beside training", busy, raw_busy)):
+                bps = statistics.median(e["bytes"] / e["seconds"] for e in persists)
+                rows.append(f"persist / raw upload, {what:15} {bps / raw:5.2f}   ({bps / 1e6:.0f} vs {raw / 1e6:.0f} "
+                            f"MB/s, medians of {len(persists)} and {len(ups)})   goal >= 0.9")
+            rows.append(f"restore / raw ranged GET    {restore_bps / raw_get:5.2f}   ({restore_bps / 1e6:.0f} vs "
+                        f"{raw_get / 1e6:.0f} MB/s, medians of {len(loads)} and {len(gets)})   goal >= 0.9")
             stall_s3 = statistics.median(e["seconds"] for e in store if e["event"] == "snapshot")
             stall_disk = statistics.median(e["seconds"] for e in disk if e["event"] == "snapshot")
             asked = {e["step"]: e["time"] - e["seconds"] for e in store if e["event"] == "snapshot"}
             durable = [e["time"] - asked[e["step"]] for e in store if e["event"] == "commit" and e["step"] in asked]
-            rows.append(f"state per step: {nbytes / 1e6:.1f} MB (--hidden {args.hidden}), endpoint {args.endpoint}")
-            rows.append(f"persist / raw upload        {persist_bps / raw_up:5.2f}   ({persist_bps / 1e6:.0f} vs "
-                        f"{raw_up / 1e6:.0f} MB/s)   goal >= 0.9")
-            # the last step is persisted at finalize, when the loop no longer trains: the agent and the server then
-            # have the machine's cores to themselves, as the raw upload has (the median above shares them with
-            # a training loop that computes on the same 2 cores)
-            idle_bps = persists[-1]["bytes"] / persists[-1]["seconds"]
-            rows.append(f"  the last persist alone    {idle_bps / raw_up:5.2f}   ({idle_bps / 1e6:.0f} vs "
-                        f"{raw_up / 1e6:.0f} MB/s, step {persists[-1]['step']}, after the loop ended)   measured")
-            rows.append(f"restore / raw ranged GET    {restore_bps / raw_get:5.2f}   ({restore_bps / 1e6:.0f} vs "
-                        f"{raw_get / 1e6:.0f} MB/s)   goal >= 0.9")
             line = f"save -> durable             {statistics.median(durable):5.2f} s (snapshot to commit)"
             if args.dcp_python:
                 dcp = float(subprocess.run([args.dcp_python, "-c", DCP_SAVE, str(args.hidden), f"s3://{bucket}/dcp",
