@@ -38,6 +38,6 @@ def test_a_tiny_benchmark_run_gives_every_row_a_ratio_and_drops_its_bucket(serve
                          "restore / raw ranged GET", "stall per save, store/disk", "restore local tier / store"}, \
         proc.stdout
     assert all(math.isfinite(v) and v > 0 for v in rows.values()), rows
-    assert "save -> durable" in proc.stdout and "(no --dcp-python" in proc.stdout, proc.stdout
+    assert re.search(r"save -> durable +[0-9.]+ s .*\(no --dcp-python", proc.stdout), proc.stdout
     after = {b["Name"] for b in store.c.list_buckets()["Buckets"]}
     assert after == before, f"the benchmark left buckets behind: {sorted(after - before)}"
