@@ -98,10 +98,10 @@ def train(save: str, local: Path, hidden: int, iters: int, env: Dict[str, str], 
     return events(local / "a.log")
 
 
-def durable_seconds(events: List[Dict[str, Any]]) -> List[float]:
+def durable_seconds(log: List[Dict[str, Any]]) -> List[float]:
     """For each committed step of a run's audit log: seconds from the start of its snapshot to its commit."""
-    asked = {e["step"]: e["time"] - e["seconds"] for e in events if e["event"] == "snapshot"}
-    return [e["time"] - asked[e["step"]] for e in events if e["event"] == "commit" and e["step"] in asked]
+    asked = {e["step"]: e["time"] - e["seconds"] for e in log if e["event"] == "snapshot"}
+    return [e["time"] - asked[e["step"]] for e in log if e["event"] == "commit" and e["step"] in asked]
 
 
 def raw_uploads(s3: S3Storage, url: str, data: bytes) -> List[float]:
@@ -129,7 +129,8 @@ def raw_gets(step: str, env: Dict[str, str]) -> Tuple[List[float], int]:
 def training_beside(hidden: int, env: Dict[str, str], t: Path) -> Iterator[None]:
     """The example's training loop, as the store run has it (snapshots included) but with its save dir on the local
     disk and no persist, training for the duration of the block (from its first snapshot on), then stopped by
-    SIGTERM (its agreed step saved)."""
+    SIGTERM. Its agent then persists the agreed step to the local disk: the block ends only when that agent has
+    left (its agent_exit in the audit log), so that no write of its overlaps what is timed next (DCP's saves)."""
     log = t / "beside.log"
     cmd = [sys.executable, str(EXAMPLE), "--save-dir", str(t / "beside"), "--hidden", str(hidden), "--iters",
            "100000", "--storage-interval", "100000", "--max-ckpt", "1", "--log-file", str(log)]
@@ -148,6 +149,12 @@ def training_beside(hidden: int, env: Dict[str, str], t: Path) -> Iterator[None]
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        deadline = time.monotonic() + 300
+        while log.exists() and '"agent_exit"' not in log.read_text():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the agent of the training loop beside the raw uploads did not leave in 300 s "
+                                   f"(its audit log: {log})")
+            time.sleep(0.1)
 
 
 def local_tier_row(bucket: str, t: Path, args: argparse.Namespace, env: Dict[str, str]) -> str:
@@ -220,7 +227,7 @@ def main() -> int:
                         f"{raw_get / 1e6:.0f} MB/s, medians of {len(loads)} and {len(gets)})   goal >= 0.9")
             stall_s3 = statistics.median(e["seconds"] for e in store if e["event"] == "snapshot")
             stall_disk = statistics.median(e["seconds"] for e in disk if e["event"] == "snapshot")
-            durable, busy_durable = (statistics.median(durable_seconds(events)) for events in (idle, store))
+            durable, busy_durable = (statistics.median(durable_seconds(run)) for run in (idle, store))
             line = (f"save -> durable             {durable:5.2f} s (snapshot to commit, cores free; "
                     f"{busy_durable:.2f} s beside training)")
             if args.dcp_python:
