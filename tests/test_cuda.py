@@ -1,6 +1,6 @@
 """The CUDA paths, on a GPU: snapshot slots page-locked (cudaHostRegister), device-to-host copies on a side
-stream while the next step runs, the CUDA RNG restored, FSDP2 with a CUDA mesh (NCCL). They run only where
-torch sees a GPU; CI's machines have none, so there they are skipped, saying so. The same proofs on CPU are
+stream while the next step runs, the CUDA RNG restored, FSDP2 with a CUDA mesh (NCCL), the HF Trainer's FSDP2
+on the GPU. They run only where torch sees a GPU; CI's machines have none, so there they are skipped, saying so. The same proofs on CPU are
 in test_overlap.py, test_resume.py and test_fsdp.py.
 
 Run on a GPU machine: ``python -m pytest tests/test_cuda.py``.
@@ -13,6 +13,7 @@ import signal
 import pytest
 import torch
 from harness import (
+    ROOT,
     TRAIN,
     assert_losses_equal,
     events,
@@ -116,3 +117,42 @@ def test_fsdp2_on_a_cuda_mesh_resumes_exactly_after_kill9(tmp_path):
     wait_no_agent(ckpt)
     names = {p.name for p in (ckpt / f"step_{ITERS:08d}").iterdir()}
     assert {".metadata", "__0_0.distcp"} <= names, names
+
+
+HF = ROOT / "examples" / "deepspeed" / "hf_train.py"
+
+
+def test_the_trainers_fsdp2_on_the_gpu_resumes_exactly_after_kill9_and_sigterm_in_the_trainers_own_layout(tmp_path):
+    """The HF Trainer with FSDP2 on the GPU (one rank, NCCL; accelerate's own FSDP path, no CPU switch): kill -9,
+    then SIGTERM, each resumed with the losses of an uninterrupted run (from memory, then from storage);
+    checkpoint-N is accelerate's sharded layout, and a plain Trainer with FSDP resumes from it with the same
+    losses."""
+    steps = 24
+
+    def hf(out, loss, *more):
+        return script_cmd(HF, 1, "--output-dir", str(out), "--loss-file", str(loss), "--max-steps", str(steps),
+                          "--fsdp", "--idle-timeout", "60", *more, torchrun=True)
+
+    ref = tmp_path / "ref"
+    run(hf(ref / "out", ref / "loss"), timeout=300)
+    wait_no_agent(ref / "out")
+    rnd = random.Random(SEED + 17)
+    kill_at, term_at = rnd.randint(3, 9), rnd.randint(13, 19)
+    out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    interrupted_runs(hf(out, loss, "--step-sleep", "0.05", "--log-file", str(log)), loss, tmp_path,
+                     [(kill_at, signal.SIGKILL), (term_at, signal.SIGTERM)])
+    assert_losses_equal(losses(loss, 0), losses(ref / "loss", 0), steps, "Trainer FSDP2 on the GPU")
+    assert [e["source"] for e in events(log) if e["event"] == "load"] == ["none", "memory", "storage"]
+    wait_no_agent(out)
+    last = out / "checkpoint-20"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {p.name for p in (last / part).iterdir()} == {".metadata", "__0_0.distcp"}, part
+
+    plain = tmp_path / "plain-loss"
+    res = run(hf(tmp_path / "plain", plain, "--plain", "--resume", str(last)), timeout=300, check=False)
+    # as on CPU (test_transformers.py), the plain Trainer's FSDP run may abort in torch's teardown after training
+    said = res.stdout + res.stderr
+    assert res.returncode == 0 or "terminate called without an active exception" in said, said[-4000:]
+    got = losses(plain, 0)
+    assert starts(plain) == [20] and sorted(got) == list(range(21, steps + 1)), got
+    assert got == {i: losses(ref / "loss", 0)[i] for i in got}, "a plain Trainer from easyckpt's FSDP checkpoint"

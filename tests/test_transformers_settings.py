@@ -81,7 +81,8 @@ CONFLICT = [
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_an_object_store_as_output_dir_is_refused_naming_save_dir(tmp_path, form):
+def test_an_object_store_as_output_dir_is_refused_naming_save_dir(tmp_path, monkeypatch, form):
+    monkeypatch.chdir(tmp_path)     # the Trainer makes its output_dir, here ./s3:/bucket/out, before easyckpt sees it
     with pytest.raises(ConfigError, match=r"output_dir='s3://bucket/out'\): the Trainer writes its logs and runs to "
                                           r"output_dir, a local directory; .* give save_dir='s3://bucket/prefix'"):
         build(form, "s3://bucket/out", {})
