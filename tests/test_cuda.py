@@ -1,7 +1,7 @@
 """The CUDA paths, on a GPU: snapshot slots page-locked (cudaHostRegister), device-to-host copies on a side
 stream while the next step runs, the CUDA RNG restored, FSDP2 with a CUDA mesh (NCCL), the HF Trainer's FSDP2
-on the GPU. They run only where torch sees a GPU; CI's machines have none, so there they are skipped, saying so. The same proofs on CPU are
-in test_overlap.py, test_resume.py and test_fsdp.py.
+on the GPU. They run only where torch sees a GPU; CI's machines have none, so there they are skipped, saying
+so. The same proofs on CPU are in test_overlap.py, test_resume.py, test_fsdp.py and test_transformers.py.
 
 Run on a GPU machine: ``python -m pytest tests/test_cuda.py``.
 """
