@@ -23,6 +23,7 @@ the Trainer's FSDP layout is two DCP checkpoints, ``pytorch_model_fsdp_0/`` (``{
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -32,11 +33,15 @@ import torch
 
 from easyckpt.engine.dcp import (
     DCP_METADATA,
+    boxes_of,
     checked_by,
     data_file,
     gather_to_zero,
     metadata,
+    reader_files,
+    wanted_items,
 )
+from easyckpt.engine.scratch import Stage, Wanted
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.engine.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
@@ -153,35 +158,57 @@ def needed(manifest: Manifest, rank: int, world_size: int, prefix: str = "") -> 
 
 
 def restore(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], trees: Dict[str, Any],
-            path: Optional[str], rank: int) -> None:
+            path: Optional[str], rank: int, stage: Optional[Stage] = None) -> None:
     """Load the checkpoint into the live model and optimizer: from the committed step ``path`` through
-    DCP's own reader (any world size), or from this rank's memory snapshot (``path`` None)."""
+    DCP's own reader (any world size; ``stage``: how it is opened, see load_state), or from this rank's memory
+    snapshot (``path`` None)."""
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_state_dict,
     )
 
     state = _state(model, optimizer)
-    load_state(state, trees, path, rank)
+    load_state(state, trees, path, rank, stage=stage)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def load_state(state: Dict[str, Any], trees: Dict[str, Any], path: Optional[str], rank: int, prefix: str = "") -> None:
+def load_state(state: Dict[str, Any], trees: Dict[str, Any], path: Optional[str], rank: int, prefix: str = "",
+               stage: Optional[Stage] = None) -> None:
     """Fill the DCP state dict ``state`` (its tensors in place) from the checkpoint under ``prefix``: of the
     committed step ``path`` through DCP's own reader (any world size; a collective), or from this rank's
-    memory snapshot (``path`` None; no collective)."""
+    memory snapshot (``path`` None; no collective). ``stage`` opens the step for the reader (engine/scratch.py:
+    from an object store, a local copy of only the items this rank's state reads); None: ``path`` as it is."""
     import torch.distributed.checkpoint as dcp
 
     if path is not None:
-        dcp.load(state, checkpoint_id=os.path.join(path, prefix) if prefix else path, planner=_safe_planner())
+        opened = stage(asked(state), reader_files(prefix)) if stage is not None else contextlib.nullcontext(path)
+        with opened as here:
+            dcp.load(state, checkpoint_id=os.path.join(here, prefix) if prefix else here, planner=_safe_planner())
     else:
         # defined on DCP's StorageReader, so imported only here
         from easyckpt.engine.dcpmemory import MemoryReader
         dcp.load(state, storage_reader=MemoryReader(trees, rank, LOCAL, prefix), planner=_safe_planner(),
                  no_dist=True)
+
+
+def asked(state: Dict[str, Any]) -> Wanted:
+    """Which saved items a DCP load of ``state`` reads: the chunks overlapping what this rank holds of each
+    tensor (DCP's save planner, as coordinator, lists every local chunk and every object), and its objects."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, None, True)
+    chunks, objects = [], set()
+    for wi in planner.create_local_plan().items:
+        if wi.type == WriteItemType.BYTE_IO or wi.tensor_data is None:
+            objects.add(wi.index.fqn)
+        else:
+            chunks.append((wi.index.fqn, list(wi.tensor_data.chunk.offsets), list(wi.tensor_data.chunk.sizes)))
+    return wanted_items(boxes_of(chunks), objects)
 
 
 def _safe_planner() -> Any:

@@ -115,7 +115,7 @@ class PytorchState(FrameworkState[Any]):
         per_rank = trees.get(_rank_file(self.rank))
         if self.sharded:
             # a snapshot in memory (path None) holds this rank's own shards; a committed step is read by DCP's reader
-            dtensor.restore(self.model, self.optimizer, trees, loaded.path, self.rank)
+            dtensor.restore(self.model, self.optimizer, trees, loaded.path, self.rank, self.ckpt.staging(loaded))
             if self.lr_scheduler is not None and per_rank is not None and "lr_scheduler" in per_rank:
                 self.lr_scheduler.load_state_dict(per_rank["lr_scheduler"])
         else:

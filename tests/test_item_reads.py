@@ -84,3 +84,27 @@ def test_a_rank_picks_the_items_its_request_overlaps(tmp_path):
     assert ("__0_0.distcp", False, [2]) in got
     # without a request (or a file without items: a checkpoint Megatron wrote): whole files, i mod world
     assert ("__0_0.distcp", False) in torchdist.needed(where, 2, man)
+
+
+def test_what_a_load_reads_chunks_overlapping_its_boxes_and_the_objects_it_names():
+    from easyckpt.engine.dcp import boxes_of, wanted_items
+    asked = wanted_items(boxes_of([("w", [2, 0], [2, 4]), ("b", [0], [3])]), {"rng"})
+    assert asked(["w", [0, 0], [4, 4]]) and asked(["w", [3, 2], [1, 1]]) and asked(["b", [2], [5]])
+    assert not asked(["w", [0, 0], [2, 4]]) and not asked(["w", [4, 0], [2, 4]]) and not asked(["b", [3], [2]])
+    assert not asked(["x", [2, 0], [2, 4]]) and not asked(["w", [2], [2]])     # another key, another rank of shape
+    assert asked(["rng", None, None]) and not asked(["other", None, None])
+    assert asked(None)                                                        # unknown identity: taken
+    assert wanted_items({}, None)(["anything", None, None])                   # None: every object
+
+
+def test_a_sparse_file_holds_its_pieces_at_their_offsets_and_zeros_between(tmp_path):
+    from easyckpt.storage.posix import PosixStorage
+    path = tmp_path / "__1_0.distcp"
+    PosixStorage().write_sparse(str(path), 1000, [(100, b"x" * 50), (900, bytearray(b"y" * 100))])
+    data = path.read_bytes()
+    assert len(data) == 1000 and data[100:150] == b"x" * 50 and data[900:] == b"y" * 100
+    assert data[:100] == bytes(100) and data[150:900] == bytes(750)
+    with pytest.raises(FileExistsError):
+        PosixStorage().write_sparse(str(path), 10, [])
+    with pytest.raises(ValueError, match="outside"):
+        PosixStorage().write_sparse(str(tmp_path / "other"), 10, [(5, b"123456")])

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import s3server
 from harness import (
+    TRAIN,
     SHM,
     assert_losses_equal,
     cli,
@@ -36,6 +37,7 @@ from harness import (
     kill_tree,
     losses,
     run,
+    script_cmd,
     start,
     starts,
     train_cmd,
@@ -122,6 +124,85 @@ def test_a_job_killed_with_kill_9_resumes_from_the_store_with_an_uninterrupted_r
     assert _committed(_keys(store, url)) == [12, 16]
     gone = [e for e in events(local / "easyckpt.log") if e["event"] == "delete" and e["path"].endswith("step_00000014")]
     assert len(gone) == 1 and gone[0]["reason"].startswith("damaged"), gone
+
+
+def test_a_readers_copy_of_a_step_in_the_store_holds_only_the_items_asked_for_each_checked(bucket, tmp_path):
+    """engine/scratch.py's local copy for a reader that opens paths, in-process against the real store: a DCP data
+    file holds the items the load asks for at their offsets (the rest a hole), the files the reader does not
+    open are not fetched, and a damaged item asked for fails the copy, naming it, with nothing left behind."""
+    from easyckpt.engine import scratch
+    from easyckpt.engine.dcp import boxes_of, reader_files, wanted_items
+    from easyckpt.errors import CheckpointError
+    from easyckpt.formats import manifest as mf
+    store, top = bucket
+    step = f"{top}/job/step_00000010"
+    parts = [b"a" * 1000, b"b" * 3000, b"c" * 500]
+    ids = [["w", [0, 0], [2, 4]], ["w", [2, 0], [2, 4]], ["rng", None, None]]
+    data, items, at = b"".join(parts), [], 0
+    for part, ident in zip(parts, ids):
+        items.append([at, len(part), mf.checksum(part), ident])
+        at += len(part)
+    listed = {"__0_0.distcp": data, ".metadata": b"md", "rank_00000.safetensors": b"r" * 700}
+    for rel, blob in listed.items():
+        store.write_atomic(f"{step}/{rel}", blob)
+    files = {rel: {"size": len(blob), "checksum": mf.checksum(blob), "format": "raw"} for rel, blob in listed.items()}
+    files["__0_0.distcp"].update(format="dcp", items=items)
+    man = mf.validate(mf.build(10, "job", "pytorch", 1, mf.parse_files(files)).to_json())
+    asked = wanted_items(boxes_of([("w", [3, 0], [1, 4])]), set())        # the second chunk only
+    fetched: list = []
+    here = scratch.local_copy(step, man, str(tmp_path / "copy"), asked, reader_files(), fetched.append)
+    copy = tmp_path / "copy" / "__0_0.distcp"
+    assert copy.read_bytes() == bytes(1000) + parts[1] + bytes(500) and sum(fetched) == 3000 + 2
+    assert (tmp_path / "copy" / ".metadata").read_bytes() == b"md"
+    assert not (tmp_path / "copy" / "rank_00000.safetensors").exists()
+    scratch.remove(here)
+
+    damaged = bytearray(data)
+    damaged[1500] ^= 0xFF
+    store.write_atomic(f"{step}/__0_0.distcp", bytes(damaged))
+    with pytest.raises(CheckpointError, match=r"item 1 \(w, bytes 1000\.\.4000\).*corrupted"):
+        scratch.local_copy(step, man, str(tmp_path / "copy"), asked, reader_files())
+    assert not (tmp_path / "copy").exists()
+
+
+def test_fsdp2_killed_resumes_from_the_store_each_rank_fetching_its_own_shards_and_on_one_rank(bucket, tmp_path):
+    """FSDP2 (the plain-PyTorch adapter, DCP's layout) on 2 ranks with its steps in the store: kill -9, the agent
+    gone with its snapshots, then a resume from the store with the losses of an uninterrupted run. DCP's reader
+    opens paths: each rank's local copy holds only the items its shards read (the audit log's ``staged``). The
+    last step then resumes on one rank with the weights the run ended with (DCP reshards)."""
+    import torch
+    store, top = bucket
+    url, local = f"{top}/fsdp", tmp_path / "local"
+    common = ["--fsdp", "--hidden", "1024", "--iters", "16", "--storage-interval", "4"]   # shards, not overheads
+    ref = tmp_path / "ref"
+    run(train_cmd(tmp_path / "ref-ckpt", 2, *common, "--loss-file", str(ref), *FAST), timeout=300)
+    wait_no_agent(tmp_path / "ref-ckpt")
+    loss, final = tmp_path / "loss", tmp_path / "final.pt"
+    proc = start(_cmd(url, local, 2, *common, "--loss-file", str(loss), "--step-sleep", "0.2"),
+                 log=tmp_path / "first.out")
+    wait_for_iteration(loss, 9, proc)
+    kill_tree(proc)
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")     # its snapshots gone: the store serves
+    second = run(_cmd(url, local, 2, *common, "--loss-file", str(loss), "--dump-final", str(final)), timeout=300)
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    resumed = starts(loss)[-1]
+    assert resumed >= 8 and f"resumed step {resumed} from storage" in second.stdout + second.stderr, \
+        (second.stdout + second.stderr)[-3000:]
+    for rank in (0, 1):
+        assert_losses_equal(losses(loss, rank), losses(ref, rank), 16, f"FSDP2 rank {rank} from the store")
+    staged = [e for e in events(local / "easyckpt.log") if e["event"] == "staged"]
+    assert sorted(e["rank"] for e in staged) == [0, 1] and all(e["step"] == resumed for e in staged), staged
+    assert all(e["fetched"] < 0.7 * e["listed"] for e in staged), staged
+    assert not [p.name for p in local.iterdir() if "restore" in p.name]     # the copies are removed
+
+    loaded = tmp_path / "loaded.pt"
+    one = run(script_cmd(TRAIN, 1, "--save-dir", url, "--local-dir", str(local), *common[:3], "--iters", "18",
+                         "--storage-interval", "4", *FAST, "--loss-file", str(tmp_path / "one"),
+                         "--dump-loaded", str(loaded), torchrun=True), timeout=300)
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    assert starts(tmp_path / "one") == [16], (one.stdout + one.stderr)[-3000:]
+    got, trained = torch.load(loaded, weights_only=True), torch.load(final, weights_only=True)
+    assert set(got) == set(trained) and all(torch.equal(got[k], trained[k]) for k in trained)
 
 
 def test_an_agent_killed_mid_upload_leaves_no_step_and_the_next_agent_removes_what_it_wrote(bucket, tmp_path):

@@ -14,7 +14,8 @@ DeepSpeed (a real engine, ZeRO-3, examples/deepspeed/train.py) with their checkp
   the store with an uninterrupted run's losses, and at the end the best model loaded from the store with the
   weights the uninterrupted run loads from its disk; ``easyckpt convert`` of a step in the store to a local
   folder gives the weights of the same step on a disk; the same Trainer with FSDP2 (its DCP layout, read by DCP's
-  reader from a checked local copy of the step) resumed from the store with an uninterrupted run's losses.
+  reader from a local copy holding each rank's own items, checked) resumed from the store with an uninterrupted
+  run's losses; likewise Megatron's torch_dist on the same TP: each rank fetches its half.
 """
 from __future__ import annotations
 
@@ -81,6 +82,10 @@ def test_megatron_killed_resumes_from_the_store_with_an_uninterrupted_runs_losse
     assert f"from storage ({url}/iter_" in second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
     assert starts(loss)[-1] >= 8, starts(loss)
     assert_losses_equal(_rank0(loss), reference["rank0"], 12, f"Megatron {fmt} from the store")
+    if fmt == "torch_dist":    # Megatron's reader opens paths: each rank's copy holds the items its TP half reads
+        staged = [e for e in events(local / "easyckpt.log") if e["event"] == "staged"]
+        assert sorted(e["rank"] for e in staged) == [0, 1], staged
+        assert all(e["fetched"] < 0.7 * e["listed"] for e in staged), staged
 
 
 def test_a_torch_dist_checkpoint_in_the_store_resumes_on_another_tp_as_from_a_local_disk(bucket, tmp_path):
@@ -209,3 +214,7 @@ def test_the_trainers_fsdp2_killed_resumes_from_the_store_with_an_uninterrupted_
         assert_losses_equal(losses(loss, rank), losses(ref, rank), 20, f"Trainer FSDP2 rank {rank} from the store")
     left = sorted(p.name for p in out.iterdir())
     assert not [n for n in left if "restore" in n or "resume" in n], left     # the local copy is removed
+    # DCP's reader opens paths: per rank, a copy of the model's and of the optimizer's items its shards read
+    staged = [e for e in events(out / "easyckpt.log") if e["event"] == "staged"]
+    assert sorted(e["rank"] for e in staged) == [0, 0, 1, 1], staged
+    assert all(e["fetched"] < 0.7 * e["listed"] for e in staged), staged

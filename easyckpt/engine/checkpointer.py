@@ -27,6 +27,7 @@ from typing import (
 )
 
 from easyckpt.config import Config
+from easyckpt.engine import scratch
 from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import Read
 from easyckpt.engine.seams import AgentLink, Clock, Group
@@ -138,6 +139,20 @@ class Checkpointer:
     def wait_committed(self, step: int, timeout: Optional[float] = None) -> None:
         """Block until ``step``, already handed to the agent, is committed (AgentError after ``timeout``)."""
         self.engine.wait_committed(step, timeout)
+
+    def staging(self, loaded: Loaded) -> Optional[scratch.Stage]:
+        """How a reader that opens paths (DCP's, Megatron's) reads the committed step ``loaded``: the step
+        itself on a file system; from an object store, a copy in this rank's scratch directory under the node
+        directory holding only what its load reads (each copy said in the audit log: ``staged``). None for a
+        snapshot (memory, a peer, the local tier)."""
+        if loaded.path is None or loaded.manifest is None:
+            return None
+        cfg, step = self.config, loaded.step
+
+        def said(fetched: int, listed: int) -> None:
+            self.emit("staged", step=step, fetched=fetched, listed=listed)
+        directory = scratch.path(cfg.node_dir, "restore", cfg.job_id, self.rank)
+        return scratch.staging(loaded.path, loaded.manifest, directory, said)
 
     def emit(self, event: str, **fields: Any) -> None:
         """A line of the audit log (and the console, for warnings and errors) from this rank."""

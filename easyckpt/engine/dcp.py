@@ -10,7 +10,7 @@ shape, bytes]`` for a tensor chunk, ``["o", key, bytes]`` for an object (a torch
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,6 +33,45 @@ def checked_by(listed: Iterable[str], rank: int, world_size: int) -> List[str]:
     """The data files rank ``rank`` checks in full before DCP's reader takes what it needs from them: those
     whose number is ``rank`` modulo the world size, so that each is checked once, on any world size."""
     return [rel for rel in data_files(listed) if int(rel[2:-len("_0.distcp")]) % world_size == rank]
+
+
+def reader_files(prefix: str = "", extra: Collection[str] = ()) -> Callable[[str], bool]:
+    """Whether DCP's reader opens a step's listed file ``rel`` when it loads the checkpoint under ``prefix``:
+    ``.metadata`` and the data files there, and ``extra`` (Megatron's loader also reads common.pt and
+    metadata.json)."""
+    def opened(rel: str) -> bool:
+        if rel in extra:
+            return True
+        name = rel[len(prefix):] if rel.startswith(prefix) else None
+        return name is not None and (name == DCP_METADATA or bool(data_files([name])))
+    return opened
+
+
+# per key, the (global offsets, sizes) of the chunks a load asks for
+Boxes = Dict[str, List[Tuple[List[int], List[int]]]]
+
+
+def boxes_of(chunks: Iterable[Tuple[str, Sequence[int], Sequence[int]]]) -> Boxes:
+    by_key: Boxes = {}
+    for key, offsets, sizes in chunks:
+        by_key.setdefault(key, []).append((list(offsets), list(sizes)))
+    return by_key
+
+
+def wanted_items(boxes: Boxes, objects: Optional[Collection[str]]) -> Callable[[Optional[Sequence[Any]]], bool]:
+    """Whether a load that asks for the tensor chunks ``boxes`` and the objects named ``objects`` (None: every
+    object) reads a saved item, given its manifest identity ``[key, offsets, sizes]`` (``[key, None, None]``
+    for an object): a chunk of the same key that overlaps one of the boxes, as DCP's planner matches them. An
+    item of unknown identity is taken."""
+    def wanted(ident: Optional[Sequence[Any]]) -> bool:
+        if ident is None:
+            return True
+        if ident[1] is None:
+            return objects is None or ident[0] in objects
+        return any(len(o) == len(ident[1]) and all(a < b + m and b < a + n
+                                                   for a, n, b, m in zip(ident[1], ident[2], o, s))
+                   for o, s in boxes.get(ident[0], []))
+    return wanted
 
 
 def gather_to_zero(described: List[List[Any]]) -> Optional[List[List[List[Any]]]]:

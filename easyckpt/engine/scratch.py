@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from easyckpt.engine.dcp import data_files
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import scratch_name
 from easyckpt.formats.manifest import MANIFEST_NAME, Manifest
@@ -62,18 +63,41 @@ def remove(directory: str) -> None:
     _storage.delete(directory)
 
 
-def local_copy(step_dir: str, manifest: Manifest, directory: str) -> str:
+# whether a load reads a saved item of a DCP data file, given its manifest identity (engine/dcp.py's wanted_items)
+Wanted = Callable[[Optional[Sequence[Any]]], bool]
+
+
+def local_copy(step_dir: str, manifest: Manifest, directory: str, wanted: Optional[Wanted] = None,
+               files: Optional[Callable[[str], bool]] = None,
+               on_bytes: Optional[Callable[[int], None]] = None) -> str:
     """``step_dir`` as a local directory for a framework reader that only opens paths (Megatron's torch_dist
     reader, DCP's, DeepSpeed's, the Trainer's best-model load): the step itself on a file system; for an object
-    store, every listed file downloaded into ``directory`` (checked against the manifest on the way), then the
-    manifest, which the caller removes."""
+    store, the listed files (those ``files`` accepts: the ones the reader opens) downloaded into ``directory``,
+    each checked against the manifest on the way, then the manifest, which the caller removes. With ``wanted``, a DCP data file the manifest lists
+    item by item holds only the items this rank's load reads (ranged reads, each item checked), at their
+    offsets, the rest a hole: each rank fetches what it needs, not the whole step. ``on_bytes`` hears of every
+    piece fetched."""
     if remote(step_dir) is None:
         return step_dir
     fresh(directory)
     try:
-        for rel in manifest.files:
-            staged_file(os.path.dirname(os.path.join(directory, rel)), os.path.basename(rel),
-                        stepfiles.read_verified(step_dir, rel, manifest))
+        for rel, entry in manifest.files.items():
+            if files is not None and not files(rel):
+                continue
+            target = os.path.join(directory, rel)
+            if wanted is not None and entry.items is not None and data_files([os.path.basename(rel)]):
+                picked = [i for i, item in enumerate(entry.items) if wanted(item.ident)]
+                got: Dict[int, bytearray] = {}
+                problem, _ = stepfiles.read_items(step_dir, rel, manifest, picked, on_bytes, keep=got)
+                if problem:
+                    raise CheckpointError(problem)
+                _storage.makedirs(os.path.dirname(target))
+                _storage.write_sparse(target, entry.size, [(entry.items[i].offset, got[i]) for i in picked])
+                continue
+            data = stepfiles.read_verified(step_dir, rel, manifest)
+            if on_bytes is not None:
+                on_bytes(len(data))
+            staged_file(os.path.dirname(target), os.path.basename(rel), data)
         # the manifest last, as in a committed step: a reader that looks for it (DeepSpeed's converter) finds one
         staged_file(directory, MANIFEST_NAME, manifest.to_bytes())
     except BaseException:
@@ -83,14 +107,39 @@ def local_copy(step_dir: str, manifest: Manifest, directory: str) -> str:
 
 
 @contextlib.contextmanager
-def local_step(step_dir: str, manifest: Manifest, directory: str) -> Iterator[str]:
+def local_step(step_dir: str, manifest: Manifest, directory: str, wanted: Optional[Wanted] = None,
+               files: Optional[Callable[[str], bool]] = None, on_bytes: Optional[Callable[[int], None]] = None
+               ) -> Iterator[str]:
     """local_copy for the length of a block: a downloaded copy is removed when it ends."""
-    here = local_copy(step_dir, manifest, directory)
+    here = local_copy(step_dir, manifest, directory, wanted, files, on_bytes)
     try:
         yield here
     finally:
         if here != step_dir:
             remove(here)
+
+
+# what a DCP load (dtensor.py, megatron/torchdist.py) is given to open a committed step by path: called with what
+# the load reads of the data files and which files its reader opens, a block that has the step as a local directory
+Stage = Callable[[Wanted, Callable[[str], bool]], ContextManager[str]]
+
+
+def staging(step_dir: str, manifest: Manifest, directory: str,
+            report: Optional[Callable[[int, int], None]] = None) -> Stage:
+    """A Stage over committed step ``step_dir``: the step itself on a file system, a sparse copy of what the
+    load reads in ``directory`` from an object store (local_step); ``report(fetched, listed)`` hears, for each
+    copy, the bytes fetched and the bytes of the files the reader opens."""
+    @contextlib.contextmanager
+    def stage(wanted: Wanted, files: Callable[[str], bool]) -> Iterator[str]:
+        fetched = [0]
+
+        def count(n: int) -> None:
+            fetched[0] += n
+        with local_step(step_dir, manifest, directory, wanted, files, count) as here:
+            if here != step_dir and report is not None:
+                report(fetched[0], sum(e.size for rel, e in manifest.files.items() if files(rel)))
+            yield here
+    return stage
 
 
 @contextlib.contextmanager

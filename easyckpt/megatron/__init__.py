@@ -23,14 +23,12 @@ A checkpoint is restored in the layout it was written in, whatever ``ckpt_format
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import time
 from dataclasses import dataclass, field
 from typing import (
     TYPE_CHECKING,
     Any,
-    ContextManager,
     Dict,
     List,
     Optional,
@@ -43,7 +41,7 @@ import torch
 
 from easyckpt import console
 from easyckpt.config import Config, adapter_config
-from easyckpt.engine import estimate, scratch
+from easyckpt.engine import estimate
 from easyckpt.engine.checkpointer import DefaultCheckpointer, FrameworkState
 from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import as_reads
@@ -153,15 +151,6 @@ class MegatronState(FrameworkState[Any]):
         # concat reads every DP rank's optimizer shard: only when the data-parallel size changed
         return _state.needed(where, self.optimizer, manifest, self.concat and saved != now)
 
-    @staticmethod
-    def _readable(loaded: Optional[Loaded], rank: int) -> ContextManager[Optional[str]]:
-        """The step directory Megatron's reader opens: the committed one, or for an object store a local copy
-        in this rank's scratch directory (its reader only opens paths); None for a snapshot in memory."""
-        if loaded is None or loaded.path is None or loaded.manifest is None:
-            return contextlib.nullcontext(None)
-        cfg = _default.require().config
-        return scratch.local_step(loaded.path, loaded.manifest, scratch.path(cfg.node_dir, "restore", cfg.job_id, rank))
-
     def restore(self, loaded: Loaded) -> Tuple[int, float]:
         where = _state.parallel()
         if _dist.COMMON in loaded.trees or _dist.METADATA_JSON in loaded.trees:    # torch_dist
@@ -172,9 +161,9 @@ class MegatronState(FrameworkState[Any]):
             before = loaded.manifest.layout if loaded.manifest else None
             moved = before != self.layout() if isinstance(before, str) else not same
             split = _reshard.expert_split(self.layout()) or (isinstance(before, str) and _reshard.expert_split(before))
-            with self._readable(None if in_memory else loaded, where.rank) as path:
-                saved = _dist.restore(loaded.trees, path, where, self.model, self.optimizer, self.opt_param_scheduler,
-                                      self.strict, same_layout=same, exact=in_memory or not moved, split=split)
+            saved = _dist.restore(loaded.trees, None if in_memory else loaded.path, where, self.model, self.optimizer,
+                                  self.opt_param_scheduler, self.strict, same_layout=same, exact=in_memory or not moved,
+                                  split=split, stage=None if in_memory else _default.require().staging(loaded))
             if not in_memory and moved and where.rank == 0:
                 console.info(f"{os.path.basename(loaded.path or '')} (saved on {before or 'another layout'}) "
                              f"resharded to {self.layout()} through Megatron's reader in "

@@ -26,18 +26,22 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from easyckpt.engine.dcp import (
     DCP_METADATA,
+    boxes_of,
     checked_by,
     data_file,
     data_files,
     gather_to_zero,
+    reader_files,
+    wanted_items,
 )
 from easyckpt.engine.dcp import metadata as dcp_metadata
+from easyckpt.engine.scratch import Stage
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.engine.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
@@ -226,24 +230,26 @@ def collect(iteration: int, model: Any, optimizer: Any, scheduler: Any, flops: f
 
 def request(model: Any, optimizer: Any, where: _state.Parallel) -> List[Tuple[str, List[int], List[int]]]:
     """Every chunk this rank will ask Megatron's reader for: (key, global offsets, sizes)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
     for opt in _state.optimizers(optimizer):
         if _state.is_distributed(opt):
             prime_adam(opt)
-    sd = sharded_state_dict(0, model, optimizer, None, 0.0, None, where, True)
+    return _asked(sharded_state_dict(0, model, optimizer, None, 0.0, None, where, True))[0]
+
+
+def _asked(sd: Dict[str, Any]) -> Tuple[List[Tuple[str, List[int], List[int]]], List[str]]:
+    """The tensor chunks (key, global offsets, sizes) and the objects (unique keys) a load of the sharded state
+    dict ``sd`` asks for; its factories are applied (pass one that is not loaded itself)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        apply_factories,
+    )
+
     apply_factories(sd)
-    return [(sh.key, list(sh.global_offset), [1] * sh.prepend_axis_num + list(sh.local_shape))
-            for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
-
-
-def _overlaps(ident: Any, wanted: Dict[str, List[Tuple[List[int], List[int]]]]) -> bool:
-    if ident is None or ident[1] is None:     # an object (RNG states: small) or an item of unknown identity
-        return True
-    boxes = wanted.get(ident[0], [])
-    return any(len(o) == len(ident[1]) and all(a < b + m and b < a + n for a, n, b, m in zip(ident[1], ident[2], o, s))
-               for o, s in boxes)
+    chunks = [(sh.key, list(sh.global_offset), [1] * sh.prepend_axis_num + list(sh.local_shape))
+              for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
+    return chunks, [sh.unique_key for sh in nested_values(sd) if isinstance(sh, ShardedObject)]
 
 
 def needed(where: _state.Parallel, world_size: int, manifest: Manifest,
@@ -258,12 +264,11 @@ def needed(where: _state.Parallel, world_size: int, manifest: Manifest,
     files: List[Tuple[Any, ...]] = [(COMMON, True), (METADATA_JSON, False), (DCP_METADATA, False)]
     data = data_files(manifest.files)
     if wanted is not None and data and all(manifest.files[rel].items is not None for rel in data):
-        by_key: Dict[str, List[Tuple[List[int], List[int]]]] = {}
-        for key, offset, sizes in wanted:
-            by_key.setdefault(key, []).append((offset, sizes))
+        # every object: the RNG states (small) are asked for or not by restore, once common.pt is read
+        takes = wanted_items(boxes_of(wanted), None)
         for rel in data:
             items = manifest.files[rel].items or ()
-            picked = [i for i, item in enumerate(items) if _overlaps(item.ident, by_key)]
+            picked = [i for i, item in enumerate(items) if takes(item.ident)]
             if picked:
                 files.append((rel, False, picked))
     else:
@@ -290,10 +295,12 @@ def common_state(trees: Dict[str, Any], path: Optional[str]) -> Dict[str, Any]:
 
 
 def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, model: Any, optimizer: Any,
-            scheduler: Any, strict: bool, same_layout: bool, exact: bool = True, split: bool = False
-            ) -> Dict[str, Any]:
+            scheduler: Any, strict: bool, same_layout: bool, exact: bool = True, split: bool = False,
+            stage: Optional[Stage] = None) -> Dict[str, Any]:
     """Load into the live objects. ``path``: the committed step directory (storage; Megatron's reader
-    takes the chunks this rank's layout needs), None: this rank's own snapshot in ``trees`` (memory).
+    takes the chunks this rank's layout needs, from the directory ``stage`` gives it for what this rank's
+    request reads: engine/scratch.py; None: ``path`` itself), None: this rank's own snapshot in ``trees``
+    (memory).
     ``same_layout``: the same TP and PP sizes; ``exact``: the same layout in every size (each rank's own
     RNG file then exists); ``split``: experts split over EP ranks, in the saved layout or this one."""
     common = common_state(trees, path)
@@ -305,12 +312,20 @@ def restore(trees: Dict[str, Any], path: Optional[str], where: _state.Parallel, 
     for opt in _state.optimizers(optimizer):
         if _state.is_distributed(opt):
             prime_adam(opt)
-    sd = sharded_state_dict(int(common["iteration"]), model, optimizer, scheduler, 0.0, None, where, True,
-                            _state.rng_capture() if load_rng else None, path_is_memory=path is None,
-                            saved_metadata=common.get("content_metadata") if path is not None else None)
+    def build() -> Dict[str, Any]:
+        return sharded_state_dict(int(common["iteration"]), model, optimizer, scheduler, 0.0, None, where, True,
+                                  _state.rng_capture() if load_rng else None, path_is_memory=path is None,
+                                  saved_metadata=common.get("content_metadata") if path is not None else None)
+    sd = build()
     if path is not None:
         from megatron.core import dist_checkpointing
-        state = dist_checkpointing.load(sd, path)
+        if stage is None:
+            opened: ContextManager[str] = contextlib.nullcontext(path)
+        else:      # what this very request reads (a second copy of it: Megatron's load applies its factories)
+            chunks, objects = _asked(build())
+            opened = stage(wanted_items(boxes_of(chunks), set(objects)), reader_files("", (COMMON, METADATA_JSON)))
+        with opened as here:
+            state = dist_checkpointing.load(sd, here)
         fit_chain(state, optimizer)
     else:
         state = _fill_from_memory(sd, common, trees, where.rank)

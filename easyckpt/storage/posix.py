@@ -16,7 +16,7 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import List, Tuple, Union
+from typing import Iterable, List, Tuple, Union
 
 from easyckpt.errors import UntrustedFileError
 from easyckpt.formats.paths import owner_name
@@ -152,6 +152,22 @@ class PosixStorage:
 
     def write_atomic(self, path: str, data: Buffer) -> None:
         atomic_write(path, data)
+
+    def write_sparse(self, path: str, size: int, pieces: Iterable[Tuple[int, Buffer]]) -> None:
+        """A new file of ``size`` bytes holding only ``pieces`` (offset, bytes); the rest is a hole, which
+        reads as zeros and takes no disk: the parts of a large shard one reader takes. Not durable (a scratch
+        copy); FileExistsError if the name is taken."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            for offset, data in pieces:
+                view, done = memoryview(data).cast("B"), 0
+                if offset < 0 or offset + len(view) > size:
+                    raise ValueError(f"{path}: a piece at {offset} of {len(view)} bytes lies outside its {size}")
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], offset + done)
+        finally:
+            os.close(fd)
 
     def create_exclusive(self, path: str, data: Buffer) -> None:
         """A new small file with ``data``, durable with its name; FileExistsError if the name is taken."""

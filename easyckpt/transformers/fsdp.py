@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt import dtensor
+from easyckpt.engine.scratch import Stage
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.formats.manifest import Manifest
@@ -60,18 +61,21 @@ def needed(manifest: Manifest, fsdp: bool, rank: int, world_size: int) -> Option
         dtensor.needed(manifest, rank, world_size, OPTIM_DIR)
 
 
-def load_model(model: Any, trees: Dict[str, Any], path: Optional[str], rank: int) -> None:
-    """The model's shards from the checkpoint (``path``: the committed step; None: the memory snapshot)."""
+def load_model(model: Any, trees: Dict[str, Any], path: Optional[str], rank: int,
+               stage: Optional[Stage] = None) -> None:
+    """The model's shards from the checkpoint (``path``: the committed step, opened by ``stage``; None: the
+    memory snapshot)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         set_model_state_dict,
     )
     state = {"model": get_model_state_dict(model)}
-    dtensor.load_state(state, trees, path, rank, MODEL_DIR)
+    dtensor.load_state(state, trees, path, rank, MODEL_DIR, stage)
     set_model_state_dict(model, state["model"])
 
 
-def load_optimizer(trainer: Any, trees: Dict[str, Any], path: Optional[str], rank: int) -> None:
+def load_optimizer(trainer: Any, trees: Dict[str, Any], path: Optional[str], rank: int,
+                   stage: Optional[Stage] = None) -> None:
     """The optimizer's state shards from the checkpoint, into the Trainer's (prepared) optimizer."""
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
@@ -79,5 +83,5 @@ def load_optimizer(trainer: Any, trees: Dict[str, Any], path: Optional[str], ran
     )
     model, opt = objects(trainer)
     state = {"optimizer": get_optimizer_state_dict(model, opt)}
-    dtensor.load_state(state, trees, path, rank, OPTIM_DIR)
+    dtensor.load_state(state, trees, path, rank, OPTIM_DIR, stage)
     set_optimizer_state_dict(model, opt, state["optimizer"])

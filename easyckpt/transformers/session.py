@@ -60,6 +60,7 @@ class _Session(FrameworkState[Any]):
         self.loaded_path: Optional[str] = None
         self.virtual_dir: Optional[str] = None
         self.local_dir: Optional[str] = None             # a loaded step copied from an object store (_local)
+        self.stage: Optional[scratch.Stage] = None        # how DCP's reader opens the loaded step (FSDP)
         self.saved_now = False
         self.requested: Set[int] = set()                # steps handed to the agent in this run
         # a PeftModel's checkpoint holds its adapter; the frozen weights are checked by their checksum
@@ -293,6 +294,7 @@ class _Session(FrameworkState[Any]):
         engine = self.engine
         self.trees, self.loaded_path = loaded.trees, loaded.path
         self.loaded_manifest = loaded.manifest
+        self.stage = engine.staging(loaded)     # DCP's reader (FSDP): each rank's items only, from an object store
         t = self.trainer
         # the Trainer's load hooks, shadowed by instance attributes (hooks() pops them)
         t._load_from_checkpoint = self._load_model  # type: ignore[method-assign]
@@ -332,7 +334,7 @@ class _Session(FrameworkState[Any]):
         assert model is not None and self.trees is not None    # the Trainer's model; restore() set the trees
         if self.fsdp:        # the model is sharded by now (the Trainer loads it after accelerate's prepare)
             # (loaded_path is None for a snapshot in memory: dtensor reads it there)
-            fsdp.load_model(model, self.trees, self._local(), self.args.process_index)
+            fsdp.load_model(model, self.trees, self.loaded_path, self.args.process_index, self.stage)
             return
         if peftmodel.ADAPTER in self.trees:
             peftmodel.restore_adapter(model, self.trees[peftmodel.ADAPTER])
@@ -349,7 +351,7 @@ class _Session(FrameworkState[Any]):
         assert self.trees is not None       # restore() set them before the Trainer calls its load hooks
         self._keep_remote_best()
         if self.fsdp:
-            fsdp.load_optimizer(t, self.trees, self._local(), self.args.process_index)
+            fsdp.load_optimizer(t, self.trees, self.loaded_path, self.args.process_index, self.stage)
         elif self.ds_engine is None:
             assert t.optimizer is not None  # the Trainer loads into the optimizer it just created
             t.optimizer.load_state_dict(self.trees[OPTIM])
