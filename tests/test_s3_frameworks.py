@@ -88,25 +88,33 @@ def test_megatron_killed_resumes_from_the_store_with_an_uninterrupted_runs_losse
         assert all(e["fetched"] < 0.7 * e["listed"] for e in staged), staged
 
 
-def test_a_torch_dist_checkpoint_in_the_store_resumes_on_another_tp_as_from_a_local_disk(bucket, tmp_path):
+@pytest.mark.parametrize("saved, resumed", [
+    (["--tp", "2"], ["--tp", "1"]),
+    # the distributed optimizer's state sharded over DP=2 (flattened ranges of the fully_reshardable form), same layout
+    pytest.param(["--use-distributed-optimizer"], ["--use-distributed-optimizer"], marks=pytest.mark.slow),
+], ids=["tp2-to-tp1", "distopt-dp2"])
+def test_a_torch_dist_checkpoint_in_the_store_resumes_on_another_tp_as_from_a_local_disk(bucket, tmp_path, saved,
+                                                                                          resumed):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
     _store, top = bucket
     url, local = f"{top}/meg", tmp_path / "local"
     first = tmp_path / "first"
-    run(cmd(url, first, local, 8, "--tp", "2", "--ckpt-format", "torch_dist"), timeout=300)
-    run(cmd(str(tmp_path / "disk"), first, tmp_path / "disk-local", 8, "--tp", "2", "--ckpt-format", "torch_dist"),
-        timeout=300)
+    fmt = ["--ckpt-format", "torch_dist"]
+    run(cmd(url, first, local, 8, *saved, *fmt), timeout=300)
+    run(cmd(str(tmp_path / "disk"), first, tmp_path / "disk-local", 8, *saved, *fmt), timeout=300)
     wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
     wait_no_agent(tmp_path / "disk", timeout=90, log=tmp_path / "disk-local" / "easyckpt.log")
     from_store, from_disk = tmp_path / "from-store", tmp_path / "from-disk"
-    out = run(cmd(url, from_store, local, 12, "--tp", "1", "--ckpt-format", "torch_dist"), timeout=300)
+    out = run(cmd(url, from_store, local, 12, *resumed, *fmt), timeout=300)
     text = out.stdout + out.stderr
-    assert f"resumed step 8 from storage ({url}/iter_0000008" in text and "resharded to tp1" in text, text[-3000:]
-    run(cmd(str(tmp_path / "disk"), from_disk, tmp_path / "disk-local", 12, "--tp", "1", "--ckpt-format",
-            "torch_dist"), timeout=300)
+    assert f"resumed step 8 from storage ({url}/iter_0000008" in text, text[-3000:]
+    assert ("resharded to tp1" in text) == (saved != resumed), text[-3000:]
+    run(cmd(str(tmp_path / "disk"), from_disk, tmp_path / "disk-local", 12, *resumed, *fmt), timeout=300)
     got, want = _rank0(from_store), _rank0(from_disk)
     assert sorted(got) == list(range(9, 13)) and got == want, (got, want)
     assert not list(local.glob(".easyckpt-scratch*")) and not [p for p in local.iterdir() if "restore" in p.name]
+    staged = [e for e in events(local / "easyckpt.log") if e["event"] == "staged"]
+    assert sorted(e["rank"] for e in staged) == [0, 1] and all(e["fetched"] <= e["listed"] for e in staged), staged
 
 
 def ds(save: str, loss: Path, local: Path, iters: int, *extra: str):
