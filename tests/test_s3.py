@@ -213,3 +213,32 @@ def test_a_marker_the_agent_wrote_is_seen_at_once_not_after_the_next_poll(store,
     assert jobdir.shards(7) == set()          # within POLL_S: the last poll's answer
     jobdir.marker_written(7)
     assert jobdir.shards(7) == {0}            # read again
+
+
+def test_a_throttling_store_is_retried_with_backoff_and_one_that_keeps_throttling_fails_naming_it(store, server):
+    """503 SlowDown (the store's throttling answer), from a proxy in front of the real gateway (tests/s3throttle.py):
+    a few refused requests are retried and the objects arrive whole, a multipart upload's parts too; a store that
+    keeps refusing fails the request after the client's bounded attempts (5), naming SlowDown."""
+    from s3throttle import ThrottlingProxy
+
+    from easyckpt.storage.s3 import S3Storage
+    from easyckpt.storage.s3client import Patience
+    _, top = store
+    with ThrottlingProxy(server["ENDPOINT"]) as proxy:
+        s = S3Storage(endpoint_url=proxy.url, part_bytes=5 << 20, parallel=2)
+        proxy.refuse(3)
+        s.write_atomic(f"{top}/job/small", b"x" * 1000)
+        assert proxy.refused == 3 and s.read(f"{top}/job/small") == b"x" * 1000
+        data = os.urandom(12 << 20)             # three parts
+        proxy.refuse(2)
+        w = s.open_writer(f"{top}/job/large")
+        w.write(memoryview(data))
+        w.finish()
+        w.sync()
+        w.close()
+        assert proxy.refused == 5 and s.read(f"{top}/job/large") == data
+        proxy.refuse(1000)
+        fresh = S3Storage(endpoint_url=proxy.url, patience=Patience(attempts=5))   # new connections only
+        with pytest.raises(OSError, match="SlowDown"):
+            fresh.read(f"{top}/job/small")
+        assert proxy.refused == 5 + 5, proxy.refused

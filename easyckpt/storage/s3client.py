@@ -56,7 +56,9 @@ def client(endpoint_url: Optional[str] = None, max_pool: int = PARALLEL * 2, pat
         from botocore.config import Config as BotoConfig
     except ImportError:
         raise ConfigError("s3:// save directories need boto3: pip install 'easyckpt[s3]'") from None
-    cfg = BotoConfig(max_pool_connections=max_pool, retries={"max_attempts": patience.attempts, "mode": "standard"},
+    # total_max_attempts counts the first request too (botocore's max_attempts would count retries only: one more)
+    cfg = BotoConfig(max_pool_connections=max_pool,
+                     retries={"total_max_attempts": patience.attempts, "mode": "standard"},
                      connect_timeout=patience.connect_timeout, read_timeout=patience.read_timeout,
                      s3={"addressing_style": "path"})
     # a session of its own: the default session keeps the credentials it found first, whatever changes since
