@@ -78,6 +78,7 @@ ROWS = {
     48: "test_local_tier.py::test_after_a_reboot_the_local_tiers_newer_step_resumes_exactly_else_the_committed_one",
     49: "test_local_tier.py::test_planted_records_and_copies_are_passed_over_without_blocking",
     50: "test_s3_checkpoints.py::test_a_full_bucket_fails_the_step_cleanly_harms_nothing_older_and_persisting_resumes_with_room",
+    51: "test_s3.py::test_a_throttling_store_is_retried_with_backoff_and_one_that_keeps_throttling_fails_naming_it",
 }
 
 
