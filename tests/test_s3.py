@@ -6,7 +6,8 @@ What is proved here is the storage layer the persist and resume paths are to be 
 whole; the commit's conditional create never replaces a committed manifest; a large object is a multipart
 upload sent in parallel parts and read back by parallel ranged GETs; an unfinished upload is invisible and
 aborted by ``abort_uploads``; deleting a step removes its manifest first and nothing outside its prefix; wrong
-credentials, a missing bucket and an unreachable endpoint are refused with what to fix.
+credentials, a missing bucket and an unreachable endpoint are refused with what to fix; a throttling store
+(503 SlowDown from tests/s3throttle.py's proxy in front of the gateway) is retried a bounded number of times.
 """
 from __future__ import annotations
 
