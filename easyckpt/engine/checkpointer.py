@@ -35,6 +35,7 @@ from easyckpt.engine.session import Engine, Info
 from easyckpt.engine.snapshot import ShardSpec, SnapshotResult
 from easyckpt.errors import EasyCkptError
 from easyckpt.formats.manifest import Manifest
+from easyckpt.storage.resolve import remote
 from easyckpt.storage.savedir import SaveDir
 
 R = TypeVar("R", covariant=True)
@@ -141,11 +142,11 @@ class Checkpointer:
         self.engine.wait_committed(step, timeout)
 
     def staging(self, loaded: Loaded) -> Optional[scratch.Stage]:
-        """How a reader that opens paths (DCP's, Megatron's) reads the committed step ``loaded``: the step
-        itself on a file system; from an object store, a copy in this rank's scratch directory under the node
-        directory holding only what its load reads (each copy said in the audit log: ``staged``). None for a
-        snapshot (memory, a peer, the local tier)."""
-        if loaded.path is None or loaded.manifest is None:
+        """How a reader that opens paths (DCP's, Megatron's) reads the committed step ``loaded`` from an object
+        store: a copy in this rank's scratch directory under the node directory holding only what its load reads
+        (each copy said in the audit log: ``staged``). None where the reader opens the step itself (a file
+        system: nothing is computed or copied) and for a snapshot (memory, a peer, the local tier)."""
+        if loaded.path is None or loaded.manifest is None or remote(loaded.path) is None:
             return None
         cfg, step = self.config, loaded.step
 
