@@ -126,16 +126,10 @@ def test_a_job_killed_with_kill_9_resumes_from_the_store_with_an_uninterrupted_r
     assert len(gone) == 1 and gone[0]["reason"].startswith("damaged"), gone
 
 
-def test_a_readers_copy_of_a_step_in_the_store_holds_only_the_items_asked_for_each_checked(bucket, tmp_path):
-    """engine/scratch.py's local copy for a reader that opens paths, in-process against the real store: a DCP data
-    file holds the items the load asks for at their offsets (the rest a hole), the files the reader does not
-    open are not fetched, and a damaged item asked for fails the copy, naming it, with nothing left behind."""
-    from easyckpt.engine import scratch
-    from easyckpt.engine.dcp import boxes_of, reader_files, wanted_items
-    from easyckpt.errors import CheckpointError
+def _dcp_step(store, step: str):
+    """A step in the store with a DCP data file of three items (two chunks of "w", an object), a .metadata and a
+    file DCP's reader never opens; its manifest (not written: the copy is given it) and the data file's bytes."""
     from easyckpt.formats import manifest as mf
-    store, top = bucket
-    step = f"{top}/job/step_00000010"
     parts = [b"a" * 1000, b"b" * 3000, b"c" * 500]
     ids = [["w", [0, 0], [2, 4]], ["w", [2, 0], [2, 4]], ["rng", None, None]]
     data, items, at = b"".join(parts), [], 0
@@ -147,22 +141,72 @@ def test_a_readers_copy_of_a_step_in_the_store_holds_only_the_items_asked_for_ea
         store.write_atomic(f"{step}/{rel}", blob)
     files = {rel: {"size": len(blob), "checksum": mf.checksum(blob), "format": "raw"} for rel, blob in listed.items()}
     files["__0_0.distcp"].update(format="dcp", items=items)
-    man = mf.validate(mf.build(10, "job", "pytorch", 1, mf.parse_files(files)).to_json())
+    return mf.validate(mf.build(10, "job", "pytorch", 1, mf.parse_files(files)).to_json()), data
+
+
+def _damage(store, url: str, at: int, data: bytes) -> None:
+    damaged = bytearray(data)
+    damaged[at] ^= 0xFF
+    store.write_atomic(url, bytes(damaged))
+
+
+def test_a_readers_copy_of_a_step_in_the_store_holds_only_the_items_asked_for_each_checked(bucket, tmp_path):
+    """engine/scratch.py's local copy for a reader that opens paths, in-process against the real store: a DCP data
+    file holds the items the load asks for at their offsets (the rest a hole), the files the reader does not
+    open are not fetched, and a damaged item asked for fails the copy, naming it, with nothing left behind."""
+    from easyckpt.engine import scratch
+    from easyckpt.engine.dcp import boxes_of, reader_files, wanted_items
+    from easyckpt.errors import CheckpointError
+    store, top = bucket
+    step = f"{top}/job/step_00000010"
+    man, data = _dcp_step(store, step)
     asked = wanted_items(boxes_of([("w", [3, 0], [1, 4])]), set())        # the second chunk only
     fetched: list = []
     here = scratch.local_copy(step, man, str(tmp_path / "copy"), asked, reader_files(), fetched.append)
     copy = tmp_path / "copy" / "__0_0.distcp"
-    assert copy.read_bytes() == bytes(1000) + parts[1] + bytes(500) and sum(fetched) == 3000 + 2
+    assert copy.read_bytes() == bytes(1000) + data[1000:4000] + bytes(500) and sum(fetched) == 3000 + 2
     assert (tmp_path / "copy" / ".metadata").read_bytes() == b"md"
     assert not (tmp_path / "copy" / "rank_00000.safetensors").exists()
     scratch.remove(here)
 
-    damaged = bytearray(data)
-    damaged[1500] ^= 0xFF
-    store.write_atomic(f"{step}/__0_0.distcp", bytes(damaged))
+    _damage(store, f"{step}/__0_0.distcp", 1500, data)
     with pytest.raises(CheckpointError, match=r"item 1 \(w, bytes 1000\.\.4000\).*corrupted"):
         scratch.local_copy(step, man, str(tmp_path / "copy"), asked, reader_files())
     assert not (tmp_path / "copy").exists()
+
+
+def test_a_copy_that_fails_on_one_rank_fails_every_rank_before_any_reader_starts(bucket, tmp_path):
+    """Checkpointer.staging, two ranks in this interpreter (tests/inproc.py: the real agent, thread-backed
+    collectives): rank 1 asks for a damaged item, rank 0 for a sound one. The reader's load is a collective, so
+    rank 0 must not start it alone: both get the error, naming rank 1 and the item; no copy is left."""
+    from inproc import node, ranks
+
+    from easyckpt.config import Config
+    from easyckpt.engine.dcp import boxes_of, reader_files, wanted_items
+    from easyckpt.engine.load import Loaded
+    from easyckpt.errors import CheckpointError
+    store, top = bucket
+    step = f"{top}/job/step_00000010"
+    man, data = _dcp_step(store, step)
+    _damage(store, f"{step}/__0_0.distcp", 1500, data)                   # inside item 1
+    (tmp_path / "local").mkdir()
+    cfg = Config(save_dir=f"{top}/job", local_dir=str(tmp_path / "local"), save_storage_interval=100)
+
+    def body(ckpt, group):
+        stage = ckpt.staging(Loaded(10, "storage", step, {}, 0, 0.0, man))
+        asked = wanted_items(boxes_of([("w", [2 * group.rank, 0], [1, 4])]), set())
+        try:
+            with stage(asked, reader_files()) as here:
+                return f"copied to {here}"
+        except CheckpointError as exc:
+            return str(exc)
+        finally:
+            ckpt.finalize(persist=False)
+
+    with node(cfg) as local:
+        said = ranks(cfg, local, 2, body)
+    assert all("failed on rank 1" in s and "item 1 (w, bytes 1000..4000)" in s for s in said), said
+    assert not [p.name for p in (tmp_path / "local").iterdir() if "restore" in p.name]
 
 
 def test_fsdp2_killed_resumes_from_the_store_each_rank_fetching_its_own_shards_and_on_one_rank(bucket, tmp_path):

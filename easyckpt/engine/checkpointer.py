@@ -15,9 +15,11 @@ verbs are a DefaultCheckpointer, a thin default instance over this object.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import (
     Any,
     Callable,
+    Iterator,
     List,
     Optional,
     Protocol,
@@ -33,7 +35,7 @@ from easyckpt.engine.reads import Read
 from easyckpt.engine.seams import AgentLink, Clock, Group
 from easyckpt.engine.session import Engine, Info
 from easyckpt.engine.snapshot import ShardSpec, SnapshotResult
-from easyckpt.errors import EasyCkptError
+from easyckpt.errors import CheckpointError, EasyCkptError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.storage.resolve import remote
 from easyckpt.storage.savedir import SaveDir
@@ -144,7 +146,9 @@ class Checkpointer:
     def staging(self, loaded: Loaded) -> Optional[scratch.Stage]:
         """How a reader that opens paths (DCP's, Megatron's) reads the committed step ``loaded`` from an object
         store: a copy in this rank's scratch directory under the node directory holding only what its load reads
-        (each copy said in the audit log: ``staged``). None where the reader opens the step itself (a file
+        (each copy said in the audit log: ``staged``). The ranks agree that every copy is made before any
+        reader starts (its load is a collective: a rank whose copy failed would leave the others waiting in
+        it); one failure fails every rank, naming it. None where the reader opens the step itself (a file
         system: nothing is computed or copied) and for a snapshot (memory, a peer, the local tier)."""
         if loaded.path is None or loaded.manifest is None or remote(loaded.path) is None:
             return None
@@ -152,8 +156,25 @@ class Checkpointer:
 
         def said(fetched: int, listed: int) -> None:
             self.emit("staged", step=step, fetched=fetched, listed=listed)
-        directory = scratch.path(cfg.node_dir, "restore", cfg.job_id, self.rank)
-        return scratch.staging(loaded.path, loaded.manifest, directory, said)
+        copy = scratch.staging(loaded.path, loaded.manifest, scratch.path(cfg.node_dir, "restore", cfg.job_id,
+                                                                             self.rank), said)
+
+        @contextlib.contextmanager
+        def agreed(wanted: scratch.Wanted, files: Callable[[str], bool]) -> Iterator[str]:
+            with contextlib.ExitStack() as stack:
+                failed = None
+                try:
+                    here = stack.enter_context(copy(wanted, files))
+                except Exception as exc:  # noqa: BLE001 - said to every rank, then raised here
+                    failed = exc
+                why = self.engine.group.all_gather(None if failed is None else f"{type(failed).__name__}: {failed}")
+                bad = [(rank, text) for rank, text in enumerate(why) if text]
+                if bad:
+                    raise CheckpointError(f"step {step} from {loaded.path}: the copy for the framework's reader "
+                                          f"failed on rank {bad[0][0]} ({bad[0][1][:400]})"
+                                          + (f" and on {len(bad) - 1} more" if len(bad) > 1 else "")) from failed
+                yield here
+        return agreed
 
     def emit(self, event: str, **fields: Any) -> None:
         """A line of the audit log (and the console, for warnings and errors) from this rank."""
