@@ -73,9 +73,10 @@ def local_copy(step_dir: str, manifest: Manifest, directory: str, wanted: Option
     """``step_dir`` as a local directory for a framework reader that only opens paths (Megatron's torch_dist
     reader, DCP's, DeepSpeed's, the Trainer's best-model load): the step itself on a file system; for an object
     store, the listed files (those ``files`` accepts: the ones the reader opens) downloaded into ``directory``,
-    each checked against the manifest on the way, then the manifest, which the caller removes. With ``wanted``, a DCP data file the manifest lists
-    item by item holds only the items this rank's load reads (ranged reads, each item checked), at their
-    offsets, the rest a hole: each rank fetches what it needs, not the whole step. ``on_bytes`` hears of every
+    each checked against the manifest on the way, then the manifest, which the caller removes. With
+    ``wanted``, a DCP data file the manifest lists item by item holds only the items this rank's load reads
+    (ranged reads, each item checked), at their offsets, the rest a hole: each rank fetches what it needs, not
+    the whole step. ``on_bytes`` hears of every
     piece fetched."""
     if remote(step_dir) is None:
         return step_dir
