@@ -76,8 +76,7 @@ def local_copy(step_dir: str, manifest: Manifest, directory: str, wanted: Option
     each checked against the manifest on the way, then the manifest, which the caller removes. With
     ``wanted``, a DCP data file the manifest lists item by item holds only the items this rank's load reads
     (ranged reads, each item checked), at their offsets, the rest a hole: each rank fetches what it needs, not
-    the whole step. ``on_bytes`` hears of every
-    piece fetched."""
+    the whole step. ``on_bytes`` hears of every piece fetched."""
     if remote(step_dir) is None:
         return step_dir
     fresh(directory)
