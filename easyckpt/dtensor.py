@@ -33,6 +33,7 @@ import torch
 
 from easyckpt.engine.dcp import (
     DCP_METADATA,
+    Wanted,
     boxes_of,
     checked_by,
     data_file,
@@ -41,7 +42,7 @@ from easyckpt.engine.dcp import (
     reader_files,
     wanted_items,
 )
-from easyckpt.engine.scratch import Stage, Wanted
+from easyckpt.engine.scratch import Stage
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.engine.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError

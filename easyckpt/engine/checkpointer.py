@@ -30,6 +30,7 @@ from typing import (
 
 from easyckpt.config import Config
 from easyckpt.engine import scratch
+from easyckpt.engine.dcp import Wanted
 from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import Read
 from easyckpt.engine.seams import AgentLink, Clock, Group
@@ -160,7 +161,7 @@ class Checkpointer:
                                                                              self.rank), said)
 
         @contextlib.contextmanager
-        def agreed(wanted: scratch.Wanted, files: Callable[[str], bool]) -> Iterator[str]:
+        def agreed(wanted: Wanted, files: Callable[[str], bool]) -> Iterator[str]:
             with contextlib.ExitStack() as stack:
                 failed = None
                 try:

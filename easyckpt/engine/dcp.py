@@ -49,6 +49,8 @@ def reader_files(prefix: str = "", extra: Collection[str] = ()) -> Callable[[str
 
 # per key, the (global offsets, sizes) of the chunks a load asks for
 Boxes = Dict[str, List[Tuple[List[int], List[int]]]]
+# whether a load reads a saved item of a data file, given its manifest identity (wanted_items)
+Wanted = Callable[[Optional[Sequence[Any]]], bool]
 
 
 def boxes_of(chunks: Iterable[Tuple[str, Sequence[int], Sequence[int]]]) -> Boxes:
@@ -58,7 +60,7 @@ def boxes_of(chunks: Iterable[Tuple[str, Sequence[int], Sequence[int]]]) -> Boxe
     return by_key
 
 
-def wanted_items(boxes: Boxes, objects: Optional[Collection[str]]) -> Callable[[Optional[Sequence[Any]]], bool]:
+def wanted_items(boxes: Boxes, objects: Optional[Collection[str]]) -> Wanted:
     """Whether a load that asks for the tensor chunks ``boxes`` and the objects named ``objects`` (None: every
     object) reads a saved item, given its manifest identity ``[key, offsets, sizes]`` (``[key, None, None]``
     for an object): a chunk of the same key that overlaps one of the boxes, as DCP's planner matches them. An

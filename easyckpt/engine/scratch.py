@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
-from easyckpt.engine.dcp import data_files
+from easyckpt.engine.dcp import Wanted, data_files
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import scratch_name
 from easyckpt.formats.manifest import MANIFEST_NAME, Manifest
@@ -61,10 +61,6 @@ def fresh(directory: str) -> str:
 
 def remove(directory: str) -> None:
     _storage.delete(directory)
-
-
-# whether a load reads a saved item of a DCP data file, given its manifest identity (engine/dcp.py's wanted_items)
-Wanted = Callable[[Optional[Sequence[Any]]], bool]
 
 
 def local_copy(step_dir: str, manifest: Manifest, directory: str, wanted: Optional[Wanted] = None,
