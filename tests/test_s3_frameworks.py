@@ -90,11 +90,10 @@ def test_megatron_killed_resumes_from_the_store_with_an_uninterrupted_runs_losse
 
 @pytest.mark.parametrize("saved, resumed", [
     (["--tp", "2"], ["--tp", "1"]),
-    # the distributed optimizer's state sharded over DP=2 (flattened ranges of the fully_reshardable form), same layout
+    # the distributed optimizer on DP=2, the same layout (megatron-core's fully_reshardable load asks each rank for all)
     pytest.param(["--use-distributed-optimizer"], ["--use-distributed-optimizer"], marks=pytest.mark.slow),
 ], ids=["tp2-to-tp1", "distopt-dp2"])
-def test_a_torch_dist_checkpoint_in_the_store_resumes_on_another_tp_as_from_a_local_disk(bucket, tmp_path, saved,
-                                                                                          resumed):
+def test_a_torch_dist_checkpoint_in_the_store_resumes_as_from_a_local_disk(bucket, tmp_path, saved, resumed):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
     _store, top = bucket
     url, local = f"{top}/meg", tmp_path / "local"
