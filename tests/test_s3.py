@@ -11,10 +11,14 @@ credentials, a missing bucket and an unreachable endpoint are refused with what 
 """
 from __future__ import annotations
 
+import json
 import os
+import time
 
 import pytest
 import s3server
+
+from easyckpt.errors import StoreError
 
 boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3])")
 
@@ -78,6 +82,57 @@ def test_an_unfinished_upload_is_invisible_and_aborted_for_its_prefix(store):
         ["job/step_00000002/rank_00001.safetensors"]
     assert s.abort_uploads(f"{top}/job/step_00000002") == ["job/step_00000002/rank_00001.safetensors"]
     assert not s.c.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def _running(*futures, timeout=30.0):
+    """Until each request handed to the store's pool is being sent (not merely queued)."""
+    deadline = time.monotonic() + timeout
+    while not all(f.running() or f.done() for f in futures):
+        assert time.monotonic() < deadline, "a request handed to the pool never started"
+        time.sleep(0.001)
+
+
+def test_a_writer_given_up_has_nothing_in_flight_that_lands_after_its_step_is_cleaned_up(store):
+    """A failed persist gives its other files' writers up (close) and its step's prefix is deleted next: when
+    close returns, no request of the writer is still in flight. (Before, a small file's PUT sent side by side with
+    the file that failed landed after the clean-up: an object left under a step no manifest commits.)"""
+    s, top = store
+    bucket = top[len("s3://"):]
+    step = f"{top}/job/step_00000004"
+    small = s.open_writer(f"{step}/model.safetensors")
+    small.write(os.urandom((5 << 20) - 1))        # under the store's part size: one PUT, handed over by finish
+    small.finish()
+    _running(small._put)
+    small.close()
+    s.delete(step)                                # the failed step's clean-up, at once
+    large = s.open_writer(f"{step}/rank_00000.safetensors")
+    large.write(os.urandom(41 << 20))             # a multipart upload, its parts sent
+    _running(*[f for _, f in large._parts])
+    large.close()
+    assert not s.c.list_multipart_uploads(Bucket=bucket).get("Uploads"), "close left its upload unaborted"
+    time.sleep(1.0)
+    left = [o["Key"] for o in s.c.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert not left, f"an object landed after its step was cleaned up: {left}"
+    with pytest.raises(RuntimeError, match="given up"):
+        small.sync()                              # a writer given up never reports its object whole
+
+
+def test_a_batch_delete_that_keeps_an_object_is_a_store_error_naming_it(store):
+    """DeleteObjects answers 200 and lists the keys it did not delete: each is a failure (a prune or a clean-up
+    must not log a deleted step that is still there). The gateway refuses one key by a bucket policy."""
+    s, top = store
+    bucket = top[len("s3://"):]
+    for rel in ("step_00000003/rank_00000.safetensors", "step_00000003/locked"):
+        s.write_atomic(f"{top}/job/{rel}", b"x")
+    s.c.put_bucket_policy(Bucket=bucket, Policy=json.dumps({"Version": "2012-10-17", "Statement": [
+        {"Effect": "Deny", "Principal": "*", "Action": "s3:DeleteObject",
+         "Resource": f"arn:aws:s3:::{bucket}/job/step_00000003/locked"}]}))
+    try:
+        with pytest.raises(StoreError, match="step_00000003/locked: AccessDenied"):
+            s.delete(f"{top}/job/step_00000003")
+    finally:
+        s.c.delete_bucket_policy(Bucket=bucket)
+    assert s.listdir(f"{top}/job/step_00000003") == ["locked"]
 
 
 def test_deleting_a_step_takes_its_manifest_first_and_nothing_outside_its_prefix(store):

@@ -176,8 +176,15 @@ class S3Storage:
             self.c.delete_object(Bucket=loc.bucket, Key=k)
         rest = [k for k in keys if k not in first]
         for i in range(0, len(rest), 1000):
-            self.c.delete_objects(Bucket=loc.bucket, Delete={"Objects": [{"Key": k} for k in rest[i:i + 1000]],
-                                                              "Quiet": True})
+            reply = self.c.delete_objects(Bucket=loc.bucket,
+                                          Delete={"Objects": [{"Key": k} for k in rest[i:i + 1000]], "Quiet": True})
+            # a batch delete answers 200 and names the keys it did not delete: each is a failure, not a success
+            errors = reply.get("Errors") or []
+            if errors:
+                bad = errors[0]
+                more = f" (and {len(errors) - 1} more keys under {path})" if len(errors) > 1 else ""
+                raise StoreError(f"delete {SCHEME}{loc.bucket}/{bad.get('Key', '')}: {bad.get('Code', '')}: "
+                                 f"{bad.get('Message', '')}{more}")
 
     def abort_uploads(self, path: str) -> List[str]:
         """Abort every incomplete multipart upload under the prefix ``path`` (a killed writer's); returns their keys."""

@@ -4,12 +4,12 @@ in memory), or as one PUT when it is small. Its own module because the store's v
 this one holds an upload's state from the first part to its completion or abort."""
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, List, Optional, Protocol, Tuple, Union
 
 from easyckpt import _faults as faults
 from easyckpt.storage.base import Buffer
-from easyckpt.storage.s3client import Location
+from easyckpt.storage.s3client import SCHEME, Location
 
 Body = Union[bytes, bytearray]      # what a PUT or a part sends (boto3 takes either; a memoryview it refuses)
 
@@ -43,7 +43,8 @@ class S3Writer:
         self._upload_id: Optional[str] = None
         self._parts: List[Tuple[int, "Future[str]"]] = []
         self._put: Optional["Future[Any]"] = None     # a small object's one PUT, handed over by finish
-        self._done = False
+        self._done = False         # synced: the object is whole and visible
+        self._closed = False       # given up (close): it never will be
 
     def write(self, data: Buffer) -> int:
         """Full parts go out as they are cut from ``data`` (one copy each); only a part's remainder is buffered. A
@@ -108,6 +109,8 @@ class S3Writer:
         """The object is complete, whole and durable (a completed upload is): waits for what finish handed over."""
         if self._done:
             return
+        if self._closed:
+            raise RuntimeError(f"{SCHEME}{self.loc.bucket}/{self.loc.key}: given up (closed) before it was synced")
         s = self.storage
         try:
             if self._put is None and self._upload_id is None:
@@ -125,13 +128,21 @@ class S3Writer:
             raise
 
     def close(self) -> None:
-        """An unfinished upload is aborted (its parts freed); a synced one stays. (A small object's PUT handed
-        over but never synced may still land: nothing lists it without a manifest, and its step's clean-up
-        deletes it.)"""
-        if self._done or self._upload_id is None:
+        """An unfinished object is given up: its requests still queued are cancelled, those already sent are waited
+        for (each bounded by the client's timeouts and attempts), then an unfinished upload is aborted (its parts
+        freed); a synced one stays. Waiting matters: a failed persist's step is cleaned up next (its prefix listed
+        and deleted), and a PUT still in flight then landed after the clean-up, leaving an object no step owns.
+        (A small object's PUT that succeeded stays until that clean-up deletes it: nothing lists it without a
+        manifest.)"""
+        if self._done or self._closed:
             return
-        for _, f in self._parts:
-            f.cancel()
+        self._closed = True
+        sent = [f for _, f in self._parts if not f.cancel()]
+        if self._put is not None and not self._put.cancel():
+            sent.append(self._put)
+        wait(sent)        # their outcome is not ours to report: the failure that made us give up is
+        if self._upload_id is None:
+            return
         try:
             self.storage.c.abort_multipart_upload(Bucket=self.loc.bucket, Key=self.loc.key, UploadId=self._upload_id)
         except Exception:  # noqa: BLE001 - best effort: abort_uploads removes what is left
