@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from easyckpt.agent.stepwriter import persist_slot
-from easyckpt.engine.load import _read_step
+from easyckpt.engine.stepread import read_step
 from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
 from easyckpt.engine.tree import safe_torch_load
 from easyckpt.formats.manifest import MANIFEST_NAME, build
@@ -60,7 +60,7 @@ def test_torch_format_shard_is_native_and_loads_safely(tmp_path, snap):
     torch.set_rng_state(native["rng_state"][0]["torch_rng_state"])
     assert torch.equal(torch.get_rng_state(), state["rng_state"][0]["torch_rng_state"])
     (tmp_path / MANIFEST_NAME).write_text(build(7, "x", "t", 1, files).to_bytes().decode())
-    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m.files])
+    trees, problem, _, _ = read_step(str(tmp_path), lambda m: [(r, False) for r in m.files])
     assert problem is None
     assert torch.equal(trees["mp_rank_00/model_optim_rng.pt"]["model"]["h"], state["model"]["h"])
     mem = read_snapshot("feedfacecafe", 0, res.slot, 7)
@@ -106,7 +106,7 @@ def test_raw_shards_are_written_as_they_are_and_read_back_from_memory_and_storag
     assert (tmp_path / "trainer_state.json").read_text() == state
     assert (tmp_path / "sub" / "training_args.bin").read_bytes() == blob
     (tmp_path / MANIFEST_NAME).write_text(build(7, "x", "t", 1, files).to_bytes().decode())
-    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m.files])
+    trees, problem, _, _ = read_step(str(tmp_path), lambda m: [(r, False) for r in m.files])
     assert problem is None and trees["sub/training_args.bin"] == blob
     assert read_snapshot("feedfacecafe", 0, res.slot, 7)["trainer_state.json"] == state.encode()
 
@@ -160,7 +160,7 @@ def test_distcp_shards_hold_each_tensor_item_as_torch_saves_it_at_the_stated_off
     mem = read_snapshot("feedfacecafe", 0, res.slot, 3)["__0_0.distcp"]
     assert mem[0] == items[0] and torch.equal(mem[3], items[3])
     (tmp_path / MANIFEST_NAME).write_text(build(3, "x", "t", 1, files).to_bytes().decode())
-    trees, problem, _, _ = _read_step(str(tmp_path), lambda m: [(r, False) for r in m.files])
+    trees, problem, _, _ = read_step(str(tmp_path), lambda m: [(r, False) for r in m.files])
     assert problem is None and trees == {"__0_0.distcp": None}
 
 

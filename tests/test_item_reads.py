@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from easyckpt.engine.load import _read_files, _read_step
+from easyckpt.engine.stepread import read_files, read_step
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.megatron import torchdist
@@ -39,15 +39,15 @@ def damage(step, at):
 
 def test_only_the_items_asked_for_are_read_and_checked(tmp_path):
     step, man = make_step(tmp_path)
-    trees, problem, nbytes, _ = _read_files(str(step), man, [("__0_0.distcp", False, [1])], None)
+    trees, problem, nbytes, _ = read_files(str(step), man, [("__0_0.distcp", False, [1])], None)
     assert problem is None and nbytes == 50 and trees == {"__0_0.distcp": None}
     damage(step, 10)                       # item 0: not asked for, not read
-    trees, problem, nbytes, _ = _read_files(str(step), man, [("__0_0.distcp", False, [1, 2])], None)
+    trees, problem, nbytes, _ = read_files(str(step), man, [("__0_0.distcp", False, [1, 2])], None)
     assert problem is None and nbytes == 120
     damage(step, 160)                      # item 2
-    _, problem, _, _ = _read_files(str(step), man, [("__0_0.distcp", False, [1, 2])], None)
+    _, problem, _, _ = read_files(str(step), man, [("__0_0.distcp", False, [1, 2])], None)
     assert problem and problem.corrupt and "item 2" in problem.reason and "corrupted" in problem.reason
-    _, problem, _, _ = _read_files(str(step), man, [("__0_0.distcp", False, [7])], None)
+    _, problem, _, _ = read_files(str(step), man, [("__0_0.distcp", False, [7])], None)
     assert problem and "no item 7" in problem.reason
 
 
@@ -67,7 +67,7 @@ def test_a_malformed_item_list_rejects_the_step(tmp_path, items):
     with pytest.raises(ManifestError, match=r"files\['__0_0.distcp'\]\.items"):
         mf.validate(raw)               # refused when parsed: no Manifest holds such items
     (step / mf.MANIFEST_NAME).write_text(json.dumps(raw))
-    _, problem, _, _ = _read_step(str(step), lambda m: [("__0_0.distcp", False, [0])])
+    _, problem, _, _ = read_step(str(step), lambda m: [("__0_0.distcp", False, [0])])
     assert problem and problem.corrupt and "items" in problem.reason
 
 

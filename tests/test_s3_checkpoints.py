@@ -153,9 +153,11 @@ def _damage(store, url: str, at: int, data: bytes) -> None:
 def test_a_readers_copy_of_a_step_in_the_store_holds_only_the_items_asked_for_each_checked(bucket, tmp_path):
     """engine/scratch.py's local copy for a reader that opens paths, in-process against the real store: a DCP data
     file holds the items the load asks for at their offsets (the rest a hole), the files the reader does not
-    open are not fetched, and a damaged item asked for fails the copy, naming it, with nothing left behind."""
+    open are not fetched, what the loader already fetched and checked is not fetched again, and a damaged item
+    asked for fails the copy, naming it, with nothing left behind."""
     from easyckpt.engine import scratch
     from easyckpt.engine.dcp import boxes_of, reader_files, wanted_items
+    from easyckpt.engine.reads import Fetched
     from easyckpt.errors import CheckpointError
     store, top = bucket
     step = f"{top}/job/step_00000010"
@@ -168,6 +170,17 @@ def test_a_readers_copy_of_a_step_in_the_store_holds_only_the_items_asked_for_ea
     assert (tmp_path / "copy" / ".metadata").read_bytes() == b"md"
     assert not (tmp_path / "copy" / "rank_00000.safetensors").exists()
     scratch.remove(here)
+
+    # what the load fetched and checked (reads.Fetched: an item, a whole file) is written from memory, not fetched
+    for kept in (Fetched(files={".metadata": b"md"}, items={"__0_0.distcp": {1: bytearray(data[1000:4000])}}),
+                 Fetched(files={"__0_0.distcp": data})):
+        fetched.clear()
+        here = scratch.local_copy(step, man, str(tmp_path / "copy"), asked, reader_files(), fetched.append, kept)
+        assert copy.read_bytes() == bytes(1000) + data[1000:4000] + bytes(500)
+        assert (tmp_path / "copy" / ".metadata").read_bytes() == b"md"
+        assert sum(fetched) + kept.reused == 3002 and kept.reused >= 3000, (fetched, kept.reused)
+        assert not kept.files and not kept.items          # taken by the copy: memory given back
+        scratch.remove(here)
 
     _damage(store, f"{step}/__0_0.distcp", 1500, data)
     with pytest.raises(CheckpointError, match=r"item 1 \(w, bytes 1000\.\.4000\).*corrupted"):
@@ -236,7 +249,9 @@ def test_fsdp2_killed_resumes_from_the_store_each_rank_fetching_its_own_shards_a
         assert_losses_equal(losses(loss, rank), losses(ref, rank), 16, f"FSDP2 rank {rank} from the store")
     staged = [e for e in events(local / "easyckpt.log") if e["event"] == "staged"]
     assert sorted(e["rank"] for e in staged) == [0, 1] and all(e["step"] == resumed for e in staged), staged
-    assert all(e["fetched"] < 0.7 * e["listed"] for e in staged), staged
+    assert all(e["fetched"] + e["reused"] < 0.7 * e["listed"] for e in staged), staged
+    # each rank checked the data file it saved, whole, on loading: its copy takes its items from there
+    assert all(e["fetched"] < e["reused"] for e in staged), staged
     assert not [p.name for p in local.iterdir() if "restore" in p.name]     # the copies are removed
 
     loaded = tmp_path / "loaded.pt"

@@ -12,7 +12,7 @@ import mmap
 import torch
 
 from easyckpt.agent.stepwriter import _write_torch
-from easyckpt.engine.load import _read_files
+from easyckpt.engine.stepread import read_files
 from easyckpt.engine.tree import flatten_pickled
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.shardformat import ShardFormat
@@ -70,7 +70,7 @@ def test_the_file_loads_whole_and_its_items_cover_the_pickle_and_each_storage(tm
 
 def test_only_the_picked_storages_are_read_and_the_rest_are_meta(tmp_path):
     tree, step, man = make_step(tmp_path)
-    trees, problem, nbytes, _ = _read_files(str(step), man, [(REL, False, pick_model_a)], None)
+    trees, problem, nbytes, _ = read_files(str(step), man, [(REL, False, pick_model_a)], None)
     assert problem is None
     got = trees[REL]
     assert torch.equal(got["model"]["a.weight"], tree["model"]["a.weight"])
@@ -88,17 +88,17 @@ def test_a_damaged_picked_storage_rejects_the_step_and_an_unpicked_one_is_not_re
     data = bytearray(path.read_bytes())
     data[items[4][0] + 10] ^= 0xFF            # optimizer exp_avg: not picked
     path.write_bytes(bytes(data))
-    assert _read_files(str(step), man, [(REL, False, pick_model_a)], None)[1] is None
+    assert read_files(str(step), man, [(REL, False, pick_model_a)], None)[1] is None
     data[items[1][0] + 3] ^= 0xFF             # model a.weight: picked
     path.write_bytes(bytes(data))
-    trees, problem, _, _ = _read_files(str(step), man, [(REL, False, pick_model_a)], None)
+    trees, problem, _, _ = read_files(str(step), man, [(REL, False, pick_model_a)], None)
     assert trees is None and problem.corrupt and f"{REL}: item 1" in problem.reason and "corrupted" in problem.reason
 
 
 def test_items_that_disagree_with_the_pickle_are_refused(tmp_path):
     _, step, man = make_step(tmp_path)
     man = with_items(man, man.files[REL].items[:3])     # a storage the pickle names is not listed
-    problem = _read_files(str(step), man, [(REL, False, pick_model_a)], None)[1]
+    problem = read_files(str(step), man, [(REL, False, pick_model_a)], None)[1]
     assert problem.corrupt and "which its items do not list" in problem.reason
     _, step2, man2 = make_step(tmp_path / "2")
     items = list(man2.files[REL].items)
@@ -106,6 +106,6 @@ def test_items_that_disagree_with_the_pickle_are_refused(tmp_path):
     items[1] = items[1]._replace(length=length, checksum=mf.checksum(
         (step2 / REL).read_bytes()[items[1].offset:items[1].offset + length]))
     man2 = with_items(man2, items)
-    assert "the pickle says" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason
+    assert "the pickle says" in read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason
     man2 = with_items(man2, items[1:])       # no head
-    assert "do not begin with the file's head" in _read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason
+    assert "do not begin with the file's head" in read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason

@@ -143,7 +143,7 @@ def _is_real_dir(path: str) -> bool:
 def read_candidate(cand: Candidate, needed: Needed,
                    progress: bool = False
                    ) -> Tuple[Optional[Dict[str, Any]], Optional[str], int, Manifest]:
-    """(trees, problem, bytes, inventory): what load.py's _read_step returns for a committed step; the
+    """(trees, problem, bytes, inventory): what stepread.read_step returns for a committed step; the
     inventory (see the module docstring) is what ``needed`` gets in place of a manifest."""
     inv = inventory(cand.path, cand.step, cand.naming)
     try:

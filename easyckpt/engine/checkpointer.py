@@ -146,8 +146,9 @@ class Checkpointer:
 
     def staging(self, loaded: Loaded) -> Optional[scratch.Stage]:
         """How a reader that opens paths (DCP's, Megatron's) reads the committed step ``loaded`` from an object
-        store: a copy in this rank's scratch directory under the node directory holding only what its load reads
-        (each copy said in the audit log: ``staged``). The ranks agree that every copy is made before any
+        store: a copy in this rank's scratch directory under the node directory holding only what its load reads,
+        made first of what the loader already fetched and checked (each copy said in the audit log: ``staged``,
+        with the bytes fetched for it and those reused). The ranks agree that every copy is made before any
         reader starts (its load is a collective: a rank whose copy failed would leave the others waiting in
         it); one failure fails every rank, naming it. None where the reader opens the step itself (a file
         system: nothing is computed or copied) and for a snapshot (memory, a peer, the local tier)."""
@@ -155,10 +156,10 @@ class Checkpointer:
             return None
         cfg, step = self.config, loaded.step
 
-        def said(fetched: int, listed: int) -> None:
-            self.emit("staged", step=step, fetched=fetched, listed=listed)
+        def said(fetched: int, reused: int, listed: int) -> None:
+            self.emit("staged", step=step, fetched=fetched, reused=reused, listed=listed)
         copy = scratch.staging(loaded.path, loaded.manifest, scratch.path(cfg.node_dir, "restore", cfg.job_id,
-                                                                             self.rank), said)
+                                                                             self.rank), said, loaded.fetched)
 
         @contextlib.contextmanager
         def agreed(wanted: Wanted, files: Callable[[str], bool]) -> Iterator[str]:

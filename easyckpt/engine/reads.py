@@ -3,8 +3,8 @@ FrameworkState protocol, checkpointer.py), read by load.py and adopt.py."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from easyckpt.formats.manifest import Manifest
 
@@ -38,6 +38,21 @@ class Read:
 
 
 Needed = Callable[[Manifest], Sequence[Union[Read, Sequence[Any]]]]
+
+
+@dataclass
+class Fetched:
+    """What a rank's load fetched and checked of a committed step in an object store that the framework's own
+    reader opens next (DCP's, Megatron's: a data file's items, a whole data file, a small raw file), kept for
+    the local copy that reader is given (engine/scratch.py): the rank's share crosses the network once, not
+    once to be checked and again to be read. Each entry is taken (removed) by the copy that uses it."""
+    files: Dict[str, Any] = field(default_factory=dict)               # relpath -> the whole file's bytes
+    items: Dict[str, Dict[int, Any]] = field(default_factory=dict)    # relpath -> item index -> its bytes
+    reused: int = 0          # the bytes copies took from here instead of the store (the audit log's ``staged``)
+
+    def take(self, rel: str) -> Tuple[Optional[Any], Dict[int, Any]]:
+        """(the whole file or None, its items by index) kept for ``rel``, given up here."""
+        return self.files.pop(rel, None), self.items.pop(rel, {})
 
 
 def reads(needed: Needed, manifest: Manifest) -> List[Read]:

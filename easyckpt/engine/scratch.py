@@ -14,10 +14,12 @@ import os
 from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 from easyckpt.engine.dcp import Wanted, data_files
+from easyckpt.engine.reads import Fetched
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import scratch_name
 from easyckpt.formats.manifest import MANIFEST_NAME, Manifest
 from easyckpt.storage import stepfiles
+from easyckpt.storage.base import Buffer
 from easyckpt.storage.posix import PosixStorage
 from easyckpt.storage.resolve import remote
 
@@ -65,33 +67,45 @@ def remove(directory: str) -> None:
 
 def local_copy(step_dir: str, manifest: Manifest, directory: str, wanted: Optional[Wanted] = None,
                files: Optional[Callable[[str], bool]] = None,
-               on_bytes: Optional[Callable[[int], None]] = None) -> str:
+               on_bytes: Optional[Callable[[int], None]] = None, fetched: Optional[Fetched] = None) -> str:
     """``step_dir`` as a local directory for a framework reader that only opens paths (Megatron's torch_dist
     reader, DCP's, DeepSpeed's, the Trainer's best-model load): the step itself on a file system; for an object
     store, the listed files (those ``files`` accepts: the ones the reader opens) downloaded into ``directory``,
     each checked against the manifest on the way, then the manifest, which the caller removes. With
     ``wanted``, a DCP data file the manifest lists item by item holds only the items this rank's load reads
     (ranged reads, each item checked), at their offsets, the rest a hole: each rank fetches what it needs, not
-    the whole step. ``on_bytes`` hears of every piece fetched."""
+    the whole step. What the load already fetched and checked (``fetched``, reads.Fetched) is written from
+    memory, not fetched again. ``on_bytes`` hears of every piece fetched."""
     if remote(step_dir) is None:
         return step_dir
     fresh(directory)
+    kept = fetched if fetched is not None else Fetched()
     try:
         for rel, entry in manifest.files.items():
             if files is not None and not files(rel):
                 continue
+            whole, items = kept.take(rel)
             target = os.path.join(directory, rel)
             if wanted is not None and entry.items is not None and data_files([os.path.basename(rel)]):
                 picked = [i for i, item in enumerate(entry.items) if wanted(item.ident)]
-                got: Dict[int, bytearray] = {}
-                problem, _ = stepfiles.read_items(step_dir, rel, manifest, picked, on_bytes, keep=got)
+                got: Dict[int, Buffer] = {} if whole is None else {
+                    i: memoryview(whole)[entry.items[i].offset:entry.items[i].offset + entry.items[i].length]
+                    for i in picked}
+                got.update((i, items[i]) for i in picked if i in items and i not in got)
+                kept.reused += sum(len(memoryview(b)) for b in got.values())
+                more: Dict[int, bytearray] = {}
+                problem, _ = stepfiles.read_items(step_dir, rel, manifest, [i for i in picked if i not in got],
+                                                  on_bytes, keep=more)
                 if problem:
                     raise CheckpointError(problem)
+                got.update(more)
                 _storage.makedirs(os.path.dirname(target))
                 _storage.write_sparse(target, entry.size, [(entry.items[i].offset, got[i]) for i in picked])
                 continue
-            data = stepfiles.read_verified(step_dir, rel, manifest)
-            if on_bytes is not None:
+            data = whole if whole is not None else stepfiles.read_verified(step_dir, rel, manifest)
+            if whole is not None:
+                kept.reused += len(memoryview(data))
+            elif on_bytes is not None:
                 on_bytes(len(data))
             staged_file(os.path.dirname(target), os.path.basename(rel), data)
         # the manifest last, as in a committed step: a reader that looks for it (DeepSpeed's converter) finds one
@@ -104,10 +118,10 @@ def local_copy(step_dir: str, manifest: Manifest, directory: str, wanted: Option
 
 @contextlib.contextmanager
 def local_step(step_dir: str, manifest: Manifest, directory: str, wanted: Optional[Wanted] = None,
-               files: Optional[Callable[[str], bool]] = None, on_bytes: Optional[Callable[[int], None]] = None
-               ) -> Iterator[str]:
+               files: Optional[Callable[[str], bool]] = None, on_bytes: Optional[Callable[[int], None]] = None,
+               fetched: Optional[Fetched] = None) -> Iterator[str]:
     """local_copy for the length of a block: a downloaded copy is removed when it ends."""
-    here = local_copy(step_dir, manifest, directory, wanted, files, on_bytes)
+    here = local_copy(step_dir, manifest, directory, wanted, files, on_bytes, fetched)
     try:
         yield here
     finally:
@@ -121,19 +135,22 @@ Stage = Callable[[Wanted, Callable[[str], bool]], ContextManager[str]]
 
 
 def staging(step_dir: str, manifest: Manifest, directory: str,
-            report: Optional[Callable[[int, int], None]] = None) -> Stage:
+            report: Optional[Callable[[int, int, int], None]] = None, fetched: Optional[Fetched] = None) -> Stage:
     """A Stage over committed step ``step_dir``: the step itself on a file system, a sparse copy of what the
-    load reads in ``directory`` from an object store (local_step); ``report(fetched, listed)`` hears, for each
-    copy, the bytes fetched and the bytes of the files the reader opens."""
+    load reads in ``directory`` from an object store (local_step), made first of what the loader ``fetched``;
+    ``report(fetched, reused, listed)`` hears, for each copy, the bytes fetched for it, the bytes taken from
+    what the loader had fetched, and the bytes of the files the reader opens."""
+    kept = fetched if fetched is not None else Fetched()
+
     @contextlib.contextmanager
     def stage(wanted: Wanted, files: Callable[[str], bool]) -> Iterator[str]:
-        fetched = [0]
+        count, before = [0], kept.reused
 
-        def count(n: int) -> None:
-            fetched[0] += n
-        with local_step(step_dir, manifest, directory, wanted, files, count) as here:
+        def on_bytes(n: int) -> None:
+            count[0] += n
+        with local_step(step_dir, manifest, directory, wanted, files, on_bytes, kept) as here:
             if here != step_dir and report is not None:
-                report(fetched[0], sum(e.size for rel, e in manifest.files.items() if files(rel)))
+                report(count[0], kept.reused - before, sum(e.size for rel, e in manifest.files.items() if files(rel)))
             yield here
     return stage
 
