@@ -69,7 +69,7 @@ from common import (  # noqa: E402
 
 import easyckpt  # noqa: E402
 from easyckpt.config import Config  # noqa: E402
-from easyckpt.engine import load as ez_load  # noqa: E402
+from easyckpt.engine.stepread import read_step  # noqa: E402
 from easyckpt.engine.overlap import auto_overlap  # noqa: E402
 from easyckpt.engine.session import Engine  # noqa: E402
 from easyckpt.engine.snapshot import ShardSpec  # noqa: E402
@@ -174,7 +174,7 @@ def measure_easyckpt(gb: float, repeats: int, work: str) -> Dict[str, Any]:
             s["restore_memory"].append(_timed_dropped(lambda: _check_memory(engine.load(needed), step)))
             evict(step_dir)
             warm_free_memory(pool)
-            s["restore_storage"].append(_timed_dropped(lambda: _check_storage(ez_load._read_step(step_dir, needed))))
+            s["restore_storage"].append(_timed_dropped(lambda: _check_storage(read_step(step_dir, needed))))
             evict(torch_file)
             warm_free_memory(pool)
             s["torch_load"].append(_timed_dropped(lambda: torch.load(torch_file, weights_only=True)))
