@@ -69,6 +69,32 @@ def test_a_large_object_is_a_parallel_multipart_upload_read_back_by_ranged_gets(
         s.open_writer(path)                       # objects are created once
 
 
+def test_a_whole_file_read_has_each_pieces_pages_made_present_by_the_thread_that_fills_it(store, monkeypatch):
+    """storage/remotefiles.read_whole: the bytes and checksum of a file read in several ranged GETs; its buffer's
+    pages are made present piece by piece, each in the pool thread that then fills that piece (beside the other
+    pieces' transfers), not all at once before the first GET."""
+    import threading
+
+    from easyckpt import pages
+    from easyckpt.formats import manifest as mf
+    from easyckpt.storage import remotefiles
+    s, top = store
+    monkeypatch.setattr(remotefiles, "PIECE", 1 << 20)
+    calls, real = [], pages.populate_range
+
+    def recording(mm, start, length):
+        calls.append((start, length, threading.current_thread().name))
+        return real(mm, start, length)
+    monkeypatch.setattr(pages, "populate_range", recording)
+    data = os.urandom((4 << 20) + 123)
+    s.write_atomic(f"{top}/step/f.bin", data)
+    buf, digest = remotefiles.read_whole(s, f"{top}/step", "f.bin", mf.ALGO, None, len(data))
+    assert bytes(buf) == data and digest == mf.checksum(data)
+    assert sorted((a, n) for a, n, _ in calls) == [(off, min(1 << 20, len(data) - off))
+                                                   for off in range(0, len(data), 1 << 20)]
+    assert all(name.startswith("easyckpt-s3") for *_, name in calls), calls
+
+
 def test_an_unfinished_upload_is_invisible_and_aborted_for_its_prefix(store):
     s, top = store
     path = f"{top}/job/step_00000002/rank_00001.safetensors"

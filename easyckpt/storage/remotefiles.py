@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from easyckpt import pages
 from easyckpt.errors import ManifestError, UnsafePath
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import paths
@@ -23,7 +24,6 @@ from easyckpt.units import size_and_bytes
 
 PIECE = 32 << 20         # one ranged GET; a file is fetched as many of these at once as the pool runs
 _MAPPED = 1 << 20        # a file at least this large is read into an anonymous mapping (_room)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)      # Linux; elsewhere the pages fault in as they are written
 
 
 def key(step_dir: str, rel: str) -> str:
@@ -47,16 +47,28 @@ def entry_size(store: S3Storage, step_dir: str, rel: str) -> int:
     return store.size(key(step_dir, rel))
 
 
-def _room(size: int) -> memoryview:
-    """A writable buffer of ``size`` bytes for a file's ranged GETs, its pages made present at once. A bytearray
+def _room(size: int) -> Tuple[memoryview, Optional[mmap.mmap]]:
+    """A writable buffer of ``size`` bytes for a file's ranged GETs, and its mapping when it is one. A bytearray
     zeroes every page first, one fault at a time (77 ms of the 240 ms a 144 MB file took from the local RGW);
-    an anonymous mapping faulted by the threads that fill it is slower still (they contend for the mapping);
-    MAP_POPULATE makes the pages present in one call (about 49 ms). With the reads of S3Storage.read_into the
-    file took 0.19-0.20 s, the raw ranged GETs into fresh bytes 0.165-0.175 s (a probe timing each variant, best
-    of 5, not kept; the whole restore's ratio is benchmarks/bench_s3_checkpoint.py's)."""
+    an anonymous mapping faulted by the threads that fill it as they write is slower still (they contend for
+    the mapping); MAP_POPULATE makes the pages present in one call (about 49 ms), but before the first GET. So
+    the mapping's pages are made present piece by piece, each by the thread about to fill it, beside the other
+    pieces' transfers (_fill). Measured from the local RGW, a 144 MB and a 72 MB file read at once, seven fresh
+    processes each, taken in turn: median 0.312 s against 0.348 s with MAP_POPULATE; the raw client's ranged GETs
+    into fresh bytes 0.288 s (a probe, not kept; the whole restore's ratio is benchmarks/bench_s3_checkpoint.py's).
+    pages.populate_range releases the GIL for the call, which mmap.madvise would hold."""
     if size < _MAPPED:
-        return memoryview(bytearray(size))
-    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE))
+        return memoryview(bytearray(size)), None
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return memoryview(mm), mm
+
+
+def _fill(store: S3Storage, url: str, whole: memoryview, mm: Optional[mmap.mmap], off: int, n: int) -> int:
+    """One piece of a file into its place in ``whole``: its pages made present first (pages.populate_range; where
+    the kernel refuses, they fault in as the GET writes them), then one ranged GET."""
+    if mm is not None:
+        pages.populate_range(mm, off, n)
+    return store.read_into(url, off, whole[off:off + n])
 
 
 def _pieces(size: int) -> List[Tuple[int, int]]:
@@ -72,11 +84,11 @@ def read_whole(store: S3Storage, step_dir: str, rel: str, algo: Optional[str] = 
     url = key(step_dir, rel)
     size = store.size(url)
     mf.require_size(rel, size, expect)
-    whole = _room(size)
+    whole, mm = _room(size)
     h = mf.Hasher(algo) if algo else None
     # each piece straight from its socket into its place in the buffer, in the pool's threads; checksummed here
     # in order as they arrive
-    futures = [(off, n, store.pool.submit(store.read_into, url, off, whole[off:off + n])) for off, n in _pieces(size)]
+    futures = [(off, n, store.pool.submit(_fill, store, url, whole, mm, off, n)) for off, n in _pieces(size)]
     for off, n, fut in futures:
         got = fut.result()
         if got != n:     # every piece whole: an object replaced while read is not stitched together
