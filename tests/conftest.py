@@ -1,3 +1,4 @@
+import atexit
 import os
 import shutil
 import sys
@@ -22,6 +23,7 @@ else:
 # torchrun leaves a torchelastic_* directory in the temporary directory of every launch: the launched
 # processes get one of this session's own, removed at its end, so a run leaves /tmp as it found it
 _TMP = tempfile.mkdtemp(prefix="easyckpt-tests-")
+_OWNER = os.getpid()
 os.chmod(_TMP, 0o1777)   # as /tmp is: the tests that act as another local user (`nobody`) work in it too
 os.environ["TMPDIR"] = _TMP
 
@@ -31,10 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
 
-def pytest_sessionfinish(session, exitstatus):
+def _remove_session_dirs():
+    if os.getpid() != _OWNER:      # a forked child runs its parent's exit handlers: the directories are not its own
+        return
     shutil.rmtree(_TMP, ignore_errors=True)
     if _SHM is not None:
         shutil.rmtree(_SHM, ignore_errors=True)
+
+
+# at the interpreter's exit, not at pytest_sessionfinish: a run that stops before its session starts (a bad
+# command-line option, after this file was imported) left an empty easyckpt-tests-* directory in /tmp each time
+atexit.register(_remove_session_dirs)
 
 
 @pytest.fixture(autouse=True)
