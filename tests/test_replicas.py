@@ -218,7 +218,11 @@ def test_a_peer_that_does_not_know_the_secret_gets_nothing_and_changes_nothing(c
             node1._connect(node1.table, 0)
         node1._replicate()                       # said as a warning, never raised into the agent
         assert 0 not in node1.sent and held(job) == []
-        assert any("does not know the job's replica secret" in r for r in holder.refused)
+        # the server tells the client, then records the refusal in its own thread: wait for that (bounded)
+        deadline = time.monotonic() + 10
+        while not any("does not know the job's replica secret" in r for r in holder.refused):
+            assert time.monotonic() < deadline, f"the server recorded no refusal in 10 s: {holder.refused}"
+            time.sleep(0.01)
         assert any("not sent" in e for e in node1.errors)
         # a server that does not know the secret yet says so before any proof is asked
         holder.secret = None
