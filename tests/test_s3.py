@@ -11,6 +11,7 @@ credentials, a missing bucket and an unreachable endpoint are refused with what 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -156,9 +157,26 @@ def test_a_batch_delete_that_keeps_an_object_is_a_store_error_naming_it(store):
     try:
         with pytest.raises(StoreError, match="step_00000003/locked: AccessDenied"):
             s.delete(f"{top}/job/step_00000003")
+        with pytest.raises(StoreError, match="step_00000003/locked: AccessDenied"):
+            s.delete_files([f"{top}/job/step_00000003/locked"])
     finally:
         s.c.delete_bucket_policy(Bucket=bucket)
     assert s.listdir(f"{top}/job/step_00000003") == ["locked"]
+
+
+def test_files_deleted_by_name_go_in_one_request_and_nothing_else_does(store):
+    """delete_files (the commit's markers and claim, storage/commit.py): exactly the objects named, in one batch
+    request, a missing one no error; a name that is a prefix is refused, never listed and deleted."""
+    s, top = store
+    for rel in ("a/one", "a/two", "a/three", "a/one.keep"):
+        s.write_atomic(f"{top}/{rel}", b"x")
+    sent = []
+    s.c._c.meta.events.register("before-send.s3.*", lambda request, **_: sent.append(request.method))
+    s.delete_files([f"{top}/a/one", f"{top}/a/two", f"{top}/a/never"])
+    assert sent == ["POST"] and s.listdir(f"{top}/a") == ["one.keep", "three"]
+    with pytest.raises(ValueError, match="not an object's name"):
+        s.delete_files([f"{top}/a/"])
+    assert s.listdir(f"{top}/a") == ["one.keep", "three"]
 
 
 def test_deleting_a_step_takes_its_manifest_first_and_nothing_outside_its_prefix(store):
@@ -202,6 +220,38 @@ def test_wrong_credentials_a_missing_bucket_and_no_endpoint_are_refused_naming_w
         config=BotoConfig(retries={"max_attempts": 1}, connect_timeout=2)))
     with pytest.raises(ConfigError, match="endpoint does not answer"):
         nowhere.check("s3://bucket/ckpt")
+
+
+def test_a_bodys_hash_is_signed_only_over_plain_http_to_another_host_and_the_gateway_takes_either(store, server,
+                                                                                                    monkeypatch):
+    """storage/s3client.client: no per-request CRC32 (the manifest's checksums are checked by every load), and the
+    body's SHA-256 signed only where nothing else guards the bytes in transit. What goes on the wire is read from
+    botocore's own before-send event; the gateway checks a signed body's hash, so the signed round trip proves
+    the hash is the body's."""
+    from easyckpt.errors import ConfigError
+    from easyckpt.storage.s3 import S3Storage
+    from easyckpt.storage.s3client import sign_payload
+    assert not sign_payload("https://s3.us-east-1.amazonaws.com")          # TLS guards the bytes
+    assert not sign_payload("http://127.0.0.1:7480") and not sign_payload("http://[::1]:9000")
+    assert not sign_payload("http://localhost:9000")                      # nothing crosses a network
+    assert sign_payload("http://10.0.0.5:7480") and sign_payload("http://rgw.cluster:80")
+    _, top = store
+    for forced, signed in (("", False), ("1", True), ("0", False)):
+        monkeypatch.setenv("EASYCKPT_S3_SIGN_PAYLOAD", forced)
+        s = S3Storage(endpoint_url=server["ENDPOINT"], part_bytes=5 << 20)
+        sent = []
+        s.c._c.meta.events.register("before-send.s3.*", lambda request, **_: sent.append(dict(request.headers)))
+        body = os.urandom(1 << 20)
+        s.write_atomic(f"{top}/sig{forced}/one", body)
+        assert s.read(f"{top}/sig{forced}/one") == body
+        put = next(h for h in sent if h.get("Content-Length") == str(len(body)))
+        assert not any(k.lower().startswith("x-amz-checksum") for k in put), put
+        hashed = put["X-Amz-Content-SHA256"]
+        assert (hashed == hashlib.sha256(body).hexdigest().encode()) is signed, (forced, hashed)
+        assert signed or hashed == b"UNSIGNED-PAYLOAD"
+    monkeypatch.setenv("EASYCKPT_S3_SIGN_PAYLOAD", "yes")
+    with pytest.raises(ConfigError, match="EASYCKPT_S3_SIGN_PAYLOAD='yes': expected 1"):
+        S3Storage(endpoint_url=server["ENDPOINT"])
 
 
 def test_one_job_per_prefix_a_lease_object_taken_with_a_conditional_create(store):

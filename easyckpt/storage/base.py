@@ -140,6 +140,11 @@ class Storage(Protocol):
         """Remove a file or a whole tree; a missing one is no error."""
         ...
 
+    def delete_files(self, paths: List[str]) -> None:
+        """Remove these files, by name (no tree, nothing listed; one request on an object store); a missing one is
+        no error."""
+        ...
+
     def files(self, path: str) -> List[Tuple[str, int]]:
         """(relative name, size) of every regular file under directory ``path``, recursively (symlinks are
         not followed); empty when there is none. What the operator tools count and list."""

@@ -104,9 +104,8 @@ def _commit_in_place(sd: "SaveDir", step: int, final: str, manifest: mf.Manifest
         sd.remove_staging(log, step=step)    # keeps a step a manifest commits; removes an unfinished one
         raise
     faults.inject("agent.after_rename")
-    for rank in sorted(markers):
-        sd.storage.delete(os.path.join(final, layout.marker_name(rank)))
-    sd.storage.delete(sd.claim_path(step))
+    sd.storage.delete_files([os.path.join(final, layout.marker_name(rank)) for rank in sorted(markers)]
+                            + [sd.claim_path(step)])
 
 
 def _retire_existing(sd: "SaveDir", step: int, final: str, new: mf.Manifest, log: AuditLog) -> None:

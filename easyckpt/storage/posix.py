@@ -231,6 +231,10 @@ class PosixStorage:
         else:
             _unlink_quiet(path)
 
+    def delete_files(self, paths: List[str]) -> None:
+        for path in paths:
+            _unlink_quiet(path)
+
     def files(self, path: str) -> List[Tuple[str, int]]:
         out = []
         for root, _dirs, names in os.walk(path):
