@@ -70,6 +70,64 @@ def test_a_large_object_is_a_parallel_multipart_upload_read_back_by_ranged_gets(
         s.open_writer(path)                       # objects are created once
 
 
+@pytest.mark.parametrize("signed", ["0", "1"])
+def test_parts_of_a_mapping_are_sent_from_it_not_copied_and_arrive_whole(store, server, monkeypatch, signed):
+    """storage/s3writer.py: what comes through write_mapped (the snapshot's slot) goes into the request bodies
+    as views of the mapping, never copied; small writes around it are copied (the caller may reuse them) and
+    joined. Each body is read a piece at a time (one sendall each): the objects read back whole, and with the
+    body's hash signed the gateway checks that hash over the same pieces."""
+    import mmap
+
+    from easyckpt.storage.s3 import S3Storage
+    from easyckpt.storage.s3writer import Body
+    monkeypatch.setenv("EASYCKPT_S3_SIGN_PAYLOAD", signed)
+    s = S3Storage(endpoint_url=server["ENDPOINT"], part_bytes=5 << 20)
+    _, top = store
+    bodies = []
+    s.c._c.meta.events.register("before-send.s3.UploadPart", lambda request, **_: bodies.append(request.body))
+    data = os.urandom(23 << 20)
+    mm = mmap.mmap(-1, len(data))
+    try:
+        mm[:] = data
+        view = memoryview(mm)
+        w = s.open_writer(f"{top}/mapped")
+        expect = b"head" * 25
+        w.write(b"head" * 25)
+        step = (3 << 20) + 7                 # pieces that do not fall on part boundaries
+        for i in range(0, len(data), step):
+            w.write_mapped(view, i, min(i + step, len(data)))
+            w.write(b"|")
+            expect += data[i:i + step] + b"|"
+        w.finish()
+        w.sync()
+        w.close()
+        assert s.read(f"{top}/mapped") == expect
+        assert len(bodies) == 5 and all(isinstance(b, Body) for b in bodies)
+        pieces = [p for b in bodies for p in b._pieces]
+        from_map = [p for p in pieces if p.obj is mm]
+        assert sum(len(p) for p in from_map) == len(data), "every byte of the mapping was sent from it"
+        assert sum(len(p) for p in pieces) - len(data) == 100 + 8    # the copies: the small writes only
+        bodies.clear()          # (the event handler keeps the list: its views must go before the mapping)
+        del view, from_map, pieces
+    finally:
+        mm.close()
+    w = s.open_writer(f"{top}/empty")
+    w.finish()
+    w.sync()
+    assert s.read(f"{top}/empty") == b""
+
+
+def test_a_body_reads_piece_by_piece_and_rewinds_for_a_retry():
+    from easyckpt.storage.s3writer import Body
+    b = Body([bytearray(b"abc"), memoryview(b"defgh"), bytearray(b"")])
+    assert len(b) == 8 and b.tell() == 0
+    assert bytes(b.read(1024)) == b"abc" and bytes(b.read()) == b"defgh" and b.read() == b"" and b.tell() == 8
+    assert b.seek(4) == 4 and bytes(b.read()) == b"efgh"       # from inside a piece
+    assert b.seek(0, 2) == 8 and b.seek(-3, 1) == 5 and b.seek(0) == 0
+    assert b"".join(iter(lambda: bytes(b.read(1 << 20)), b"")) == b"abcdefgh"
+    assert len(Body([])) == 0 and Body([]).read() == b""
+
+
 def test_a_whole_file_read_has_each_pieces_pages_made_present_by_the_thread_that_fills_it(store, monkeypatch):
     """storage/remotefiles.read_whole: the bytes and checksum of a file read in several ranged GETs; its buffer's
     pages are made present piece by piece, each in the pool thread that then fills that piece (beside the other
