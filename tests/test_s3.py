@@ -87,9 +87,9 @@ def test_parts_of_a_mapping_are_sent_from_it_not_copied_and_arrive_whole(store, 
     s.c._c.meta.events.register("before-send.s3.UploadPart", lambda request, **_: bodies.append(request.body))
     data = os.urandom(23 << 20)
     mm = mmap.mmap(-1, len(data))
+    view = memoryview(mm)
     try:
-        mm[:] = data
-        view = memoryview(mm)
+        view[:] = data
         w = s.open_writer(f"{top}/mapped")
         expect = b"head" * 25
         w.write(b"head" * 25)
@@ -98,6 +98,9 @@ def test_parts_of_a_mapping_are_sent_from_it_not_copied_and_arrive_whole(store, 
             w.write_mapped(view, i, min(i + step, len(data)))
             w.write(b"|")
             expect += data[i:i + step] + b"|"
+        for i in range(0, 100_000, 1000):          # small views (many small tensors) join a copied piece
+            w.write_mapped(view, i, i + 1000)
+            expect += data[i:i + 1000]
         w.finish()
         w.sync()
         w.close()
@@ -105,11 +108,14 @@ def test_parts_of_a_mapping_are_sent_from_it_not_copied_and_arrive_whole(store, 
         assert len(bodies) == 5 and all(isinstance(b, Body) for b in bodies)
         pieces = [p for b in bodies for p in b._pieces]
         from_map = [p for p in pieces if p.obj is mm]
-        assert sum(len(p) for p in from_map) == len(data), "every byte of the mapping was sent from it"
-        assert sum(len(p) for p in pieces) - len(data) == 100 + 8    # the copies: the small writes only
-        bodies.clear()          # (the event handler keeps the list: its views must go before the mapping)
-        del view, from_map, pieces
+        assert sum(len(p) for p in from_map) == len(data), "every large view of the mapping was sent from it"
+        assert sum(len(p) for p in pieces) - len(data) == 100 + 8 + 100_000    # copies: the small writes and views
+        # the last part: the end of two large views, a "|" after each, the small views joined to the last one
+        assert len(bodies[-1]._pieces) == 4, "the small views were joined, not sent one by one"
+        del from_map, pieces
     finally:
+        bodies.clear()          # (the event handler keeps the list: its views must go before the mapping)
+        view.release()
         mm.close()
     w = s.open_writer(f"{top}/empty")
     w.finish()
@@ -122,7 +128,8 @@ def test_a_body_reads_piece_by_piece_and_rewinds_for_a_retry():
     b = Body([bytearray(b"abc"), memoryview(b"defgh"), bytearray(b"")])
     assert len(b) == 8 and b.tell() == 0
     assert bytes(b.read(1024)) == b"abc" and bytes(b.read()) == b"defgh" and b.read() == b"" and b.tell() == 8
-    assert b.seek(4) == 4 and bytes(b.read()) == b"efgh"       # from inside a piece
+    assert b.seek(4) == 4 and bytes(b.read()) == b"efgh" and b.read() == b""     # from inside a piece
+    assert b.seek(1) == 1 and bytes(b.read()) == b"bc" and bytes(b.read()) == b"defgh"
     assert b.seek(0, 2) == 8 and b.seek(-3, 1) == 5 and b.seek(0) == 0
     assert b"".join(iter(lambda: bytes(b.read(1 << 20)), b"")) == b"abcdefgh"
     assert len(Body([])) == 0 and Body([]).read() == b""

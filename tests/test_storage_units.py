@@ -360,3 +360,11 @@ def test_a_step_is_the_jobs_by_its_name_wherever_the_directory_is(tmp_path):
 
 def json_step(path: str) -> int:
     return stepfiles.read(path).step
+
+
+def test_files_deleted_by_name_are_exactly_those_a_missing_one_no_error(tmp_path):
+    """Storage.delete_files on POSIX (the object store's: tests/test_s3.py): the named files, nothing else."""
+    for name in ("a", "b", "c"):
+        (tmp_path / name).write_bytes(b"x")
+    PosixStorage().delete_files([str(tmp_path / "a"), str(tmp_path / "c"), str(tmp_path / "never")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]

@@ -1,7 +1,7 @@
 """One new object of an S3-compatible store (s3.py), written front to back as a multipart upload whose parts a
 small pool of threads sends while the next ones are cut from the caller's buffers (what comes from the snapshot's
-mapping is sent from it, never copied), or as one PUT when it is small. Its own module because the store's verbs (s3.py) are another job:
-this one holds an upload's state from the first part to its completion or abort."""
+mapping is sent from it, never copied), or as one PUT when it is small. Its own module because the store's verbs
+(s3.py) are another job: this one holds an upload's state from the first part to its completion or abort."""
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -11,6 +11,7 @@ from easyckpt import _faults as faults
 from easyckpt.storage.base import Buffer
 from easyckpt.storage.s3client import SCHEME, Location
 
+JOIN_BYTES = 256 << 10     # views smaller than this are copied into the part's last piece instead
 Piece = Union[bytearray, memoryview]     # a copy of what ``write`` was given, or a view of the caller's mapping
 
 
@@ -22,9 +23,11 @@ class Body:
     of the mapping copied first: on this 2-core machine that was about a tenth of a 216 MB upload."""
 
     def __init__(self, pieces: List[Piece]):
-        self._pieces = [memoryview(p).cast("B") for p in pieces]
+        self._pieces = [memoryview(p).cast("B") for p in pieces if len(p)]
         self._size = sum(len(p) for p in self._pieces)
         self._at = 0        # bytes read so far
+        self._i = 0         # the piece the position is in
+        self._start = 0     # where that piece starts
 
     def __len__(self) -> int:
         return self._size
@@ -34,18 +37,22 @@ class Body:
 
     def seek(self, offset: int, whence: int = 0) -> int:
         self._at = max(0, min(self._size, offset + (self._at if whence == 1 else self._size if whence == 2 else 0)))
+        self._i = self._start = 0
+        while self._i < len(self._pieces) and self._at >= self._start + len(self._pieces[self._i]):
+            self._start += len(self._pieces[self._i])
+            self._i += 1
         return self._at
 
     def read(self, n: int = -1) -> Union[bytes, memoryview]:
         """The rest of the piece the position is in (``n`` is ignored: urllib3 and botocore read until empty)."""
-        start = 0
-        for p in self._pieces:
-            if self._at < start + len(p):
-                out = p[self._at - start:]
-                self._at = start + len(p)
-                return out
-            start += len(p)
-        return b""
+        if self._i >= len(self._pieces):
+            return b""
+        piece = self._pieces[self._i]
+        out = piece[self._at - self._start:]
+        self._start += len(piece)
+        self._at = self._start
+        self._i += 1
+        return out
 
 
 class Store(Protocol):
@@ -93,6 +100,9 @@ class S3Writer:
     def _add(self, view: memoryview, copy: bool) -> int:
         n, part = len(view), self.storage.part_bytes
         self.size += n
+        # a small view joins the copied piece: one sendall per small tensor cost more than the copy (a torch file
+        # of many small tensors would send thousands of pieces a part)
+        copy = copy or n < JOIN_BYTES
         while view:
             take = min(part - self._held, len(view))
             if not copy:
