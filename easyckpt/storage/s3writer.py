@@ -20,7 +20,8 @@ class Body:
     copies of what ``write`` was given. boto3 takes it as a file (it asks ``len``, ``read``, ``seek``, ``tell``),
     and each ``read`` answers a whole piece, which urllib3 hands to one ``sendall``. A bytes body would be
     copied into a BytesIO and sent 16 KiB per call (botocore's handler for PutObject and UploadPart), a part
-    of the mapping copied first: on this 2-core machine that was about a tenth of a 216 MB upload."""
+    of the mapping copied first: on this 2-core machine a 216 MB upload went from about 350 to 416-436 MB/s
+    without them (the README's object storage section)."""
 
     def __init__(self, pieces: List[Piece]):
         self._pieces = [memoryview(p).cast("B") for p in pieces if len(p)]
