@@ -59,7 +59,7 @@ def client(endpoint_url: Optional[str] = None, max_pool: int = PARALLEL * 2, pat
     needs: on a 2-core machine a 216 MB upload went from 0.75 s to 0.56 s with neither, see the README's object
     storage section):
 
-    - no per-request CRC32 (botocore's default since 1.36): every file and every item of a step has its own
+    - no per-request CRC32, sent or asked for on reads (botocore's default since 1.36): every file and item has its own
       checksum in the manifest, checked by every load and by ``easyckpt verify`` whatever carried the bytes,
       which a per-request check cannot do for the bytes once stored. (botocore still adds one where the store
       requires it, e.g. a batch delete.)
