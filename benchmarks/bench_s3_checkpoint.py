@@ -203,11 +203,12 @@ def main() -> int:
     try:
         # DCP first, on the fresh server: later, the gateway is also busy freeing what the runs' pruning deleted
         # (its garbage collector), which slowed DCP's saves by up to half when they came last
-        dcp_saves = [statistics.median(map(float, subprocess.run(
-            [args.dcp_python, "-c", DCP_SAVE, str(args.hidden), f"s3://{bucket}/dcp{how}", args.endpoint,
-             *how.split()], check=True, env=env, capture_output=True, text=True, timeout=1800).stdout.split()[-3:]))
-            for how in ("", "matched")] if args.dcp_python else []
-        for how in ("", "matched"):
+        dcp_saves: List[float] = []
+        for how in ("", "matched") if args.dcp_python else ():
+            dcp_saves.append(statistics.median(map(float, subprocess.run(
+                [args.dcp_python, "-c", DCP_SAVE, str(args.hidden), f"s3://{bucket}/dcp{how}", args.endpoint,
+                 *how.split()], check=True, env=env, capture_output=True, text=True,
+                timeout=1800).stdout.split()[-3:])))
             s3.delete(f"s3://{bucket}/dcp{how}")       # room in the store (memstore holds what it stores in RAM)
         with tempfile.TemporaryDirectory() as tmp:
             t = Path(tmp)
