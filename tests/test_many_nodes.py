@@ -300,8 +300,11 @@ def test_a_lost_node_replaced_resumes_from_its_replica_in_a_peers_memory(tmp_pat
     held = (tmp_path / "status.out").read_text()
     assert "holds rank 1 of node 1: step" in held and "replica    rank    1 slot" in held, held
     node0, node1 = c.train_cmds(ckpt, 1, *args)
-    # torchrun restarted on the surviving node (its agent and memory as they are) and on a replacement
-    again = [runs[0].enter(node0, c.log("replaced", 0)), c.nodes[1].launch(node1, c.log("replaced", 1)).proc]
+    # torchrun restarted on the surviving node (its agent and memory as they are) and on a replacement; node 0's
+    # rank tells its agent the new run's table (and secret) a second late: rank 1 must not ask for its replicas
+    # before then (it did, found node 0's agent refusing the old secret's handshake, and resumed from storage)
+    late = {"EASYCKPT_FAULTS": "trainer.before_peers@0=sleep:1"}
+    again = [runs[0].enter(node0, c.log("replaced", 0), late), c.nodes[1].launch(node1, c.log("replaced", 1)).proc]
     assert [p.wait(timeout=TIMEOUT) for p in again] == [0, 0], "\n".join(
         c.log("replaced", i).read_text()[-2500:] for i in range(2))
     c.wait([runs[0], c.nodes[1].current], 60)

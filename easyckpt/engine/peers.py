@@ -4,8 +4,10 @@ and ask the node's agent for a rank's state held on peers (agent/replicas.py doe
 Once per run, at the first load or snapshot (both are reached by every rank together): local rank 0 of
 each node asks its agent to listen on this node's address (the one that reaches the rendezvous host)
 and publishes ``address@port`` under the job's key in the store; every rank waits (agent_start_timeout at
-most) for every node's entry and hands the table to its agent. Key names carry the job id; torchrun gives
-every restart of the job a store prefix of its own, so a restarted job never reads the last run's table.
+most) for every node's entry, hands the table to its agent, and waits until every rank has (a peer asked
+with the new run's secret before its agent holds it would refuse the handshake). Key names carry the job
+id; torchrun gives every restart of the job a store prefix of its own, so a restarted job never reads the
+last run's table.
 
 The replica secret never goes into the store (docs/reliability.md promise 14): the c10d store has no authentication, and
 anyone who reaches its port could read it and then fetch or plant replicas. Global rank 0 makes it and it
@@ -27,6 +29,7 @@ import stat
 from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 
+from easyckpt import _faults as faults
 from easyckpt import console
 from easyckpt.config import Config
 from easyckpt.engine.dist import all_gather
@@ -93,7 +96,13 @@ class Remote:
             console.warning(f"rank {self.rank}: could not ask for replicas on peer nodes ({exc}); "
                             f"resuming without them")
             return []
-        return list(reply.steps) if reply.ok else []
+        if not reply.ok:
+            console.warning(f"rank {self.rank}: its agent could not ask peer nodes for replicas ({reply.error}); "
+                            f"resuming without them")
+            return []
+        if reply.problems:      # a holder that did not answer: its replicas are not counted, and that is said
+            console.warning(f"rank {self.rank}: replica holder(s) not asked: {'; '.join(reply.problems)}")
+        return list(reply.steps)
 
     def fetch(self, step: int) -> ReplicaFetchReply:
         """Pull ``step`` into this rank's own slot on this node (the reply names the slot, bytes, node)."""
@@ -133,17 +142,38 @@ def introduce(cfg: Config, client: AgentLink, rank: int, world_size: int, local_
         keys = [f"{prefix}agent{i}" for i in range(nnodes)]
         store.wait(keys, timedelta(seconds=cfg.agent_start_timeout))
         endpoints = ",".join(f"{i}={store.get(k).decode()}" for i, k in enumerate(keys))
+        faults.inject("trainer.before_peers", rank)
         told = client.request(protocol.Peers(node, nnodes, per_node, secret, endpoints), PeersReply,
                               cfg.agent_start_timeout)
         if not told.ok:
             raise AgentError(str(told.error))
     except Exception as exc:  # noqa: BLE001 - replicas are an extra copy: without them training goes on
+        _all_told(store, prefix, world_size, cfg.agent_start_timeout)
         _off(rank, log, f"the nodes' agents could not be introduced within agent_start_timeout="
                         f"{cfg.agent_start_timeout:g}s ({type(exc).__name__}: {exc})")
+        return None
+    if not _all_told(store, prefix, world_size, cfg.agent_start_timeout):
+        _off(rank, log, f"not every rank told its agent the replica table within agent_start_timeout="
+                        f"{cfg.agent_start_timeout:g}s")
         return None
     log.emit("replicas", rank=rank, node=node, nnodes=nnodes, factor=cfg.replication_factor,
              jump=cfg.replication_jump, endpoints=endpoints)
     return Remote(client, rank)
+
+
+def _all_told(store: Any, prefix: str, world_size: int, timeout: float) -> bool:
+    """Wait (``timeout`` at most) until every rank has told its agent this run's table, or failed to. Each run
+    has a secret of its own: a peer asked before its agent holds the new one refuses the handshake, so a rank
+    that asked for its replicas at once found none on a node whose trainer was a moment later."""
+    try:
+        told = int(store.add(f"{prefix}told", 1))
+        done = f"{prefix}all_told{(told - 1) // world_size}"   # a second introduction in one store: its own key
+        if told % world_size == 0:
+            store.set(done, "1")
+        store.wait([done], timedelta(seconds=timeout))
+        return True
+    except Exception:  # noqa: BLE001 - the store's timeout (or its loss): replicas go off, training goes on
+        return False
 
 
 def job_secret(job_id: str, rank: int, world_size: int) -> str:
