@@ -33,17 +33,38 @@ def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return e
 
 
-def train_cmd(save_dir: Path, nproc: int, *args: str) -> List[str]:
-    base = [sys.executable]
-    if nproc > 1:
-        base += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+WARM = ROOT / "tests" / "warm_torchrun.py"
+# what each script imports anyway, imported once by the warm launcher before it forks the workers
+PRELOAD = {
+    "tests/worker_pytorch.py": ["easyckpt.pytorch"],
+    "examples/pytorch/train.py": ["easyckpt.pytorch"],
+    "examples/deepspeed/hf_train.py": ["transformers.trainer", "easyckpt.transformers"],
+    "examples/megatron/pretrain_gpt.py": ["megatron.core.models.gpt", "megatron.core.optimizer",
+                                          "megatron.core.pipeline_parallel", "easyckpt.megatron"],
+}
+
+
+def launcher(nproc: int, script: Path, warm: bool = True) -> List[str]:
+    """The launcher of ``nproc`` ranks of ``script``, standalone. ``warm``: tests/warm_torchrun.py (torchrun's
+    workers forked after the launcher imported what the script imports: a third of the suite's CPU time);
+    else torchrun as users run it, each worker an interpreter of its own: the tests of signals to the process
+    tree, a killed launcher, DataLoader workers and the user's command line."""
+    opts = ["--standalone", f"--nproc_per_node={nproc}"]
+    if not warm:
+        return [sys.executable, "-m", "torch.distributed.run", *opts]
+    preload = PRELOAD.get(str(Path(script).resolve().relative_to(ROOT)) if Path(script).is_relative_to(ROOT)
+                          else "", [])
+    return [sys.executable, str(WARM), *([f"--preload={','.join(preload)}"] if preload else []), *opts]
+
+
+def train_cmd(save_dir: Path, nproc: int, *args: str, warm: bool = True) -> List[str]:
+    base = launcher(nproc, TRAIN, warm) if nproc > 1 else [sys.executable]
     return base + [str(TRAIN), "--save-dir", str(save_dir), *args]
 
 
-def script_cmd(script: Path, nproc: int, *args: str, torchrun: Optional[bool] = None) -> List[str]:
-    base = [sys.executable]
-    if nproc > 1 or torchrun:
-        base += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+def script_cmd(script: Path, nproc: int, *args: str, torchrun: Optional[bool] = None,
+               warm: bool = True) -> List[str]:
+    base = launcher(nproc, script, warm) if nproc > 1 or torchrun else [sys.executable]
     return base + [str(script), *args]
 
 
@@ -359,6 +380,25 @@ def worker_reference(uninterrupted: Callable[..., Any], nproc: int, *args: str) 
     return uninterrupted(("worker", nproc, *args), produce)
 
 
+def trainer_rank(pid: int) -> Optional[int]:
+    """The rank of trainer ``pid`` (0 for one run without torchrun); None for a launcher, an agent, or a
+    process gone. A worker of tests/warm_torchrun.py is named ``rankN`` (its environ is the launcher's)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    if b"easyckpt.agent" in cmdline:
+        return None
+    if b"warm_torchrun" in cmdline:
+        return int(comm[4:]) if re.fullmatch(r"rank\d+", comm) else None
+    if b"torch.distributed.run" in cmdline:
+        return None
+    ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
+    return int(ranks[0]) if ranks else 0
+
+
 def worker_pids(proc: subprocess.Popen, n: int, timeout: float = 60) -> Dict[int, int]:
     """rank -> pid of the trainers below ``proc`` (torchrun's workers, or ``proc`` itself), by their RANK."""
     deadline = time.monotonic() + timeout
@@ -367,15 +407,9 @@ def worker_pids(proc: subprocess.Popen, n: int, timeout: float = 60) -> Dict[int
         while todo:
             pid = todo.pop()
             todo.extend(kids.get(pid, []))
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"torch.distributed.run" in cmdline or b"easyckpt.agent" in cmdline:
-                continue
-            ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
-            found[int(ranks[0]) if ranks else 0] = pid
+            rank = trainer_rank(pid)
+            if rank is not None:
+                found[rank] = pid
         if len(found) >= n:
             return found
         if time.monotonic() > deadline:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,7 @@ MEGATRON = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
 
 
 def megatron_cmd(script: Path, *args: str):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args]
+    return script_cmd(script, 2, *args)
 
 
 def megatron_losses(prefix: Path):

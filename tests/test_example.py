@@ -10,9 +10,14 @@ from harness import (
     losses,
     run,
     starts,
-    train_cmd,
     wait_no_agent,
 )
+from harness import train_cmd as _warm_or_not
+
+
+def train_cmd(*args, **kw):
+    """torchrun as users run it, each worker an interpreter of its own: the example as its README runs it."""
+    return _warm_or_not(*args, warm=False, **kw)
 
 
 def test_the_example_resumes_where_it_stopped_with_the_losses_of_the_test_worker(tmp_path):

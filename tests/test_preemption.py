@@ -34,12 +34,19 @@ from harness import (
     signal_every_process,
     start,
     starts,
-    train_cmd,
     wait_for_iteration,
     wait_no_agent,
     worker_pids,
     worker_reference,
 )
+from harness import train_cmd as _warm_or_not
+
+
+def train_cmd(*args, **kw):
+    """torchrun as users run it, each worker an interpreter of its own: signals to the process tree, a killed
+    launcher and DataLoader workers are this module's subject."""
+    return _warm_or_not(*args, warm=False, **kw)
+
 
 N = 30
 COMMON = ["--iters", str(N), "--mem-interval", "2", "--storage-interval", "10", "--max-ckpt", "2"]
