@@ -35,12 +35,15 @@ def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 WARM = ROOT / "tests" / "warm_torchrun.py"
 # what each script imports anyway, imported once by the warm launcher before it forks the workers
+MEGATRON = ["megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
+            "easyckpt.megatron"]
 PRELOAD = {
     "tests/worker_pytorch.py": ["easyckpt.pytorch"],
     "examples/pytorch/train.py": ["easyckpt.pytorch"],
     "examples/deepspeed/hf_train.py": ["transformers.trainer", "easyckpt.transformers"],
-    "examples/megatron/pretrain_gpt.py": ["megatron.core.models.gpt", "megatron.core.optimizer",
-                                          "megatron.core.pipeline_parallel", "easyckpt.megatron"],
+    "examples/megatron/pretrain_gpt.py": MEGATRON,
+    "tests/megatron_native_check.py": MEGATRON,
+    "tests/megatron_native_save.py": MEGATRON,
 }
 
 

@@ -32,6 +32,7 @@ from harness import (
     cli,
     events,
     kill_tree,
+    launcher,
     losses,
     run,
     script_cmd,
@@ -52,7 +53,7 @@ server, bucket = s3server.fixtures()     # the session's gateway, a bucket per t
 
 
 def cmd(save: str, loss: Path, local: Path, iters: int, *extra: str):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
+    return [*launcher(2, SCRIPT), str(SCRIPT),
             "--cpu", "--quiet", "--iters", str(iters), "--save", save, "--local-dir", str(local),
             "--loss-file", str(loss), "--save-storage-interval", "4", "--agent-idle-timeout", "1", *extra]
 
