@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "tests" / "worker_pytorch.py"       # the example's training plus the flags only tests need
 EXAMPLE = ROOT / "examples" / "pytorch" / "train.py"
@@ -72,19 +74,52 @@ def script_cmd(script: Path, nproc: int, *args: str, torchrun: Optional[bool] = 
     return base + [str(script), *args]
 
 
+def forkable(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None) -> Optional[List[str]]:
+    """The modules a fork server (tests/zygote.py) imports before it starts ``cmd`` (``python SCRIPT ARGS``:
+    one of PRELOAD's scripts, or the warm launcher), or None where ``cmd`` runs as an exec'd process: another
+    command, or an environment of its own beyond EASYCKPT_* (third-party modules read theirs at import, in
+    the server). The server never imports easyckpt (its modules read EASYCKPT_* at import). EASYCKPT_TEST_EXEC=1
+    turns it off: every process exec'd, as before."""
+    args = list(map(str, cmd))
+    if os.environ.get("EASYCKPT_TEST_EXEC") == "1" or len(args) < 2 or args[0] != sys.executable:
+        return None
+    if any(not k.startswith("EASYCKPT_") for k in (extra_env or {})):
+        return None
+    if args[1] == str(WARM):
+        wanted = [m for a in args[2:] if a.startswith("--preload=") for m in a.split("=", 1)[1].split(",")]
+        wanted.append("torch.distributed.run")
+    else:
+        script = Path(args[1])
+        rel = str(script.relative_to(ROOT)) if script.is_absolute() and script.is_relative_to(ROOT) else None
+        if rel not in PRELOAD:
+            return None
+        wanted = PRELOAD[rel]
+    return ["torch", *sorted({m for m in wanted if m.split(".")[0] != "easyckpt"})]
+
+
 def run(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, timeout: float = TIMEOUT,
         check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(cmd), env=env(extra_env), capture_output=True, text=True, timeout=timeout)
+    modules = forkable(cmd, extra_env)
+    if modules is not None:
+        proc = zygote.run(cmd, modules, env(extra_env), timeout)
+    else:
+        proc = subprocess.run(list(cmd), env=env(extra_env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                              f"stderr:\n{proc.stderr[-6000:]}")
     return proc
 
 
-def start(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, log: Optional[Path] = None) -> subprocess.Popen:
-    out = open(log, "w") if log else subprocess.DEVNULL
-    return subprocess.Popen(list(cmd), env=env(extra_env), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+def start(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, log: Optional[Path] = None) -> Any:
+    """``cmd`` started in a session of its own, its output in ``log``: a subprocess.Popen, or a zygote.Forked
+    (the same methods) where a fork server starts it (forkable)."""
+    modules = forkable(cmd, extra_env)
+    if modules is None:
+        out = open(log, "w") if log else subprocess.DEVNULL
+        return subprocess.Popen(list(cmd), env=env(extra_env), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    with open(log if log else os.devnull, "w") as out, open(os.devnull, "rb") as null:
+        return zygote.popen(cmd, modules, env(extra_env), null.fileno(), out.fileno(), out.fileno(), session=True)
 
 
 def _children() -> Dict[int, List[int]]:
@@ -395,8 +430,10 @@ def trainer_rank(pid: int) -> Optional[int]:
         return None
     if b"easyckpt.agent" in cmdline:
         return None
-    if b"warm_torchrun" in cmdline:
-        return int(comm[4:]) if re.fullmatch(r"rank\d+", comm) else None
+    if b"warm_torchrun" in cmdline or b"zygote" in cmdline:    # forked: its name says (tests/zygote.py)
+        if re.fullmatch(r"rank\d+", comm):
+            return int(comm[4:])
+        return 0 if comm == "trainer" else None
     if b"torch.distributed.run" in cmdline:
         return None
     ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]

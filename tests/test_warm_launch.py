@@ -1,13 +1,22 @@
-"""The warm launcher of the tests (tests/warm_torchrun.py, tests/forked_worker.py): its workers start as the
-workers torchrun execs do, so a test run through it proves what it would prove under torchrun as users run
-it. Each worker reports what an exec'd worker has: the default SIGTERM/SIGHUP/SIGQUIT dispositions and
-Python's SIGINT handler, no parent-death signal, its script as ``__main__`` with its directory first on
-``sys.path``, torchrun's environment; its exit handlers run at its end; an exit status reaches torchrun."""
+"""The warm launcher of the tests (tests/warm_torchrun.py, tests/forked_worker.py) and their fork server
+(tests/zygote.py): the processes they start begin as exec'd ones do, so a test run through them proves what it
+would prove under torchrun, or ``python SCRIPT``, as users run it. Each process reports what an exec'd one has:
+the default SIGTERM/SIGHUP/SIGQUIT dispositions and Python's SIGINT handler, no parent-death signal, its script as
+``__main__`` with its directory first on ``sys.path``, its own environment and working directory; its exit
+handlers run at its end; an exit status, or the signal that ended it, reaches the test."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 
+import harness
+import pytest
+import zygote
 from harness import kill_tree, run, script_cmd, start, worker_pids
 
 PROBE = textwrap.dedent("""
@@ -64,3 +73,75 @@ def test_worker_pids_finds_each_warm_launched_rank_by_its_name(tmp_path):
             assert open(f"/proc/{pid}/comm").read().strip() == f"rank{rank}"
     finally:
         kill_tree(proc)
+
+
+SINGLE = textwrap.dedent("""
+    import atexit, ctypes, json, os, signal, sys
+    out = sys.argv[1]
+    libc, death = ctypes.CDLL(None), ctypes.c_int(-1)
+    libc.prctl(2, ctypes.byref(death), 0, 0, 0)              # PR_GET_PDEATHSIG
+    seen = {"term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+            "hup": signal.getsignal(signal.SIGHUP) == signal.SIG_DFL,
+            "chld": signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL,
+            "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            "death": death.value, "main": __name__, "path0": sys.path[0], "argv": sys.argv[1:],
+            "cwd": os.getcwd(), "mine": os.environ.get("EASYCKPT_PROBE"), "sid": os.getsid(0) == os.getpid(),
+            "comm": open(f"/proc/{os.getpid()}/comm").read().strip(), "torch": "torch" in sys.modules,
+            "easyckpt": any(m.startswith("easyckpt") for m in sys.modules)}
+    atexit.register(lambda: open(out + ".exit", "w").write("ran"))
+    json.dump(seen, open(out, "w"))
+    print("to stdout"); print("to stderr", file=sys.stderr)
+    if len(sys.argv) > 2:
+        if sys.argv[2] == "sleep":
+            import time; time.sleep(120)
+        sys.exit(int(sys.argv[2]))
+""")
+
+
+def _single(tmp_path, *args):
+    probe = tmp_path / "single.py"
+    probe.write_text(SINGLE)
+    return [sys.executable, str(probe), str(tmp_path / "seen"), *args]
+
+
+def test_a_forked_process_starts_and_ends_as_an_execd_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    proc = zygote.run(_single(tmp_path), ["torch"], harness.env({"EASYCKPT_PROBE": "set"}), timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "to stdout\n", "to stderr\n"), proc
+    seen = json.loads((tmp_path / "seen").read_text())
+    assert seen == {"term": True, "hup": True, "chld": True, "int": True, "death": 0, "main": "__main__",
+                    "path0": str(tmp_path), "argv": [str(tmp_path / "seen")], "cwd": str(tmp_path), "mine": "set",
+                    "sid": False, "comm": "trainer", "torch": True, "easyckpt": False}, seen
+    assert (tmp_path / "seen.exit").read_text() == "ran", "the exit handlers did not run"
+
+
+def test_a_forked_processs_exit_status_signal_and_timeout_reach_the_test(tmp_path):
+    assert zygote.run(_single(tmp_path, "3"), ["torch"], harness.env(), timeout=60).returncode == 3
+    assert (tmp_path / "seen.exit").read_text() == "ran"
+    log = tmp_path / "log"
+    with open(log, "w") as out, open(os.devnull, "rb") as null:
+        proc = zygote.popen(_single(tmp_path, "sleep"), ["torch"], harness.env(), null.fileno(), out.fileno(),
+                            out.fileno(), session=True)
+    deadline = time.monotonic() + 60
+    while "to stderr" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert json.loads((tmp_path / "seen").read_text())["sid"], "start()'s process is not in a session of its own"
+    assert proc.poll() is None and worker_pids(proc, 1) == {0: proc.pid}
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    kill_tree(proc)
+    assert proc.returncode == -signal.SIGKILL
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        zygote.run(_single(tmp_path, "sleep"), ["torch"], harness.env(), timeout=2)
+    assert time.monotonic() - started < 60, "the timed-out process was not killed"
+
+
+def test_the_tests_launches_go_to_a_fork_server_only_where_it_starts_them_as_exec_would(tmp_path):
+    train = harness.train_cmd(tmp_path, 1, "--iters", "2")
+    assert harness.forkable(train) == ["torch"]
+    assert harness.forkable(harness.train_cmd(tmp_path, 2)) == ["torch", "torch.distributed.run"]
+    assert harness.forkable(train, {"EASYCKPT_FAULTS": "x"}) == ["torch"]
+    assert harness.forkable(train, {"HF_HUB_OFFLINE": "1"}) is None        # read by a module the server imports
+    assert harness.forkable(harness.train_cmd(tmp_path, 2, warm=False)) is None     # torchrun as users run it
+    assert harness.forkable([sys.executable, "-c", "pass"]) is None
