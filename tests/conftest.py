@@ -46,6 +46,46 @@ def _remove_session_dirs():
 atexit.register(_remove_session_dirs)
 
 
+# ---- how pytest-xdist shares the modules out (the README's command runs them on several workers) --------------
+
+# The modules that take longest, longest first (their time in the default tier at bc64d35, --durations=0, this
+# project's 2-core machine: the S3 modules 334 s together, the Trainer's 147 s, ... the Trainer's settings 19 s): handed out first, so that no worker starts a long module while the others
+# run out of work. xdist's own order (by number of tests) handed out the Trainer's and DeepSpeed's few long
+# tests last. The rest follow in collection order.
+LONGEST_FIRST = ["test_s3", "test_transformers", "test_megatron", "test_preemption", "test_deepspeed",
+                 "test_many_nodes", "test_faults", "test_fsdp", "test_megatron_reshard", "test_trust",
+                 "test_benchmark", "test_adopt", "test_manifest_trust", "test_planted", "test_fault_matrix",
+                 "test_resume", "test_convert", "test_transformers_settings"]
+# the modules of one S3 server (the s3_gateway fixture, once per worker): one scope, run on one worker
+S3_MODULES = ("test_s3.py", "test_s3_checkpoints.py", "test_s3_frameworks.py", "test_s3_benchmark.py")
+
+
+def _scope(path: str) -> str:
+    name = Path(path.split("::")[0]).name
+    return "test_s3" if name in S3_MODULES else name[:-3]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(_scope(item.nodeid), len(rank)), order[id(item)]))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (pytest.ini), with the S3 modules as one scope and the modules handed out in the order
+    collected (LONGEST_FIRST)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            return _scope(nodeid) if _scope(nodeid) == "test_s3" else super()._split_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return LongestFirst(config, log)
+
+
 @pytest.fixture(autouse=True)
 def shm_clean():
     """Every test leaves /dev/shm as it found it: no easyckpt segment of its own may remain."""
