@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import subprocess
@@ -115,7 +116,7 @@ def run_worker(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, c
     code = 0
     default.make = make
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _fresh_console():
             try:
                 code = example.main([str(a) for a in cmd[2:]], p=worker_pytorch.parser(),
                                     make_hooks=worker_pytorch.TestHooks)
@@ -137,6 +138,27 @@ def run_worker(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, c
     if check and code != 0:
         raise AssertionError(f"{cmd} exited {code}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
     return proc
+
+
+@contextlib.contextmanager
+def _fresh_console() -> Iterator[None]:
+    """The console (easyckpt/console.py) as a new process has it: no handler yet, so the run's engine installs
+    its own for its rank. An earlier in-process job's ranks are threads of this interpreter, and the first of
+    them to start fixed the handler's ``[rank N]`` prefix for every later run here."""
+    from easyckpt import console
+    logger = logging.getLogger("easyckpt")
+    handlers, level, rank = logger.handlers[:], logger.level, console._rank
+    for handler in handlers:
+        logger.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in logger.handlers[:]:
+            logger.removeHandler(handler)
+        for handler in handlers:
+            logger.addHandler(handler)
+        logger.setLevel(level)
+        console._rank = rank
 
 
 def _end(default: Any, agents: List[LocalAgent]) -> None:
