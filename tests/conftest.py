@@ -96,6 +96,16 @@ def shm_clean():
 
 
 @pytest.fixture(autouse=True)
+def fresh_console():
+    """Each test starts with easyckpt's console as a new process has it (no handler, rank 0) and leaves it as it
+    found it (inproc.fresh_console): a handler an earlier test's in-process job installed had its rank and
+    stream, and test_replicas' console line went to another."""
+    import inproc
+    with inproc.fresh_console():
+        yield
+
+
+@pytest.fixture(autouse=True)
 def s3_endpoint_restored():
     """Every test leaves the object-store endpoint as it found it. ``resolve.set_endpoint`` is process-wide (a
     job's setting, made by validating a Config or opening its SaveDir): test_config's unreachable endpoint

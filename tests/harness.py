@@ -52,7 +52,7 @@ PRELOAD = {
 def launcher(nproc: int, script: Path, warm: bool = True) -> List[str]:
     """The launcher of ``nproc`` ranks of ``script``, standalone. ``warm``: tests/warm_torchrun.py (torchrun's
     workers forked after the launcher imported what the script imports: the default tier went from about 1930
-    to 1570 CPU-seconds);
+    to 1570 CPU-seconds; with the launcher itself forked from tests/zygote.py, 850-880);
     else torchrun as users run it, each worker an interpreter of its own: the tests of signals to the process
     tree, a killed launcher, DataLoader workers and the user's command line."""
     opts = ["--standalone", f"--nproc_per_node={nproc}"]

@@ -116,7 +116,7 @@ def run_worker(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, c
     code = 0
     default.make = make
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _fresh_console():
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), fresh_console():
             try:
                 code = example.main([str(a) for a in cmd[2:]], p=worker_pytorch.parser(),
                                     make_hooks=worker_pytorch.TestHooks)
@@ -141,24 +141,24 @@ def run_worker(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, c
 
 
 @contextlib.contextmanager
-def _fresh_console() -> Iterator[None]:
-    """The console (easyckpt/console.py) as a new process has it: no handler yet, so the run's engine installs
-    its own for its rank. An earlier in-process job's ranks are threads of this interpreter, and the first of
-    them to start fixed the handler's ``[rank N]`` prefix for every later run here."""
+def fresh_console() -> Iterator[None]:
+    """easyckpt's console (easyckpt/console.py) as a new process has it: no handler, no level, propagating, rank
+    0; put back as it was at the end. Its state is the process's, and in-process jobs' ranks are threads of this
+    interpreter: the first of them to start fixed the handler's ``[rank N]`` prefix (or stdout, for Megatron) for
+    every later run in the same pytest worker. conftest.py gives each test one; run_worker each run."""
     from easyckpt import console
-    logger = logging.getLogger("easyckpt")
-    handlers, level, rank = logger.handlers[:], logger.level, console._rank
-    for handler in handlers:
-        logger.removeHandler(handler)
+    saved = (console.logger.handlers[:], console.logger.level, console.logger.propagate, console._rank)
+    console.logger.handlers.clear()
+    console.logger.setLevel(logging.NOTSET)
+    console.logger.propagate = True
+    console._rank = 0
     try:
         yield
     finally:
-        for handler in logger.handlers[:]:
-            logger.removeHandler(handler)
-        for handler in handlers:
-            logger.addHandler(handler)
-        logger.setLevel(level)
-        console._rank = rank
+        console.logger.handlers[:] = saved[0]
+        console.logger.setLevel(saved[1])
+        console.logger.propagate = saved[2]
+        console._rank = saved[3]
 
 
 def _end(default: Any, agents: List[LocalAgent]) -> None:

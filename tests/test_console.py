@@ -13,20 +13,6 @@ from easyckpt.formats.replies import status_from_wire
 from easyckpt.storage.auditlog import AuditLog
 
 
-@pytest.fixture(autouse=True)
-def fresh_logger():
-    """Each test starts with the logger as a new process has it, and leaves it so."""
-    saved = (list(console.logger.handlers), console.logger.level, console.logger.propagate, console._rank)
-    console.logger.handlers.clear()
-    console.logger.setLevel(logging.NOTSET)
-    console.logger.propagate = True
-    yield
-    console.logger.handlers[:] = saved[0]
-    console.logger.setLevel(saved[1])
-    console.logger.propagate = saved[2]
-    console._rank = saved[3]
-
-
 def test_rank_0_says_events_and_every_rank_its_warnings(capsys):
     console.install(0)
     console.info("resumed step 12 from memory")

@@ -9,6 +9,8 @@ tests/forked_worker.py runs SCRIPT in each worker, started as an exec'd worker i
 no parent-death signal, its own exit handlers run at its end). harness.script_cmd and harness.train_cmd
 use this launcher; the tests whose subject is the process model (SIGTERM to the process tree, a killed
 launcher, DataLoader workers, the user's own command line, several nodes) launch torchrun as users do.
+harness.run and harness.start fork the launcher itself from a server that imported torch and the third-party
+PRELOADs once (tests/zygote.py): then the ``--preload`` imports here cost only easyckpt's own modules.
 """
 from __future__ import annotations
 
