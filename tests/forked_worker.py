@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib.util
 import os
-import runpy
 import signal
 import sys
-import threading
-import traceback
 
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 
@@ -40,33 +38,14 @@ def _as_if_exec() -> None:
 
 def main() -> None:
     _as_if_exec()
+    spec = importlib.util.spec_from_file_location("zygote", os.path.join(os.path.dirname(__file__), "zygote.py"))
+    assert spec is not None and spec.loader is not None
+    zygote = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zygote)
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
-    sys.path[0] = os.path.dirname(script)
-    code: object = 0
-    interrupted = False
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        interrupted = True
-    except BaseException:  # noqa: BLE001 - as the interpreter does: the traceback on stderr, exit status 1
-        traceback.print_exc()
-        code = 1
-    finally:
-        threading._shutdown()           # type: ignore[attr-defined]  # the interpreter's exit: threads first,
-        atexit._run_exitfuncs()         # then the exit handlers
-        sys.stdout.flush()
-        sys.stderr.flush()
-    if interrupted:                     # as the interpreter ends on an uncaught KeyboardInterrupt: by SIGINT
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    if code not in (0, None):
-        if not isinstance(code, int):
-            print(code, file=sys.stderr)
-            code = 1
+    code = zygote.run_as_main(script)
+    if code:
         raise SystemExit(code)          # multiprocessing's end of the child: the status torchrun reports
 
 

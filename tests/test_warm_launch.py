@@ -19,18 +19,22 @@ import pytest
 import zygote
 from harness import kill_tree, run, script_cmd, start, worker_pids
 
-PROBE = textwrap.dedent("""
+# what an exec'd process has, as each probe reports it
+SEEN = textwrap.dedent("""
     import atexit, ctypes, json, os, signal, sys
     out = sys.argv[1]
-    rank = int(os.environ["RANK"])
     libc, death = ctypes.CDLL(None), ctypes.c_int(-1)
     libc.prctl(2, ctypes.byref(death), 0, 0, 0)              # PR_GET_PDEATHSIG
     seen = {"term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
             "hup": signal.getsignal(signal.SIGHUP) == signal.SIG_DFL,
-            "quit": signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL,
             "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
             "death": death.value, "main": __name__, "path0": sys.path[0], "argv": sys.argv[1:],
-            "world": os.environ["WORLD_SIZE"], "comm": open(f"/proc/{os.getpid()}/comm").read().strip()}
+            "comm": open(f"/proc/{os.getpid()}/comm").read().strip()}
+""")
+
+PROBE = SEEN + textwrap.dedent("""
+    rank = int(os.environ["RANK"])
+    seen.update(quit=signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL, world=os.environ["WORLD_SIZE"])
     atexit.register(lambda: open(f"{out}.exit{rank}", "w").write("ran"))
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(seen, f)
@@ -75,19 +79,10 @@ def test_worker_pids_finds_each_warm_launched_rank_by_its_name(tmp_path):
         kill_tree(proc)
 
 
-SINGLE = textwrap.dedent("""
-    import atexit, ctypes, json, os, signal, sys
-    out = sys.argv[1]
-    libc, death = ctypes.CDLL(None), ctypes.c_int(-1)
-    libc.prctl(2, ctypes.byref(death), 0, 0, 0)              # PR_GET_PDEATHSIG
-    seen = {"term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-            "hup": signal.getsignal(signal.SIGHUP) == signal.SIG_DFL,
-            "chld": signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL,
-            "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-            "death": death.value, "main": __name__, "path0": sys.path[0], "argv": sys.argv[1:],
-            "cwd": os.getcwd(), "mine": os.environ.get("EASYCKPT_PROBE"), "sid": os.getsid(0) == os.getpid(),
-            "comm": open(f"/proc/{os.getpid()}/comm").read().strip(), "torch": "torch" in sys.modules,
-            "easyckpt": any(m.startswith("easyckpt") for m in sys.modules)}
+SINGLE = SEEN + textwrap.dedent("""
+    seen.update(chld=signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL, cwd=os.getcwd(),
+                mine=os.environ.get("EASYCKPT_PROBE"), sid=os.getsid(0) == os.getpid(), torch="torch" in sys.modules,
+                easyckpt=any(m.startswith("easyckpt") for m in sys.modules))
     atexit.register(lambda: open(out + ".exit", "w").write("ran"))
     json.dump(seen, open(out, "w"))
     print("to stdout"); print("to stderr", file=sys.stderr)

@@ -84,6 +84,14 @@ def _child(req: dict, fds: List[int], inherited: List[int]) -> None:
     name = b"launcher" if script.endswith("warm_torchrun.py") else b"trainer"
     libc.prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
     sys.argv = req["argv"][1:]
+    os._exit(run_as_main(script) & 0xFF)
+
+
+def run_as_main(script: str) -> int:
+    """Run ``script`` (``sys.argv`` already its own) as ``__main__`` with its directory first on ``sys.path``, to
+    its end as an interpreter's: its non-daemon threads, then its exit handlers, then the streams flushed. An
+    uncaught KeyboardInterrupt ends the process by SIGINT, as the interpreter's does. Returns the exit status
+    (an uncaught exception: its traceback on stderr, 1). tests/forked_worker.py runs torchrun's workers with it."""
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     code: object = 0
     interrupted = False
@@ -105,15 +113,15 @@ def _child(req: dict, fds: List[int], inherited: List[int]) -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-    if interrupted:                     # as the interpreter ends on an uncaught KeyboardInterrupt: by SIGINT
+    if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     if code is None:
-        code = 0
-    elif not isinstance(code, int):
+        return 0
+    if not isinstance(code, int):
         print(code, file=sys.stderr)
-        code = 1
-    os._exit(code & 0xFF)
+        return 1
+    return code
 
 
 def serve(path: str, modules: List[str]) -> None:
@@ -190,11 +198,12 @@ def _server(modules: Sequence[str], env: Dict[str, str]) -> str:
             raise AssertionError(f"the fork server importing {list(modules)} did not start within "
                                  f"{STARTUP_TIMEOUT}s:\n{open(os.path.join(where, 'stderr')).read()[-3000:]}")
         time.sleep(0.02)
+    if not _SERVERS:
+        atexit.register(_stop_servers)      # here, not at import: tests/forked_worker.py imports this module
     _SERVERS[key] = (proc, path)
     return path
 
 
-@atexit.register
 def _stop_servers() -> None:
     if os.getpid() != _OWNER:
         return
