@@ -63,15 +63,28 @@ def launcher(nproc: int, script: Path, warm: bool = True) -> List[str]:
     return [sys.executable, str(WARM), *([f"--preload={','.join(preload)}"] if preload else []), *opts]
 
 
+class Exec(list):
+    """A command run and start exec, never fork from a server (forkable): ``warm=False``'s, as users run it."""
+
+
 def train_cmd(save_dir: Path, nproc: int, *args: str, warm: bool = True) -> List[str]:
     base = launcher(nproc, TRAIN, warm) if nproc > 1 else [sys.executable]
-    return base + [str(TRAIN), "--save-dir", str(save_dir), *args]
+    cmd = base + [str(TRAIN), "--save-dir", str(save_dir), *args]
+    return cmd if warm else Exec(cmd)
+
+
+def users_train_cmd(save_dir: Path, nproc: int, *args: str) -> List[str]:
+    """train_cmd as users run it: torchrun's workers, or the one process, each an interpreter of its own. For
+    the tests whose subject is the process model (signals to the process tree, a killed launcher, DataLoader
+    workers) and the example as its README runs it."""
+    return train_cmd(save_dir, nproc, *args, warm=False)
 
 
 def script_cmd(script: Path, nproc: int, *args: str, torchrun: Optional[bool] = None,
                warm: bool = True) -> List[str]:
     base = launcher(nproc, script, warm) if nproc > 1 or torchrun else [sys.executable]
-    return base + [str(script), *args]
+    cmd = base + [str(script), *args]
+    return cmd if warm else Exec(cmd)
 
 
 def forkable(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None) -> Optional[List[str]]:
@@ -81,7 +94,8 @@ def forkable(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None) -> 
     the server). The server never imports easyckpt (its modules read EASYCKPT_* at import). EASYCKPT_TEST_EXEC=1
     turns it off: every process exec'd, as before."""
     args = list(map(str, cmd))
-    if os.environ.get("EASYCKPT_TEST_EXEC") == "1" or len(args) < 2 or args[0] != sys.executable:
+    if os.environ.get("EASYCKPT_TEST_EXEC") == "1" or isinstance(cmd, Exec) or len(args) < 2 \
+            or args[0] != sys.executable:
         return None
     if any(not k.startswith("EASYCKPT_") for k in (extra_env or {})):
         return None

@@ -12,12 +12,7 @@ from harness import (
     starts,
     wait_no_agent,
 )
-from harness import train_cmd as _warm_or_not
-
-
-def train_cmd(*args, **kw):
-    """torchrun as users run it, each worker an interpreter of its own: the example as its README runs it."""
-    return _warm_or_not(*args, warm=False, **kw)
+from harness import users_train_cmd as train_cmd
 
 
 def test_the_example_resumes_where_it_stopped_with_the_losses_of_the_test_worker(tmp_path):

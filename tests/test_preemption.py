@@ -39,13 +39,7 @@ from harness import (
     worker_pids,
     worker_reference,
 )
-from harness import train_cmd as _warm_or_not
-
-
-def train_cmd(*args, **kw):
-    """torchrun as users run it, each worker an interpreter of its own: signals to the process tree, a killed
-    launcher and DataLoader workers are this module's subject."""
-    return _warm_or_not(*args, warm=False, **kw)
+from harness import users_train_cmd as train_cmd
 
 
 N = 30

@@ -139,4 +139,5 @@ def test_the_tests_launches_go_to_a_fork_server_only_where_it_starts_them_as_exe
     assert harness.forkable(train, {"EASYCKPT_FAULTS": "x"}) == ["torch"]
     assert harness.forkable(train, {"HF_HUB_OFFLINE": "1"}) is None        # read by a module the server imports
     assert harness.forkable(harness.train_cmd(tmp_path, 2, warm=False)) is None     # torchrun as users run it
+    assert harness.forkable(harness.users_train_cmd(tmp_path, 1)) is None           # python SCRIPT, exec'd
     assert harness.forkable([sys.executable, "-c", "pass"]) is None
