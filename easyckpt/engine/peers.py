@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import stat
+import time
 from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 
@@ -132,33 +133,38 @@ def introduce(cfg: Config, client: AgentLink, rank: int, world_size: int, local_
         _off(rank, log, f"rank {rank} is on node {node}, not numbered node by node ({per_node} ranks per node)")
         return None
     prefix = f"easyckpt/{cfg.job_id}/"
+    deadline = time.monotonic() + cfg.agent_start_timeout     # one bound for the whole introduction, as said
     try:
         if local_rank == 0:
             addr = local_address()
-            listening = client.request(protocol.Listen(addr), ListenReply, cfg.agent_start_timeout)
+            listening = client.request(protocol.Listen(addr), ListenReply, _left(deadline))
             if not listening.ok or listening.port is None:
                 raise AgentError(str(listening.error))
             store.set(f"{prefix}agent{node}", f"{addr}@{listening.port}")
         keys = [f"{prefix}agent{i}" for i in range(nnodes)]
-        store.wait(keys, timedelta(seconds=cfg.agent_start_timeout))
+        store.wait(keys, timedelta(seconds=_left(deadline)))
         endpoints = ",".join(f"{i}={store.get(k).decode()}" for i, k in enumerate(keys))
         faults.inject("trainer.before_peers", rank)
         told = client.request(protocol.Peers(node, nnodes, per_node, secret, endpoints), PeersReply,
-                              cfg.agent_start_timeout)
+                              _left(deadline))
         if not told.ok:
             raise AgentError(str(told.error))
     except Exception as exc:  # noqa: BLE001 - replicas are an extra copy: without them training goes on
-        _all_told(store, prefix, world_size, cfg.agent_start_timeout)
+        _all_told(store, prefix, world_size, _left(deadline))
         _off(rank, log, f"the nodes' agents could not be introduced within agent_start_timeout="
                         f"{cfg.agent_start_timeout:g}s ({type(exc).__name__}: {exc})")
         return None
-    if not _all_told(store, prefix, world_size, cfg.agent_start_timeout):
+    if not _all_told(store, prefix, world_size, _left(deadline)):
         _off(rank, log, f"not every rank told its agent the replica table within agent_start_timeout="
                         f"{cfg.agent_start_timeout:g}s")
         return None
     log.emit("replicas", rank=rank, node=node, nnodes=nnodes, factor=cfg.replication_factor,
              jump=cfg.replication_jump, endpoints=endpoints)
     return Remote(client, rank)
+
+
+def _left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
 
 
 def _all_told(store: Any, prefix: str, world_size: int, timeout: float) -> bool:
