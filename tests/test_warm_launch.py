@@ -141,3 +141,23 @@ def test_the_tests_launches_go_to_a_fork_server_only_where_it_starts_them_as_exe
     assert harness.forkable(harness.train_cmd(tmp_path, 2, warm=False)) is None     # torchrun as users run it
     assert harness.forkable(harness.users_train_cmd(tmp_path, 1)) is None           # python SCRIPT, exec'd
     assert harness.forkable([sys.executable, "-c", "pass"]) is None
+
+
+def test_a_fork_server_ends_and_leaves_nothing_when_its_pytest_worker_dies(tmp_path):
+    starter = tmp_path / "starter.py"
+    starter.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(harness.ROOT / "tests")!r})
+        import zygote
+        path = zygote._server(["json"], dict(os.environ))
+        print(zygote._SERVERS[("json",)][0].pid, path, flush=True)
+        os._exit(0)         # as a killed worker: no exit handler stops the server
+    """))
+    out = subprocess.run([sys.executable, str(starter)], env=harness.env(), capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    pid, path = int(out[0]), out[1]
+    deadline = time.monotonic() + 30
+    while (harness.alive(pid) or os.path.exists(os.path.dirname(path))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not harness.alive(pid), "the fork server outlived the process that started it"
+    assert not os.path.exists(os.path.dirname(path)), "the fork server left its directory behind"

@@ -125,8 +125,9 @@ def run_as_main(script: str) -> int:
 
 
 def serve(path: str, modules: List[str]) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)     # ends with the pytest worker that started it
+    # the server ends with the pytest worker that started it, checked each second in the loop below (a
+    # parent-death signal would follow the thread that started it, not the process)
+    parent = os.getppid()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")     # import-time warnings the scripts filter before their own imports
         for name in modules:
@@ -139,8 +140,8 @@ def serve(path: str, modules: List[str]) -> None:
     os.rename(path + ".tmp", path)          # the client waits for the name: it appears listening
     listener.listen(64)
     clients: Dict[int, socket.socket] = {}      # child pid -> the connection that asked for it
-    while True:
-        ready, _, _ = select.select([listener, wake_r], [], [])
+    while os.getppid() == parent:
+        ready, _, _ = select.select([listener, wake_r], [], [], 1.0)
         if wake_r in ready:
             while True:
                 try:
@@ -174,6 +175,7 @@ def serve(path: str, modules: List[str]) -> None:
                 os.close(fd)
             clients[pid] = conn
             conn.sendall(f"{pid}\n".encode())
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)    # the pytest worker is gone: its exit handler too
 
 
 # ---- the client side, in the test's process ------------------------------------------------------------------
