@@ -20,8 +20,8 @@ from harness import (
     cli_json,
     events,
     interrupted_runs,
-    launcher,
     run,
+    script_cmd,
     wait_no_agent,
 )
 
@@ -45,9 +45,8 @@ SEED = int(os.environ.get("EASYCKPT_TEST_SEED", "20261122"))
 
 
 def cmd(save: Path, loss: Path, *extra: str, nproc: int = 2):
-    return [*launcher(nproc, SCRIPT), str(SCRIPT),
-            "--cpu", "--quiet", "--iters", str(ITERS), "--save", str(save), "--loss-file", str(loss),
-            "--save-storage-interval", "4", "--agent-idle-timeout", "20", *extra]
+    return script_cmd(SCRIPT, nproc, "--cpu", "--quiet", "--iters", str(ITERS), "--save", str(save), "--loss-file",
+                      str(loss), "--save-storage-interval", "4", "--agent-idle-timeout", "20", *extra, torchrun=True)
 
 
 def loss_files(prefix: Path):
@@ -249,8 +248,7 @@ def test_native_keys_and_converter_output_load_through_megatrons_own_paths(tmp_p
             ("mp_rank_00/distrib_optim.pt", "optimizer")} <= keys, keys
     groups = info["groups"]
     assert groups["model"]["bytes"] > 0 and groups["optimizer"]["bytes"] > 2 * groups["model"]["bytes"]
-    check = run([*launcher(2, NATIVE_CHECK),
-                 str(NATIVE_CHECK), str(ckpt)], timeout=300)
+    check = run(script_cmd(NATIVE_CHECK, 2, str(ckpt)), timeout=300)
     assert check.stdout.count("NATIVE OK at iteration 6") == 2, check.stdout[-3000:]
     wait_no_agent(ckpt)
 
@@ -270,8 +268,7 @@ def test_the_converter_writes_a_chained_optimizer_as_megatron_does_for_moe(tmp_p
     other = torch.load(ckpt / "iter_0000006" / "mp_rank_00_001" / "distrib_optim.pt", weights_only=False)
     assert isinstance(dense, list) and len(dense) == 2 and all(s is not None for s in dense)
     assert other[0] is None and other[1] is not None, "the dense state lives with its DP rank 0 only"
-    check = run([*launcher(2, NATIVE_CHECK),
-                 str(NATIVE_CHECK), str(ckpt), "--", *moe], timeout=300)
+    check = run(script_cmd(NATIVE_CHECK, 2, str(ckpt), "--", *moe), timeout=300)
     assert check.stdout.count("NATIVE OK at iteration 6") == 2, check.stdout[-3000:]
     wait_no_agent(ckpt)
 
@@ -330,8 +327,7 @@ def test_concat_state_equals_megatrons_own_resharding_of_the_converted_checkpoin
         timeout=300)
     wait_no_agent(ckpt)
     run([sys.executable, "-m", "easyckpt.cli", "convert", "megatron-distopt", str(ckpt)], timeout=120)
-    check = run([*launcher(1, NATIVE_CHECK),
-                 str(NATIVE_CHECK), str(ckpt), "--concat"], timeout=300)
+    check = run(script_cmd(NATIVE_CHECK, 1, str(ckpt), "--concat", torchrun=True), timeout=300)
     assert check.stdout.count("NATIVE OK at iteration 6") == 1, check.stdout[-3000:]
     wait_no_agent(ckpt)
 

@@ -10,12 +10,11 @@ and virtual pipeline chunks (the interleaved schedule)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, assert_losses_close, events, launcher, run, wait_no_agent
+from harness import ROOT, assert_losses_close, events, run, script_cmd, wait_no_agent
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 
@@ -46,9 +45,9 @@ DEFAULT_TIER = {("tp2-to-tp1", "plain", "torch_dist"), ("tp2dp1-to-tp1dp2", "dis
 
 
 def cmd(save: Path, loss: Path, layout, nproc: int, *extra: str, fmt: str = "torch_dist"):
-    return [*launcher(nproc, SCRIPT), str(SCRIPT),
-            "--cpu", "--quiet", "--save", str(save), "--loss-file", str(loss), "--save-storage-interval", "5",
-            "--agent-idle-timeout", "20", "--ckpt-format", fmt, *layout, *extra]
+    return script_cmd(SCRIPT, nproc, "--cpu", "--quiet", "--save", str(save), "--loss-file", str(loss),
+                      "--save-storage-interval", "5", "--agent-idle-timeout", "20", "--ckpt-format", fmt, *layout,
+                      *extra, torchrun=True)
 
 
 def losses(prefix: Path):

@@ -20,7 +20,6 @@ DeepSpeed (a real engine, ZeRO-3, examples/deepspeed/train.py) with their checkp
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,6 @@ from harness import (
     cli,
     events,
     kill_tree,
-    launcher,
     losses,
     run,
     script_cmd,
@@ -53,9 +51,9 @@ server, bucket = s3server.fixtures()     # the session's gateway, a bucket per t
 
 
 def cmd(save: str, loss: Path, local: Path, iters: int, *extra: str):
-    return [*launcher(2, SCRIPT), str(SCRIPT),
-            "--cpu", "--quiet", "--iters", str(iters), "--save", save, "--local-dir", str(local),
-            "--loss-file", str(loss), "--save-storage-interval", "4", "--agent-idle-timeout", "1", *extra]
+    return script_cmd(SCRIPT, 2, "--cpu", "--quiet", "--iters", str(iters), "--save", save, "--local-dir",
+                      str(local), "--loss-file", str(loss), "--save-storage-interval", "4", "--agent-idle-timeout", "1",
+                      *extra)
 
 
 def _rank0(loss: Path):
