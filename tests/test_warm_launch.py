@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -161,3 +162,30 @@ def test_a_fork_server_ends_and_leaves_nothing_when_its_pytest_worker_dies(tmp_p
         time.sleep(0.1)
     assert not harness.alive(pid), "the fork server outlived the process that started it"
     assert not os.path.exists(os.path.dirname(path)), "the fork server left its directory behind"
+
+
+def _raw(path, body):
+    """A request as zygote.popen sends it, with ``body`` as the JSON: the server's first line back, or ''."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn, open(os.devnull, "rb") as null:
+        conn.settimeout(60)
+        conn.connect(path)
+        socket.send_fds(conn, [zygote._HEADER.pack(len(body))], [null.fileno()] * 3)
+        conn.sendall(body)
+        got = b""
+        while not got.endswith(b"\n"):
+            chunk = conn.recv(64)
+            if not chunk:
+                break
+            got += chunk
+        return got.decode().strip(), conn.recv(64).decode().strip() if got else ""
+
+
+def test_a_fork_server_refuses_a_bad_request_and_a_child_that_cannot_start_exits_127(tmp_path):
+    path = zygote._server(["torch"], harness.env())
+    good = {"argv": _single(tmp_path), "env": harness.env(), "cwd": str(tmp_path), "session": False}
+    for bad in (b"not json", json.dumps({**good, "argv": [sys.executable, "-c", "pass"]}).encode(),
+                json.dumps({**good, "env": {"A": 1}}).encode(), json.dumps({**good, "cwd": "relative"}).encode()):
+        assert _raw(path, bad) == ("", ""), bad           # closed without a pid: nothing forked
+    pid, status = _raw(path, json.dumps({**good, "cwd": str(tmp_path / "gone")}).encode())
+    assert int(pid) > 0 and status == "127", (pid, status)      # the child said why and exited, never served
+    assert zygote.run(_single(tmp_path), ["torch"], harness.env(), timeout=60).returncode == 0

@@ -58,8 +58,35 @@ def _request(conn: socket.socket) -> tuple:
         for fd in fds:
             os.close(fd)
         raise ConnectionError(f"expected 3 descriptors, got {len(fds)}")
-    head += _recv_exact(conn, _HEADER.size - len(head))
-    return json.loads(_recv_exact(conn, _HEADER.unpack(head)[0])), fds
+    try:
+        head += _recv_exact(conn, _HEADER.size - len(head))
+        size = _HEADER.unpack(head)[0]
+        if size > MAX_REQUEST:
+            raise ValueError(f"a request of {size} bytes (at most {MAX_REQUEST})")
+        req = json.loads(_recv_exact(conn, size))
+        _check(req)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return req, fds
+
+
+MAX_REQUEST = 1 << 20
+
+
+def _check(req: object) -> None:
+    """Every field of a request, checked before the fork: a child must only ever run a script."""
+    if not (isinstance(req, dict) and set(req) == {"argv", "env", "cwd", "session"}):
+        raise ValueError(f"not a request: {str(req)[:200]}")
+    argv, env = req["argv"], req["env"]
+    if not (isinstance(argv, list) and len(argv) >= 2 and all(isinstance(a, str) for a in argv)
+            and argv[1].endswith(".py")):
+        raise ValueError(f"argv must be [python, SCRIPT.py, ARGS...]: {argv!r}"[:300])
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise ValueError("env must map names to strings")
+    if not (isinstance(req["cwd"], str) and os.path.isabs(req["cwd"]) and isinstance(req["session"], bool)):
+        raise ValueError(f"cwd must be an absolute path and session a bool: {req['cwd']!r}, {req['session']!r}")
 
 
 def _child(req: dict, fds: List[int], inherited: List[int]) -> None:
@@ -163,18 +190,26 @@ def serve(path: str, modules: List[str]) -> None:
             conn.settimeout(30)
             try:
                 req, fds = _request(conn)
-            except (OSError, ValueError) as exc:
-                print(f"zygote: a bad request: {exc}", file=sys.stderr)
+            except (OSError, ValueError, struct.error) as exc:
+                print(f"zygote: a bad request, refused: {exc}", file=sys.stderr)
                 conn.close()
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(req, fds, [listener.fileno(), wake_r, wake_w, conn.fileno(),
-                                  *(c.fileno() for c in clients.values())])
+                try:        # the child never returns into this loop: it would be a second server
+                    _child(req, fds, [listener.fileno(), wake_r, wake_w, conn.fileno(),
+                                      *(c.fileno() for c in clients.values())])
+                except BaseException:  # noqa: BLE001 - e.g. its working directory gone: said, then exit 127
+                    traceback.print_exc()
+                finally:
+                    os._exit(127)
             for fd in fds:
                 os.close(fd)
             clients[pid] = conn
-            conn.sendall(f"{pid}\n".encode())
+            try:
+                conn.sendall(f"{pid}\n".encode())
+            except OSError:
+                pass            # the client left: its child runs on, and is reaped when it ends
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)    # the pytest worker is gone: its exit handler too
 
 
@@ -190,9 +225,9 @@ def _server(modules: Sequence[str], env: Dict[str, str]) -> str:
         return _SERVERS[key][1]
     where = tempfile.mkdtemp(prefix="zygote-")
     path = os.path.join(where, "socket")
-    proc = subprocess.Popen([sys.executable, __file__, path, *modules], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(where, "stderr"), "w"),
-                            start_new_session=True)
+    with open(os.path.join(where, "stderr"), "w") as err:
+        proc = subprocess.Popen([sys.executable, __file__, path, *modules], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while not os.path.exists(path):
         if proc.poll() is not None or time.monotonic() > deadline:
