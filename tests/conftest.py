@@ -49,9 +49,10 @@ atexit.register(_remove_session_dirs)
 # ---- how pytest-xdist shares the modules out (the README's command runs them on several workers) --------------
 
 # The modules that take longest, longest first (their time in the default tier at bc64d35, --durations=0, this
-# project's 2-core machine: the S3 modules 334 s together, the Trainer's 147 s, ... the Trainer's settings 19 s): handed out first, so that no worker starts a long module while the others
-# run out of work. xdist's own order (by number of tests) handed out the Trainer's and DeepSpeed's few long
-# tests last. The rest follow in collection order.
+# project's 2-core machine: the S3 modules 334 s together, the Trainer's 147 s, ... the Trainer's settings
+# 19 s): handed out first, so that no worker starts a long module while the others run out of work. xdist's own
+# order (by number of tests) handed out the Trainer's and DeepSpeed's few long tests last. The rest follow in
+# collection order.
 LONGEST_FIRST = ["test_s3", "test_transformers", "test_megatron", "test_preemption", "test_deepspeed",
                  "test_many_nodes", "test_faults", "test_fsdp", "test_megatron_reshard", "test_trust",
                  "test_benchmark", "test_adopt", "test_manifest_trust", "test_planted", "test_fault_matrix",
@@ -80,7 +81,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     class LongestFirst(LoadFileScheduling):
         def _split_scope(self, nodeid):
-            return _scope(nodeid) if _scope(nodeid) == "test_s3" else super()._split_scope(nodeid)
+            scope = _scope(nodeid)
+            return scope if scope == "test_s3" else super()._split_scope(nodeid)
 
     config.option.loadscopereorder = False
     return LongestFirst(config, log)
