@@ -10,6 +10,7 @@ import functools
 import hashlib
 import os
 import re
+import socket
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import (
@@ -27,7 +28,7 @@ from typing import (
 from easyckpt.errors import ConfigError, UnknownSettingError
 
 # the save-dir names (formats/layout.py); re-exported: adapters and settings name them from here
-from easyckpt.formats import paths
+from easyckpt.formats import layout, paths
 from easyckpt.formats.layout import NAMINGS, Naming  # noqa: F401
 from easyckpt.storage.posix import probe_writable
 
@@ -282,15 +283,36 @@ def validate(cfg: Config) -> Config:
         _check_dir("save_dir", cfg.save_dir)
     if cfg.node_dir != cfg.save_dir:
         _check_dir("local_dir", cfg.node_dir)
+    _check_own_files(cfg)
     if cfg.audit_log is not None:
         log = Path(cfg.audit_log)
         try:
             log.parent.mkdir(parents=True, exist_ok=True)
-            os.close(paths.open_regular(str(log), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+            os.close(paths.open_own(str(log), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
         except OSError as exc:
             raise ConfigError(f"log_file_path={str(log)!r} cannot be appended to ({exc.strerror or exc}; a symlink is "
-                              f"never followed); choose a writable path, or False for no audit log") from exc
+                              f"never followed, nor a file of another user); choose a writable path, or False for "
+                              f"no audit log") from exc
     return cfg
+
+
+def _check_own_files(cfg: Config) -> None:
+    """The files easyckpt keeps beside the steps, as far as they exist: each a regular file, and the ones it
+    appends to or locks its own user's, that no one else can write (docs/reliability.md promise 15). Refused
+    here, naming the file, what it is and its owner, rather than found out mid-run: a directory planted as the
+    lock let a second job run beside the first, one as the agent's log kept the agent from starting. The
+    damaged record and the tracker of another user are only hints: read, they are refused and said (SaveDir)."""
+    from easyckpt.storage.joblock import LOCK_NAME
+
+    node_files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname()))]
+    hints = []
+    if not cfg.remote:
+        node_files.append(os.path.join(cfg.save_dir, LOCK_NAME))
+        hints = [os.path.join(cfg.save_dir, name) for name in (layout.DAMAGED_NAME, cfg.naming.tracker) if name]
+    for path in node_files + hints:
+        problem = paths.describe(path, own=path in node_files)
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 def _check_store(cfg: Config) -> None:

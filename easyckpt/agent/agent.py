@@ -46,6 +46,7 @@ from easyckpt.agent.coordinator import (
     RemoveStaging,
     Submit,
 )
+from easyckpt.agent.dirwatch import DirWatch
 from easyckpt.agent.grace import Grace
 from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.jobs import CommitJob, Job, PersistJob, Result
@@ -68,6 +69,7 @@ from easyckpt.formats.replies import (
 )
 from easyckpt.ipc import jobkey, shm
 from easyckpt.storage.auditlog import AuditLog
+from easyckpt.storage.savedir import SaveDir
 
 HELLO_WAIT = 10.0   # seconds a new agent waits for its first trainer before it leaves
 POLL = 0.05         # the loop's longest sleep: commit deadlines and the grace clock are this precise
@@ -101,6 +103,9 @@ class Agent:
         self.refused: List[str] = []            # hellos refused (another world size, a second job): said to
                                                 # the running trainers through status, so not only in a log
         self.got_sigterm = False
+        self.notices: List[str] = []            # what rank 0's console must hear, through status (dirwatch.py)
+        self.dirwatch = DirWatch([cfg.node_dir] if cfg.remote else [cfg.save_dir, cfg.node_dir])
+        self.stopped: Optional[str] = None      # why this agent persists no more (its save dir is another job's)
         # for the trainers' console ("checkpoint-15 committed (1.2 GiB, 0.4 s ...)"), through status
         self.asked: Dict[int, float] = {}       # step -> when a trainer first asked to persist it
         self.commits: Deque[Tuple[int, int, float]] = collections.deque(maxlen=8)   # step, bytes, seconds
@@ -145,11 +150,42 @@ class Agent:
             self.coordinator.on_result(result)
         self.coordinator.tick()
         self._execute()
+        for path in self.dirwatch.replaced():
+            self._dir_replaced(path)
         if self._serve_grace() or self._should_exit():
             return True
         if self.lock.held:
             self._lock_call(self.lock.refresh if self._busy() else self.lock.release)
         return False
+
+    def _dir_replaced(self, path: str) -> None:
+        """A directory of the job was replaced under it (dirwatch.py): the logs are opened there again, and the
+        lock taken there again if this agent held it; if another job holds it now, this agent stops persisting
+        (two jobs must never write one save dir) and training goes on with memory snapshots. Said on rank 0's
+        console."""
+        text = (f"the directory {path} was replaced under the running job (removed and made again, or another one "
+                f"moved or mounted there)")
+        try:
+            self.log.reopen()
+            _, fd = SaveDir(self.cfg.node_dir, self.cfg.naming).open_agent_log(socket.gethostname())
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            text += ": the audit log and the agent's log are opened there again"
+        except OSError as exc:
+            self.stopped = f"its logs cannot be opened there again ({exc})"
+        if self.lock.held and self.stopped is None:
+            self.lock.release()
+            holder = self.lock.acquire()
+            if holder is None:
+                text += "; the job's lock is taken there again"
+            else:
+                self.stopped = f"{holder} holds its lock now"
+        if self.stopped is not None:
+            text += (f"; {self.stopped}, so this job persists no more steps there (training goes on with memory "
+                     f"snapshots; relaunch the job with a save_dir of its own)")
+        self.log.emit("error", path=path, message=text)
+        self.notices.append(text)
 
     def _lock_call(self, call: Callable[[], None]) -> None:
         """Renew or release the job lock. On an object store that does not answer, the lease stays as it is
@@ -323,10 +359,15 @@ class Agent:
         return None
 
     def _persist(self, conn: socket.socket, client: Client, msg: protocol.Persist) -> None:
+        if self.stopped is not None:
+            self.coordinator.refuse(msg.rank, msg.step, f"not persisted: {self.stopped}")
+            return
         self.asked.setdefault(msg.step, time.monotonic())
         self.coordinator.persist(msg.rank, msg.slot, msg.generation, msg.step)
 
     def _flush(self, conn: socket.socket, client: Client, msg: protocol.Flush) -> None:
+        if self.stopped is not None:      # answered at once with why (the flush finds the step done, failed)
+            self.coordinator.refuse(msg.rank, msg.step, f"not persisted: {self.stopped}")
         self.asked.setdefault(msg.step, time.monotonic())
         self.coordinator.flush(conn, msg.rank, msg.step, msg.slot, msg.generation)
 
@@ -354,6 +395,7 @@ class Agent:
             dead_ranks=sorted(self.dead_ranks), pending_commits=sorted(co.pending), outstanding=co.outstanding,
             last_error=co.last_error, leaving=self.grace.leaving, failed_steps=dict(sorted(co.failed.items())[-16:]),
             refused=len(self.refused), last_refused=self.refused[-4:], sigterm=self.grace.status(),
+            notices=len(self.notices), last_notices=self.notices[-4:],
             commits=list(self.commits), replicas=self.replicas.status()))
 
     def _listen(self, conn: socket.socket, client: Client, msg: protocol.Listen) -> None:

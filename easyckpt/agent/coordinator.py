@@ -361,6 +361,13 @@ class Coordinator:
         """An error no step carries (a refused hello): the logs, and the next status."""
         self._error(what, err, rank=rank)
 
+    def refuse(self, rank: int, step: int, err: str) -> None:
+        """A rank's shard of ``step`` this agent will not write (agent.py: it persists no more): the step fails at
+        once, and a flush of it is answered with why."""
+        self.done[(rank, step)] = err
+        if step not in self.failed:
+            self._fail(step, err, rank)
+
     def _fail(self, step: int, err: str, rank: Optional[int]) -> None:
         self._error(f"step {step}", err, step, rank)
         self.pending.pop(step, None)

@@ -24,7 +24,7 @@ from easyckpt.ipc.reap import reap_dead_jobs
 from easyckpt.storage import retention
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
-from easyckpt.storage.commit import commit
+from easyckpt.storage.commit import TrackerNotUpdated, commit
 from easyckpt.storage.joblock import JobLock
 from easyckpt.storage.resolve import remote, storage_for
 from easyckpt.storage.savedir import SaveDir
@@ -106,7 +106,11 @@ class JobDir:
         """Commit ``step`` (storage/commit.py's durable sequence), then prune older steps of this job.
         Returns the bytes the step holds."""
         t0 = time.perf_counter()
-        done = commit(self.sd, step, world_size, self.log)
+        try:
+            done = commit(self.sd, step, world_size, self.log)
+        except TrackerNotUpdated as exc:      # committed all the same: said, and retention runs
+            self.log.emit("warning", step=step, message=str(exc))
+            done = exc.done
         self.log.emit("commit", step=step, path=done.path, bytes=done.nbytes,
                       seconds=round(time.perf_counter() - t0, 6))
         retention.prune(self.sd, retention.KeepLast(self.cfg.max_ckpt_num, retention.protected(done.manifest)),

@@ -94,21 +94,26 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     tiered = {c.step: c for c in tierfiles.listing(tierfiles.directory(cfg.node_dir, cfg.job_id), cfg.job_id, rank,
                                                    log)
               if c.record.world_size == world_size and (layout is None or c.record.layout == layout)}
-    views = gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native], on_peer, sorted(tiered)),
-                   world_size)
+    # a step another user owns or may write is tried last-resort only (stepread refuses it, naming the owner): it
+    # never outranks the job's own memory or tier, or a planted step_99999990 would send every resume to storage
+    planted = sorted(s for s, p in stored if stepfiles.owner_problem(p) is not None)
+    views = gather(([s.step for s in mem], [s for s, _ in stored], [c.step for c in native], on_peer, sorted(tiered),
+                    planted), world_size)
     common_mem = set.intersection(*(set(v[0]) | set(v[3]) for v in views))
     common_nat = set.intersection(*(set(v[2]) for v in views))
     common_sto = mf.newest_first(set.intersection(*(set(v[1]) for v in views)) | common_nat, runs)
     common_tier = set.intersection(*(set(v[4]) for v in views))
     best_mem = max(common_mem) if common_mem else None
     best_tier = max(common_tier) if common_tier else None
+    untrusted = set().union(*(set(v[5]) for v in views))
+    trusted_sto = [s for s in common_sto if s not in untrusted]
     _say_lost_memory(views, rank, log)
-    if best_mem is not None and (not common_sto or best_mem >= common_sto[0]) and \
+    if best_mem is not None and (not trusted_sto or best_mem >= trusted_sto[0]) and \
             (best_tier is None or best_mem >= best_tier):
         loaded = _from_memory(cfg, rank, world_size, best_mem, mem, remote, layout, log, gather)
         if loaded is not None:
             return loaded
-    if best_tier is not None and (not common_sto or best_tier >= common_sto[0]):
+    if best_tier is not None and (not trusted_sto or best_tier >= trusted_sto[0]):
         loaded = _from_tier(tiered[best_tier], rank, world_size, log, gather)
         if loaded is not None:
             return loaded

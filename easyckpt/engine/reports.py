@@ -20,6 +20,7 @@ class StatusReports:
         self.rank, self.naming, self.log = rank, naming, log
         self.failures: Set[int] = set()
         self.refusals = 0
+        self.notices = 0
         self.said_commit = -1          # the newest step whose commit was said
         self.started_at = -1           # commits of steps before this run's first request are not ours
         self.newest = -1               # the newest step handed to the agent
@@ -38,6 +39,7 @@ class StatusReports:
         self._commits(status)
         self._failures(dict(status.failed_steps))
         self._refusals(status)
+        self._notices(status)
 
     def _commits(self, status: StatusReply) -> None:
         if self.rank != 0 or self.started_at < 0:
@@ -71,3 +73,13 @@ class StatusReports:
             if self.rank == 0:
                 self.log.emit("error", rank=self.rank, message=f"easyckpt agent: {text}")
         self.refusals = count
+
+    def _notices(self, status: StatusReply) -> None:
+        """What the agent found that the job must hear (its save dir replaced under it): rank 0's console, once."""
+        count, last = status.notices, status.last_notices
+        if count <= self.notices:
+            return
+        for text in last[-(count - self.notices):]:
+            if self.rank == 0:
+                self.log.emit("error", rank=self.rank, message=f"easyckpt agent: {text}")
+        self.notices = count

@@ -30,9 +30,12 @@ MARKER_SUFFIX = ".json"
 DAMAGED_NAME = ".easyckpt-damaged.json"
 # visible (an operator must see it) and not a prefix any framework's own rotation globs (``checkpoint-*``)
 QUARANTINE_PREFIX = "quarantined-"
-_QUARANTINE = re.compile(r"^quarantined-(?P<final>[A-Za-z0-9_.\-]+)-(?P<stamp>\d+)$")
-_JOB_ID = re.compile(r"^[0-9a-f]{12}$")       # Config.job_id: 12 hex digits
-_MARKER = re.compile(r"^\.easyckpt-done-rank-(\d{5,})\.json$")
+# Every name is matched whole and in ASCII (re.ASCII, fullmatch): `$` alone lets a trailing newline through, and
+# `\d` alone any Unicode digit, so that another user's "step_00000020\n" or "step_０００..." passed for a step of
+# the job's (docs/reliability.md promise 15)
+_QUARANTINE = re.compile(r"quarantined-(?P<final>[A-Za-z0-9_.\-]+)-(?P<stamp>\d+)", re.ASCII)
+_JOB_ID = re.compile(r"[0-9a-f]{12}", re.ASCII)       # Config.job_id: 12 hex digits
+_MARKER = re.compile(r"\.easyckpt-done-rank-(\d{5,})\.json", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Naming:
 
     def parse(self, name: str) -> Optional[int]:
         """The step of a step directory's name, None for any other name."""
-        m = re.match(self.dir_regex, name)
+        m = re.fullmatch(self.dir_regex, name, re.ASCII)
         return int(m.group(1)) if m else None
 
     def tracker_text(self, step: int) -> str:
@@ -63,7 +66,7 @@ class Naming:
         step = self.parse(text)
         if step is not None:
             return step
-        return int(text) if text.isdigit() else None
+        return int(text) if text.isascii() and text.isdecimal() and len(text) < 19 else None
 
 
 # Each framework's native step-directory names, here (torch-free) so that the operator tools list and
@@ -100,7 +103,7 @@ def parse_staging(name: str) -> Optional[Tuple[str, str]]:
     if not name.startswith(STAGING_PREFIX):
         return None
     job, sep, final = name[len(STAGING_PREFIX):].partition("-")
-    return (job, final) if sep and final and _JOB_ID.match(job) else None
+    return (job, final) if sep and final and _JOB_ID.fullmatch(job) else None
 
 
 def trash_name(job_id: str, victim: str, pid: int) -> str:
@@ -113,7 +116,7 @@ def quarantine_name(final_name: str, stamp: int) -> str:
 
 def parse_quarantine(name: str) -> Optional[Tuple[str, int]]:
     """(the step directory's former name, stamp) of a quarantined step's name; None for any other name."""
-    m = _QUARANTINE.match(name)
+    m = _QUARANTINE.fullmatch(name)
     return (m.group("final"), int(m.group("stamp"))) if m else None
 
 
@@ -127,7 +130,7 @@ def claim_name(job_id: str) -> str:
 def parse_claim(name: str) -> Optional[str]:
     """The job id of a claim object's name; None for any other name."""
     job = name[len(STAGING_PREFIX):] if name.startswith(STAGING_PREFIX) else ""
-    return job if _JOB_ID.match(job) else None
+    return job if _JOB_ID.fullmatch(job) else None
 
 
 def own_prefixes(job_id: str) -> Tuple[str, str]:
@@ -162,5 +165,5 @@ def marker_name(rank: int) -> str:
 
 def parse_marker(name: str) -> Optional[int]:
     """The rank of a per-rank marker's name; None for any other name."""
-    m = _MARKER.match(name)
+    m = _MARKER.fullmatch(name)
     return int(m.group(1)) if m else None

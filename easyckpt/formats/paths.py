@@ -75,8 +75,9 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, max_byt
     socket, a directory, a symlink, or more than ``max_bytes``."""
     try:
         fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    except OSError as exc:      # ELOOP: a symlink; ENXIO: a FIFO opened for writing with no reader, or a socket
-        if exc.errno not in (errno.ELOOP, errno.ENXIO):
+    except OSError as exc:      # ELOOP: a symlink; ENXIO: a FIFO opened for writing with no reader, or a socket;
+        # EISDIR: a directory opened for writing (a planted `mkdir` under a log's or the lock's name)
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
             raise
         try:
             st = os.lstat(path)
@@ -97,3 +98,41 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, max_byt
         os.close(fd)
         raise
     return fd
+
+
+def own_problem(path: str, st: os.stat_result) -> Optional[str]:
+    """Why the file ``st`` describes is not this user's own, or None: owned by another user, or writable by
+    group or others (in a shared save dir either lets another user plant or rewrite what easyckpt reads or
+    appends to; docs/reliability.md promise 15)."""
+    uid = os.geteuid()
+    if st.st_uid == uid and not st.st_mode & 0o022:
+        return None
+    return (f"refusing {path}: it is owned by {owner_name(st.st_uid)} with mode {stat.filemode(st.st_mode)}, not "
+            f"a file of this job's user (uid {uid}) that no one else can write; another user may have planted it. "
+            f"Remove it (as its owner or root) and start again")
+
+
+def open_own(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, max_bytes: Optional[int] = None) -> int:
+    """open_regular, and the file must be this user's own (own_problem): what easyckpt appends to (its logs),
+    locks or trusts (the damaged record) is never a file someone else created. UntrustedFileError otherwise."""
+    fd = open_regular(path, flags, mode, max_bytes)
+    try:
+        problem = own_problem(path, os.fstat(fd))
+        if problem is not None:
+            raise UntrustedFileError(problem)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def describe(path: str, own: bool = True) -> Optional[str]:
+    """Why ``path``, where easyckpt expects a regular file (of its own if ``own``: a log, the lock), cannot be
+    one, or None (missing is fine: easyckpt creates it). Never opens it."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return str(_not_regular(path, st))
+    return own_problem(path, st) if own else None

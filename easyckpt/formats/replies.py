@@ -269,6 +269,8 @@ class StatusReply(_Reply):
     failed_steps: Dict[int, str] = dataclasses.field(default_factory=dict)   # step -> why not committed
     refused: int = 0                           # hellos refused so far; the last few, said:
     last_refused: List[str] = dataclasses.field(default_factory=list)
+    notices: int = 0                           # things rank 0's console must hear (a save dir replaced); the last few:
+    last_notices: List[str] = dataclasses.field(default_factory=list)
     sigterm: Optional[SigtermStatus] = None
     commits: List[Tuple[int, int, float]] = dataclasses.field(default_factory=list)  # step, bytes, seconds
     replicas: ReplicaStatus = dataclasses.field(default_factory=ReplicaStatus)

@@ -25,9 +25,17 @@ class AuditLog:
         self.source = source
         self._fd: Optional[int] = None
         if path:
-            # never through a symlink planted in the save dir, never blocked by a FIFO (docs/reliability.md
-            # promises 9 and 13)
-            self._fd = paths.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # never through a symlink planted in the save dir, never blocked by a FIFO, never a file another user
+            # made (they could read, rewrite or cut its deletes; docs/reliability.md promises 9, 13 and 15)
+            self._fd = paths.open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def reopen(self) -> None:
+        """Open the log's path again: the directory it was in was replaced (agent/dirwatch.py), so the descriptor
+        points at a file no one can read any more. The new file passes the same checks as the first."""
+        if self.path:
+            fd = paths.open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.close()
+            self._fd = fd
 
     def emit(self, event: str, **fields: Any) -> None:
         self.record(event, **fields)

@@ -157,3 +157,9 @@ class Storage(Protocol):
     def read(self, path: str, offset: int = 0, length: int = -1) -> bytes:
         """``length`` bytes from ``offset`` (-1: to the end), never through a symlink as the last component."""
         ...
+
+    def read_own(self, path: str, max_bytes: int) -> bytes:
+        """The whole of a small record easyckpt keeps for itself (the damaged record), only if this user wrote it:
+        UntrustedFileError when another user owns it or may write it, FileNotFoundError when there is none. On
+        an object store who may write is the bucket's policy: a plain read."""
+        ...

@@ -83,13 +83,30 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     return _after(sd, step, final, manifest)
 
 
+class TrackerNotUpdated(OSError):
+    """The step IS committed; only its tracker (a hint for the frameworks' own loaders) could not be written.
+    Raised with the commit's result, so that the caller says so and goes on: a planted directory under the
+    tracker's name once had every commit reported failed, retention never run and finalize fail."""
+
+    def __init__(self, done: Committed, tracker: str, cause: OSError):
+        super().__init__(cause.errno, f"step {done.manifest.step} is committed, but its tracker {tracker} was not "
+                                      f"updated ({cause}): the framework's own loader may not see it; easyckpt's "
+                                      f"loader reads manifests")
+        self.done = done
+
+
 def _after(sd: "SaveDir", step: int, final: str, manifest: mf.Manifest) -> Committed:
     sd.clear_damaged(os.path.basename(final))
+    done = Committed(final, manifest.nbytes, manifest)
     faults.inject("agent.before_tracker")
     if sd.naming.tracker:
-        sd.storage.write_atomic(sd.path(sd.naming.tracker), sd.naming.tracker_text(step).encode())
+        tracker = sd.path(sd.naming.tracker)
+        try:
+            sd.storage.write_atomic(tracker, sd.naming.tracker_text(step).encode())
+        except OSError as exc:
+            raise TrackerNotUpdated(done, tracker, exc) from exc
     faults.inject("agent.after_tracker")
-    return Committed(final, manifest.nbytes, manifest)
+    return done
 
 
 def _commit_in_place(sd: "SaveDir", step: int, final: str, manifest: mf.Manifest, markers: Dict[int, Any],

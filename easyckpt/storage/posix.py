@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, List, Tuple, Union
 
 from easyckpt.errors import UntrustedFileError
-from easyckpt.formats.paths import owner_name
+from easyckpt.formats.paths import open_own, owner_name
 from easyckpt.storage.base import Buffer
 from easyckpt.storage.direct import SequentialWriter
 
@@ -270,5 +270,12 @@ class PosixStorage:
                     break
                 out += chunk
             return bytes(out)
+        finally:
+            os.close(fd)
+
+    def read_own(self, path: str, max_bytes: int) -> bytes:
+        fd = open_own(path, os.O_RDONLY, max_bytes=max_bytes)
+        try:
+            return os.pread(fd, max_bytes, 0)
         finally:
             os.close(fd)

@@ -23,7 +23,8 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from easyckpt.errors import CheckpointError
+from easyckpt import console
+from easyckpt.errors import CheckpointError, UntrustedFileError
 from easyckpt.formats import layout, paths
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import Naming
@@ -34,6 +35,14 @@ from easyckpt.storage.base import Storage
 from easyckpt.storage.resolve import set_endpoint, storage_for
 
 _MAX_RECORD_BYTES = 1 << 20     # markers and the damaged record are small JSON; a larger one is not ours
+_SAID: Set[str] = set()
+
+
+def _say_once(text: str) -> None:
+    """A warning on the console once per process: retention reads the damaged record after every commit."""
+    if text not in _SAID:
+        _SAID.add(text)
+        console.warning(text)
 
 
 class SaveDir:
@@ -196,9 +205,9 @@ class SaveDir:
     def open_agent_log(self, host: str) -> Tuple[str, int]:
         """(path, an append-only fd) of the node agent's console log, never opened through a symlink planted
         in the save dir (docs/reliability.md promise 9); the caller hands the fd to the agent's process and
-        closes it."""
+        closes it. Never one another user made either (docs/reliability.md promise 15)."""
         path = self.path(layout.agent_log_name(host))
-        return path, paths.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        return path, paths.open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     # ---- per-rank markers -----------------------------------------------------------------------------
 
@@ -317,9 +326,14 @@ class SaveDir:
         self._write_damaged(record)
 
     def read_damaged(self) -> Dict[str, str]:
-        """{step directory name: why the loader rejected it}; empty when there is no valid record."""
+        """{step directory name: why the loader rejected it}; empty when there is no valid record. A record another
+        user owns or may write is refused, said once, and never rewritten: it orders deletions, so one planted
+        in a shared save dir would have this job delete its intact steps (docs/reliability.md promise 15)."""
         try:
-            data = json.loads(self.storage.read(self.path(layout.DAMAGED_NAME), 0, _MAX_RECORD_BYTES) or b"{}")
+            data = json.loads(self.storage.read_own(self.path(layout.DAMAGED_NAME), _MAX_RECORD_BYTES) or b"{}")
+        except UntrustedFileError as exc:
+            _say_once(f"{exc}; the job goes on without it (retention takes every step of this job as intact)")
+            return {}
         except (OSError, ValueError):
             return {}
         if not isinstance(data, dict):
@@ -333,6 +347,12 @@ class SaveDir:
             self._write_damaged(record)
 
     def _write_damaged(self, record: Dict[str, str]) -> None:
+        try:
+            self.storage.read_own(self.path(layout.DAMAGED_NAME), _MAX_RECORD_BYTES)
+        except UntrustedFileError:
+            return      # another user's file under the record's name stays as it is (read_damaged said so)
+        except (OSError, ValueError):
+            pass
         self.storage.write_atomic(self.path(layout.DAMAGED_NAME),
                                   json.dumps(record, indent=1, sort_keys=True).encode())
 
