@@ -279,3 +279,28 @@ def test_a_save_dir_replaced_under_a_running_job_is_noticed_and_still_guarded(sh
     assert any(e["event"] == "commit" for e in new_events), new_events[-5:]
     assert any(e["event"] == "delete" for e in new_events), new_events[-5:]
     assert len(_steps(save)) == 2, _steps(save)
+
+
+def test_a_guessable_replica_secret_file_is_refused_and_whitespace_is_said(tmp_path):
+    """Item 9 of the probe: a secret file of one repeated byte was accepted; one of spaces said "holds 0 bytes"."""
+    from easyckpt.engine.peers import secret_from_file
+    from easyckpt.errors import ConfigError
+    path = tmp_path / "secret"
+    for text, said in (("a" * 16, "only 1 distinct"), (" " * 40, "besides leading and trailing whitespace")):
+        path.write_text(text)
+        os.chmod(path, 0o600)
+        with pytest.raises(ConfigError, match=said):
+            secret_from_file(str(path), "0123456789ab")
+    path.write_text("9f86d081884c7d659a2feaa0c55ad015")
+    assert len(secret_from_file(str(path), "0123456789ab")) == 64
+
+
+def test_inspect_calls_a_bin_file_pickled_only_from_its_header(tmp_path):
+    """Item 9 of the probe: `inspect` labelled every .bin file "a pickled ... TrainingArguments" from its name."""
+    from easyckpt.cli.contents import _binary
+    (tmp_path / "raw.bin").write_bytes(b"\x00\x01raw bytes")
+    (tmp_path / "p.bin").write_bytes(b"\x80\x04\x95")
+    (tmp_path / "training_args.bin").write_bytes(b"PK\x03\x04rest")
+    assert _binary(str(tmp_path), "raw.bin").startswith("neither a pickle nor a torch.save archive")
+    assert _binary(str(tmp_path), "p.bin").startswith("a pickled Python object")
+    assert "TrainingArguments" in _binary(str(tmp_path), "training_args.bin")

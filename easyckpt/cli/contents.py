@@ -73,8 +73,7 @@ def describe(entry: Entry, progress: Optional[ProgressFactory] = None) -> Dict[s
                     if rel.endswith(".json"):
                         _json_metadata(entry.path, rel, args, metadata)
                     elif rel.endswith(".bin"):
-                        item["not_loaded"] = ("a pickled Python object (the Trainer's TrainingArguments): easyckpt "
-                                              "never unpickles it, loading a checkpoint must not run its code")
+                        item["not_loaded"] = _binary(entry.path, rel)
             except (OSError, ValueError, RuntimeError) as exc:
                 item["not_loaded"] = str(exc)
                 found = []
@@ -118,6 +117,20 @@ def _files(step_dir: str, man: Optional[Manifest]) -> List[Tuple[str, int, Shard
     # regular files only: a symlink is listed by its own size and never followed (Storage.files)
     return sorted((rel, size, ShardFormat.of_filename(rel)) for rel, size in storage_for(step_dir).files(step_dir)
                   if rel != mf.MANIFEST_NAME)
+
+
+def _binary(step_dir: str, rel: str) -> str:
+    """What a ``.bin`` file is, from its first bytes (never from its name alone: it may be any file)."""
+    with stepfiles.open_entry(step_dir, rel) as f:
+        head = f.read(4)
+    if head.startswith(b"PK\x03\x04"):
+        what = "a torch.save archive (a pickled Python object inside"
+        what += ", the Trainer's TrainingArguments)" if os.path.basename(rel) == "training_args.bin" else ")"
+    elif head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        what = "a pickled Python object"
+    else:
+        return f"neither a pickle nor a torch.save archive (it begins with {head!r}): not read further"
+    return f"{what}: easyckpt never unpickles it, loading a checkpoint must not run its code"
 
 
 def _safetensors_tensors(step_dir: str, rel: str) -> Iterator[Tuple[str, str, List[int], int]]:

@@ -21,7 +21,9 @@ or when ranks are not numbered node by node as torchrun numbers them.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
+import math
 import os
 import secrets
 import socket
@@ -197,6 +199,16 @@ def job_secret(job_id: str, rank: int, world_size: int) -> str:
     return secret_from_file(path, job_id)
 
 
+MIN_SECRET_BITS = 32      # 16 random hex digits carry about 50: refused are only the plainly guessable ("a" * 16)
+
+
+def _entropy_bits(raw: bytes) -> float:
+    """The file's length times the Shannon entropy of its bytes: a crude bound that a repeated byte or a short
+    repeated pattern cannot pass and random data always does."""
+    counts = collections.Counter(raw)
+    return -sum(n * math.log2(n / len(raw)) for n in counts.values())
+
+
 def secret_from_file(path: str, job_id: str) -> str:
     """The secret derived from an operator's file (16 to MAX_SECRET_FILE bytes of random data) and the job:
     the file must be a regular file of this user, readable by nobody else (0600 or 0400), never a symlink."""
@@ -213,9 +225,13 @@ def secret_from_file(path: str, job_id: str) -> str:
         raw = os.read(fd, MAX_SECRET_FILE + 1).strip()
     finally:
         os.close(fd)
+    fix = f"give it 16 to {MAX_SECRET_FILE} bytes of random data (e.g. `openssl rand -hex 32 > {path}; chmod 600 {path}`)"
     if len(raw) < 16:
-        raise ConfigError(f"{SECRET_FILE_ENV}={path} holds {len(raw)} bytes: give it 16 to {MAX_SECRET_FILE} bytes "
-                          f"of random data (e.g. `openssl rand -hex 32 > {path}; chmod 600 {path}`)")
+        raise ConfigError(f"{SECRET_FILE_ENV}={path} holds {len(raw)} bytes besides leading and trailing whitespace: "
+                          f"{fix}")
+    if _entropy_bits(raw) < MIN_SECRET_BITS:
+        raise ConfigError(f"{SECRET_FILE_ENV}={path} holds {len(raw)} bytes but only {len(set(raw))} distinct ones "
+                          f"(about {_entropy_bits(raw):.0f} bits): anyone could guess it; {fix}")
     return hashlib.sha256(b"easyckpt replica secret\0" + job_id.encode() + b"\0" + raw).hexdigest()
 
 
