@@ -41,7 +41,12 @@ class ShmCapacityError(EasyCkptError):
 
 
 class PeerError(EasyCkptError):
-    """Another node's agent said no, broke the replica protocol, or failed to prove it knows the job's secret."""
+    """Another node's agent said no, broke the replica protocol, or failed to prove it knows the job's secret.
+    ``kind`` names the refusal without the sender's bytes: a server counts refusals by it (agent/peerrefusals.py)."""
+
+    def __init__(self, message: str = "", kind: str = "refused") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class PeerNotReady(PeerError):

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import struct
 import subprocess
+import threading
 import time
 
 import pytest
 
-from easyckpt.agent.peerserve import PeerServer, Warm
+from easyckpt.agent.peerserve import MAX_HANDSHAKING_PEERS, MAX_PER_ADDRESS, PeerServer, Warm
 from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.config import Config
 from easyckpt.engine.peers import Remote
@@ -388,6 +390,83 @@ def test_slow_strangers_on_the_peer_port_never_starve_the_jobs_own_nodes(cfg, no
     finally:
         for s in slow:
             s.close()
+
+
+def test_slow_handshakes_from_the_jobs_own_nodes_address_never_keep_that_node_out(cfg, node1, holder):
+    """Issue 49 item 7a: a local user on node 1 holds more slow handshakes than the whole pool of the job's
+    nodes, from node 1's own address (an address of the job's table), and reopens each one as soon as it is
+    cut off: node 1's agent still authenticates and sends every new snapshot at once (before: with 8 of them
+    in their handshake every connection from that address was refused, and no replica was sent for as long
+    as they lasted)."""
+    job = cfg.job_id
+    holder.peer_addrs = frozenset({"127.0.0.1"})
+    stop, rounds = threading.Event(), []
+
+    def slowloris() -> None:
+        socks = []
+        try:
+            while not stop.is_set():
+                while len(socks) < max(MAX_PER_ADDRESS, MAX_HANDSHAKING_PEERS) + 4:
+                    socks.append(socket.create_connection(("127.0.0.1", holder.port), timeout=10))
+                rounds.append(len(socks))
+                for s in select.select(socks, [], [], 0.05)[0]:
+                    try:
+                        data = s.recv(4096)        # the server's nonce: never answered
+                    except OSError:
+                        data = b""
+                    if not data:                   # cut off: open another at once
+                        socks.remove(s)
+                        s.close()
+        finally:
+            for s in socks:
+                s.close()
+
+    thread = threading.Thread(target=slowloris, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(rounds) < 5:
+            assert time.monotonic() < deadline and thread.is_alive(), "the slow connections never opened"
+            time.sleep(0.05)
+        for step in (4, 6, 8):
+            write_slot(job, step=step, slot=(step // 2) % 2, generation=step)
+            node1._replicate()
+            assert node1.sent.get(0, {}).get("step") == step, node1.errors
+        assert held(job)[-1] == (8, data_of(8))
+        assert any("still in their handshake" in r for r in holder.refused), holder.refused[:3]
+    finally:
+        stop.set()
+        thread.join(10)
+        cleanup(job)
+
+
+def test_a_flood_of_garbage_on_the_peer_port_is_counted_by_kind_not_logged_line_by_line(holder):
+    """Issue 49 item 7b: 400 connections that each send a different line of garbage: the server says the
+    first of the kind whole, with at most 16 escaped bytes of what was sent, counts the rest, and gives the
+    count in one summary line when the minute is over (before: a line each, quoting 80 bytes, so the
+    once-a-minute limit keyed by the message never applied and a flood filled the logs)."""
+    n = 400
+    for i in range(n):
+        with socket.create_connection(("127.0.0.1", holder.port), timeout=10) as sock:
+            conn = Conn(sock)
+            conn.read_line()
+            sock.sendall(b"garbage %05d " % i + b"x" * 200 + b"\n")
+            try:
+                while sock.recv(4096):                 # the server closes once it has counted the refusal
+                    pass
+            except OSError:
+                pass
+    assert len(holder.refused) == 1, (len(holder.refused), holder.refused[:3])
+    assert "not JSON: b'garbage 00000 xx'…" in holder.refused[0], holder.refused[0]
+    assert holder.refusals.total == n
+    now = time.monotonic()
+    from easyckpt.agent import peerrefusals
+    holder.refusals.clock = lambda: now + peerrefusals.PERIOD + 1     # the minute is over
+    holder.refusals.flush()
+    assert len(holder.refused) == 2 and holder.refused[1].startswith(f"refused {n} replica connection(s) in the "
+                                                                      f"last "), holder.refused
+    assert holder.refused[1].endswith(f": not JSON {n}"), holder.refused[1]
+    assert max(len(r) for r in holder.refused) < 200
 
 
 def test_status_is_answered_while_the_sender_thread_replicates_and_the_table_changes(cfg, node1, holder):

@@ -16,9 +16,11 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from easyckpt.agent import priority, slots
+from easyckpt.agent.peerrefusals import PeerRefusals
 from easyckpt.errors import (
     BadMessage,
     BadSlotMeta,
@@ -33,14 +35,30 @@ from easyckpt.storage.auditlog import AuditLog
 from easyckpt.units import human
 
 # Capacity (docs/reliability.md promise 14): connections still in their handshake (peerwire.HANDSHAKE_TIMEOUT
-# at most) are capped
-# per pool and per address, and the job's own nodes (the addresses of its table) have a pool of their own,
-# so that strangers' connections, however many or slow, never starve replication; authenticated ones have
-# their own cap, against a runaway only.
+# at most) are capped per pool, strangers' also per address, and the addresses of the job's table have a pool
+# of their own, so that strangers elsewhere never touch it. An address proves nothing, though: any local user
+# of a job's node connects from that node's address. So a full pool never turns the newcomer away: the OLDEST
+# handshake of the address (or pool) is cut off to make room. A job's node answers the server's nonce at once
+# and is done in a millisecond or two; only a connection slow to prove itself grows old, so slow strangers,
+# however many, cannot keep a node of the job out (before: 8 slow handshakes from node 0's address refused
+# every connection of node 0's agent). To cut off a node's handshake, a stranger must instead open the whole
+# pool's worth of connections within that handshake's milliseconds, more than this accept loop takes in.
+# Authenticated connections have their own cap, against a runaway only.
 MAX_CONNECTIONS = 64      # authenticated peers' connections served at once (one rank at a time per holder)
 MAX_HANDSHAKING = 32      # unauthenticated, from addresses outside the job's table
-MAX_HANDSHAKING_PEERS = 32  # unauthenticated, from the job's own nodes' addresses
-MAX_PER_ADDRESS = 8       # unauthenticated, from any one address
+MAX_HANDSHAKING_PEERS = 32  # unauthenticated, from the job's own nodes' addresses (any number from one)
+MAX_PER_ADDRESS = 8       # unauthenticated, from any one address outside the job's table
+FLUSH_EVERY = 5.0         # seconds: the accept loop wakes this often to say a finished period's refusal counts
+
+
+@dataclass(eq=False)
+class _Handshake:
+    """A connection that has not proven yet that it belongs to the job."""
+
+    sock: socket.socket
+    addr: str
+    pool: str
+    evicted: bool = False     # cut off to make room: counted once, when it was cut
 
 
 class Warm:
@@ -88,12 +106,13 @@ class PeerServer:
         self.secret: Optional[str] = None
         self.table: Any = None                   # replicas.Table once the trainers introduced the nodes
         self.peer_addrs: FrozenSet[str] = frozenset()  # its endpoints' addresses: the reserved handshake pool
-        self._pending: Dict[str, int] = {}
-        self._pools = {"peer": 0, "other": 0}
+        self._handshakes: List[_Handshake] = []     # in accept order: the first of a pool is its oldest
+        self.refusals = PeerRefusals(error)          # strangers' refusals: by kind, bounded lines a minute
         self.sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((addr, 0))
         self.sock.listen(16)
+        self.sock.settimeout(FLUSH_EVERY)
         self.port: int = self.sock.getsockname()[1]
         self._closed = False
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -115,40 +134,56 @@ class PeerServer:
         while not self._closed:
             try:
                 sock, peer = self.sock.accept()
+            except socket.timeout:
+                self.refusals.flush()
+                continue
             except OSError:
                 return
             addr = str(peer[0])
-            pool = "peer" if addr in self.peer_addrs else "other"
+            entry = _Handshake(sock, addr, "peer" if addr in self.peer_addrs else "other")
             with self._lock:
-                cap = MAX_HANDSHAKING_PEERS if pool == "peer" else MAX_HANDSHAKING
-                full = self._pools[pool] >= cap or self._pending.get(addr, 0) >= MAX_PER_ADDRESS
-                if not full:
-                    self._pools[pool] += 1
-                    self._pending[addr] = self._pending.get(addr, 0) + 1
-            if full:          # a flood of connections gets no thread each
-                sock.close()
-                self.error(f"replica connection from {addr} refused: too many connections still in their handshake")
-                continue
-            threading.Thread(target=self._serve, args=(sock, addr, pool), daemon=True, name="easyckpt-peer").start()
+                victim = self._make_room(entry)
+                self._handshakes.append(entry)
+            if victim is not None:
+                # never closed here (its thread may be in recv on it, and a closed fd number is reused):
+                # shut down, which ends that recv at once; its thread closes it
+                try:
+                    victim.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self.refusals("cut off in handshake", f"replica connection from {victim.addr} cut off: too many "
+                              f"connections still in their handshake (the oldest makes room for the newest)")
+            threading.Thread(target=self._serve, args=(entry,), daemon=True, name="easyckpt-peer").start()
 
-    def _handshake_over(self, addr: str, pool: str) -> None:
+    def _make_room(self, entry: _Handshake) -> Optional[_Handshake]:
+        """Under ``_lock``: the oldest handshake that must go for ``entry`` to fit (its address's, else its
+        pool's), marked and no longer counted; None when it fits."""
+        same = [h for h in self._handshakes if h.addr == entry.addr]
+        if entry.pool == "peer" or len(same) < MAX_PER_ADDRESS:
+            same = [h for h in self._handshakes if h.pool == entry.pool]
+            if len(same) < (MAX_HANDSHAKING_PEERS if entry.pool == "peer" else MAX_HANDSHAKING):
+                return None
+        victim = same[0]
+        victim.evicted = True
+        self._handshakes.remove(victim)
+        return victim
+
+    def _handshake_over(self, entry: _Handshake) -> None:
         with self._lock:
-            self._pools[pool] -= 1
-            self._pending[addr] -= 1
-            if not self._pending[addr]:
-                del self._pending[addr]
+            if not entry.evicted:
+                self._handshakes.remove(entry)
 
-    def _serve(self, sock: socket.socket, addr: str, pool: str) -> None:
+    def _serve(self, entry: _Handshake) -> None:
         priority.bulk_thread()
-        peerwire.low_priority(sock)
-        conn = Conn(sock)
+        peerwire.low_priority(entry.sock)
+        conn = Conn(entry.sock)
         node = None
         authed = False
         try:
             try:
                 node = peerwire.serve_auth(conn, self.secret)
             finally:
-                self._handshake_over(addr, pool)
+                self._handshake_over(entry)
             if not self._slots.acquire(blocking=False):
                 raise PeerError(f"{MAX_CONNECTIONS} authenticated replica connections are open already")
             authed = True
@@ -161,9 +196,13 @@ class PeerServer:
             else:
                 self._get(conn, req)
         except (PeerError, BadMessage, OSError, SlotNotComplete, BadSlotMeta, ShmCapacityError) as exc:
-            who = "a peer" if node is None else f"node {node}"
-            if not isinstance(exc, PeerNotReady):     # a job starting: the sender retries, nothing to say
-                self.error(f"replica request from {who} refused: {exc}")
+            if isinstance(exc, PeerNotReady) or entry.evicted:    # a job starting (the sender retries); counted
+                pass
+            elif node is None:      # anyone at all: counted by kind, never a line each (peerrefusals.py)
+                kind = exc.kind if isinstance(exc, PeerError) else type(exc).__name__
+                self.refusals(kind, f"replica connection from {entry.addr} refused: {exc}")
+            else:                   # a node of the job, authenticated
+                self.error(f"replica request from node {node} refused: {exc}")
             try:
                 conn.send_line({"ok": False, "error": str(exc)[:2000]})
             except OSError:

@@ -12,6 +12,7 @@ from easyckpt import console
 from easyckpt.storage.auditlog import AuditLog
 
 PERIOD = 60.0
+FORGET_AT = 256     # messages remembered before the ones older than PERIOD are dropped
 
 
 class Warnings:
@@ -27,6 +28,8 @@ class Warnings:
         with self._lock:
             if now - self._said.get(message, -1e9) < PERIOD:
                 return
+            if len(self._said) >= FORGET_AT:     # messages a minute old rate-limit nothing: a long run's many
+                self._said = {m: t for m, t in self._said.items() if now - t < PERIOD}   # must not pile up
             self._said[message] = now
             self._recent.append(message)
         self.log.record("warning", message=message)

@@ -48,6 +48,7 @@ CHUNK = 4 << 20               # bytes per send between pauses and rate checks
 TRAILER = struct.Struct("<QB")   # checksum (the Hasher's digest as a number), intact
 IO_TIMEOUT = 30.0             # no read or write on a peer connection waits longer than this
 HANDSHAKE_TIMEOUT = 5.0       # from accept to authenticated, in all, however slowly the bytes come
+QUOTE = 16                    # bytes of a sender's line a refusal quotes, escaped
 
 
 def _mac(secret: str, *parts: str) -> str:
@@ -67,7 +68,7 @@ class Conn:
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
             if left <= 0:
-                raise PeerError(f"the handshake took longer than {HANDSHAKE_TIMEOUT:g} s")
+                raise PeerError(f"the handshake took longer than {HANDSHAKE_TIMEOUT:g} s", "slow handshake")
             self.sock.settimeout(min(IO_TIMEOUT, left))
 
     def send_line(self, obj: Dict[str, Any]) -> None:
@@ -78,17 +79,17 @@ class Conn:
             self._arm()
             data = self.sock.recv(65536)
             if not data:
-                raise PeerError("the peer closed the connection")
+                raise PeerError("the peer closed the connection", "closed early")
             self.buf += data
             if len(self.buf) > MAX_LINE and b"\n" not in self.buf:
-                raise PeerError(f"a line longer than {MAX_LINE} bytes")
+                raise PeerError(f"a line longer than {MAX_LINE} bytes", "line too long")
         line, self.buf = self.buf.split(b"\n", 1)
         try:
             obj = json.loads(line)
         except (ValueError, UnicodeDecodeError):
-            raise PeerError(f"not JSON: {line[:80]!r}") from None
+            raise PeerError(f"not JSON: {quote(line)}", "not JSON") from None
         if not isinstance(obj, dict):
-            raise PeerError("a line is a JSON object")
+            raise PeerError("a line is a JSON object", "not a JSON object")
         return obj
 
     def read_into(self, view: memoryview) -> None:
@@ -116,7 +117,7 @@ def serve_auth(conn: Conn, secret: Optional[str]) -> int:
         conn.send_line({"nonce": nonce, "ready": secret is not None})
         hello = conn.read_line()
     except socket.timeout:
-        raise PeerError(f"the handshake took longer than {HANDSHAKE_TIMEOUT:g} s") from None
+        raise PeerError(f"the handshake took longer than {HANDSHAKE_TIMEOUT:g} s", "slow handshake") from None
     finally:
         conn.deadline = None
         conn.sock.settimeout(IO_TIMEOUT)
@@ -124,10 +125,11 @@ def serve_auth(conn: Conn, secret: Optional[str]) -> int:
         raise PeerNotReady("this agent does not know the job's replica secret yet")
     node, theirs, mac = hello.get("node"), hello.get("nonce"), hello.get("mac")
     if not (_is_int(node, MAX_WORLD) and isinstance(theirs, str) and len(theirs) == 32 and isinstance(mac, str)):
-        raise PeerError("malformed handshake")
+        raise PeerError("malformed handshake", "malformed handshake")
     if not hmac.compare_digest(mac, _mac(secret, "client", nonce, theirs, str(node))):
         conn.send_line({"ok": False, "error": "wrong replica secret"})
-        raise PeerError(f"a connection claiming to be node {node} does not know the job's replica secret")
+        raise PeerError(f"a connection claiming to be node {node} does not know the job's replica secret",
+                        "wrong secret")
     conn.send_line({"ok": True, "mac": _mac(secret, "server", theirs, nonce)})
     return int(node)
 
@@ -147,6 +149,12 @@ def client_auth(conn: Conn, secret: str, node: int) -> None:
     if reply.get("ok") is not True or not isinstance(mac, str) or \
             not hmac.compare_digest(mac, _mac(secret, "server", mine, nonce)):
         raise PeerError(f"the peer did not prove it knows the job's replica secret: {reply.get('error')!r}")
+
+
+def quote(data: bytes, limit: int = QUOTE) -> str:
+    """A sender's bytes as a message may show them: the first ``limit`` escaped, never more (a refusal line
+    must not carry what a stranger sends)."""
+    return repr(data[:limit]) + ("…" if len(data) > limit else "")
 
 
 def _is_int(value: Any, limit: int) -> TypeGuard[int]:
