@@ -16,13 +16,15 @@ import time
 
 import pytest
 
+from easyckpt.agent import replicas
 from easyckpt.agent.peerserve import MAX_HANDSHAKING_PEERS, MAX_PER_ADDRESS, PeerServer, Warm
 from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.config import Config
 from easyckpt.engine.peers import Remote
+from easyckpt.engine.reports import StatusReports
 from easyckpt.errors import AgentError, BadMessage, PeerError
 from easyckpt.formats.manifest import checksum
-from easyckpt.formats.replies import reply_from_wire
+from easyckpt.formats.replies import StatusReply, reply_from_wire
 from easyckpt.ipc import peerwire, shm, slotread
 from easyckpt.ipc.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
@@ -467,6 +469,41 @@ def test_a_flood_of_garbage_on_the_peer_port_is_counted_by_kind_not_logged_line_
                                                                       f"last "), holder.refused
     assert holder.refused[1].endswith(f": not JSON {n}"), holder.refused[1]
     assert max(len(r) for r in holder.refused) < 200
+
+
+def test_replication_that_stops_reaching_a_holder_is_said_on_rank_0s_console_once(cfg, node1, holder, monkeypatch,
+                                                                                    capsys):
+    """Issue 49 item 7a: sends to a holder that fail for longer than STARVED_AFTER (here its port refuses
+    node 1, as a port held by strangers did) are said on rank 0's console, once, and again when a replica
+    reaches it (before: only the agent's own log had a line, so rank 0's console said nothing)."""
+    monkeypatch.setattr(replicas, "STARVED_AFTER", 0.3, raising=False)
+    monkeypatch.setattr(replicas, "RETRY", 0.0)
+    job = cfg.job_id
+    reports = StatusReports(0, cfg.naming, AuditLog(None, "test"))
+    node1.table = Table(node=1, nnodes=2, ranks_per_node=1, secret=SECRET, endpoints=node1.table.endpoints,
+                        factor=2, jump=1)
+    try:
+        write_slot(job, step=4, slot=0, generation=1)
+        node1._replicate()
+        assert node1.sent[0]["step"] == 4
+        holder.secret = "ab" * 32                     # node 1 is refused from now on
+        write_slot(job, step=6, slot=1, generation=2)
+        node1._replicate()
+        reports.take(StatusReply(replicas=node1.status()))
+        assert "no replica has reached" not in capsys.readouterr().err      # one failed send is no starvation
+        time.sleep(0.4)
+        node1._replicate()
+        for _ in range(3):
+            reports.take(StatusReply(replicas=node1.status()))
+        said = capsys.readouterr().err
+        assert said.count("no replica has reached node 0") == 1, said
+        holder.secret = SECRET
+        node1._replicate()
+        assert node1.sent[0]["step"] == 6 and node1.status().starved == {}
+        reports.take(StatusReply(replicas=node1.status()))
+        assert "replicas reach node 0 again" in capsys.readouterr().err
+    finally:
+        cleanup(job)
 
 
 def test_status_is_answered_while_the_sender_thread_replicates_and_the_table_changes(cfg, node1, holder):

@@ -55,6 +55,7 @@ from easyckpt.storage.auditlog import AuditLog
 
 POLL = 0.01         # how often the sender looks at the slots' headers (a few bytes each) for a new snapshot
 RETRY = 1.0         # seconds before a send that failed (a peer not up yet, gone, full) is tried again
+STARVED_AFTER = 30.0   # seconds of failed sends to a holder before rank 0's console says replication starves
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Replicas:
         self._per_rank: slots.PerRank = {}      # their complete snapshots, read when ``_seen`` changed
         self._held_back = False                 # the last send waited for a trainer's slot to be released
         self._retry_at: Dict[int, float] = {}   # holder node -> when to try again after a failed send
+        self._failing: Dict[int, Tuple[float, str]] = {}   # holder node -> since when its sends fail, the last why
         self._sending = False
         self.cadence = Cadence()
         self.warm = Warm()            # this node's slots, kept mapped between sends
@@ -124,7 +126,7 @@ class Replicas:
             for node in list(self.sent):      # a holder at a new address is a new node: it holds nothing yet
                 if old is None or old.endpoints.get(node) != table.endpoints.get(node):
                     del self.sent[node]
-            self._seen, self._retry_at = (), {}
+            self._seen, self._retry_at, self._failing = (), {}, {}
         if self.server is not None:
             self.server.table = table
             self.server.peer_addrs = frozenset(a for a, _ in table.endpoints.values())
@@ -191,7 +193,12 @@ class Replicas:
     def status(self) -> ReplicaStatus:
         t = self.table
         with self.lock:
-            sent, errors = dict(self.sent), self.warnings.recent()
+            sent, errors, failing = dict(self.sent), self.warnings.recent(), dict(self._failing)
+        now = time.monotonic()
+        # said on rank 0's console (engine/reports.py): sends that fail for long are a node without a copy
+        starved = {n: f"no replica has reached node {n} for {now - since:.0f} s (the last try: {why}); this node's "
+                      f"newest snapshots have no copy on another node, so a lost node would resume from storage"
+                   for n, (since, why) in sorted(failing.items()) if now - since >= STARVED_AFTER}
         holds = []
         for seg in shm.list_segments(self.job_id):
             if seg.replica:
@@ -210,7 +217,7 @@ class Replicas:
             listening=f"{self.server.addr}:{self.server.port}" if self.server else None,
             targets={n: "%s:%d" % t.endpoints[n] for n in t.targets(t.node) if n in t.endpoints} if t else {},
             sent={n: ReplicaSent(**v) for n, v in sorted(sent.items())}, holds=holds, every=max(self.cfg.replica_interval, self.cadence.every),
-            errors=errors)
+            errors=errors, starved=starved)
 
     # ---- restoring (the trainers' requests, in the pool) ------------------------------------------
 
@@ -343,19 +350,25 @@ class Replicas:
                     finally:
                         conn.close()
             except (OSError, PeerError, SlotNotComplete, BadSlotMeta) as exc:
-                with self.lock:
-                    self._retry_at[node] = time.monotonic() + RETRY
-                if isinstance(exc, PeerNotReady):    # every job's start: not worth a console line
-                    self.log.record("replica_wait", step=step, node=node, message=str(exc))
-                    continue
-                self._error(f"replica of step {step} to node {node} not sent: {exc}")
+                self._not_sent(node, step, exc)
                 continue
             seconds = round(time.perf_counter() - t0, 6)
             with self.lock:
                 self._retry_at.pop(node, None)
+                self._failing.pop(node, None)
                 self.sent[node] = {"step": step, "bytes": nbytes, "seconds": seconds, "ranks": ranks}
             self.log.emit("replica_sent", step=step, node=node, ranks=ranks, bytes=nbytes, seconds=seconds)
             self.cadence.sent(time.monotonic(), seconds)
+
+    def _not_sent(self, node: int, step: int, exc: Exception) -> None:
+        with self.lock:
+            self._retry_at[node] = time.monotonic() + RETRY
+        if isinstance(exc, PeerNotReady):    # every job's start: not worth a console line
+            self.log.record("replica_wait", step=step, node=node, message=str(exc))
+            return
+        with self.lock:     # since the first failure after the last success: how long it starves (status)
+            self._failing[node] = (self._failing.get(node, (time.monotonic(), ""))[0], str(exc)[:200])
+        self._error(f"replica of step {step} to node {node} not sent: {exc}")
 
     def _look(self, ranks: List[int], sending: bool) -> Tuple[Tuple[int, int, Tuple[int, int, int]], ...]:
         """(rank, slot, (state, generation, step)) of every local slot; the lowest rank's newest complete

@@ -24,6 +24,7 @@ class StatusReports:
         self.said_commit = -1          # the newest step whose commit was said
         self.started_at = -1           # commits of steps before this run's first request are not ours
         self.newest = -1               # the newest step handed to the agent
+        self.starved: Set[int] = set()   # holder nodes this node's replicas do not reach, as said
 
     def requested(self, step: int) -> None:
         if self.started_at < 0:
@@ -40,6 +41,7 @@ class StatusReports:
         self._failures(dict(status.failed_steps))
         self._refusals(status)
         self._notices(status)
+        self._starved(status)
 
     def _commits(self, status: StatusReply) -> None:
         if self.rank != 0 or self.started_at < 0:
@@ -83,3 +85,15 @@ class StatusReports:
             if self.rank == 0:
                 self.log.emit("error", rank=self.rank, message=f"easyckpt agent: {text}")
         self.notices = count
+
+    def _starved(self, status: StatusReply) -> None:
+        """Replication that stopped reaching a holder (a peer gone, or its port held by strangers) is said on
+        rank 0's console once, and again when it works again: replicas are only worth what they hold."""
+        replicas = status.replicas
+        if self.rank != 0 or replicas.node is None:     # no replica table: nothing is being sent
+            return
+        for node in sorted(set(replicas.starved) - self.starved):
+            self.log.emit("warning", rank=self.rank, message=f"easyckpt agent: {replicas.starved[node]}")
+        for node in sorted(self.starved - set(replicas.starved)):
+            console.info(f"replicas reach node {node} again")
+        self.starved = set(replicas.starved)

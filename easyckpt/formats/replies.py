@@ -246,6 +246,7 @@ class ReplicaStatus:
     holds: List[ReplicaHeld] = dataclasses.field(default_factory=list)       # other nodes' replicas kept here
     every: int = 1
     errors: List[str] = dataclasses.field(default_factory=list)
+    starved: Dict[int, str] = dataclasses.field(default_factory=dict)   # holder node -> why none reached it
 
 
 @dataclasses.dataclass(frozen=True)
