@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -252,3 +253,79 @@ def test_a_staging_dir_planted_mid_run_is_refused_and_no_committed_step_belongs_
     text = out.stdout + out.stderr
     assert "step 25" in text and "untrusted" in text and "resumed step 20" in text, text[-3000:]
     assert newest.exists()
+
+
+PEER_HOLDER = textwrap.dedent("""
+    import os, sys, time, torch, easyckpt
+    from easyckpt.formats import protocol
+    from easyckpt.formats.replies import ListenReply
+    from easyckpt.pytorch import _default
+    save_dir, go = sys.argv[1], sys.argv[2]
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    easyckpt.initialize_easyckpt(save_dir, save_mem_interval=1, save_storage_interval=1, max_ckpt_num=5)
+    easyckpt.load_checkpoint(model, opt)
+    for it in (1, 2, 3):
+        model(torch.ones(8)).sum().backward(); opt.step()
+        easyckpt.save_checkpoint_if_needed(it, model, opt)
+    # the agent's peer port, as the trainers of a multi-node job open it (engine/peers.py)
+    reply = _default.current.engine.client.request(protocol.Listen(addr="127.0.0.1"), ListenReply, 30)
+    print("PORT", reply.port, flush=True)
+    deadline = time.monotonic() + 90
+    while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            sys.exit("nobody created the go file")
+        time.sleep(0.05)
+    model(torch.ones(8)).sum().backward(); opt.step()
+    easyckpt.save_checkpoint_if_needed(4, model, opt)
+    print("DONE", easyckpt.finalize_easyckpt(), flush=True)
+""")
+
+GARBAGE_LOOP = textwrap.dedent("""
+    import socket, sys
+    for i in range(int(sys.argv[2])):
+        s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
+        try:
+            s.sendall(b"garbage %06d " % i + b"z" * 300 + b"\\n")
+            while s.recv(65536):
+                pass
+        except OSError:
+            pass
+        finally:
+            s.close()
+""")
+
+
+def test_a_flood_of_garbage_on_the_agents_peer_port_adds_a_few_log_lines_not_one_each(tmp_path):
+    """Issue 49 item 7b: 2000 connections to the real agent's peer port, each sending a different line of
+    garbage: the audit log and the agent log gain a few lines (the first refusal of the kind, with at most
+    16 escaped bytes of what was sent), not 2000, and both logs stay under their size cap (here 64 KiB)
+    while the job still commits (before: one line each, in both logs, quoting 80 bytes of the sender's)."""
+    script, save, go, out = tmp_path / "holder.py", tmp_path / "ckpt", tmp_path / "go", tmp_path / "holder.out"
+    script.write_text(PEER_HOLDER)
+    cap = 64 << 10
+    proc = start([sys.executable, str(script), str(save), str(go)], log=out,
+                 extra_env={"EASYCKPT_MAX_LOG_BYTES": str(cap)})
+    n = 2000
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "PORT" not in (out.read_text() if out.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.05)
+        port = out.read_text().split("PORT", 1)[1].split()[0]
+        agent_log = next(save.glob(".easyckpt-agent-*.log"))
+        before = agent_log.stat().st_size
+        res = subprocess.run([sys.executable, "-c", GARBAGE_LOOP, port, str(n)], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stderr
+        grown = agent_log.stat().st_size - before
+    finally:
+        _finish_holder(proc, save, go, out)
+    said = [m for m in (e.get("message", "") for e in events(save / "easyckpt.log"))
+            if "refused" in m and "replica" in m]
+    assert 1 <= len(said) <= 5, (len(said), said[:3])
+    assert "not JSON: b'garbage 000000 z'…" in said[0] and all(len(m) < 300 for m in said), said
+    assert grown < 2000, f"the agent log grew by {grown} bytes for {n} refused connections"
+    assert agent_log.read_text().count("not JSON") <= 5
+    for log in (save / "easyckpt.log", agent_log):
+        assert log.stat().st_size <= cap + 4096, (log, log.stat().st_size)

@@ -4,6 +4,7 @@ sequence of commits. Fast, no subprocess, no torch."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -368,3 +369,48 @@ def test_files_deleted_by_name_are_exactly_those_a_missing_one_no_error(tmp_path
         (tmp_path / name).write_bytes(b"x")
     PosixStorage().delete_files([str(tmp_path / "a"), str(tmp_path / "c"), str(tmp_path / "never")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_the_audit_log_is_capped_and_every_writer_follows_a_rotation(tmp_path, monkeypatch):
+    """Issue 49 item 7b: the audit log, appended to by several processes (two AuditLogs here), never grows past
+    the cap by more than a line: over it, one writer renames it to easyckpt.log.1 and starts a new one, the
+    other follows to the new file, and nothing written is lost but what a second rotation replaced (before:
+    no cap, and a flood of refused connections added 24.7 MB in a minute)."""
+    from easyckpt.storage import logcap
+    monkeypatch.setattr(logcap, "MAX_LOG_BYTES", 4096)
+    path = tmp_path / "easyckpt.log"
+    a, b = AuditLog(str(path), "a"), AuditLog(str(path), "b")
+    try:
+        for i in range(100):         # about 130 bytes a line: over the cap three times
+            (a if i % 2 else b).record("probe", i=i, message="x" * 20)
+        newest, older = path.read_text().splitlines(), (tmp_path / "easyckpt.log.1").read_text().splitlines()
+        assert path.stat().st_size <= 4096 + 400 and (tmp_path / "easyckpt.log.1").stat().st_size <= 4096 + 400
+        seen = [json.loads(line)["i"] for line in older + newest]
+        assert seen == list(range(seen[0], 100)) and seen[0] > 0, seen     # in order, none lost since the cut
+        assert {os.fstat(w._fd).st_ino for w in (a, b)} == {path.stat().st_ino}   # both write the new file
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_agent_log_is_capped_through_the_stderr_it_was_handed(tmp_path):
+    """Issue 49 item 7b: the agent's stdout and stderr are its log file (an fd from its starter): over the
+    cap, logcap.cap_stdio renames it to .1 and points both at a new file, so a process that prints without
+    end still holds at most twice the cap on disk."""
+    import subprocess
+    import sys
+    path = tmp_path / "easyckpt-agent-host.log"
+    script = (
+        "import os, sys\n"
+        "from easyckpt.storage import logcap\n"
+        "reopen = lambda: os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)\n"
+        "for i in range(400):\n"
+        "    print('line %05d ' % i + 'y' * 40, file=sys.stderr, flush=True)\n"
+        "    logcap.cap_stdio(sys.argv[1], reopen)\n")
+    with open(path, "ab") as log:
+        subprocess.run([sys.executable, "-c", script, str(path)], stdout=log, stderr=log, check=True, timeout=60,
+                       env={**os.environ, "EASYCKPT_MAX_LOG_BYTES": "2048"})
+    older = tmp_path / "easyckpt-agent-host.log.1"
+    assert path.stat().st_size <= 2048 + 100 and older.stat().st_size <= 2048 + 100
+    lines = (older.read_text() + path.read_text()).splitlines()
+    assert lines[-1].startswith("line 00399") and len(lines) < 100, lines[-3:]

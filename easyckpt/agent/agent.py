@@ -67,12 +67,15 @@ from easyckpt.formats.replies import (
     StatusReply,
     reply_from_wire,
 )
+from easyckpt.formats.layout import agent_log_name
 from easyckpt.ipc import jobkey, shm
+from easyckpt.storage import logcap
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
 
 HELLO_WAIT = 10.0   # seconds a new agent waits for its first trainer before it leaves
 POLL = 0.05         # the loop's longest sleep: commit deadlines and the grace clock are this precise
+LOG_CHECK = 1.0     # seconds between looks at the agent log's size (logcap.py)
 
 
 class Agent:
@@ -121,10 +124,21 @@ class Agent:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "got_sigterm", True))
         self.start()
+        log_check, log_said = 0.0, False
         while True:
             self.server.poll(POLL)
             if self.turn():
                 break
+            if time.monotonic() >= log_check:     # the agent log (its stdout and stderr) is capped too
+                log_check = time.monotonic() + LOG_CHECK
+                try:
+                    logcap.cap_stdio(os.path.join(self.cfg.node_dir, agent_log_name(socket.gethostname())),
+                                     lambda: SaveDir(self.cfg.node_dir, self.cfg.naming).open_agent_log(
+                                         socket.gethostname())[1])
+                except OSError as exc:
+                    if not log_said:
+                        log_said = True
+                        self.log.record("warning", message=f"the agent log cannot be rotated: {exc}")
         self.shutdown()
 
     def start(self) -> None:

@@ -3,7 +3,8 @@
 Trainers and the agent append to the same file; each line is one ``write`` on an O_APPEND
 descriptor, so lines from different processes never interleave. ``emit`` also says warnings and errors
 on the console (console.py), as one readable line; every event goes to the ``easyckpt.audit`` logger at
-DEBUG. ``record`` writes the file only, for callers that word the console line themselves.
+DEBUG. ``record`` writes the file only, for callers that word the console line themselves. The file is
+capped in size (logcap.py): over the cap it becomes ``<name>.1`` and a new one is started.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Dict, Optional
 
 from easyckpt import console
 from easyckpt.formats import paths
+from easyckpt.storage import logcap
 
 WARNINGS = ("warning", "skip")
 
@@ -24,16 +26,21 @@ class AuditLog:
         self.path = path
         self.source = source
         self._fd: Optional[int] = None
+        self._cap_said = False
         if path:
-            # never through a symlink planted in the save dir, never blocked by a FIFO, never a file another user
-            # made (they could read, rewrite or cut its deletes; docs/reliability.md promises 9, 13 and 15)
-            self._fd = paths.open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = self._open(path)
+
+    @staticmethod
+    def _open(path: str) -> int:
+        # never through a symlink planted in the save dir, never blocked by a FIFO, never a file another user
+        # made (they could read, rewrite or cut its deletes; docs/reliability.md promises 9, 13 and 15)
+        return paths.open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def reopen(self) -> None:
         """Open the log's path again: the directory it was in was replaced (agent/dirwatch.py), so the descriptor
         points at a file no one can read any more. The new file passes the same checks as the first."""
         if self.path:
-            fd = paths.open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = self._open(self.path)
             self.close()
             self._fd = fd
 
@@ -54,6 +61,23 @@ class AuditLog:
                 os.write(self._fd, (line + "\n").encode())
             except OSError as exc:  # the log must never take training down
                 console.warning(f"cannot write the audit log {self.path}: {exc}")
+            self._cap()
+
+    def _cap(self) -> None:
+        """Over the size cap: rotate the file (or follow another writer's rotation) and write on in a new one."""
+        assert self._fd is not None and self.path
+        try:
+            if not logcap.over_cap(self._fd) or not logcap.rotate(self._fd, self.path):
+                return
+            fd = self._open(self.path)
+        except OSError as exc:
+            if not self._cap_said:      # said once: a rotation that cannot happen must not add a line a write
+                self._cap_said = True
+                console.warning(f"the audit log {self.path} is over {logcap.MAX_LOG_BYTES} bytes and cannot be "
+                                f"rotated: {exc}")
+            return
+        os.close(self._fd)
+        self._fd = fd
 
     def close(self) -> None:
         if self._fd is not None:
