@@ -9,7 +9,9 @@ catches them. This module imports nothing: the agent, the formats and the adapte
     │   └── UnknownSettingError (TypeError)      a keyword no verb or Config knows
     ├── ShmCapacityError                         /dev/shm too small for the slots
     ├── AgentError                               the node agent failed or cannot be reached
-    │   └── SnapshotChanged                      a slot was reused while the agent persisted it
+    │   ├── SnapshotChanged                      a slot was reused while the agent persisted it
+    │   └── LeaseLost                            another job took over this job's lease on a store
+    ├── ObjectChanged                            a store object is no longer the version read
     ├── PreemptionError                          the ranks could not agree on a SIGTERM step
     ├── ProtocolError (ValueError)               a malformed message on the agent's socket
     ├── CatalogError (ValueError)                an operator tool found no such checkpoint
@@ -84,6 +86,16 @@ class CatalogError(EasyCkptError, ValueError):
 class UntrustedFileError(EasyCkptError, PermissionError):
     """A file easyckpt would read or reuse (a snapshot slot, the job key, a lock) belongs to another user,
     is open to others, or is a symlink: it may have been planted; nothing is read from it or written to it."""
+
+
+class LeaseLost(AgentError):
+    """This job's lease on an object store (storage/storelock.py) was taken over by another job (or removed):
+    its renewal, a write conditional on the version it last wrote, was refused; the job must stop committing."""
+
+
+class ObjectChanged(EasyCkptError):
+    """A store's conditional write (``If-Match``) was refused: the object is not the version read (another
+    writer replaced or removed it). Not an OSError: the store answered, and it said no."""
 
 
 class AlreadyCommitted(EasyCkptError, FileExistsError):

@@ -14,6 +14,10 @@ why the commit is designed around it (base.py's docstring gives the call order):
   copied whole in memory. An upload that is never completed (its writer killed) holds its parts until
   ``abort_uploads`` removes them; a new agent of the job does that for its prefix.
 - deleting a step deletes its manifest FIRST, so that a half-deleted step is never read as a checkpoint.
+- a small object that several writers change (the job's lease, storelock.py) is read with its ETag and the
+  store's own times (``read_version``) and replaced only if it is still that version (``put_if_match``: a PUT
+  with ``If-Match``; RGW 16 checks it atomically, against the ETag without its quotes, and ignores ``If-Match``
+  on DELETE, so nothing here deletes conditionally).
 
 Credentials and endpoint come from where boto3 looks (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, the AWS
 config and credentials files, AWS_ENDPOINT_URL) or from ``endpoint_url``. ``check`` asks the store for the
@@ -24,9 +28,11 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from easyckpt.errors import AlreadyCommitted, ConfigError, StoreError
+from easyckpt.errors import AlreadyCommitted, ConfigError, ObjectChanged, StoreError
 from easyckpt.formats.manifest import MANIFEST_NAME
 from easyckpt.storage.base import Buffer
 from easyckpt.storage.s3writer import S3Writer
@@ -44,6 +50,22 @@ from easyckpt.storage.s3client import (
 
 
 _CHUNK = 1 << 20     # read_into's reads from a reply's body
+_REFUSED = ("PreconditionFailed", "412", "ConditionalRequestConflict")     # a conditional request's "no"
+
+
+@dataclass(frozen=True)
+class Version:
+    """One object as the store holds it now (``read_version``): its first bytes, its ETag (as the store
+    quotes it), and two times by the store's own clock, never this host's."""
+    data: bytes
+    etag: str
+    modified: float             # its Last-Modified (whole seconds)
+    store_now: Optional[float]  # the Date of the reply that carried it; None when the store sends no Date
+
+    @property
+    def age(self) -> Optional[float]:
+        """Seconds since the object was last written, by the store's clock; None when the store gave no time."""
+        return None if self.store_now is None else self.store_now - self.modified
 
 
 class S3Storage:
@@ -59,6 +81,7 @@ class S3Storage:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
         self._puts: List["Future[Any]"] = []
+        self._bare_etags = False     # put_if_match: this store wants If-Match's ETag without quotes (RGW)
 
     def track(self, put: "Future[Any]") -> "Future[Any]":
         with self._lock:
@@ -136,13 +159,40 @@ class S3Storage:
 
     def create_exclusive(self, path: str, data: Buffer) -> None:
         """Create ``path`` with ``data`` unless it exists (AlreadyCommitted then): the commit's PUT."""
+        self.create_version(path, data)
+
+    def create_version(self, path: str, data: Buffer) -> str:
+        """``create_exclusive``, returning the new object's ETag (for a later ``put_if_match``)."""
         loc = Location.parse(path)
         try:
-            self.c.put_object(Bucket=loc.bucket, Key=loc.key, Body=bytes(data), IfNoneMatch="*")
+            reply = self.c.put_object(Bucket=loc.bucket, Key=loc.key, Body=bytes(data), IfNoneMatch="*")
         except Exception as exc:  # noqa: BLE001 - the store's refusal is the answer
-            if _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            if _code(exc) in _REFUSED:
                 raise AlreadyCommitted(f"{path} exists: a committed object is never replaced") from None
             raise
+        return str(reply.get("ETag", ""))
+
+    def put_if_match(self, path: str, data: Buffer, etag: str) -> str:
+        """Replace ``path`` with ``data`` only if it is still the version whose ETag is ``etag`` (a PUT with
+        ``If-Match``, which the store checks atomically); ObjectChanged when another writer replaced or removed
+        it meanwhile. Returns the new ETag. RGW compares If-Match with the ETag unquoted and refuses the quoted
+        form S3 documents: a refusal while the object still has ``etag`` is that, and the PUT is sent again
+        with it bare (then always, for this store)."""
+        loc = Location.parse(path)
+        for bare in ((True,) if self._bare_etags else (False, True)):
+            try:
+                reply = self.c.put_object(Bucket=loc.bucket, Key=loc.key, Body=bytes(data),
+                                          IfMatch=etag.strip('"') if bare else etag)
+                self._bare_etags = bare
+                return str(reply.get("ETag", ""))
+            except Exception as exc:  # noqa: BLE001 - the store's refusal is the answer
+                if _code(exc) not in _REFUSED + ("404", "NoSuchKey"):
+                    raise
+            now = self.read_version(path, 0)
+            if now is None or now.etag.strip('"') != etag.strip('"'):
+                raise ObjectChanged(f"{path} is no longer the version {etag} (another writer replaced or removed it)")
+        raise StoreError(f"put_object {path}: the store refused If-Match {etag} although the object has that ETag: "
+                         f"it does not support conditional writes, which the job's lease needs")
 
     def sync_dir(self, path: str) -> None:
         """Names are durable once an object is complete."""
@@ -287,6 +337,30 @@ class S3Storage:
             return float(head["LastModified"].timestamp())
         stamps = [obj["LastModified"].timestamp() for obj in _list_objects(self, loc)]
         return float(max(stamps)) if stamps else 0.0
+
+    def read_version(self, path: str, limit: int) -> Optional[Version]:
+        """At most ``limit`` first bytes of ``path`` with its ETag and the store's times, from one GET (so the
+        bytes are those of that ETag); None when there is no such object."""
+        loc = Location.parse(path)
+        try:
+            reply = self.c.get_object(Bucket=loc.bucket, Key=loc.key)
+        except Exception as exc:  # noqa: BLE001
+            if _code(exc) in ("404", "NoSuchKey"):
+                return None
+            raise _failed("GET", path, exc) from None
+        body = reply["Body"]
+        try:
+            data = bytes(body.read(limit)) if limit > 0 else b""
+        except Exception as exc:  # noqa: BLE001 - a connection cut mid-body
+            raise _failed("GET (reading the body of)", path, exc) from None
+        finally:
+            body.close()        # the rest of a larger object is never read
+        date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        try:
+            store_now: Optional[float] = parsedate_to_datetime(date).timestamp() if date else None
+        except (TypeError, ValueError):
+            store_now = None
+        return Version(data, str(reply.get("ETag", "")), float(reply["LastModified"].timestamp()), store_now)
 
     def read(self, path: str, offset: int = 0, length: int = -1) -> bytes:
         loc = Location.parse(path)
