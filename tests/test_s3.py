@@ -319,32 +319,187 @@ def test_a_bodys_hash_is_signed_only_over_plain_http_to_another_host_and_the_gat
         S3Storage(endpoint_url=server["ENDPOINT"])
 
 
-def test_one_job_per_prefix_a_lease_object_taken_with_a_conditional_create(store):
+def test_one_job_per_prefix_a_lease_object_taken_with_a_conditional_create(store, monkeypatch):
     """storage/storelock.py: of two jobs one holds the lease and the other is refused naming it; the holder's
-    restart takes its own lease over; a lease whose holder died ends LEASE_S after its last renewal; an operator
-    tool takes none while one runs; a body that is not ours counts as a running lease until it is old."""
-    from easyckpt.storage.storelock import LEASE_S, StoreLock
+    restart takes its own lease over; a lease whose holder died ends LEASE_S after its last renewal, by the store's
+    clock; an operator tool takes none while one runs; a released lease is taken at once; a body that is not ours
+    counts as a running lease until it is old."""
+    from easyckpt.storage import storelock
+    from easyckpt.storage.storelock import StoreLock
     s, top = store
-    now = [1000.0]
+    monkeypatch.setattr(storelock, "LEASE_S", 4.0)      # leases that end within seconds of the store's clock
+    now = [1000.0]          # the hosts' clock paces the renewals only
     a = StoreLock(s, f"{top}/job", "aaaaaaaaaaaa", "a", clock=lambda: now[0])
     b = StoreLock(s, f"{top}/job", "bbbbbbbbbbbb", "b", clock=lambda: now[0])
     assert a.acquire() is None and a.held
     refused = b.acquire()
     assert refused is not None and refused.startswith("job a (agent pid") and not b.held
-    assert StoreLock(s, f"{top}/job", "aaaaaaaaaaaa", "a", clock=lambda: now[0]).acquire() is None   # a's restart
+    restarted = StoreLock(s, f"{top}/job", "aaaaaaaaaaaa", "a", clock=lambda: now[0])
+    assert restarted.acquire() is None                    # a's restart
     assert StoreLock(s, f"{top}/job", "aaaaaaaaaaaa", None, own_ok=False, clock=lambda: now[0]).acquire() \
         is not None                                           # `easyckpt prune` while the job runs: refused
-    now[0] += LEASE_S * 0.9
-    a.refresh()                                           # renewed: b is still refused after the first lease
-    now[0] += LEASE_S * 0.5
+    time.sleep(3)
+    now[0] += 3
+    restarted.refresh()                                   # renewed: b is still refused after the first lease
+    time.sleep(2.5)
     assert b.acquire() is not None
-    now[0] += LEASE_S + 1                                 # a died without releasing: its lease ended
+    time.sleep(storelock.LEASE_S + 1.5)                   # a died without releasing: its lease ended
     assert b.acquire() is None and b.held
     b.release()
-    assert not s.exists(f"{top}/job/.easyckpt.lock")
+    assert json.loads(s.read(f"{top}/job/.easyckpt.lock"))["released"] is True and not b.held
+    c = StoreLock(s, f"{top}/job", "cccccccccccc", "c")
+    assert c.acquire() is None                            # a released lease is taken at once
+    c.release()
     s.write_atomic(f"{top}/job/.easyckpt.lock", b"\xff not json")
-    c = StoreLock(s, f"{top}/job", "cccccccccccc", "c")    # (the real clock: the object's age decides)
     assert "job ?" in (c.acquire() or "")                 # planted garbage: a running lease of someone unknown
+
+
+# a lease a job wrote, as easyckpt writes them (its own fields differ per test)
+def _lease(**fields) -> bytes:
+    body = {"job_id": "dddddddddddd", "job_name": "d", "host": "node7", "agent_pid": 7, "since": time.time(),
+            "until": time.time() + 120}
+    body.update(fields)
+    return json.dumps(body).encode()
+
+
+def test_a_lease_with_a_field_not_finite_or_of_the_wrong_type_is_a_running_lease_of_an_unknown_holder(
+        store, monkeypatch):
+    """issue 49 item 8: a lease object with "until": 1e400 crash-looped every agent (OverflowError: cannot convert
+    float infinity to integer), and one with NaN or -1e400 was taken over at once although it had just been
+    written. Every field is checked: a body with any bad field counts as a running lease of an unknown holder
+    (its fields never shown as if they were a job's) until the object is LEASE_S old by the store's clock, then
+    it is taken over."""
+    from easyckpt.storage import storelock
+    from easyckpt.storage.storelock import StoreLock
+    s, top = store
+    monkeypatch.setattr(storelock, "LEASE_S", 2.0)
+    bodies = {"inf": b'{"job_id": "dddddddddddd", "job_name": "d", "host": "h", "agent_pid": 7, "since": 1000, '
+                     b'"until": 1e400}',
+              "nan": _lease(until=float("nan")), "minus-inf": _lease(until=float("-inf")),
+              "text": _lease(until="soon"), "pid-inf": _lease(agent_pid=float("inf")),
+              "pid-huge": _lease(agent_pid=2**80), "id-number": _lease(job_id=5),
+              "id-newline": _lease(job_id="dddd\nrank 0"), "name-long": _lease(job_name="x" * 5000),
+              "since-after-until": _lease(since=time.time() + 10**6), "nested": b"[" * 4000}
+    for name, body in bodies.items():
+        s.write_atomic(f"{top}/{name}/.easyckpt.lock", body)
+    t0 = time.monotonic()
+    for name in bodies:
+        lock = StoreLock(s, f"{top}/{name}", "cccccccccccc", "c")
+        refused = lock.acquire()
+        assert refused is not None and refused.startswith("job ? (agent pid ? on ?; the lease object is not one "
+                                                          "easyckpt wrote"), (name, refused)
+        assert "counts as a running lease" in refused and not lock.held, (name, refused)
+    assert time.monotonic() - t0 < 1.5, "the checks above took too long to prove the leases still ran"
+    time.sleep(storelock.LEASE_S + 1.5)                   # old by the store's clock: ended, whatever it says
+    for name in bodies:
+        lock = StoreLock(s, f"{top}/{name}", "cccccccccccc", "c")
+        assert lock.acquire() is None and lock.held, name
+        assert json.loads(s.read(f"{top}/{name}/.easyckpt.lock"))["job_id"] == "cccccccccccc"
+
+
+def test_a_job_whose_clock_is_a_day_off_cannot_take_over_a_running_lease(store):
+    """issue 49 item 8: a second job whose clock was one day ahead took over a RUNNING job's lease (it compared
+    its own clock with the holder's "until"), and both committed to one prefix. A lease's age is the store's to
+    tell (Last-Modified against the Date of the same reply): a job a day ahead, or a holder a day behind,
+    changes nothing."""
+    from easyckpt.storage.storelock import StoreLock
+    s, top = store
+    day = 86400.0
+    a = StoreLock(s, f"{top}/job", "aaaaaaaaaaaa", "a", clock=lambda: time.time() - day)    # the holder: behind
+    assert a.acquire() is None
+    for offset in (day, 0.0, -day):
+        b = StoreLock(s, f"{top}/job", "bbbbbbbbbbbb", "b", clock=lambda: time.time() + offset)
+        refused = b.acquire()
+        assert refused is not None and refused.startswith("job a (agent pid") and not b.held, (offset, refused)
+    assert json.loads(s.read(f"{top}/job/.easyckpt.lock"))["job_id"] == "aaaaaaaaaaaa"
+    a.refresh()
+    assert a.held
+
+
+def test_two_jobs_taking_over_one_ended_lease_at_once_only_one_holds_it(store, monkeypatch):
+    """Both read the ended lease before either writes (an interleaving forced here): the takeover is a PUT
+    conditional on the version read (If-Match: its ETag), so the second write is refused and that job is refused
+    naming the first. (Before: each deleted the lease it read and created its own; the second deleted the
+    first's new lease, and both held it.)"""
+    import threading
+
+    from easyckpt.storage import storelock
+    from easyckpt.storage.s3 import S3Storage
+    from easyckpt.storage.storelock import StoreLock
+    s, top = store
+    monkeypatch.setattr(storelock, "LEASE_S", 2.0)
+    s.write_atomic(f"{top}/job/.easyckpt.lock", _lease(since=time.time() - 1000, until=time.time() - 900))
+    time.sleep(storelock.LEASE_S + 1.5)                  # its holder died: the lease ended
+    both_read, first_done = threading.Barrier(2, timeout=60), threading.Event()
+    outcome = {}
+
+    def race(job: str, first: bool) -> None:
+        racer = S3Storage(endpoint_url=s.endpoint_url)      # a client of its own, as another job's
+        real, reads = racer.c.get_object, []
+
+        def get_object(**kw):
+            reply = real(**kw)
+            reads.append(kw)
+            if len(reads) == 1:          # the lease read: both have it before either writes, then one writes first
+                both_read.wait()
+                if not first:
+                    assert first_done.wait(60)
+            return reply
+        racer.c.get_object = get_object
+        lock = StoreLock(racer, f"{top}/job", job * 12, job)
+        try:
+            outcome[job] = (lock.acquire(), lock.held)
+        finally:
+            if first:
+                first_done.set()
+
+    threads = [threading.Thread(target=race, args=(job, job == "a"), daemon=True) for job in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and set(outcome) == {"a", "b"}, outcome
+    assert outcome["a"] == (None, True), outcome
+    assert outcome["b"][1] is False and outcome["b"][0].startswith("job a (agent pid"), outcome
+    assert json.loads(s.read(f"{top}/job/.easyckpt.lock"))["job_id"] == "a" * 12
+
+
+def test_a_holder_whose_lease_was_taken_over_learns_it_at_its_next_renewal_and_commits_no_more(store, tmp_path,
+                                                                                                   monkeypatch):
+    """A holder that did not renew for LEASE_S (an outage, a stalled agent) lost its lease to another job. Its
+    next renewal, a PUT conditional on the version it last wrote, is refused: it no longer holds the lease, says
+    which job does, and the agent's commits are refused naming why. (Before: the renewal wrote over the other
+    job's lease, which flipped between the two jobs, both committing to one prefix.)"""
+    from easyckpt.agent.jobdir import JobDir
+    from easyckpt.config import Config
+    from easyckpt.storage import storelock
+    from easyckpt.storage.auditlog import AuditLog
+    from easyckpt.storage.storelock import StoreLock
+    s, top = store
+    monkeypatch.setattr(storelock, "LEASE_S", 2.0)
+    cfg = Config(save_dir=f"{top}/job", local_dir=str(tmp_path), endpoint_url=s.endpoint_url)
+    jobdir = JobDir(cfg, AuditLog(None, "agent"))
+    now = [1000.0]
+    a = jobdir.lock()
+    a.clock = lambda: now[0]
+    assert a.acquire() is None and a.held
+    time.sleep(storelock.LEASE_S + 1.5)                   # a stalls: no renewal
+    b = StoreLock(s, f"{top}/job", "bbbbbbbbbbbb", "b")
+    assert b.acquire() is None and b.held
+    now[0] += storelock.LEASE_S                           # a's renewal is due
+    try:
+        a.refresh()
+        lost = None
+    except Exception as exc:  # noqa: BLE001 - what it raises is checked below
+        lost = exc
+    assert not a.held and type(lost).__name__ == "LeaseLost", lost
+    assert "was taken over" in str(lost) and "held by job b (agent pid" in str(lost), lost
+    assert json.loads(s.read(f"{top}/job/.easyckpt.lock"))["job_id"] == "bbbbbbbbbbbb"    # b's, untouched
+    with pytest.raises(Exception, match="step 7 was not committed: this job's lease .* was taken over"):
+        jobdir.commit(7, 1)
+    a.release()                                           # no longer held: writes nothing
+    assert json.loads(s.read(f"{top}/job/.easyckpt.lock"))["job_id"] == "bbbbbbbbbbbb"
+    assert b.acquire() is None and b.held                 # b renews its own lease
 
 
 def test_a_step_set_aside_is_copied_whole_manifest_last_then_removed(store):

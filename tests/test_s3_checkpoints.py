@@ -20,6 +20,7 @@ node agent persisting from shared memory to the store, the real loader resuming 
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -394,10 +395,30 @@ def test_two_jobs_on_one_prefix_the_second_is_refused_naming_the_first(bucket, t
         if first.poll() is None:
             kill_tree(first)
     wait_no_agent(url, timeout=90, log=tmp_path / "a" / "easyckpt.log", job_name="first")
-    assert not store.exists(f"{url}/.easyckpt.lock"), "the lease outlived its idle job"
+    lease = json.loads(store.read(f"{url}/.easyckpt.lock"))     # released (a conditional write), not deleted
+    assert lease["released"] is True, f"the lease outlived its idle job: {lease}"
     run(_cmd(url, tmp_path / "b", 1, "--iters", "4", "--job-name", "second", "--loss-file", str(tmp_path / "b-loss")))
     wait_no_agent(url, timeout=90, log=tmp_path / "b" / "easyckpt.log", job_name="second")
     assert sorted(losses(tmp_path / "b-loss")) == [1, 2, 3, 4]
+
+
+def test_a_lease_object_with_until_1e400_refuses_the_job_naming_it_instead_of_crashing_every_agent(bucket, tmp_path):
+    """issue 49 item 8: a lease object with "until": 1e400 crash-looped every agent (OverflowError) and rank 0
+    failed after 60 s with "no easyckpt agent answered". A lease whose fields are not ours is a running lease of an
+    unknown holder (storage/storelock.py): rank 0 is refused at once, saying so, and nothing is trained."""
+    store, top = bucket
+    url = f"{top}/run"
+    store.write_atomic(f"{url}/.easyckpt.lock", b'{"job_id": "dddddddddddd", "job_name": "d", "host": "h", '
+                                                b'"agent_pid": 7, "since": 1000, "until": 1e400}')
+    t0 = time.monotonic()
+    done = run(_cmd(url, tmp_path / "a", 1, "--iters", "4", "--loss-file", str(tmp_path / "loss")), check=False)
+    text = done.stdout + done.stderr
+    assert done.returncode != 0 and (f"save_dir {url} is in use by job ? (agent pid ? on ?; the lease object is not "
+                                     f"one easyckpt wrote: until=inf is not a valid value") in text, text[-3000:]
+    assert "no easyckpt agent answered" not in text and "OverflowError" not in text, text[-3000:]
+    assert time.monotonic() - t0 < 45 and not losses(tmp_path / "loss")
+    wait_no_agent(url, timeout=90, log=tmp_path / "a" / "easyckpt.log")
+    assert json.loads(store.read(f"{url}/.easyckpt.lock"))["until"] == float("inf")     # left as it was
 
 
 def test_after_a_reboot_the_local_tiers_newer_step_resumes_with_an_uninterrupted_runs_losses(bucket, tmp_path):

@@ -56,6 +56,7 @@ from easyckpt.agent.recovery import Recovery
 from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.agent.server import Client, Server, Transport
 from easyckpt.config import Config
+from easyckpt.errors import LeaseLost
 from easyckpt.formats import protocol
 from easyckpt.formats.replies import (
     FlushReply,
@@ -203,11 +204,16 @@ class Agent:
 
     def _lock_call(self, call: Callable[[], None]) -> None:
         """Renew or release the job lock. On an object store that does not answer, the lease stays as it is
-        (it ends by itself LEASE_S after its last renewal); the outage is logged once (jobdir.py)."""
+        (it ends by itself LEASE_S after its last renewal); the outage is logged once (jobdir.py). A lease another
+        job took over meanwhile is said in the logs and the trainers' next status, and this job commits no more
+        (jobdir.py) unless its rank 0 takes the lease again."""
         try:
             call()
         except OSError as exc:
             self.jobdir.outage("renewing or releasing the job's lease", exc)
+        except LeaseLost as exc:
+            self.coordinator.refused("the job's lease", str(exc), None)
+            self._execute()
 
     def _busy(self) -> bool:
         # connections that never said hello (liveness probes) do not count

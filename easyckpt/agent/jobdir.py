@@ -19,6 +19,7 @@ import time
 from typing import Any, Dict, Optional, Set, Tuple, Union
 
 from easyckpt.config import Config
+from easyckpt.errors import LeaseLost
 from easyckpt.formats.manifest import FileEntry
 from easyckpt.ipc.reap import reap_dead_jobs
 from easyckpt.storage import retention
@@ -42,6 +43,7 @@ class JobDir:
         self.quick = SaveDir.of(cfg, storage_for(cfg.save_dir, quick=True))
         self._polled: Dict[int, Tuple[float, Optional[Set[int]]]] = {}     # step -> (when, ranks): the loop's
         self._outage: Optional[str] = None        # what failed, while the save dir does not answer (the loop's)
+        self._lock: Optional[Union[JobLock, StoreLock]] = None     # ``lock``'s: the loop sets its ``lost``
 
     @property
     def storage(self) -> Storage:
@@ -52,8 +54,10 @@ class JobDir:
         work (a flock in the save dir; on an object store a lease object, storelock.py)."""
         store = remote(self.cfg.save_dir, quick=True)
         if store is not None:
-            return StoreLock(store, self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
-        return JobLock(self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
+            self._lock = StoreLock(store, self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
+        else:
+            self._lock = JobLock(self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
+        return self._lock
 
     def begin(self, step: int) -> str:
         """Where a rank's files of ``step`` go: its staging dir (on an object store the step's final prefix,
@@ -104,7 +108,11 @@ class JobDir:
 
     def commit(self, step: int, world_size: int) -> int:
         """Commit ``step`` (storage/commit.py's durable sequence), then prune older steps of this job.
-        Returns the bytes the step holds."""
+        Returns the bytes the step holds. Refused while another job holds the lease this job lost (two jobs
+        committing to one prefix: the step fails, saying so, until this job takes the lease again)."""
+        lost = self._lock.lost if self._lock is not None else None
+        if lost is not None:
+            raise LeaseLost(f"step {step} was not committed: {lost}")
         t0 = time.perf_counter()
         try:
             done = commit(self.sd, step, world_size, self.log)

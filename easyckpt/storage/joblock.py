@@ -22,6 +22,8 @@ LOCK_NAME = ".easyckpt.lock"
 
 
 class JobLock:
+    lost: Optional[str] = None       # a flock is never taken from its holder (storelock.py's lease can be)
+
     def __init__(self, save_dir: str, job_id: str, job_name: Optional[str]):
         self.path = os.path.join(save_dir, LOCK_NAME)
         self.job_id, self.job_name = job_id, job_name
