@@ -346,10 +346,8 @@ def test_one_job_per_prefix_a_lease_object_taken_with_a_conditional_create(store
     time.sleep(storelock.LEASE_S + 1.5)                   # a died without releasing: its lease ended
     assert b.acquire() is None and b.held
     b.release()
-    assert json.loads(s.read(f"{top}/job/.easyckpt.lock"))["released"] is True and not b.held
+    assert not s.exists(f"{top}/job/.easyckpt.lock")
     c = StoreLock(s, f"{top}/job", "cccccccccccc", "c")
-    assert c.acquire() is None                            # a released lease is taken at once
-    c.release()
     s.write_atomic(f"{top}/job/.easyckpt.lock", b"\xff not json")
     assert "job ?" in (c.acquire() or "")                 # planted garbage: a running lease of someone unknown
 

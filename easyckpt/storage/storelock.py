@@ -17,8 +17,10 @@ Three rules make it hold between hosts whose clocks disagree and jobs that race:
 - Every change after the create is a PUT conditional on the version read (``If-Match: ETag``; each body has a
   nonce, so no two writes share an ETag): the renewal, a takeover, the release. Of two jobs taking over one
   ended lease one write succeeds; a holder whose lease was taken over learns it at its next renewal (LeaseLost)
-  and must stop committing. Release writes a released lease rather than deleting it, as the flock's file stays:
-  RGW 16 ignores If-Match on DELETE, and an unconditional delete could remove a lease another job just took.
+  and must stop committing. The release deletes the lease only while the object is still the version this job
+  wrote (read, ETag compared, then deleted: RGW 16 ignores If-Match on DELETE). A running lease cannot be taken
+  by another job, so between that read and the delete nobody else's lease can appear; one taken over because
+  this holder stalled has another ETag and is left alone.
 - The lease is read as untrusted input: a body that is not ours (not JSON, a field missing, of the wrong type,
   a number not finite or out of range, a string too long or unprintable) counts as a running lease of an
   unknown holder until the object is LEASE_S old by the store's clock; its fields are never used.
@@ -110,10 +112,14 @@ class StoreLock:
         self._write(self._body())
 
     def release(self) -> None:
-        """Mark the lease released (the next job takes it at once); LeaseLost when it was no longer ours."""
-        if self._etag is not None:
-            self._write(self._body(released=True))
-            self._etag = None
+        """Delete the lease if it is still the version this job wrote (the module docstring says why that order is
+        safe); a lease taken over meanwhile is left to its new holder."""
+        if self._etag is None:
+            return
+        etag, self._etag = self._etag, None
+        lease = self.store.read_version(self.path, _MAX_BYTES)
+        if lease is not None and lease.etag.strip('"') == etag.strip('"'):
+            self.store.delete(self.path)
 
     def _write(self, body: bytes) -> None:
         assert self._etag is not None
