@@ -58,12 +58,18 @@ class Entry:
     files: int
     layout: Dict[str, int] = field(default_factory=dict)    # tp, pp, dp, world
     job_id: Optional[str] = None
-    run: float = 0.0                   # when the run that committed it started (Manifest.run): orders the pick
+    run: float = 0.0                   # when the run that committed it started (Manifest.run)
+    run_seq: int = 0                   # the number of that run (Manifest.run_seq): with run, orders the pick
     picked: bool = False               # the one easyckpt's loader would pick
     staging: bool = False              # a step being written (or left by a crash), not yet visible
     # complete | plain (the HF Trainer's own, no manifest) | incomplete (never committed) | damaged | staging |
     # quarantined (set aside whole by a fresh start or a newer run's commit of its name: never loaded or pruned)
     state: str = ""
+
+    @property
+    def run_key(self) -> mf.RunKey:
+        """How the loader orders runs (Manifest.run_key)."""
+        return (self.run_seq, self.run if self.run_seq == 0 else 0.0)
 
     def __post_init__(self) -> None:
         if not self.state:
@@ -123,7 +129,7 @@ def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False
                     e.complete, e.state, e.why = False, "damaged", problems[0] + (f" (and {len(problems) - 1} more)"
                                                               if len(problems) > 1 else "")
     complete = {e.step: e for e in entries if e.complete}
-    order = mf.newest_first(complete, {s: e.run for s, e in complete.items()})    # the loader's order
+    order = mf.newest_first(complete, {s: e.run_key for s, e in complete.items()})    # the loader's order
     if order:
         complete[order[0]].picked = True
     return Catalog(save_dir, framework, entries)
@@ -180,7 +186,7 @@ def _entry(step: int, path: str, framework: str) -> Entry:
     if problems:
         why = problems[0] + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
     return Entry(step, path, why is None, why, man.framework, man.created, man.nbytes, len(man.files),
-                 layout_of(path, framework, man), man.job_id, man.run)
+                 layout_of(path, framework, man), man.job_id, man.run, man.run_seq)
 
 
 def step_entry(step: int, path: str, framework: str) -> Entry:

@@ -86,7 +86,7 @@ def load_newest(cfg: Config, rank: int, world_size: int, needed: Needed, log: Au
     every = sd.committed_manifests()
     ours = [e for e in every if sd.owns(e[2])]
     stored = [(s, p) for s, p, _ in ours]
-    runs = {s: man.run for s, _, man in ours}
+    runs = {s: man.run_key for s, _, man in ours}
     _say_other_jobs([e for e in every if not sd.owns(e[2])], rank, log)
     _log_invalid_manifests(sd, {s for s, _, _ in every}, log)
     native = adopt.candidates(cfg.save_dir, cfg.naming, _console(rank, log))   # the framework's own

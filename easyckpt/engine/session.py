@@ -18,6 +18,7 @@ protocol they implement); they hold no file I/O, no threads, and no knowledge of
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from easyckpt import console
@@ -78,9 +79,13 @@ class Engine:
         self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
-        # recorded in every manifest's info (rank 0's wins): retention and the loader order this job's steps
-        # by (run, step), so a new run's commits are never older than a previous run's higher step numbers
+        # recorded in every manifest's info (rank 0's wins): the run's token names it, and the commit numbers
+        # the run by it (storage/commit.run_seq_of); retention and the loader order this job's steps by (run
+        # number, step), so a new run's commits are never older than a previous run's higher step numbers.
+        # The start stamp is for people (and orders only steps committed before runs were numbered): ranks'
+        # clocks disagree, and one a day ahead must not make a later run's commits the older ones.
         self.run_started = round(self.clock.time(), 6)
+        self.run_id = secrets.token_hex(8)
         self.progress = runlog.LastStep(self.rank)
         # overlap (overlap.py): a snapshot whose optimizer-owned tensors are still being copied
         self.pending: Optional[PendingSnapshot] = None
@@ -140,7 +145,7 @@ class Engine:
         self._introduce()
         defer = self.watch.deferrable() if overlap else None
         shards = collect()
-        info = {**(info or {}), "run": self.run_started}
+        info = {**(info or {}), "run": self.run_started, "run_id": self.run_id}
         result = self.snapshotter.snapshot(step, shards, persist, info, defer)
         if result is None and self.snapshotter.skipped is None and not self.client.alive():
             # both slots reserved by an agent that died: a new agent releases them (docs/reliability.md promise 10)

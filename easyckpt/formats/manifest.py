@@ -55,7 +55,7 @@ MAX_MANIFEST_BYTES = 256 << 20        # a manifest lists files, it is never this
 _Data = Union[bytes, bytearray, memoryview]   # what a checksum reads (storage.base.Buffer)
 _ENTRY_FIELDS = frozenset({"size", "checksum", "format", "items", "derived_by"})
 _MANIFEST_FIELDS = frozenset({"format_version", "step", "job_id", "framework", "world_size", "checksum", "files",
-                              "created", "job", "info", "adopted"})
+                              "created", "job", "info", "adopted", "run_seq"})
 
 
 class Hasher:
@@ -169,6 +169,9 @@ class Manifest:
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)   # what the adapters recorded (layout, run...)
     adopted: bool = False
     format_version: int = FORMAT_VERSION
+    # the number of the run that committed it, decided by the commit under the job's lock (commit.run_seq_of);
+    # 0: committed before runs were numbered (its order is then its "run" stamp's, see run_key)
+    run_seq: int = 0
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # fields a newer writer added: kept
 
     @property
@@ -181,11 +184,26 @@ class Manifest:
 
     @property
     def run(self) -> float:
-        """When the run that committed this step started (its trainers' clock, recorded by the engine); 0 for
-        steps committed before runs were recorded. Steps are ordered by (run, step): a new run's commits are
-        newer than an older run's higher step numbers."""
+        """When the run that committed this step started, by its rank 0's wall clock (recorded by the engine; 0
+        for steps committed before runs were recorded): a time for people to read, and the order of the steps
+        committed before runs were numbered (run_seq 0), never of the others."""
         run = self.info.get("run", 0)
         return float(run) if isinstance(run, (int, float)) and not isinstance(run, bool) and run >= 0 else 0.0
+
+    @property
+    def run_id(self) -> Optional[str]:
+        """The identity of the engine run that committed this step (a random token its rank 0 drew at start),
+        or None (written before runs carried one)."""
+        value = self.info.get("run_id")
+        return value if isinstance(value, str) and value else None
+
+    @property
+    def run_key(self) -> Tuple[int, float]:
+        """What orders this job's runs: the run number (run_seq), then, for steps committed before runs were
+        numbered (run_seq 0, all older than every numbered run: easyckpt is upgraded forward), their start
+        stamp as before. Steps are ordered by (run_key, step), so a run that started later is later whatever
+        the clocks said, and its commits are newer than an older run's higher step numbers."""
+        return (self.run_seq, self.run if self.run_seq == 0 else 0.0)
 
     @property
     def layout(self) -> Optional[str]:
@@ -237,6 +255,8 @@ class Manifest:
         out["info"] = dict(self.info)
         if self.adopted:
             out["adopted"] = True
+        if self.run_seq:
+            out["run_seq"] = self.run_seq
         return out
 
     def to_bytes(self) -> bytes:
@@ -251,19 +271,23 @@ class Manifest:
 
 
 def build(step: int, job_id: str, framework: str, world_size: int, files: Mapping[str, FileEntry],
-          info: Optional[Mapping[str, Any]] = None, job_name: Optional[str] = None) -> Manifest:
+          info: Optional[Mapping[str, Any]] = None, job_name: Optional[str] = None, run_seq: int = 0) -> Manifest:
     """``job_id`` names the job where it runs (save dir and job name, hashed); ``job_name`` (the setting,
-    "" when unset) is what makes a step this job's wherever the directory is copied or moved to."""
+    "" when unset) is what makes a step this job's wherever the directory is copied or moved to; ``run_seq``
+    the committing run's number (Manifest.run_seq)."""
     return Manifest(step=step, framework=framework, files=dict(sorted(files.items())), job_id=job_id,
                     world_size=world_size, checksum=ALGO, created=time.time(), job=job_name,
-                    info=dict(info or {}))
+                    info=dict(info or {}), run_seq=run_seq)
 
 
-def newest_first(steps: Iterable[int], runs: Mapping[int, float]) -> List[int]:
+RunKey = Tuple[int, float]      # Manifest.run_key
+
+
+def newest_first(steps: Iterable[int], runs: Mapping[int, RunKey]) -> List[int]:
     """The order the loader tries committed steps in, and so the one ``easyckpt ls`` names as its pick:
-    newest commit first, by run then step (Manifest.run); a step with no run recorded (a framework's own
-    checkpoint, or one committed before runs were recorded) counts as run 0."""
-    return sorted(set(steps), key=lambda s: (runs.get(s, 0.0), s), reverse=True)
+    newest commit first, by run then step (Manifest.run_key); a step with no run recorded (a framework's own
+    checkpoint, or one committed before runs were recorded) counts as run (0, 0.0)."""
+    return sorted(set(steps), key=lambda s: (runs.get(s, (0, 0.0)), s), reverse=True)
 
 
 # ---- validation ---------------------------------------------------------------------------------------
@@ -315,10 +339,14 @@ def _parse(data: Any) -> Manifest:
     info = data.get("info", {})
     if not isinstance(info, dict):
         raise ManifestError(f"field 'info' is {info!r}, expected an object")
+    # optional, so format_version stays 1: an older reader keeps it as an unknown field and orders by "run"
+    run_seq = data.get("run_seq", 0)
+    if not (_is_int(run_seq) and run_seq >= 0):
+        raise ManifestError(f"field 'run_seq' is {run_seq!r}, expected an integer >= 0 (the run's number)")
     extra = {k: v for k, v in data.items() if k not in _MANIFEST_FIELDS}
     return Manifest(step=step, framework=framework, files=parse_files(files), job_id=job_id,
                     world_size=world_size, checksum=algo, created=float(created), job=job, info=info,
-                    format_version=version, extra=extra)
+                    format_version=version, extra=extra, run_seq=run_seq)
 
 
 def parse_files(files: Dict[str, Any]) -> Dict[str, FileEntry]:

@@ -59,7 +59,8 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     for rank in sorted(markers, reverse=True):   # what the adapter said on rank 0 wins
         files.update(markers[rank].files)
         info.update(markers[rank].info)
-    manifest = mf.build(step, job_id, sd.naming.framework, world_size, files, info, job_name=sd.job_name)
+    manifest = mf.build(step, job_id, sd.naming.framework, world_size, files, info, job_name=sd.job_name,
+                        run_seq=run_seq_of(sd, info))
     final = sd.step_path(step)
     if not sd.renames:
         _commit_in_place(sd, step, final, manifest, markers, log)
@@ -93,6 +94,25 @@ class TrackerNotUpdated(OSError):
                                       f"updated ({cause}): the framework's own loader may not see it; easyckpt's "
                                       f"loader reads manifests")
         self.done = done
+
+
+def run_seq_of(sd: "SaveDir", info: Dict[str, Any]) -> int:
+    """The number of the run whose rank 0 recorded ``info``: that of this job's committed steps of the same run,
+    else (the run's first commit) one more than the newest run of this job in the save dir. Decided here, by
+    the coordinator's agent under the job's lock (one committer at a time), from what the save dir holds, so
+    that a run that started later is later whatever the ranks' clocks say (an NTP step, a node a day ahead):
+    the wall-clock stamp ("run") only names the run, with the token its engine drew ("run_id") where there is
+    one, and orders the steps committed before runs were numbered (Manifest.run_key)."""
+    run_id, stamp = info.get("run_id"), info.get("run", 0)
+    ours = [man for _, _, man in sd.committed_manifests(own=True)]
+    for man in ours:
+        if isinstance(run_id, str):
+            same = man.run_id == run_id
+        else:                   # markers written without a token (older trainers): the run is its stamp
+            same = man.run_id is None and man.info.get("run", 0) == stamp
+        if same and man.run_seq:
+            return man.run_seq
+    return max((man.run_seq for man in ours), default=0) + 1
 
 
 def _after(sd: "SaveDir", step: int, final: str, manifest: mf.Manifest) -> Committed:
@@ -141,7 +161,7 @@ def _retire_existing(sd: "SaveDir", step: int, final: str, new: mf.Manifest, log
         raise FileExistsError(f"{final} holds a checkpoint of another job ({man.job_words()}); refusing to "
                               f"replace it: move it away, or give this job another save_dir")
     damaged = sd.read_damaged().get(os.path.basename(final))
-    if man is None or damaged is not None or man.run == new.run:
+    if man is None or damaged is not None or man.run_key == new.run_key:
         why = (f"replaced by a newer commit of the same step (the old one was rejected: {damaged})" if damaged
                else "replaced by a newer commit of the same step")
         sd.delete_dir(final, log, why)

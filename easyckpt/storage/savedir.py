@@ -131,7 +131,7 @@ class SaveDir:
 
     def committed(self, own: bool = False) -> List[Tuple[int, str]]:
         """Step directories with a valid manifest of the same step (only this job's if ``own``), newest
-        commit first: by run, then step (Manifest.run), so that a new run's commits are never taken for older
+        commit first: by run, then step (Manifest.run_key), so that a new run's commits are never taken for older
         than a previous run's higher step numbers."""
         return [(step, path) for step, path, _ in self.committed_manifests(own)]
 
@@ -145,7 +145,7 @@ class SaveDir:
             # own: what this job may prune or replace, so never a step directory another user owns
             if man is not None and (not own or (self.owns(man) and stepfiles.owner_problem(path) is None)):
                 out.append((step, path, man))
-        return sorted(out, key=lambda e: (e[2].run, e[0]), reverse=True)
+        return sorted(out, key=lambda e: (e[2].run_key, e[0]), reverse=True)
 
     def owns(self, man: mf.Manifest) -> bool:
         """Whether a validated manifest is a step of this job (Manifest.same_job)."""
