@@ -12,10 +12,16 @@ import os
 import time
 from typing import Optional
 
+import pytest
 from harness import TIMEOUT, committed_steps, events, run, train_cmd, wait_no_agent
 from test_storage_units import JOB, LOG, intact, stage
 
+from easyckpt.config import Config
+from easyckpt.engine.agentview import AgentView
+from easyckpt.errors import AgentError
 from easyckpt.formats.layout import NAMINGS
+from easyckpt.formats.replies import StatusReply
+from easyckpt.ipc import jobkey, shm
 from easyckpt.storage import stepfiles
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.commit import commit
@@ -100,3 +106,92 @@ def test_runs_are_numbered_at_commit_and_ordered_by_number_whatever_their_clocks
     _commit_in_run(sd, 10, 500.0, "run-b")                     # again in run b (a fresh snapshot): replaced
     assert len(sd.quarantined()) == 1 and intact(sd, 10) and _seq(sd, 10) == 2
     assert [s for s, _ in sd.committed(own=True)] == [15, 10]
+
+
+class _Link:
+    """engine/seams.AgentLink of an agent whose status says it deleted ``step`` after committing it."""
+    agent_pid = None
+
+    def __init__(self, deleted):
+        self.deleted = deleted
+
+    def status(self, timeout):
+        return StatusReply(commits=[(80, 1, 0.1)], deleted_steps=self.deleted)
+
+    def alive(self):
+        return True
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def time(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_a_step_deleted_right_after_its_commit_fails_finalize_at_once_naming_why(tmp_path, monkeypatch):
+    """The engine and the real agent in one interpreter (tests/inproc.py): the job's retention deletes the step
+    finalize waits for right after committing it (as the clock-ordered retention did to every commit of a
+    later run). finalize fails within seconds, saying the step was committed, then deleted by retention; the
+    agent's status names each step it pruned (before: finalize waited commit_timeout, then said "its staging
+    directory never appeared or is gone")."""
+    from inproc import model_and_optimizer, node, ranks, state, train_step
+
+    from easyckpt.agent import jobdir
+
+    real_prune = jobdir.retention.prune
+
+    def newest_deleted_too(sd, policy, log):     # what ordering runs by a clock a day ahead did
+        deleted = real_prune(sd, policy, log)
+        (step, path), *_ = sd.committed(own=True)
+        if step == 6:
+            sd.delete_dir(path, log, "retention", step=step)
+            deleted.append(step)
+        return deleted
+
+    monkeypatch.setattr(jobdir.retention, "prune", newest_deleted_too)
+    cfg = Config(save_dir=str(tmp_path / "ckpt"), save_mem_interval=1, save_storage_interval=2, max_ckpt_num=1,
+                 autocheckpoint_on_sigterm=False, commit_timeout=20)
+
+    def body(ckpt, group):
+        model, opt = model_and_optimizer()
+        for step in range(1, 7):
+            train_step(model, opt, step)
+            ckpt.save(step, state(ckpt, model, opt, step), optimizer=opt)
+        t0 = time.monotonic()
+        with pytest.raises(AgentError) as failed:
+            ckpt.finalize()
+        return time.monotonic() - t0, str(failed.value), ckpt.engine.client.status(2.0)
+
+    try:
+        with node(cfg) as local:
+            (took, said, status), = ranks(cfg, local, 1, body, timeout=60)
+    finally:     # a failed finalize keeps the snapshots (a restart resumes from them): this test has none to do
+        for path in shm.segments_of(cfg.job_id):
+            shm.unlink_quiet(path)
+        jobkey.remove(cfg.job_id)
+    assert "step 6 was committed, then deleted: retention deleted it after the commit of step 6" in said, said
+    assert took < 5, f"finalize waited {took:.1f} s for a step that was deleted"
+    assert sorted(status.deleted_steps) == [2, 4, 6], status.deleted_steps
+    assert "after the commit of step 4" in status.deleted_steps[2]
+
+
+def test_a_commit_deleted_before_the_trainer_saw_it_ends_the_wait_at_once_naming_why(tmp_path):
+    """The agent committed step 80, then retention deleted it (as the clock-ordered retention did): a trainer
+    waiting for that commit stops within one status question (0.25 s), saying it was committed, then deleted,
+    and why; before, it waited commit_timeout and said "its staging directory never appeared or is gone"."""
+    cfg = Config(save_dir=str(tmp_path / "ckpt"), commit_timeout=600)
+    (tmp_path / "ckpt").mkdir()
+    why = "retention deleted it after the commit of step 80 (max_ckpt_num=2 ...)"
+    clock = _Clock()
+    view = AgentView(cfg, 0, 1, _Link({80: why}), SaveDir.of(cfg), AuditLog(None, "rank0"), clock)
+    with pytest.raises(AgentError, match="step 80 was committed, then deleted: retention deleted it"):
+        view.wait_committed(80, 600.0, agent_died=lambda: None)
+    assert clock.now < 1.0, f"the wait went on for {clock.now:.1f} s"

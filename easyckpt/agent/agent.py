@@ -113,6 +113,10 @@ class Agent:
         # for the trainers' console ("checkpoint-15 committed (1.2 GiB, 0.4 s ...)"), through status
         self.asked: Dict[int, float] = {}       # step -> when a trainer first asked to persist it
         self.commits: Deque[Tuple[int, int, float]] = collections.deque(maxlen=8)   # step, bytes, seconds
+        # step -> why retention deleted it after its commit, through status: a trainer still waiting for that
+        # commit stops at once, naming why, instead of at commit_timeout. Forgotten when the step is asked for
+        # again (a new persist of the name, new trainers): then it is a new commit that is awaited.
+        self.deleted: Dict[int, str] = {}
         self._handlers: Dict[type, Callable[[socket.socket, Client, Any], None]] = {
             protocol.Hello: self._hello, protocol.Persist: self._persist, protocol.Flush: self._flush,
             protocol.Bye: self._bye, protocol.Term: self._term, protocol.TermStep: self._term_step,
@@ -162,6 +166,13 @@ class Agent:
                                      0.0 if asked is None else round(time.monotonic() - asked, 3)))
                 for older in [s for s in self.asked if s < step]:
                     del self.asked[older]     # superseded or failed: never committed now
+                self.deleted.pop(step, None)
+                for gone in result.pruned:
+                    self.deleted[gone] = (f"retention deleted it after the commit of step {step} "
+                                          f"(max_ckpt_num={self.cfg.max_ckpt_num} keeps this job's newest "
+                                          f"commits, by run, then step; see the audit log's delete events)")
+                for old in sorted(self.deleted)[:-16]:
+                    del self.deleted[old]
             self.coordinator.on_result(result)
         self.coordinator.tick()
         self._execute()
@@ -342,6 +353,7 @@ class Agent:
                 other.rank = None
                 self.server.disconnect(other_conn)
         if not self.server.trainers() and self.ever_connected:
+            self.deleted.clear()
             self.coordinator.new_trainers(msg.world_size)
             self._execute()    # cancel the earlier trainers' queued persists before any of the new ones'
         client.rank, client.pid = msg.rank, msg.pid
@@ -383,6 +395,7 @@ class Agent:
             self.coordinator.refuse(msg.rank, msg.step, f"not persisted: {self.stopped}")
             return
         self.asked.setdefault(msg.step, time.monotonic())
+        self.deleted.pop(msg.step, None)
         self.coordinator.persist(msg.rank, msg.slot, msg.generation, msg.step)
 
     def _flush(self, conn: socket.socket, client: Client, msg: protocol.Flush) -> None:
@@ -414,6 +427,7 @@ class Agent:
             connected=sorted(c.rank for c in self.server.trainers() if c.rank is not None),
             dead_ranks=sorted(self.dead_ranks), pending_commits=sorted(co.pending), outstanding=co.outstanding,
             last_error=co.last_error, leaving=self.grace.leaving, failed_steps=dict(sorted(co.failed.items())[-16:]),
+            deleted_steps=dict(self.deleted),
             refused=len(self.refused), last_refused=self.refused[-4:], sigterm=self.grace.status(),
             notices=len(self.notices), last_notices=self.notices[-4:],
             commits=list(self.commits), replicas=self.replicas.status()))

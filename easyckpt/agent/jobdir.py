@@ -16,7 +16,7 @@ snapshots. On an object store the loop polls a step's markers at most every POLL
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from easyckpt.config import Config
 from easyckpt.errors import LeaseLost
@@ -106,10 +106,10 @@ class JobDir:
         save -> durable on a store). Called by the loop thread, which alone reads and writes ``_polled``."""
         self._polled.pop(step, None)
 
-    def commit(self, step: int, world_size: int) -> int:
+    def commit(self, step: int, world_size: int) -> Tuple[int, List[int]]:
         """Commit ``step`` (storage/commit.py's durable sequence), then prune older steps of this job.
-        Returns the bytes the step holds. Refused while another job holds the lease this job lost (two jobs
-        committing to one prefix: the step fails, saying so, until this job takes the lease again)."""
+        Returns the bytes the step holds and the steps pruned. Refused while another job holds the lease this job
+        lost (two jobs committing to one prefix: the step fails, saying so, until this job takes the lease again)."""
         lost = self._lock.lost if self._lock is not None else None
         if lost is not None:
             raise LeaseLost(f"step {step} was not committed: {lost}")
@@ -121,9 +121,9 @@ class JobDir:
             done = exc.done
         self.log.emit("commit", step=step, path=done.path, bytes=done.nbytes,
                       seconds=round(time.perf_counter() - t0, 6))
-        retention.prune(self.sd, retention.KeepLast(self.cfg.max_ckpt_num, retention.protected(done.manifest)),
-                        self.log)
-        return done.nbytes
+        pruned = retention.prune(self.sd, retention.KeepLast(self.cfg.max_ckpt_num,
+                                                             retention.protected(done.manifest)), self.log)
+        return done.nbytes, pruned
 
     def newest_committed(self) -> Optional[int]:
         """This job's newest commit (run, then step: SaveDir.committed's order), or None (also when the save dir

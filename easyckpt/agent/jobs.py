@@ -7,7 +7,7 @@ side reads the other's state, so no lock guards any of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,4 @@ class Result:
     error: Optional[str] = None     # None: done
     seconds: float = 0.0            # a persist's write time (the grace clock's reserve)
     nbytes: int = 0                 # a commit's: the bytes the committed step holds
+    pruned: Tuple[int, ...] = ()    # a commit's: the steps retention deleted after it

@@ -151,7 +151,8 @@ def disk_work(job_id: str, jobdir: JobDir, log: AuditLog, direct_io: bool) -> Ca
         if isinstance(job, PersistJob):
             return persist(job)
         if isinstance(job, CommitJob):
-            return Result(job, nbytes=jobdir.commit(job.step, job.world_size))
+            nbytes, pruned = jobdir.commit(job.step, job.world_size)
+            return Result(job, nbytes=nbytes, pruned=tuple(pruned))
         if isinstance(job, AbandonJob):
             jobdir.drop_all_but(job.keep, ABANDON_WHY)
         elif isinstance(job, DropJob):

@@ -95,9 +95,13 @@ class AgentView:
                 return
             if self.clock.monotonic() > next_check:
                 next_check = self.clock.monotonic() + STATUS_EVERY
-                failed = self.failed_steps()
+                status = self.status()
+                failed = dict(status.failed_steps) if status is not None else {}
                 if step in failed:
                     raise AgentError(f"rank {self.rank}: step {step} was not committed: {failed[step]}")
+                gone = dict(status.deleted_steps) if status is not None else {}
+                if step in gone:     # committed, then deleted before this rank saw it: it will never appear
+                    raise AgentError(f"rank {self.rank}: step {step} was committed, then deleted: {gone[step]}")
                 if not self.link.alive():
                     agent_died()
             now = self.savedir.ready_ranks(step)

@@ -268,6 +268,8 @@ class StatusReply(_Reply):
     last_error: Optional[str] = None
     leaving: bool = False
     failed_steps: Dict[int, str] = dataclasses.field(default_factory=dict)   # step -> why not committed
+    # step -> why it is gone after its commit (this agent's retention deleted it): a trainer waiting for it stops
+    deleted_steps: Dict[int, str] = dataclasses.field(default_factory=dict)
     refused: int = 0                           # hellos refused so far; the last few, said:
     last_refused: List[str] = dataclasses.field(default_factory=list)
     notices: int = 0                           # things rank 0's console must hear (a save dir replaced); the last few:
