@@ -79,6 +79,19 @@ ROWS = {
     49: "test_local_tier.py::test_planted_records_and_copies_are_passed_over_without_blocking",
     50: "test_s3_checkpoints.py::test_a_full_bucket_fails_the_step_cleanly_harms_nothing_older_and_persisting_resumes_with_room",
     51: "test_s3.py::test_a_throttling_store_is_retried_with_backoff_and_one_that_keeps_throttling_fails_naming_it",
+    52: "test_shared_dir.py::test_a_damaged_record_planted_by_another_user_deletes_no_intact_step",
+    53: "test_shared_dir.py::test_a_log_planted_by_another_user_is_refused_at_start_never_appended_to",
+    54: "test_shared_dir.py::test_a_stranger_cannot_hold_the_jobs_lock_and_is_named_when_it_does",
+    55: "test_shared_dir.py::test_planted_twin_and_future_step_names_never_outrank_the_jobs_own_steps",
+    56: "test_shared_dir.py::test_a_directory_where_a_file_belongs_is_refused_at_start_naming_it",
+    57: "test_shared_dir.py::test_a_save_dir_replaced_under_a_running_job_is_noticed_and_still_guarded",
+    58: "test_run_order.py::test_a_run_whose_clock_was_a_day_ahead_never_costs_the_next_run_its_commits",
+    59: "test_run_order.py::test_a_step_deleted_right_after_its_commit_fails_finalize_at_once_naming_why",
+    60: "test_replicas.py::test_slow_handshakes_from_the_jobs_own_nodes_address_never_keep_that_node_out",
+    61: "test_planted.py::test_a_flood_of_garbage_on_the_agents_peer_port_adds_a_few_log_lines_not_one_each",
+    62: "test_s3_checkpoints.py::"
+        "test_a_lease_object_with_until_1e400_refuses_the_job_naming_it_instead_of_crashing_every_agent",
+    63: "test_s3.py::test_a_job_whose_clock_is_a_day_off_cannot_take_over_a_running_lease",
 }
 
 

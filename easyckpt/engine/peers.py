@@ -225,7 +225,8 @@ def secret_from_file(path: str, job_id: str) -> str:
         raw = os.read(fd, MAX_SECRET_FILE + 1).strip()
     finally:
         os.close(fd)
-    fix = f"give it 16 to {MAX_SECRET_FILE} bytes of random data (e.g. `openssl rand -hex 32 > {path}; chmod 600 {path}`)"
+    fix = (f"give it 16 to {MAX_SECRET_FILE} bytes of random data (e.g. `openssl rand -hex 32 > {path}; "
+           f"chmod 600 {path}`)")
     if len(raw) < 16:
         raise ConfigError(f"{SECRET_FILE_ENV}={path} holds {len(raw)} bytes besides leading and trailing whitespace: "
                           f"{fix}")
