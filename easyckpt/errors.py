@@ -12,6 +12,7 @@ catches them. This module imports nothing: the agent, the formats and the adapte
     │   ├── SnapshotChanged                      a slot was reused while the agent persisted it
     │   └── LeaseLost                            another job took over this job's lease on a store
     ├── ObjectChanged                            a store object is no longer the version read
+    ├── TrackerNotUpdated (OSError)              a step committed, its tracker not written (said, not fatal)
     ├── PreemptionError                          the ranks could not agree on a SIGTERM step
     ├── ProtocolError (ValueError)               a malformed message on the agent's socket
     ├── CatalogError (ValueError)                an operator tool found no such checkpoint
@@ -91,6 +92,16 @@ class UntrustedFileError(EasyCkptError, PermissionError):
 class LeaseLost(AgentError):
     """This job's lease on an object store (storage/storelock.py) was taken over by another job (or removed):
     its renewal, a write conditional on the version it last wrote, was refused; the job must stop committing."""
+
+
+class TrackerNotUpdated(EasyCkptError, OSError):
+    """A step IS committed; only its tracker (a hint for the frameworks' own loaders) could not be written. It
+    carries the commit's result (``done``, storage/commit.py's Committed), so that the agent says so and goes on
+    (retention runs): a planted directory under the tracker's name once had every commit reported failed."""
+
+    def __init__(self, message: str, done: object):
+        super().__init__(message)
+        self.done = done
 
 
 class ObjectChanged(EasyCkptError):

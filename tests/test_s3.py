@@ -592,3 +592,25 @@ def test_a_throttling_store_is_retried_with_backoff_and_one_that_keeps_throttlin
         with pytest.raises(OSError, match="SlowDown"):
             fresh.read(f"{top}/job/small")
         assert proxy.refused == 5 + 5, proxy.refused
+
+
+def test_sizes_of_a_step_on_a_store_come_from_one_listing_not_a_request_per_file(store, server, monkeypatch):
+    """issue 49 item 9: a manifest of 30,000 files made `easyckpt ls` take 46 s on a store, one HEAD per file.
+    check_sizes (what `ls` and the loader's cheap check run) lists the step's prefix once; a missing or
+    truncated object is still named."""
+    from easyckpt.formats import manifest as mf
+    from easyckpt.storage import stepfiles
+    s, top = store
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server["ENDPOINT"])     # the store stepfiles resolves from the URL
+    step = f"{top}/step_00000001"
+    files = {f"part-{i:03d}.bin": mf.FileEntry(size=i + 1) for i in range(60)}
+    for rel, entry in files.items():
+        s.write_atomic(f"{step}/{rel}", b"x" * entry.size)
+    man = mf.build(1, "0123456789ab", "pytorch", 1, files)
+    heads = []
+    monkeypatch.setattr(type(s), "size", lambda self, path: heads.append(path) or 0)
+    assert stepfiles.check_sizes(step, man) == [] and heads == []
+    s.delete_files([f"{step}/part-007.bin"])
+    s.write_atomic(f"{step}/part-009.bin", b"x")
+    problems = stepfiles.check_sizes(step, man)
+    assert len(problems) == 2 and "part-007.bin: missing" in problems and "part-009.bin" in problems[1], problems

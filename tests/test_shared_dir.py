@@ -304,3 +304,16 @@ def test_inspect_calls_a_bin_file_pickled_only_from_its_header(tmp_path):
     assert _binary(str(tmp_path), "raw.bin").startswith("neither a pickle nor a torch.save archive")
     assert _binary(str(tmp_path), "p.bin").startswith("a pickled Python object")
     assert "TrainingArguments" in _binary(str(tmp_path), "training_args.bin")
+
+
+@AS_ROOT
+def test_easyckpt_ls_never_names_as_the_pick_a_step_the_loader_refuses(shared_dir):
+    """Item 9 of the probe: `easyckpt ls` said "the loader would pick step 10" of a step another user owned,
+    which the loader refuses as untrusted; now it marks the step untrusted and picks the one the loader takes."""
+    from harness import cli
+    save = shared_dir
+    _job(save, 10)
+    subprocess.run(["chown", "-R", "nobody", str(save / "step_00000010")], check=True, timeout=30)
+    out = cli("ls", str(save)).stdout
+    assert "* the loader would pick step 5 " in out, out
+    assert "untrusted: step_00000010 is owned by uid 65534 (nobody)" in out, out

@@ -51,6 +51,7 @@ from easyckpt.agent.grace import Grace
 from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.jobs import CommitJob, Job, PersistJob, Result
 from easyckpt.agent.localtier import LocalTier
+from easyckpt.agent.nodelogs import NodeLogs
 from easyckpt.agent.persister import Persister, Worker, disk_work
 from easyckpt.agent.recovery import Recovery
 from easyckpt.agent.replicas import Replicas, Table
@@ -68,15 +69,11 @@ from easyckpt.formats.replies import (
     StatusReply,
     reply_from_wire,
 )
-from easyckpt.formats.layout import agent_log_name
 from easyckpt.ipc import jobkey, shm
-from easyckpt.storage import logcap
 from easyckpt.storage.auditlog import AuditLog
-from easyckpt.storage.savedir import SaveDir
 
 HELLO_WAIT = 10.0   # seconds a new agent waits for its first trainer before it leaves
 POLL = 0.05         # the loop's longest sleep: commit deadlines and the grace clock are this precise
-LOG_CHECK = 1.0     # seconds between looks at the agent log's size (logcap.py)
 
 
 class Agent:
@@ -108,6 +105,7 @@ class Agent:
                                                 # the running trainers through status, so not only in a log
         self.got_sigterm = False
         self.notices: List[str] = []            # what rank 0's console must hear, through status (dirwatch.py)
+        self.logs = NodeLogs(cfg, self.log)
         self.dirwatch = DirWatch([cfg.node_dir] if cfg.remote else [cfg.save_dir, cfg.node_dir])
         self.stopped: Optional[str] = None      # why this agent persists no more (its save dir is another job's)
         # for the trainers' console ("checkpoint-15 committed (1.2 GiB, 0.4 s ...)"), through status
@@ -129,21 +127,11 @@ class Agent:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "got_sigterm", True))
         self.start()
-        log_check, log_said = 0.0, False
         while True:
             self.server.poll(POLL)
             if self.turn():
                 break
-            if time.monotonic() >= log_check:     # the agent log (its stdout and stderr) is capped too
-                log_check = time.monotonic() + LOG_CHECK
-                try:
-                    logcap.cap_stdio(os.path.join(self.cfg.node_dir, agent_log_name(socket.gethostname())),
-                                     lambda: SaveDir(self.cfg.node_dir, self.cfg.naming).open_agent_log(
-                                         socket.gethostname())[1])
-                except OSError as exc:
-                    if not log_said:
-                        log_said = True
-                        self.log.record("warning", message=f"the agent log cannot be rotated: {exc}")
+            self.logs.tick()
         self.shutdown()
 
     def start(self) -> None:
@@ -192,11 +180,7 @@ class Agent:
         text = (f"the directory {path} was replaced under the running job (removed and made again, or another one "
                 f"moved or mounted there)")
         try:
-            self.log.reopen()
-            _, fd = SaveDir(self.cfg.node_dir, self.cfg.naming).open_agent_log(socket.gethostname())
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
+            self.logs.reopen()
             text += ": the audit log and the agent's log are opened there again"
         except OSError as exc:
             self.stopped = f"its logs cannot be opened there again ({exc})"

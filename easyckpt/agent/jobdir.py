@@ -16,16 +16,16 @@ snapshots. On an object store the loop polls a step's markers at most every POLL
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union, cast
 
 from easyckpt.config import Config
-from easyckpt.errors import LeaseLost
+from easyckpt.errors import LeaseLost, TrackerNotUpdated
 from easyckpt.formats.manifest import FileEntry
 from easyckpt.ipc.reap import reap_dead_jobs
 from easyckpt.storage import retention
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
-from easyckpt.storage.commit import TrackerNotUpdated, commit
+from easyckpt.storage.commit import Committed, commit
 from easyckpt.storage.joblock import JobLock
 from easyckpt.storage.resolve import remote, storage_for
 from easyckpt.storage.savedir import SaveDir
@@ -118,7 +118,7 @@ class JobDir:
             done = commit(self.sd, step, world_size, self.log)
         except TrackerNotUpdated as exc:      # committed all the same: said, and retention runs
             self.log.emit("warning", step=step, message=str(exc))
-            done = exc.done
+            done = cast(Committed, exc.done)
         self.log.emit("commit", step=step, path=done.path, bytes=done.nbytes,
                       seconds=round(time.perf_counter() - t0, 6))
         pruned = retention.prune(self.sd, retention.KeepLast(self.cfg.max_ckpt_num,

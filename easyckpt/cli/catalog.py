@@ -63,7 +63,8 @@ class Entry:
     picked: bool = False               # the one easyckpt's loader would pick
     staging: bool = False              # a step being written (or left by a crash), not yet visible
     # complete | plain (the HF Trainer's own, no manifest) | incomplete (never committed) | damaged | staging |
-    # quarantined (set aside whole by a fresh start or a newer run's commit of its name: never loaded or pruned)
+    # quarantined (set aside whole by a fresh start or a newer run's commit of its name: never loaded or pruned) |
+    # "untrusted: why" (whole, but another user owns or may write it: the loader, run as this user, refuses it)
     state: str = ""
 
     @property
@@ -128,7 +129,14 @@ def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False
                 if problems:
                     e.complete, e.state, e.why = False, "damaged", problems[0] + (f" (and {len(problems) - 1} more)"
                                                               if len(problems) > 1 else "")
-    complete = {e.step: e for e in entries if e.complete}
+    # the loader, run as this user, refuses a step another user owns or may write (stepread: untrusted): never
+    # the pick, and said, though its bytes may be whole
+    for e in entries:
+        if e.complete and e.state == "complete":
+            problem = stepfiles.owner_problem(e.path)
+            if problem is not None:
+                e.state = f"untrusted: {problem}"
+    complete = {e.step: e for e in entries if e.complete and e.state == "complete"}
     order = mf.newest_first(complete, {s: e.run_key for s, e in complete.items()})    # the loader's order
     if order:
         complete[order[0]].picked = True

@@ -29,6 +29,7 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional
 
 from easyckpt import _faults as faults
+from easyckpt.errors import TrackerNotUpdated
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
 from easyckpt.storage import stepfiles
@@ -84,18 +85,6 @@ def commit(sd: "SaveDir", step: int, world_size: int, log: AuditLog,
     return _after(sd, step, final, manifest)
 
 
-class TrackerNotUpdated(OSError):
-    """The step IS committed; only its tracker (a hint for the frameworks' own loaders) could not be written.
-    Raised with the commit's result, so that the caller says so and goes on: a planted directory under the
-    tracker's name once had every commit reported failed, retention never run and finalize fail."""
-
-    def __init__(self, done: Committed, tracker: str, cause: OSError):
-        super().__init__(cause.errno, f"step {done.manifest.step} is committed, but its tracker {tracker} was not "
-                                      f"updated ({cause}): the framework's own loader may not see it; easyckpt's "
-                                      f"loader reads manifests")
-        self.done = done
-
-
 def run_seq_of(sd: "SaveDir", info: Dict[str, Any]) -> int:
     """The number of the run whose rank 0 recorded ``info``: that of this job's committed steps of the same run,
     else (the run's first commit) one more than the newest run of this job in the save dir. Decided here, by
@@ -124,7 +113,9 @@ def _after(sd: "SaveDir", step: int, final: str, manifest: mf.Manifest) -> Commi
         try:
             sd.storage.write_atomic(tracker, sd.naming.tracker_text(step).encode())
         except OSError as exc:
-            raise TrackerNotUpdated(done, tracker, exc) from exc
+            raise TrackerNotUpdated(f"step {step} is committed, but its tracker {tracker} was not updated ({exc}): the "
+                                    f"framework's own loader may not see it; easyckpt's loader reads manifests",
+                                    done) from exc
     faults.inject("agent.after_tracker")
     return done
 

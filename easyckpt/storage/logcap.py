@@ -69,7 +69,12 @@ def cap_stdio(path: str, reopen: Callable[[], int]) -> bool:
     they were. OSError when the rotation failed."""
     if not over_cap(2) or not rotate(2, path):
         return False
-    fd = reopen()
+    point_stdio(reopen())
+    return True
+
+
+def point_stdio(fd: int) -> None:
+    """This process's stdout and stderr written to ``fd`` from now on (closed here)."""
     try:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -77,4 +82,3 @@ def cap_stdio(path: str, reopen: Callable[[], int]) -> bool:
         os.dup2(fd, 2)
     finally:
         os.close(fd)
-    return True

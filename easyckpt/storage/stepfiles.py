@@ -230,15 +230,26 @@ def read_items(step_dir: str, rel: str, manifest: mf.Manifest, picked: Sequence[
 
 
 def check_sizes(step_dir: str, manifest: mf.Manifest, relpaths: Optional[Iterable[str]] = None) -> List[str]:
-    """Cheap check: every listed file exists with its recorded size. Returns the problems found."""
+    """Cheap check: every listed file exists with its recorded size. Returns the problems found. On an object
+    store the sizes come from one listing of the step's prefix (a request per 1000 objects), not a HEAD per
+    file: a manifest of 30,000 files took `easyckpt ls` 46 s."""
+    rels = list(manifest.files if relpaths is None else relpaths)
+    store = remote(step_dir)
+    listed = dict(store.files(step_dir)) if store is not None and len(rels) > 1 else None
     problems = []
-    for rel in (manifest.files if relpaths is None else relpaths):
+    for rel in rels:
         entry = manifest.files.get(rel)
         if entry is None:
             problems.append(f"{rel}: not in the manifest")
             continue
         try:
-            size = entry_size(step_dir, rel)
+            if listed is not None:
+                remotefiles.key(step_dir, rel)        # a plain relative name, or ManifestError
+                if rel not in listed:
+                    raise FileNotFoundError(rel)
+                size = listed[rel]
+            else:
+                size = entry_size(step_dir, rel)
         except ManifestError as exc:
             problems.append(str(exc))
             continue
