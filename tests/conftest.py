@@ -55,8 +55,8 @@ atexit.register(_remove_session_dirs)
 # collection order.
 LONGEST_FIRST = ["test_s3", "test_transformers", "test_megatron", "test_preemption", "test_deepspeed",
                  "test_many_nodes", "test_faults", "test_fsdp", "test_megatron_reshard", "test_trust",
-                 "test_benchmark", "test_adopt", "test_manifest_trust", "test_planted", "test_fault_matrix",
-                 "test_resume", "test_convert", "test_transformers_settings"]
+                 "test_benchmark", "test_adopt", "test_manifest_trust", "test_planted", "test_shared_dir",
+                 "test_fault_matrix", "test_run_order", "test_resume", "test_convert", "test_transformers_settings"]
 # the modules of one S3 server (the s3_gateway fixture, once per worker): one scope, run on one worker
 S3_MODULES = ("test_s3.py", "test_s3_checkpoints.py", "test_s3_frameworks.py", "test_s3_benchmark.py")
 

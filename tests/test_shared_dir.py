@@ -188,7 +188,7 @@ def test_planted_twin_and_future_step_names_never_outrank_the_jobs_own_steps(sha
     assert out.returncode == 0, text[-3000:]
     resumed = [line for line in text.splitlines() if "easyckpt: resumed step" in line]
     assert len(resumed) == 1 and "from memory" in resumed[0], text[-3000:]
-    assert int(resumed[0].split("resumed step ")[1].split()[0]) >= 17, resumed
+    assert int(resumed[0].split("resumed step ")[1].split()[0]) >= own[-1], (resumed, own)
     assert 30 in _steps(save), _steps(save)
     assert all((save / name).is_dir() for name in planted), os.listdir(save)
     assert not [n for n in os.listdir(save) if n.startswith("quarantined-")], os.listdir(save)

@@ -136,7 +136,7 @@ def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False
             problem = stepfiles.owner_problem(e.path)
             if problem is not None:
                 e.state = f"untrusted: {problem}"
-    complete = {e.step: e for e in entries if e.complete and e.state == "complete"}
+    complete = {e.step: e for e in entries if e.complete and not e.state.startswith("untrusted")}
     order = mf.newest_first(complete, {s: e.run_key for s, e in complete.items()})    # the loader's order
     if order:
         complete[order[0]].picked = True
