@@ -88,6 +88,21 @@ def pytest_xdist_make_scheduler(config, log):
     return LongestFirst(config, log)
 
 
+@pytest.fixture
+def shared_dir():
+    """A save dir as on a shared file system: mode 1777 (sticky), reachable by every local user (tests/test_planted.py,
+    tests/test_shared_dir.py plant files in it as `nobody`)."""
+    root = Path(tempfile.mkdtemp(prefix="easyckpt-shared-"))
+    os.chmod(root, 0o755)
+    save = root / "ckpt"
+    save.mkdir()
+    os.chmod(save, 0o1777)
+    try:
+        yield save
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def shm_clean():
     """Every test leaves /dev/shm as it found it: no easyckpt segment of its own may remain."""

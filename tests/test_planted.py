@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -201,21 +200,6 @@ def test_refused_connections_are_counted_not_logged_one_line_each(tmp_path):
     assert len(refused) <= 15, len(refused)
     assert sum(e.get("count", 1) for e in refused) == 1500
     assert all("uid 65534" in e["message"] for e in refused)
-
-
-@pytest.fixture
-def shared_dir():
-    """A save dir as on a shared file system: mode 1777 (sticky), reachable by every local user."""
-    import tempfile
-    root = Path(tempfile.mkdtemp(prefix="easyckpt-shared-"))
-    os.chmod(root, 0o755)
-    save = root / "ckpt"
-    save.mkdir()
-    os.chmod(save, 0o1777)
-    try:
-        yield save
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @AS_ROOT

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, List
+from typing import List
 
 import pytest
 from harness import (
@@ -50,20 +48,6 @@ def _steps(save: Path) -> List[int]:
         if step is not None and (save / name / "easyckpt_manifest.json").exists():
             out.append(step)
     return sorted(out)
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A save dir as on a shared file system: mode 1777 (sticky), reachable by every local user."""
-    root = Path(tempfile.mkdtemp(prefix="easyckpt-shared-"))
-    os.chmod(root, 0o755)
-    save = root / "ckpt"
-    save.mkdir()
-    os.chmod(save, 0o1777)
-    try:
-        yield save
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _job(save: Path, iters: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:

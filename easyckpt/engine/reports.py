@@ -6,7 +6,7 @@ reply), so nothing here re-validates them.
 """
 from __future__ import annotations
 
-from typing import Dict, Set
+from typing import Dict, List, Set
 
 from easyckpt import console
 from easyckpt.formats.layout import Naming
@@ -68,23 +68,21 @@ class StatusReports:
     def _refusals(self, status: StatusReply) -> None:
         """A trainer the agent refused (another world size or job on this save_dir) is said on rank 0's
         console too, not only to the refused process."""
-        count, last = status.refused, status.last_refused
-        if count <= self.refusals:
-            return
-        for text in last[-(count - self.refusals):]:
-            if self.rank == 0:
-                self.log.emit("error", rank=self.rank, message=f"easyckpt agent: {text}")
-        self.refusals = count
+        self.refusals = self._say_new(status.refused, status.last_refused, self.refusals)
 
     def _notices(self, status: StatusReply) -> None:
         """What the agent found that the job must hear (its save dir replaced under it): rank 0's console, once."""
-        count, last = status.notices, status.last_notices
-        if count <= self.notices:
-            return
-        for text in last[-(count - self.notices):]:
+        self.notices = self._say_new(status.notices, status.last_notices, self.notices)
+
+    def _say_new(self, count: int, last: List[str], said: int) -> int:
+        """The agent's last few lines of a kind it has said ``count`` of in all: those beyond the ``said`` first
+        go to rank 0's console as errors. Returns the new count said."""
+        if count <= said:
+            return said
+        for text in last[-(count - said):]:
             if self.rank == 0:
                 self.log.emit("error", rank=self.rank, message=f"easyckpt agent: {text}")
-        self.notices = count
+        return count
 
     def _starved(self, status: StatusReply) -> None:
         """Replication that stopped reaching a holder (a peer gone, or its port held by strangers) is said on
