@@ -37,9 +37,9 @@ class JobLock:
         """None when this job holds the lock now; else a message naming who holds it (or why it cannot be taken)."""
         if self.fd is not None:
             return None
-        # never through a symlink planted in the save dir: it would truncate its target (docs/reliability.md promise 9);
-        # 0600 and this user's own: a file any local user can open, any local user can flock, and block the
-        # job's relaunch with it (promise 15)
+        # never through a symlink planted in the save dir: it would truncate its target (docs/reliability.md promise
+        # 9); 0600 and this user's own: a file any local user can open, any local user can flock, and block the
+        # job's relaunch with it (docs/reliability.md promise 15)
         try:
             fd = paths.open_own(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         except UntrustedFileError as exc:      # a symlink, a FIFO, a directory, another user's file
