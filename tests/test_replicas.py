@@ -544,3 +544,20 @@ def test_status_is_answered_while_the_sender_thread_replicates_and_the_table_cha
     finally:
         node1.close()
         cleanup(job)
+
+
+def test_easyckpt_status_names_a_starved_holder():
+    """The operator's view of starved replication (replicas.py's ``starved``), beside rank 0's console line."""
+    import io
+    import sys
+
+    from easyckpt.cli import saying, status
+    from easyckpt.formats.replies import ReplicaStatus
+    out = io.StringIO()
+    saying.to(out)
+    try:
+        status._say_replicas(ReplicaStatus(node=0, nnodes=2, factor=2, listening="127.0.0.1:1", targets={1: "h:2"},
+                                           starved={1: "no replica reached node 1 for 31 s"}))
+    finally:
+        saying.to(sys.stdout)
+    assert "STARVED node 1: no replica reached node 1 for 31 s" in out.getvalue(), out.getvalue()

@@ -18,6 +18,7 @@ from typing import List
 import pytest
 from harness import (
     TIMEOUT,
+    cli,
     events,
     kill_tree,
     run,
@@ -249,6 +250,8 @@ def test_a_save_dir_replaced_under_a_running_job_is_noticed_and_still_guarded(sh
                      timeout=TIMEOUT, check=False)
         assert second.returncode != 0, second.stdout[-2000:] + second.stderr[-2000:]
         assert "is in use by job" in second.stdout + second.stderr, second.stderr[-3000:]
+        status = cli("status", save, expect=None).stdout          # the operator's view says it too
+        assert f"said: the directory {save} was replaced under the running job" in status, status
         wait_for_iteration(loss, 40, proc)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=TIMEOUT)
@@ -294,7 +297,6 @@ def test_inspect_calls_a_bin_file_pickled_only_from_its_header(tmp_path):
 def test_easyckpt_ls_never_names_as_the_pick_a_step_the_loader_refuses(shared_dir):
     """Item 9 of the probe: `easyckpt ls` said "the loader would pick step 10" of a step another user owned,
     which the loader refuses as untrusted; now it marks the step untrusted and picks the one the loader takes."""
-    from harness import cli
     save = shared_dir
     _job(save, 10)
     subprocess.run(["chown", "-R", "nobody", str(save / "step_00000010")], check=True, timeout=30)

@@ -73,6 +73,8 @@ def _say_status(report: Dict[str, Any], agent: Optional[StatusReply]) -> None:
             say(f"           SIGTERM {agent.to_wire()['sigterm']}")
         if agent.last_error:
             say(f"           last error: {agent.last_error}")
+        for text in agent.last_notices:      # what rank 0's console was told (its save dir replaced, ...)
+            say(f"           said: {text}")
     if not snapshots:
         say("memory     no snapshot of this job on this node")
     for s in sorted(snapshots, key=lambda s: (s["replica"], s["rank"], s["slot"])):
@@ -110,6 +112,8 @@ def _say_replicas(rep: Optional[ReplicaStatus]) -> None:
         say(f"           own snapshot -> node {node} at {where}: {got}")
     for h in rep.holds:
         say(f"           holds rank {h.rank} of node {h.from_node}: step {h.step} ({human(h.bytes)})")
+    for node, why in sorted(rep.starved.items()):
+        say(f"           STARVED node {node}: {why}")
     for err in rep.errors:
         say(f"           {err}")
 
