@@ -93,15 +93,21 @@ def run_seq_of(sd: "SaveDir", info: Dict[str, Any]) -> int:
     the wall-clock stamp ("run") only names the run, with the token its engine drew ("run_id") where there is
     one, and orders the steps committed before runs were numbered (Manifest.run_key)."""
     run_id, stamp = info.get("run_id"), info.get("run", 0)
+    if isinstance(run_id, str) and run_id in sd.run_seqs:
+        return sd.run_seqs[run_id]      # decided at the run's first commit: not a listing of every manifest again
     ours = [man for _, _, man in sd.committed_manifests(own=True)]
+    seq = max((man.run_seq for man in ours), default=0) + 1
     for man in ours:
         if isinstance(run_id, str):
             same = man.run_id == run_id
         else:                   # markers written without a token (older trainers): the run is its stamp
             same = man.run_id is None and man.info.get("run", 0) == stamp
         if same and man.run_seq:
-            return man.run_seq
-    return max((man.run_seq for man in ours), default=0) + 1
+            seq = man.run_seq
+            break
+    if isinstance(run_id, str):
+        sd.run_seqs[run_id] = seq
+    return seq
 
 
 def _after(sd: "SaveDir", step: int, final: str, manifest: mf.Manifest) -> Committed:

@@ -57,6 +57,7 @@ class SaveDir:
         self.job_id = job_id
         self.job_name = job_name
         self.storage: Storage = storage if storage is not None else storage_for(self.root)
+        self.run_seqs: Dict[str, int] = {}      # run token -> its number, as the commit decided it (commit.py)
 
     @classmethod
     def of(cls, cfg: Any, storage: Optional[Storage] = None) -> "SaveDir":
@@ -320,39 +321,38 @@ class SaveDir:
         """Record that the loader rejected committed step ``step`` (retention then never keeps it in place of
         a verified one). The record survives restarts; it is a hint, trusted only to order deletions."""
         name = self.naming.dir_name(step)
-        record = self.read_damaged()
-        record[name] = reason[:500]
         log.emit("damaged", path=self.path(name), reason=reason[:500])
-        self._write_damaged(record)
+        record = self._record()
+        if record is not None:
+            record[name] = reason[:500]
+            self._write_damaged(record)
 
     def read_damaged(self) -> Dict[str, str]:
-        """{step directory name: why the loader rejected it}; empty when there is no valid record. A record another
-        user owns or may write is refused, said once, and never rewritten: it orders deletions, so one planted
-        in a shared save dir would have this job delete its intact steps (docs/reliability.md promise 15)."""
+        """{step directory name: why the loader rejected it}; empty when there is no valid record."""
+        return self._record() or {}
+
+    def clear_damaged(self, name: str) -> None:
+        """A new commit under a name the loader once rejected is a new, verified checkpoint."""
+        record = self._record()
+        if record is not None and record.pop(name, None) is not None:
+            self._write_damaged(record)
+
+    def _record(self) -> Optional[Dict[str, str]]:
+        """The damaged record as far as it is valid ({} when there is none); None when another user owns it or may
+        write it: refused, said once, and never rewritten, for it orders deletions, and one planted in a shared save
+        dir would have this job delete its intact steps (docs/reliability.md promise 15)."""
         try:
             data = json.loads(self.storage.read_own(self.path(layout.DAMAGED_NAME), _MAX_RECORD_BYTES) or b"{}")
         except UntrustedFileError as exc:
             _say_once(f"{exc}; the job goes on without it (retention takes every step of this job as intact)")
-            return {}
+            return None
         except (OSError, ValueError):
             return {}
         if not isinstance(data, dict):
             return {}
         return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
 
-    def clear_damaged(self, name: str) -> None:
-        """A new commit under a name the loader once rejected is a new, verified checkpoint."""
-        record = self.read_damaged()
-        if record.pop(name, None) is not None:
-            self._write_damaged(record)
-
     def _write_damaged(self, record: Dict[str, str]) -> None:
-        try:
-            self.storage.read_own(self.path(layout.DAMAGED_NAME), _MAX_RECORD_BYTES)
-        except UntrustedFileError:
-            return      # another user's file under the record's name stays as it is (read_damaged said so)
-        except (OSError, ValueError):
-            pass
         self.storage.write_atomic(self.path(layout.DAMAGED_NAME),
                                   json.dumps(record, indent=1, sort_keys=True).encode())
 
