@@ -60,11 +60,11 @@ class StoreLock:
     def held(self) -> bool:
         return self._etag is not None
 
-    def _body(self, released: bool = False) -> bytes:
+    def _body(self) -> bytes:
         now = self.clock()
         return json.dumps({"job_id": self.job_id, "job_name": self.job_name, "host": socket.gethostname(),
-                           "agent_pid": os.getpid(), "since": now, "until": now if released else now + LEASE_S,
-                           "lease_s": LEASE_S, "released": released, "nonce": secrets.token_hex(8)}).encode()
+                           "agent_pid": os.getpid(), "since": now, "until": now + LEASE_S, "lease_s": LEASE_S,
+                           "nonce": secrets.token_hex(8)}).encode()
 
     def _took(self, etag: str) -> None:
         self._etag, self._renewed, self.lost = etag, self.clock(), None
@@ -91,7 +91,7 @@ class StoreLock:
             mine = holder is not None and holder["job_id"] == self.job_id and self.own_ok
             if not mine and _remaining(holder, lease) > 0:
                 return _describe(holder, why, lease)
-            try:       # ours, released, or ended: replace exactly the version read, so only one job takes it
+            try:       # ours, or ended: replace exactly the version read, so only one job takes it
                 self._took(self.store.put_if_match(self.path, self._body(), lease.etag))
                 return None
             except ObjectChanged:
@@ -158,7 +158,6 @@ def _parse(data: bytes) -> Tuple[Optional[Dict[str, Any]], str]:
         "since": (lambda v: _number(v) and 0 <= v <= _MAX_TIME, True),
         "until": (lambda v: _number(v) and 0 <= v <= _MAX_TIME, True),
         "lease_s": (lambda v: _number(v) and 1 <= v <= MAX_LEASE_S, False),     # absent from older versions'
-        "released": (lambda v: isinstance(v, bool), False),
         "nonce": (lambda v: _text(v, 64), False),
     }
     for field, (valid, required) in checks.items():
@@ -193,8 +192,6 @@ def _remaining(holder: Optional[Dict[str, Any]], lease: Version) -> float:
     """Seconds until the lease ends, by the store's clock (0: ended). A lease runs LEASE_S, or the longer lease
     its holder declared, after its last write; whole-second times, so one second more. A store that gives no
     time (no Date header) leaves every lease running: it cannot be judged."""
-    if holder is not None and holder.get("released"):
-        return 0.0
     if lease.age is None:
         return math.inf
     lease_s = max(LEASE_S, float(holder.get("lease_s", LEASE_S))) if holder is not None else LEASE_S
