@@ -30,7 +30,7 @@ from harness import (
     wait_no_agent,
 )
 from inproc import run_worker
-from test_trust import AS_ROOT, _agent_pid, _finish_holder, _holder
+from test_trust import AS_ROOT, HOLDER, _agent_pid, _finish_holder, _holder
 
 from easyckpt.ipc import shm
 
@@ -239,31 +239,16 @@ def test_a_staging_dir_planted_mid_run_is_refused_and_no_committed_step_belongs_
     assert newest.exists()
 
 
-PEER_HOLDER = textwrap.dedent("""
-    import os, sys, time, torch, easyckpt
+# test_trust's holder, which opens the agent's peer port where it would say READY (as the trainers of a multi-node
+# job open it, engine/peers.py) and prints it
+PEER_HOLDER = HOLDER.replace('print("READY", flush=True)\n', textwrap.dedent("""
     from easyckpt.formats import protocol
     from easyckpt.formats.replies import ListenReply
     from easyckpt.pytorch import _default
-    save_dir, go = sys.argv[1], sys.argv[2]
-    model = torch.nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    easyckpt.initialize_easyckpt(save_dir, save_mem_interval=1, save_storage_interval=1, max_ckpt_num=5)
-    easyckpt.load_checkpoint(model, opt)
-    for it in (1, 2, 3):
-        model(torch.ones(8)).sum().backward(); opt.step()
-        easyckpt.save_checkpoint_if_needed(it, model, opt)
-    # the agent's peer port, as the trainers of a multi-node job open it (engine/peers.py)
     reply = _default.current.engine.client.request(protocol.Listen(addr="127.0.0.1"), ListenReply, 30)
     print("PORT", reply.port, flush=True)
-    deadline = time.monotonic() + 90
-    while not os.path.exists(go):
-        if time.monotonic() > deadline:
-            sys.exit("nobody created the go file")
-        time.sleep(0.05)
-    model(torch.ones(8)).sum().backward(); opt.step()
-    easyckpt.save_checkpoint_if_needed(4, model, opt)
-    print("DONE", easyckpt.finalize_easyckpt(), flush=True)
-""")
+"""))
+assert PEER_HOLDER != HOLDER
 
 GARBAGE_LOOP = textwrap.dedent("""
     import socket, sys
