@@ -107,6 +107,10 @@ class Config:
     # copy the tensors the optimizer owns while the next forward/backward runs (engine/overlap.py);
     # None = auto: when they are on a GPU, or when the CPU has a core the training does not compute on
     snapshot_overlap: Optional[bool] = None
+    # the share of step time memory snapshots may cost the training loop (measured: step time with and
+    # without one); the snapshot is then taken every k-th save_mem_interval, the loss bound said on the
+    # console (engine/budget.py). None: a snapshot on every save_mem_interval, whatever it costs
+    max_overhead: Optional[float] = 0.02
     # the agent writes checkpoint files with O_DIRECT (around the page cache) where the file system
     # allows it, plain writes elsewhere; False: always plain writes (storage/direct.py says why)
     direct_io: bool = True
@@ -180,7 +184,7 @@ class Config:
 # the keyword arguments every adapter's initialize_easyckpt accepts besides its own
 ADVANCED = ("job_name", "commit_timeout", "agent_idle_timeout", "agent_start_timeout",
             "autocheckpoint_on_sigterm", "exit_after_ondemand_checkpoint", "grace_deadline",
-            "snapshot_overlap", "direct_io", "replication_factor", "replication_jump", "replica_interval",
+            "snapshot_overlap", "max_overhead", "direct_io", "replication_factor", "replication_jump", "replica_interval",
             "replica_bandwidth", "on_no_valid_checkpoint", "endpoint_url", "local_dir", "save_local_interval",
             "max_local_ckpt_num")
 
@@ -255,6 +259,11 @@ def check_values(cfg: Config) -> None:
                           f"{', '.join(map(repr, NO_VALID_CHECKPOINT))}")
     if cfg.snapshot_overlap is not None and not isinstance(cfg.snapshot_overlap, bool):
         raise ConfigError(f"snapshot_overlap={cfg.snapshot_overlap!r} must be True, False or None (auto)")
+    budget = cfg.max_overhead
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not 0 < budget <= 1):
+        raise ConfigError(f"max_overhead={budget!r} must be a share of step time above 0 and at most 1 (0.02 = "
+                          f"2 %), or None to snapshot on every save_mem_interval whatever it costs")
     for name in ("commit_timeout", "agent_idle_timeout", "agent_start_timeout", "grace_deadline"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -36,7 +36,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         if done is not None:
             entry.update(step=done.step, bytes=done.header.data_capacity, complete=True,
-                         world_size=done.header.world_size)
+                         world_size=done.header.world_size, budget=_budget(done.meta.info))
         snapshots.append(entry)
     committed = SaveDir(args.dir, naming).committed()
     newest = None
@@ -44,7 +44,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         step, path = committed[0]
         man = stepfiles.read(path)
         newest = {"step": step, "path": path, "bytes": man.nbytes if man is not None else 0,
-                  "committed_at": storage_for(path).mtime(os.path.join(path, mf.MANIFEST_NAME))}
+                  "committed_at": storage_for(path).mtime(os.path.join(path, mf.MANIFEST_NAME)),
+                  "budget": _budget(man.info) if man is not None else None}
     st = os.statvfs(shm.SHM_DIR)
     dev_shm = {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize,
                "used": (st.f_blocks - st.f_bfree) * st.f_frsize,
@@ -87,6 +88,7 @@ def _say_status(report: Dict[str, Any], agent: Optional[StatusReply]) -> None:
     else:
         say(f"storage    newest committed step {newest['step']} ({newest['bytes']:,d} B, "
             f"{report['committed_count']} kept)  {newest['path']}")
+    _say_cadence(snapshots, newest)
     tier = report["local_tier"]
     steps = sorted({c["step"] for c in tier["copies"]}, reverse=True)
     ranks = sorted({c["rank"] for c in tier["copies"]})
@@ -94,6 +96,35 @@ def _say_status(report: Dict[str, Any], agent: Optional[StatusReply]) -> None:
         if steps else f"local tier none  {tier['dir']}")
     say(f"/dev/shm   {human(dev_shm['used'])} of {human(dev_shm['total'])} used, this job "
         f"{human(dev_shm['this_job'])}, {human(dev_shm['free'])} free")
+
+
+def _budget(info: Any) -> Optional[Dict[str, Any]]:
+    """The snapshot cadence a trainer recorded with its snapshot (engine/budget.py), checked field by field:
+    a slot or a manifest may have been written by anyone."""
+    got = info.get("budget") if isinstance(info, dict) else None
+    if not isinstance(got, dict):
+        return None
+    numbers = {k: got.get(k) for k in ("every", "cost", "step_seconds", "per_step", "overhead", "bound")}
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e12 for v in numbers.values()):
+        return None
+    budget = got.get("budget")
+    numbers["budget"] = budget if isinstance(budget, (int, float)) and not isinstance(budget, bool) else None
+    return numbers
+
+
+def _say_cadence(snapshots: List[Dict[str, Any]], newest: Optional[Dict[str, Any]]) -> None:
+    """How often rank 0 snapshots, what each snapshot costs the training loop and what a crash loses: from its
+    newest snapshot in memory, else from the newest committed step."""
+    own = [s for s in snapshots if s["complete"] and not s["replica"] and s["rank"] == 0 and s.get("budget")]
+    got = max(own, key=lambda s: s["step"])["budget"] if own else (newest or {}).get("budget")
+    if not got:
+        return
+    limit = f"max_overhead {got['budget']:g}" if got["budget"] is not None else "no max_overhead"
+    measured = (f"each costs {got['cost'] * 1e3:.2f} ms of a {got['step_seconds'] * 1e3:.2f} ms step, "
+                f"{got['per_step'] * 1e3:.3f} ms per step ({got['overhead']:.1%})" if got["step_seconds"]
+                else "cost not measured yet")
+    say(f"snapshots  every {int(got['every'])} step(s) ({limit}): {measured}; a crash loses at most "
+        f"{int(got['bound'])} step(s)")
 
 
 def _say_replicas(rep: Optional[ReplicaStatus]) -> None:

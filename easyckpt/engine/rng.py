@@ -13,7 +13,12 @@ except ImportError:  # pragma: no cover
 
 
 def capture() -> Dict[str, Any]:
-    state: Dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    # Python's state as one tensor, not a tuple of 625 numbers: each number would be a node of the snapshot's
+    # skeleton, walked and written as JSON at every snapshot (0.35 ms of a tiny state's 2 ms)
+    version, words, gauss = random.getstate()
+    state: Dict[str, Any] = {"python": {"version": version, "state": _int64(words),
+                                        "gauss": gauss},
+                             "torch": torch.get_rng_state()}
     if np is not None:
         state["numpy"] = np.random.get_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -21,8 +26,17 @@ def capture() -> Dict[str, Any]:
     return state
 
 
+def _int64(words: Any) -> torch.Tensor:
+    if np is None:
+        return torch.tensor(words, dtype=torch.int64)
+    return torch.from_numpy(np.fromiter(words, dtype=np.int64, count=len(words)))   # a third of torch.tensor's
+
+
 def restore(state: Dict[str, Any]) -> None:
-    random.setstate(state["python"])
+    python = state["python"]
+    if isinstance(python, dict):
+        python = (python["version"], tuple(python["state"].tolist()), python["gauss"])
+    random.setstate(python)      # else a tuple, as snapshots before the tensor form held it
     torch.set_rng_state(state["torch"])
     if np is not None and "numpy" in state:
         np.random.set_state(state["numpy"])

@@ -25,6 +25,7 @@ from easyckpt import console
 from easyckpt.config import Config, validate
 from easyckpt.engine import peers, runlog
 from easyckpt.engine.agentview import AgentView
+from easyckpt.engine.budget import SnapshotBudget
 from easyckpt.engine.client import AgentClient
 from easyckpt.engine.dist import TorchGroup
 from easyckpt.engine.load import Loaded, Needed, load_newest
@@ -92,6 +93,9 @@ class Engine:
         self._pending_persist = False
         self.watch = OptimizerWatch(self.before_optimizer_step)
         self._overlap_on: Optional[bool] = None
+        # how often a memory snapshot is taken within max_overhead of step time (budget.py)
+        self.budget = SnapshotBudget(cfg.save_mem_interval, cfg.max_overhead)
+        self._said_every: Optional[int] = None
         self.preempt: Optional[Preemption] = None
         if cfg.autocheckpoint_on_sigterm:
             link_ = self.client
@@ -110,16 +114,45 @@ class Engine:
         changes the parameters next; with the overlap on (``snapshot_overlap``) the tensors it owns are copied while the
         next forward/backward runs, and its step waits for that copy. Returns the snapshot when it was
         taken synchronously (None when skipped, or still being copied: see ``settle``)."""
+        budget = self.budget
+        budget.tick(step, self.clock.monotonic())
         if self.safe_point(step, collect, info):
             return self.last
         self.view.poll(self.last_persisted_step)
+        if budget.agreement_due(step):
+            self._agree()
         if step % self.cfg.save_mem_interval:
             return None
         if persist is None:
             persist = step % self.cfg.save_storage_interval == 0
+        # the budget may space out snapshots that only go to memory; a persist is never skipped for it
+        if not persist and not budget.due(step):
+            return None
+        budget.took()
         if optimizer is not None and self._overlap(optimizer):
             self.watch.add(optimizer)
         return self._snapshot(step, collect, persist=persist, info=info, overlap=bool(self.watch))
+
+    def _agree(self) -> None:
+        """An agreement step of the snapshot budget (budget.py): every rank's figures, one cadence for all."""
+        try:
+            votes = self.group.all_gather(self.budget.vote())
+        except Exception as exc:  # noqa: BLE001 - a rank is gone: keep the cadence; the next collective says why
+            self.log.emit("warning", rank=self.rank, message=f"ranks could not agree on the snapshot cadence "
+                                                             f"({exc}); keeping every {self.budget.every} steps")
+            return
+        told, changed = self.budget.agree([tuple(v) for v in votes])
+        if told is None:
+            return
+        self.log.record("budget", step=self.last_step, rank=self.rank, **told.to_info())
+        said = self._said_every
+        # said once when the budget spaces snapshots out, and again only when the spacing changes a lot
+        if not changed:
+            return
+        if (said is None and told.every > self.cfg.save_mem_interval) or \
+                (said is not None and (told.every >= 2 * said or 2 * told.every <= said)):
+            self._said_every = told.every
+            console.info(told.words())
 
     def _overlap(self, optimizer: Any) -> bool:
         if self._overlap_on is None:
@@ -145,7 +178,8 @@ class Engine:
         self._introduce()
         defer = self.watch.deferrable() if overlap else None
         shards = collect()
-        info = {**(info or {}), "run": self.run_started, "run_id": self.run_id}
+        info = {**(info or {}), "run": self.run_started, "run_id": self.run_id,
+                "budget": self.budget.cadence().to_info()}
         result = self.snapshotter.snapshot(step, shards, persist, info, defer)
         if result is None and self.snapshotter.skipped is None and not self.client.alive():
             # both slots reserved by an agent that died: a new agent releases them (docs/reliability.md promise 10)

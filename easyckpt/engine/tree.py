@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -24,26 +24,50 @@ except ImportError:  # numpy is optional for the engine
 Tensors = List[Tuple[str, torch.Tensor]]
 
 
+# a node's path in the tree as (name, parent path): made per node without copying a list; joined only for
+# a tensor's key or an error (the walk runs at every snapshot: its per-node cost is the snapshot's fixed cost)
+Path = Optional[Tuple[str, Any]]
+_PLAIN = (bool, str, type(None))
+
+
+def _joined(path: Path) -> str:
+    names: List[str] = []
+    while path is not None:
+        names.append(path[0])
+        path = path[1]
+    return "/".join(reversed(names))
+
+
 def flatten(tree: Any) -> Tuple[Any, Tensors]:
     tensors: Tensors = []
     used: set = set()
 
-    def key_for(path: List[str]) -> str:
-        key = "/".join(path) or "_"
+    def key_for(path: Path) -> str:
+        key = _joined(path) or "_"
         base, n = key, 1
         while key in used:
             key, n = f"{base}#{n}", n + 1
         used.add(key)
         return key
 
-    def walk(obj: Any, path: List[str]) -> Any:
+    def walk(obj: Any, path: Path) -> Any:
+        kind = type(obj)
+        # the common nodes of a state dict first, by exact type (subclasses take the checks below)
+        if kind is dict and all(type(k) is str and not k.startswith("__") for k in obj):
+            return {k: walk(v, (k, path)) for k, v in obj.items()}
+        if kind is int or kind is float or kind in _PLAIN:
+            return obj
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided:
-                raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {'/'.join(path)}; "
+                raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {_joined(path)}; "
                                 f"convert it to a dense tensor")
-            key = key_for(path)
-            tensors.append((key, obj.detach()))
-            return {"__t": key}
+            tensors.append((key_for(path), obj.detach()))
+            return {"__t": tensors[-1][0]}
+        if kind is list:
+            return [walk(v, (str(i), path)) for i, v in enumerate(obj)]
+        return other(obj, path)
+
+    def other(obj: Any, path: Path) -> Any:
         if np is not None and isinstance(obj, np.ndarray):
             key = key_for(path)
             tensors.append((key, torch.from_numpy(np.ascontiguousarray(obj))))
@@ -63,17 +87,17 @@ def flatten(tree: Any) -> Tuple[Any, Tensors]:
         if isinstance(obj, bytes):
             return {"__bytes": base64.b64encode(obj).decode()}
         if isinstance(obj, tuple):
-            return {"__tuple": [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
+            return {"__tuple": [walk(v, (str(i), path)) for i, v in enumerate(obj)]}
         if isinstance(obj, list):
-            return [walk(v, path + [str(i)]) for i, v in enumerate(obj)]
+            return [walk(v, (str(i), path)) for i, v in enumerate(obj)]
         if isinstance(obj, dict):
             if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-                return {k: walk(v, path + [k]) for k, v in obj.items()}
-            return {"__dict": [[walk(k, path + ["key"]), walk(v, path + [str(k)])] for k, v in obj.items()]}
-        raise TypeError(f"easyckpt cannot save a {type(obj).__name__} at '{'/'.join(path) or '<root>'}': "
+                return {k: walk(v, (k, path)) for k, v in obj.items()}
+            return {"__dict": [[walk(k, ("key", path)), walk(v, (str(k), path))] for k, v in obj.items()]}
+        raise TypeError(f"easyckpt cannot save a {type(obj).__name__} at '{_joined(path) or '<root>'}': "
                         f"only tensors, numbers, strings, lists, tuples and dicts are stored (no pickling)")
 
-    return walk(tree, []), tensors
+    return walk(tree, None), tensors
 
 
 def unflatten(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:

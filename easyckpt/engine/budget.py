@@ -1,0 +1,215 @@
+"""How often a memory snapshot is taken, so that what it costs the training loop stays within a share of
+the step time (``Config.max_overhead``), and the loss bound that results.
+
+What a snapshot costs is measured as the user measures it, on the step time. ``maybe_save`` runs once per
+step; the time from one call to the next is one step as the training loop sees it. A step that began with
+a snapshot holds all of its cost: collecting the state, flattening it, the copy, the bookkeeping, the
+persist request, a background copy's competition for cores and the optimizer's wait for it. So
+
+    cost of a snapshot = median(steps after a snapshot) - median(steps after none)
+
+and the snapshot is taken every ``every`` steps, the smallest multiple of ``save_mem_interval`` for which
+cost / (every x step) <= max_overhead. A crash then loses at most ``every - 1`` completed steps.
+
+Every rank must snapshot the same steps (a resume from memory needs one step that every rank holds), so the
+phases and ``every`` change only at agreement steps, the same on every rank: 16, 32, 64, ... steps after the
+first save of this process, then every RESTATE steps; there the ranks gather their figures and the costliest
+rank's wish wins. Between them each rank decides alone, from the step number only.
+
+    WARMUP   a snapshot at every opportunity (save_mem_interval), as without a budget, until every rank has
+             trained WARMUP_SECONDS: the first steps (allocator, caches, the slots' first touch) cost what
+             steady ones do not
+    MEASURE  with save_mem_interval=1, every other step is snapshotted: the steps in between are the plain
+             ones the cost is measured against
+    STEADY   every ``every`` steps; when that is every step, one in PROBE_EVERY is skipped so that the plain
+             step is still measured (the loss bound is then one step, said so)
+
+``max_overhead=None``: no budget; a snapshot on every opportunity, exactly as asked, and the steps are still
+measured for the accounting where plain ones exist (save_mem_interval > 1).
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Deque, Optional, Sequence, Tuple
+
+WARMUP_SECONDS = 2.0
+FIRST_AGREEMENT = 16      # steps after the first save; then 32, 64, ... up to RESTATE, then every RESTATE
+RESTATE = 1024
+PROBE_EVERY = 16
+WINDOW = 33               # the most recent steps of each kind the medians are taken over
+MIN_SAMPLES = 5
+RELAX = 2                 # ``every`` is lowered only when the budget allows this many times fewer steps
+
+
+class Phase(enum.Enum):
+    WARMUP = "warmup"
+    MEASURE = "measure"
+    STEADY = "steady"
+
+
+# one rank's figures at an agreement step: (warmed up, the ``every`` it wants or 0 when it cannot say yet,
+# cost of a snapshot in seconds, plain step in seconds); plain values, for the ranks' all_gather
+Vote = Tuple[bool, int, float, float]
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """What the budget decided, for the console, the audit log and the snapshot's info (easyckpt status)."""
+
+    every: int             # steps between snapshots
+    cost: float            # seconds one snapshot costs the training loop (measured; 0 when not yet)
+    step: float            # seconds of a step without one (measured; 0 when not yet)
+    budget: Optional[float]
+    probing: bool          # one snapshot in PROBE_EVERY is skipped to keep measuring
+    rate: float = 0.0      # snapshots per step since the last agreement, persists included (0: not counted yet)
+
+    @property
+    def bound(self) -> int:
+        """Completed steps a crash loses at most."""
+        return self.every if self.probing else self.every - 1
+
+    @property
+    def overhead(self) -> float:
+        """Share of step time the snapshots cost, on average per step."""
+        return self.per_step / self.step if self.step > 0 else 0.0
+
+    @property
+    def per_step(self) -> float:
+        """Seconds the snapshots cost each step, on average: what a stopwatch adds to the step time."""
+        rate = self.rate or ((PROBE_EVERY - 1) / PROBE_EVERY if self.probing else 1.0) / self.every
+        return self.cost * rate
+
+    def to_info(self) -> dict:
+        return {"every": self.every, "cost": round(self.cost, 6), "step_seconds": round(self.step, 6),
+                "per_step": round(self.per_step, 6), "overhead": round(self.overhead, 5), "bound": self.bound,
+                "budget": self.budget}
+
+    def words(self) -> str:
+        """The console's line: what a snapshot costs and what a crash can lose."""
+        steps = "every step" if self.every == 1 else f"every {self.every} steps"
+        lose = f"{self.bound} step" + ("" if self.bound == 1 else "s")
+        cost = (f"each costs {self.cost * 1e3:.2f} ms of a {self.step * 1e3:.2f} ms step "
+                f"({self.overhead:.1%} of step time; max_overhead={self.budget:g})" if self.budget is not None
+                else f"each costs {self.cost * 1e3:.2f} ms of a {self.step * 1e3:.2f} ms step")
+        probe = f" (one in {PROBE_EVERY} is skipped to keep measuring)" if self.probing else ""
+        return f"snapshots {steps}{probe}: {cost}; a crash loses at most {lose}"
+
+
+class SnapshotBudget:
+    """The cadence of one rank's memory snapshots; see the module docstring."""
+
+    def __init__(self, floor: int, budget: Optional[float]):
+        self.floor, self.budget = floor, budget
+        self.phase = Phase.WARMUP if budget is not None else Phase.STEADY
+        self.every = floor
+        self.first: Optional[int] = None           # the first step this process saved at
+        self.rate = 0.0                            # snapshots per step over the last agreement's window
+        self._started = 0.0
+        self._last: Optional[float] = None         # when the previous step's save began
+        self._after_snapshot = False               # whether the previous step took a snapshot
+        self.plain: Deque[float] = collections.deque(maxlen=WINDOW)
+        self.snap: Deque[float] = collections.deque(maxlen=WINDOW)
+        self._now = 0.0
+        self._steps = self._taken = 0              # since the last agreement: the rate of snapshots
+
+    # ---- every step ----------------------------------------------------------------------------
+
+    def tick(self, step: int, now: float) -> None:
+        """A save began at ``step``: the step that just ended is one sample of its kind."""
+        if self.first is None:
+            self.first, self._started = step, now
+        elif self._last is not None and now > self._last:
+            (self.snap if self._after_snapshot else self.plain).append(now - self._last)
+        self._last, self._after_snapshot, self._now = now, False, now
+        self._steps += 1
+
+    def took(self) -> None:
+        """This step took a snapshot (or tried to: a skip for full slots costs most of one)."""
+        self._after_snapshot = True
+        self._taken += 1
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is snapshotted (storage persists and SIGTERM saves never ask: always taken)."""
+        if step % self.floor:
+            return False
+        if self.budget is None or self.phase is Phase.WARMUP:
+            return True
+        since = step - (self.first if self.first is not None else 0)
+        if self.phase is Phase.MEASURE:
+            return self.floor > 1 or since % 2 == 0
+        if step % self.every:
+            return False
+        return not (self.every == 1 and since % PROBE_EVERY == PROBE_EVERY - 1)
+
+    # ---- agreement steps -----------------------------------------------------------------------
+
+    def agreement_due(self, step: int) -> bool:
+        """Whether the ranks gather their figures at ``step`` (the same steps on every rank)."""
+        if self.budget is None or self.first is None:
+            return False
+        since = step - self.first
+        if since < FIRST_AGREEMENT:
+            return False
+        return since % RESTATE == 0 if since > RESTATE else since & (since - 1) == 0
+
+    def vote(self) -> Vote:
+        warm = self._now - self._started >= WARMUP_SECONDS
+        cost, step = self.measured()
+        want = self._wanted(cost, step) if (self.phase is not Phase.WARMUP and cost is not None
+                                            and step is not None) else 0
+        return warm, want, cost or 0.0, step or 0.0
+
+    def agree(self, votes: Sequence[Vote]) -> Tuple[Optional[Cadence], bool]:
+        """Apply every rank's figures: (the cadence from now on, whether ``every`` changed); no cadence while
+        warming up or measuring."""
+        rate = self._taken / self._steps if self._steps else 0.0
+        self._steps = self._taken = 0
+        if self.phase is Phase.WARMUP:
+            if all(v[0] for v in votes):
+                self.phase = Phase.MEASURE
+                self.plain.clear()
+                self.snap.clear()
+            return None, False
+        wants = [v[1] for v in votes]
+        if not all(wants):
+            return None, False
+        want = max(wants)
+        first = self.phase is Phase.MEASURE
+        self.phase = Phase.STEADY
+        # more steps between snapshots at once (the budget is kept); fewer only when it is much cheaper
+        changed = first or want > self.every or want * RELAX <= self.every
+        if changed:
+            self.every = want
+        # the rate measured since the last agreement is that of this cadence, unless it just changed
+        self.rate = 0.0 if changed else rate
+        costliest = max(votes, key=lambda v: v[2] / v[3] if v[3] else 0.0)
+        return self._cadence(costliest[2], costliest[3]), changed
+
+    # ---- figures -------------------------------------------------------------------------------
+
+    def measured(self) -> Tuple[Optional[float], Optional[float]]:
+        """(seconds one snapshot costs, seconds of a plain step), None where too few steps were seen."""
+        step = statistics.median(self.plain) if len(self.plain) >= MIN_SAMPLES else None
+        if step is None or len(self.snap) < MIN_SAMPLES:
+            return None, step
+        return max(0.0, statistics.median(self.snap) - step), step
+
+    def cadence(self) -> Cadence:
+        cost, step = self.measured()
+        return self._cadence(cost or 0.0, step or 0.0)
+
+    def _cadence(self, cost: float, step: float) -> Cadence:
+        probing = self.budget is not None and self.phase is Phase.STEADY and self.every == 1
+        return Cadence(self.every, cost, step, self.budget, probing, self.rate)
+
+    def _wanted(self, cost: float, step: float) -> int:
+        assert self.budget is not None
+        if step <= 0:
+            return self.floor
+        steps = max(1, math.ceil(cost / (self.budget * step) - 1e-9))
+        return self.floor * math.ceil(steps / self.floor)
+

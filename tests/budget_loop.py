@@ -1,0 +1,49 @@
+"""A training loop whose step time is known (a sleep beside a tiny MLP's step), with or without easyckpt's
+snapshots, that writes when each step began: tests/test_budget.py compares its stopwatch with what easyckpt's
+snapshot budget says it costs."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import easyckpt.pytorch as ep
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dir", default=None, help="easyckpt's save_dir; left out: no easyckpt")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--sleep", type=float, required=True, help="seconds each step sleeps")
+    p.add_argument("--max-overhead", type=float, default=None)
+    p.add_argument("--out", required=True, help="a JSON list of when each step began (seconds)")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    x = torch.randn(8, 64)
+    if args.dir:
+        ep.initialize_easyckpt(args.dir, save_storage_interval=10 ** 6, max_overhead=args.max_overhead)
+        ep.load_checkpoint(model, opt)
+    began = []
+    for step in range(1, args.steps + 1):
+        began.append(time.perf_counter())
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        time.sleep(args.sleep)
+        opt.step()
+        if args.dir:
+            ep.save_checkpoint_if_needed(step, model, opt)
+    began.append(time.perf_counter())
+    if args.dir:
+        ep.finalize_easyckpt()
+    with open(args.out, "w") as f:
+        json.dump(began, f)
+
+
+if __name__ == "__main__":
+    main()
