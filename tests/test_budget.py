@@ -1,0 +1,148 @@
+"""The snapshot budget (engine/budget.py): in process, fed the steps a training loop would see; and in real
+processes, a loop whose snapshot cost is known (a sleep injected in the copy path), where what easyckpt says a
+snapshot costs per step must match the stopwatch (with easyckpt against without) within 20 %."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import pytest
+
+import harness
+from easyckpt.config import Config, validate
+from easyckpt.engine import budget as bm
+from easyckpt.engine.budget import Phase, SnapshotBudget
+from easyckpt.errors import ConfigError
+
+LOOP = Path(__file__).resolve().parent / "budget_loop.py"
+CLOCKS: Dict[int, float] = {}
+
+
+def train(ranks: Sequence[SnapshotBudget], steps: int, step: float, costs: Sequence[float], start: int = 1) -> List[int]:
+    """``steps`` steps on every rank: a plain step takes ``step`` s, one after a snapshot ``costs[rank]`` more.
+    The ranks agree where the budget says (the all_gather, in process). Returns the steps rank 0 snapshotted."""
+    now = [CLOCKS.get(id(b), 0.0) for b in ranks]     # each rank's clock goes on from the last call
+    taken = []
+    for s in range(start, start + steps):
+        for r, b in enumerate(ranks):
+            b.tick(s, now[r])
+        if ranks[0].agreement_due(s):
+            votes = [b.vote() for b in ranks]
+            for b in ranks:
+                b.agree(votes)
+        for r, b in enumerate(ranks):
+            took = b.due(s)
+            if took:
+                b.took()
+            now[r] += step + (costs[r] if took else 0.0)
+        if ranks[0]._after_snapshot:
+            taken.append(s)
+    CLOCKS.update((id(b), t) for b, t in zip(ranks, now))
+    return taken
+
+
+def test_without_a_budget_every_interval_is_snapshotted_and_nothing_is_agreed():
+    b = SnapshotBudget(floor=2, budget=None)
+    taken = train([b], 400, step=0.01, costs=[0.05])
+    assert taken == list(range(2, 401, 2))
+    assert not any(b.agreement_due(s) for s in range(1, 5000))
+    assert b.every == 2 and b.cadence().bound == 1
+
+
+def test_a_costly_snapshot_is_spaced_out_to_the_budget_after_warmup_and_measuring():
+    b = SnapshotBudget(floor=1, budget=0.1)
+    taken = train([b], 150, step=0.01, costs=[0.005])
+    # warming up (2 s of training) every step is snapshotted, as without a budget
+    assert b.phase is Phase.WARMUP and taken == list(range(1, 151))
+    train([b], 600, step=0.01, costs=[0.005], start=151)
+    assert b.phase is Phase.STEADY
+    # 5 ms of a 10 ms step within 10 %: every 5 steps
+    assert b.every == 5
+    c = b.cadence()
+    assert c.cost == pytest.approx(0.005) and c.step == pytest.approx(0.01)
+    assert c.bound == 4 and c.overhead == pytest.approx(0.1) and not c.probing
+    assert [s for s in range(1000, 1011) if b.due(s)] == [1000, 1005, 1010]
+
+
+def test_a_cheap_snapshot_stays_on_every_step_and_one_in_sixteen_measures_the_plain_step():
+    b = SnapshotBudget(floor=1, budget=0.02)
+    train([b], 1500, step=0.01, costs=[0.0001])
+    assert b.phase is Phase.STEADY and b.every == 1
+    skipped = [s for s in range(2000, 2064) if not b.due(s)]
+    assert len(skipped) == 64 // bm.PROBE_EVERY
+    c = b.cadence()
+    assert c.probing and c.bound == 1
+    assert "one in 16 is skipped" in c.words() and "a crash loses at most 1 step" in c.words()
+
+
+def test_the_costliest_rank_decides_for_every_rank():
+    ranks = [SnapshotBudget(1, 0.1), SnapshotBudget(1, 0.1)]
+    train(ranks, 1500, step=0.01, costs=[0.001, 0.008])
+    assert [b.every for b in ranks] == [8, 8]
+    assert all(r.due(s) == ranks[0].due(s) for r in ranks for s in range(3000, 3100))
+
+
+def test_every_is_a_multiple_of_save_mem_interval():
+    b = SnapshotBudget(floor=4, budget=0.1)
+    train([b], 1500, step=0.01, costs=[0.006])
+    assert b.every == 8          # 6 steps would keep the budget: the next multiple of 4
+    assert all(s % 8 == 0 for s in range(3000, 3100) if b.due(s))
+
+
+def test_fewer_steps_between_snapshots_only_when_they_became_much_cheaper():
+    b = SnapshotBudget(floor=1, budget=0.1)
+    train([b], 1500, step=0.01, costs=[0.008])
+    assert b.every == 8
+    train([b], 2100, step=0.01, costs=[0.006], start=1501)      # 6 would do: not worth a change
+    assert b.every == 8
+    train([b], 2100, step=0.01, costs=[0.003], start=3601)      # 3 is less than half
+    assert b.every == 3
+    train([b], 1100, step=0.01, costs=[0.02], start=5701)       # dearer: spaced out at once
+    assert b.every == 20
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.5, True, "2%"])
+def test_max_overhead_must_be_a_share_of_step_time(tmp_path, value):
+    with pytest.raises(ConfigError, match="max_overhead"):
+        validate(Config(save_dir=str(tmp_path), max_overhead=value))
+
+
+def _per_step(began: List[float], first: int) -> float:
+    return (began[-1] - began[first]) / (len(began) - 1 - first)
+
+
+def test_the_cost_said_matches_the_stopwatch_and_rank_0_is_told_once(tmp_path):
+    """A 20 ms step; each snapshot sleeps 10 ms more in its copy. With max_overhead=0.2 the budget spaces the
+    snapshots out to every 3rd step or so; the per-step cost it says must be what the step time grew by."""
+    steps = 460
+    base = [sys.executable, str(LOOP), "--steps", str(steps), "--sleep", "0.02"]
+    off = harness.run(base + ["--out", str(tmp_path / "off.json")], timeout=120)
+    on = harness.run(base + ["--dir", str(tmp_path / "ckpt"), "--max-overhead", "0.2",
+                             "--out", str(tmp_path / "on.json")],
+                     extra_env={"EASYCKPT_FAULTS": "trainer.mid_snapshot=sleep:0.01"}, timeout=120)
+    assert off.returncode == 0
+    said = [e for e in harness.events(tmp_path / "ckpt" / "easyckpt.log") if e["event"] == "budget"]
+    assert said, "no agreement on a cadence was recorded"
+    last = said[-1]
+    every = last["every"]
+    assert every >= 2 and last["bound"] == every - 1
+    assert last["cost"] == pytest.approx(0.0105, rel=0.2)      # the 10 ms sleep and the copy itself
+    # the stopwatch, from the first step the cadence was decided at to the end, in both runs
+    first = said[0]["step"]
+    assert first < steps - 100
+    on_times = json.loads((tmp_path / "on.json").read_text())
+    off_times = json.loads((tmp_path / "off.json").read_text())
+    grew = _per_step(on_times, first) - _per_step(off_times, first)
+    assert last["per_step"] == pytest.approx(grew, rel=0.2), (last, grew)
+    # rank 0's console, once: the cadence, the measured cost and the loss bound
+    lines = [line for line in (on.stdout + on.stderr).splitlines() if "snapshots every" in line]
+    assert len(lines) == 1, lines
+    m = re.search(r"snapshots every (\d+) steps: each costs ([\d.]+) ms of a ([\d.]+) ms step .*; a crash loses at "
+                  r"most (\d+) steps", lines[0])
+    assert m and int(m.group(4)) == int(m.group(1)) - 1 and float(m.group(2)) > 9, lines[0]
+    # easyckpt status: from the committed step's manifest (the job ended)
+    status = harness.run([sys.executable, "-m", "easyckpt.cli", "status", str(tmp_path / "ckpt")], timeout=60)
+    assert re.search(rf"snapshots  every {every} step\(s\) \(max_overhead 0.2\): each costs [\d.]+ ms", status.stdout)
