@@ -12,9 +12,9 @@ and the snapshot is taken every ``every`` steps, the smallest multiple of ``save
 cost / (every x step) <= max_overhead. A crash then loses at most ``every - 1`` completed steps.
 
 Every rank must snapshot the same steps (a resume from memory needs one step that every rank holds), so the
-phases and ``every`` change only at agreement steps, the same on every rank: 16, 32, 64, ... steps after the
-first save of this process, then every RESTATE steps; there the ranks gather their figures and the costliest
-rank's wish wins. Between them each rank decides alone, from the step number only.
+phases and ``every`` change only at agreement steps, the same on every rank (multiples of AGREE_EVERY, by
+phase); there the ranks gather their figures and the costliest rank's wish wins. Between them each rank
+decides alone, from the step number only.
 
     WARMUP   a snapshot at every opportunity (save_mem_interval), as without a budget, until every rank has
              trained WARMUP_SECONDS: the first steps (allocator, caches, the slots' first touch) cost what
@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from typing import Deque, Optional, Sequence, Tuple
 
 WARMUP_SECONDS = 2.0
-FIRST_AGREEMENT = 16      # steps after the first save; then 32, 64, ... up to RESTATE, then every RESTATE
-RESTATE = 1024
 PROBE_EVERY = 16
 WINDOW = 33               # the most recent steps of each kind the medians are taken over
 MIN_SAMPLES = 5
@@ -49,6 +47,11 @@ class Phase(enum.Enum):
     WARMUP = "warmup"
     MEASURE = "measure"
     STEADY = "steady"
+
+
+# the steps the ranks agree at (multiples of these, by phase): often while warming up, so that measuring starts
+# soon after WARMUP_SECONDS; rarely once steady (each agreement is a collective: about a millisecond)
+AGREE_EVERY = {Phase.WARMUP: 16, Phase.MEASURE: 64, Phase.STEADY: 1024}
 
 
 # one rank's figures at an agreement step: (warmed up, the ``every`` it wants or 0 when it cannot say yet,
@@ -115,6 +118,7 @@ class SnapshotBudget:
         self.snap: Deque[float] = collections.deque(maxlen=WINDOW)
         self._now = 0.0
         self._steps = self._taken = 0              # since the last agreement: the rate of snapshots
+        self._said: Optional[int] = None           # the ``every`` rank 0's console last said
 
     # ---- every step ----------------------------------------------------------------------------
 
@@ -138,23 +142,20 @@ class SnapshotBudget:
             return False
         if self.budget is None or self.phase is Phase.WARMUP:
             return True
-        since = step - (self.first if self.first is not None else 0)
         if self.phase is Phase.MEASURE:
-            return self.floor > 1 or since % 2 == 0
+            return self.floor > 1 or step % 2 == 0
         if step % self.every:
             return False
-        return not (self.every == 1 and since % PROBE_EVERY == PROBE_EVERY - 1)
+        return not (self.every == 1 and step % PROBE_EVERY == PROBE_EVERY - 1)
 
     # ---- agreement steps -----------------------------------------------------------------------
 
     def agreement_due(self, step: int) -> bool:
-        """Whether the ranks gather their figures at ``step`` (the same steps on every rank)."""
-        if self.budget is None or self.first is None:
+        """Whether the ranks gather their figures at ``step``: a multiple of the current phase's spacing (the
+        phase is agreed, so the same steps on every rank, whichever step each process started at)."""
+        if self.budget is None or self.first is None or step == self.first:
             return False
-        since = step - self.first
-        if since < FIRST_AGREEMENT:
-            return False
-        return since % RESTATE == 0 if since > RESTATE else since & (since - 1) == 0
+        return step % AGREE_EVERY[self.phase] == 0
 
     def vote(self) -> Vote:
         warm = self._now - self._started >= WARMUP_SECONDS
@@ -164,8 +165,9 @@ class SnapshotBudget:
         return warm, want, cost or 0.0, step or 0.0
 
     def agree(self, votes: Sequence[Vote]) -> Tuple[Optional[Cadence], bool]:
-        """Apply every rank's figures: (the cadence from now on, whether ``every`` changed); no cadence while
-        warming up or measuring."""
+        """Apply every rank's figures: (the cadence from now on, whether rank 0's console says it); no cadence
+        while warming up or measuring. Said once when the budget spaces snapshots out (every > save_mem_interval),
+        and again only when that spacing changes by RELAX times or more."""
         rate = self._taken / self._steps if self._steps else 0.0
         self._steps = self._taken = 0
         if self.phase is Phase.WARMUP:
@@ -187,7 +189,12 @@ class SnapshotBudget:
         # the rate measured since the last agreement is that of this cadence, unless it just changed
         self.rate = 0.0 if changed else rate
         costliest = max(votes, key=lambda v: v[2] / v[3] if v[3] else 0.0)
-        return self._cadence(costliest[2], costliest[3]), changed
+        said = self._said
+        say = changed and ((said is None and self.every > self.floor) or
+                           (said is not None and (self.every >= RELAX * said or RELAX * self.every <= said)))
+        if say:
+            self._said = self.every
+        return self._cadence(costliest[2], costliest[3]), say
 
     # ---- figures -------------------------------------------------------------------------------
 

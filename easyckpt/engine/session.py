@@ -93,9 +93,7 @@ class Engine:
         self._pending_persist = False
         self.watch = OptimizerWatch(self.before_optimizer_step)
         self._overlap_on: Optional[bool] = None
-        # how often a memory snapshot is taken within max_overhead of step time (budget.py)
-        self.budget = SnapshotBudget(cfg.save_mem_interval, cfg.max_overhead)
-        self._said_every: Optional[int] = None
+        self.budget = SnapshotBudget(cfg.save_mem_interval, cfg.max_overhead)   # within max_overhead of step time
         self.preempt: Optional[Preemption] = None
         if cfg.autocheckpoint_on_sigterm:
             link_ = self.client
@@ -138,21 +136,13 @@ class Engine:
         try:
             votes = self.group.all_gather(self.budget.vote())
         except Exception as exc:  # noqa: BLE001 - a rank is gone: keep the cadence; the next collective says why
-            self.log.emit("warning", rank=self.rank, message=f"ranks could not agree on the snapshot cadence "
-                                                             f"({exc}); keeping every {self.budget.every} steps")
+            self.log.emit("warning", rank=self.rank, message=f"no agreement on the snapshot cadence ({exc})")
             return
-        told, changed = self.budget.agree([tuple(v) for v in votes])
-        if told is None:
-            return
-        self.log.record("budget", step=self.last_step, rank=self.rank, **told.to_info())
-        said = self._said_every
-        # said once when the budget spaces snapshots out, and again only when the spacing changes a lot
-        if not changed:
-            return
-        if (said is None and told.every > self.cfg.save_mem_interval) or \
-                (said is not None and (told.every >= 2 * said or 2 * told.every <= said)):
-            self._said_every = told.every
-            console.info(told.words())
+        told, say = self.budget.agree([tuple(v) for v in votes])
+        if told is not None:        # recorded at each agreement; said on the console when it changed a lot
+            self.log.record("budget", step=self.last_step, rank=self.rank, **told.to_info())
+            if say:
+                console.info(told.words())
 
     def _overlap(self, optimizer: Any) -> bool:
         if self._overlap_on is None:
@@ -336,6 +326,7 @@ class Engine:
                 self._request_persist(self.last)
             return self.last
         shards = collect()
+        self.budget.took()      # this step's time holds a snapshot (budget.py)
         deadline = self.clock.monotonic() + (self.cfg.commit_timeout if timeout is None else timeout)
         while True:
             result = self._snapshot(step, lambda: shards, persist=True, quiet=True, info=info)

@@ -1,0 +1,218 @@
+"""What easyckpt costs a training loop's step time at default settings, as a user measures it, in several regimes:
+each a ratio measured side by side in one run, with easyckpt / without, alternating order, fresh processes.
+
+    .venv/bin/python benchmarks/bench_overhead.py [--regimes pt10,pt100,hf10,loop074] [--pairs 5]
+
+Regimes (the step times are this machine's; the sizes are fixed):
+  pt10     plain PyTorch, an MLP with AdamW, about 10 ms steps (easyckpt.pytorch, default settings)
+  pt100    the same, about 100 ms steps
+  hf10     the HF Trainer, a tiny GPT-2, about 10 ms steps (TrainerWrapper, default settings)
+  loop074  bench_checkpoint.py's loop: 0.25 GB of state, about 0.74 s steps (save_storage_interval=10)
+
+Per pair it starts the loop twice, once without checkpoints and once with easyckpt, in alternating order, and
+then once with torch DCP's ``async_save`` every k steps, k the number of steps between easyckpt's snapshots in
+that pair (the same loss bound). The step time is the mean over the steady part of the run (from the step
+easyckpt's snapshot budget decided its cadence, the same steps in every run of the pair); the whole run's
+time is printed too. It prints each regime's median ratio over the pairs with PASS/MISS against the
+goal (<= 1.03), the loss bound easyckpt reached and DCP's ratio, and writes the figures as JSON (--out).
+DLRover's flash checkpoint is compared in benchmarks/bench_peer.py (its own launcher and venv).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+GOAL = 1.03
+# steps per run, and where the steady part starts at the latest (the budget's agreement steps: 2 s of
+# warmup, then as many steps of measuring, then the cadence)
+REGIMES: Dict[str, Dict[str, Any]] = {
+    "pt10": {"hidden": 640, "batch": 64, "steps": 1600},
+    "pt100": {"hidden": 1400, "batch": 256, "steps": 260},
+    "hf10": {"steps": 1600},
+    "loop074": {"hidden": 4560, "batch": 2048, "steps": 90, "storage": 10},
+}
+RUN_TIMEOUT = 900
+
+
+def _mlp(hidden: int) -> Any:
+    import torch
+    return torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                               torch.nn.ReLU(), torch.nn.Linear(hidden, hidden))
+
+
+def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[float]:
+    """One run of a plain PyTorch loop; the time each step began (and the end)."""
+    import torch
+    spec = REGIMES[regime]
+    torch.manual_seed(0)
+    model = _mlp(spec["hidden"])
+    opt = torch.optim.AdamW(model.parameters(), 1e-4)
+    x = torch.randn(spec["batch"], spec["hidden"])
+    ep: Any = None
+    dcp: Any = None
+    pending: Any = None
+    if mode == "easyckpt":
+        import easyckpt.pytorch as ep
+        ep.initialize_easyckpt(save_dir, **({"save_storage_interval": spec["storage"]} if "storage" in spec else {}))
+        ep.load_checkpoint(model, opt)
+    elif mode == "dcp":
+        import torch.distributed.checkpoint as dcp
+    began = []
+    for step in range(1, spec["steps"] + 1):
+        began.append(time.perf_counter())
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if ep is not None:
+            ep.save_checkpoint_if_needed(step, model, opt)
+        elif dcp is not None and step % every == 0:
+            if pending is not None:
+                pending.result()        # one save in flight at a time, as DCP's documentation shows
+            pending = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
+                                     checkpoint_id=os.path.join(save_dir, f"step_{step}"))
+    began.append(time.perf_counter())
+    if pending is not None:
+        pending.result()
+    if ep is not None:
+        ep.finalize_easyckpt()
+    return began
+
+
+def worker_hf(mode: str, every: int, save_dir: str) -> List[float]:
+    """One run of the HF Trainer on a tiny GPT-2 (random tokens); the time each step began."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    torch.manual_seed(0)
+    began: List[float] = []
+
+    class Stopwatch(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            began.append(time.perf_counter())
+
+        def on_train_end(self, *_: Any, **__: Any) -> None:
+            began.append(time.perf_counter())
+
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (4096, 32))]
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
+    args = TrainingArguments(output_dir=save_dir, use_cpu=True, report_to=[], max_steps=REGIMES["hf10"]["steps"],
+                             per_device_train_batch_size=4, logging_strategy="no", disable_tqdm=True,
+                             save_strategy="steps" if mode == "easyckpt" else "no", dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Stopwatch()])
+    if mode == "easyckpt":
+        from easyckpt.transformers import TrainerWrapper
+        trainer = TrainerWrapper(trainer)
+    trainer.train()
+    return began[:1] + began[1:]
+
+
+def worker(args: argparse.Namespace) -> None:
+    save_dir = args.save_dir
+    began = (worker_hf(args.mode, args.every, save_dir) if args.regime == "hf10"
+             else worker_plain(args.regime, args.mode, args.every, save_dir))
+    with open(args.out, "w") as f:
+        json.dump(began, f)
+
+
+def _cadence(save_dir: str) -> Optional[Dict[str, Any]]:
+    """easyckpt's budget events of a run (the audit log in its save dir)."""
+    path = os.path.join(save_dir, "easyckpt.log")
+    if not os.path.exists(path):
+        return None
+    found = [json.loads(line) for line in open(path) if '"budget"' in line]
+    found = [e for e in found if e.get("event") == "budget"]
+    return {"first": found[0]["step"], "last": found[-1]} if found else None
+
+
+def launch(regime: str, mode: str, every: int, workdir: str) -> Dict[str, Any]:
+    save_dir = tempfile.mkdtemp(dir=workdir)
+    out = os.path.join(workdir, f"{mode}.json")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    t = time.perf_counter()
+    subprocess.run([sys.executable, __file__, "--worker", "--regime", regime, "--mode", mode, "--every", str(every),
+                    "--save-dir", save_dir, "--out", out], env=env, check=True, timeout=RUN_TIMEOUT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - t
+    with open(out) as f:
+        began = json.load(f)
+    return {"began": began, "wall": wall, "cadence": _cadence(save_dir) if mode == "easyckpt" else None}
+
+
+def _per_step(began: List[float], first: int) -> float:
+    first = min(first, len(began) - 2)
+    return (began[-1] - began[first]) / (len(began) - 1 - first)
+
+
+def one_pair(regime: str, index: int, workdir: str) -> Dict[str, Any]:
+    order = ["none", "easyckpt"] if index % 2 == 0 else ["easyckpt", "none"]
+    runs = {mode: launch(regime, mode, 1, workdir) for mode in order}
+    cadence = runs["easyckpt"]["cadence"]
+    every = cadence["last"]["every"] if cadence else 1
+    runs["dcp"] = launch(regime, "dcp", every, workdir) if regime != "hf10" else None
+    # the steady part: from the step the cadence was first decided (by then both runs are warm)
+    first = cadence["first"] if cadence else len(runs["none"]["began"]) // 2
+    base = _per_step(runs["none"]["began"], first)
+    row = {"order": order, "steady_from": first, "step_none": base,
+           "ratio": _per_step(runs["easyckpt"]["began"], first) / base,
+           "whole_run_ratio": runs["easyckpt"]["wall"] / runs["none"]["wall"],
+           "every": every, "bound": cadence["last"]["bound"] if cadence else 0,
+           "said_cost": cadence["last"]["cost"] if cadence else None,
+           "said_per_step": cadence["last"]["per_step"] if cadence else None}
+    if runs["dcp"] is not None:
+        row["dcp_ratio"] = _per_step(runs["dcp"]["began"], first) / base
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--regimes", default="pt10,pt100,hf10,loop074")
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--regime", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--every", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--save-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    results: Dict[str, Any] = {}
+    for regime in args.regimes.split(","):
+        with tempfile.TemporaryDirectory(prefix="bench-overhead-") as workdir:
+            rows = []
+            for i in range(args.pairs):
+                row = one_pair(regime, i, workdir)
+                rows.append(row)
+                print(f"{regime} pair {i + 1}: step {row['step_none'] * 1e3:.2f} ms, easyckpt x{row['ratio']:.3f} "
+                      f"(whole run x{row['whole_run_ratio']:.3f}), every {row['every']} (bound {row['bound']}), "
+                      f"said {1e3 * (row['said_per_step'] or 0):.3f} ms/step"
+                      + (f", DCP async_save every {row['every']} x{row['dcp_ratio']:.3f}" if "dcp_ratio" in row
+                         else ""), flush=True)
+        ratio = statistics.median(r["ratio"] for r in rows)
+        dcp = [r["dcp_ratio"] for r in rows if "dcp_ratio" in r]
+        results[regime] = {"pairs": rows, "median_ratio": ratio,
+                           "median_dcp_ratio": statistics.median(dcp) if dcp else None,
+                           "bounds": [r["bound"] for r in rows]}
+    print("\nregime   step (ms)  easyckpt/none  goal <= 1.03  loss bound (steps)  DCP async_save/none (same bound)")
+    for regime, res in results.items():
+        step = statistics.median(r["step_none"] for r in res["pairs"]) * 1e3
+        dcp = f"{res['median_dcp_ratio']:.3f}" if res["median_dcp_ratio"] is not None else "-"
+        verdict = "PASS" if res["median_ratio"] <= GOAL else "MISS"
+        print(f"{regime:8s} {step:9.2f}  {res['median_ratio']:13.3f}  {verdict:12s}  {str(res['bounds']):18s}  {dcp}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
