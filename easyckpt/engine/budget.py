@@ -36,10 +36,15 @@ import statistics
 from dataclasses import dataclass
 from typing import Deque, Optional, Sequence, Tuple
 
+from easyckpt import console
+from easyckpt.engine.seams import Group
+from easyckpt.storage.auditlog import AuditLog
+
 WARMUP_SECONDS = 2.0
 PROBE_EVERY = 16
 WINDOW = 33               # the most recent steps of each kind the medians are taken over
 MIN_SAMPLES = 5
+INFO_EVERY = 64
 RELAX = 2                 # ``every`` is lowered only when the budget allows this many times fewer steps
 
 
@@ -69,11 +74,13 @@ class Cadence:
     budget: Optional[float]
     probing: bool          # one snapshot in PROBE_EVERY is skipped to keep measuring
     rate: float = 0.0      # snapshots per step since the last agreement, persists included (0: not counted yet)
+    persist_every: Optional[int] = None    # steps between storage persists, each also a snapshot (None: not known)
 
     @property
     def bound(self) -> int:
-        """Completed steps a crash loses at most."""
-        return self.every if self.probing else self.every - 1
+        """Completed steps a crash loses at most (a persisted step is a snapshot too)."""
+        gap = min(self.every, self.persist_every or self.every)
+        return gap if self.probing else gap - 1
 
     @property
     def overhead(self) -> float:
@@ -99,14 +106,18 @@ class Cadence:
                 f"({self.overhead:.1%} of step time; max_overhead={self.budget:g})" if self.budget is not None
                 else f"each costs {self.cost * 1e3:.2f} ms of a {self.step * 1e3:.2f} ms step")
         probe = f" (one in {PROBE_EVERY} is skipped to keep measuring)" if self.probing else ""
+        if self.persist_every and self.every % self.persist_every == 0 and self.every > 1:
+            steps, probe = f"every {self.persist_every} steps", " (only those storage persists)"
         return f"snapshots {steps}{probe}: {cost}; a crash loses at most {lose}"
 
 
 class SnapshotBudget:
     """The cadence of one rank's memory snapshots; see the module docstring."""
 
-    def __init__(self, floor: int, budget: Optional[float]):
-        self.floor, self.budget = floor, budget
+    def __init__(self, floor: int, budget: Optional[float], persist_every: Optional[int] = None):
+        """``persist_every``: the steps between the storage persists ``maybe_save`` takes by itself (each is
+        also a snapshot, never skipped); None when the framework decides them."""
+        self.floor, self.budget, self.persist_every = floor, budget, persist_every
         self.phase = Phase.WARMUP if budget is not None else Phase.STEADY
         self.every = floor
         self.first: Optional[int] = None           # the first step this process saved at
@@ -119,6 +130,7 @@ class SnapshotBudget:
         self._now = 0.0
         self._steps = self._taken = 0              # since the last agreement: the rate of snapshots
         self._said: Optional[int] = None           # the ``every`` rank 0's console last said
+        self._info: Optional[dict] = None
 
     # ---- every step ----------------------------------------------------------------------------
 
@@ -170,6 +182,7 @@ class SnapshotBudget:
         and again only when that spacing changes by RELAX times or more."""
         rate = self._taken / self._steps if self._steps else 0.0
         self._steps = self._taken = 0
+        self._info = None
         if self.phase is Phase.WARMUP:
             if all(v[0] for v in votes):
                 self.phase = Phase.MEASURE
@@ -209,14 +222,41 @@ class SnapshotBudget:
         cost, step = self.measured()
         return self._cadence(cost or 0.0, step or 0.0)
 
+    def info(self) -> dict:
+        """cadence().to_info(), recomputed every INFO_EVERY steps only (each snapshot records it; the medians
+        cost more than a tiny snapshot's copy)."""
+        if self._info is None or self._steps % INFO_EVERY == 0:
+            self._info = self.cadence().to_info()
+        return self._info
+
     def _cadence(self, cost: float, step: float) -> Cadence:
         probing = self.budget is not None and self.phase is Phase.STEADY and self.every == 1
-        return Cadence(self.every, cost, step, self.budget, probing, self.rate)
+        return Cadence(self.every, cost, step, self.budget, probing, self.rate, self.persist_every)
 
     def _wanted(self, cost: float, step: float) -> int:
         assert self.budget is not None
         if step <= 0:
             return self.floor
         steps = max(1, math.ceil(cost / (self.budget * step) - 1e-9))
-        return self.floor * math.ceil(steps / self.floor)
+        every = self.floor * math.ceil(steps / self.floor)
+        # at least as far apart as the persists: a snapshot for memory alone between two of them would cost
+        # and bound nothing, so the snapshots are the persists alone
+        if self.persist_every and every >= self.persist_every:
+            every = self.persist_every * math.ceil(every / self.persist_every)
+        return every
 
+
+
+def agree_ranks(budget: SnapshotBudget, group: Group, log: AuditLog, rank: int, step: int) -> None:
+    """An agreement step: every rank's figures gathered, one cadence for all; recorded in the audit log (the
+    ``budget`` event), said on rank 0's console when it changed a lot."""
+    try:
+        votes = group.all_gather(budget.vote())
+    except Exception as exc:  # noqa: BLE001 - a rank is gone: keep the cadence; the next collective says why
+        log.emit("warning", rank=rank, message=f"no agreement on the snapshot cadence ({exc})")
+        return
+    told, say = budget.agree([tuple(v) for v in votes])
+    if told is not None:
+        log.record("budget", step=step, rank=rank, **told.to_info())
+        if say:
+            console.info(told.words())

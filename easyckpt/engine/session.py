@@ -25,7 +25,7 @@ from easyckpt import console
 from easyckpt.config import Config, validate
 from easyckpt.engine import peers, runlog
 from easyckpt.engine.agentview import AgentView
-from easyckpt.engine.budget import SnapshotBudget
+from easyckpt.engine.budget import SnapshotBudget, agree_ranks
 from easyckpt.engine.client import AgentClient
 from easyckpt.engine.dist import TorchGroup
 from easyckpt.engine.load import Loaded, Needed, load_newest
@@ -118,9 +118,11 @@ class Engine:
             return self.last
         self.view.poll(self.last_persisted_step)
         if budget.agreement_due(step):
-            self._agree()
+            agree_ranks(budget, self.group, self.log, self.rank, step)
         if step % self.cfg.save_mem_interval:
             return None
+        # the persists this call decides are snapshots too (the loss bound); a framework's own are not known
+        budget.persist_every = self.cfg.save_storage_interval if persist is None else None
         if persist is None:
             persist = step % self.cfg.save_storage_interval == 0
         # the budget may space out snapshots that only go to memory; a persist is never skipped for it
@@ -130,19 +132,6 @@ class Engine:
         if optimizer is not None and self._overlap(optimizer):
             self.watch.add(optimizer)
         return self._snapshot(step, collect, persist=persist, info=info, overlap=bool(self.watch))
-
-    def _agree(self) -> None:
-        """An agreement step of the snapshot budget (budget.py): every rank's figures, one cadence for all."""
-        try:
-            votes = self.group.all_gather(self.budget.vote())
-        except Exception as exc:  # noqa: BLE001 - a rank is gone: keep the cadence; the next collective says why
-            self.log.emit("warning", rank=self.rank, message=f"no agreement on the snapshot cadence ({exc})")
-            return
-        told, say = self.budget.agree([tuple(v) for v in votes])
-        if told is not None:        # recorded at each agreement; said on the console when it changed a lot
-            self.log.record("budget", step=self.last_step, rank=self.rank, **told.to_info())
-            if say:
-                console.info(told.words())
 
     def _overlap(self, optimizer: Any) -> bool:
         if self._overlap_on is None:
@@ -169,7 +158,7 @@ class Engine:
         defer = self.watch.deferrable() if overlap else None
         shards = collect()
         info = {**(info or {}), "run": self.run_started, "run_id": self.run_id,
-                "budget": self.budget.cadence().to_info()}
+                "budget": self.budget.info()}
         result = self.snapshotter.snapshot(step, shards, persist, info, defer)
         if result is None and self.snapshotter.skipped is None and not self.client.alive():
             # both slots reserved by an agent that died: a new agent releases them (docs/reliability.md promise 10)
