@@ -10,12 +10,13 @@ Regimes (the step times are this machine's; the sizes are fixed):
   loop074  bench_checkpoint.py's loop: 0.25 GB of state, about 0.74 s steps (save_storage_interval=10)
 
 Per pair it starts the loop twice, once without checkpoints and once with easyckpt, in alternating order, and
-then once with torch DCP's ``async_save`` every k steps, k the number of steps between easyckpt's snapshots in
-that pair (the same loss bound). The step time is the mean over the steady part of the run (from the step
+then, in the plain PyTorch regimes, with torch DCP's ``async_save`` and with DLRover's flash checkpoint (to
+memory; launched by its own ``dlrover-run`` from .venv-dlrover, benchmarks/setup_dlrover.sh) every k steps, k
+the number of steps between easyckpt's snapshots in that pair (the same loss bound); DLRover also persists to
+disk every save_storage_interval steps, as easyckpt does. The step time is the mean over the steady part of the run (from the step
 easyckpt's snapshot budget decided its cadence, the same steps in every run of the pair); the whole run's
 time is printed too. It prints each regime's median ratio over the pairs with PASS/MISS against the
-goal (<= 1.03), the loss bound easyckpt reached and DCP's ratio, and writes the figures as JSON (--out).
-DLRover's flash checkpoint is compared in benchmarks/bench_peer.py (its own launcher and venv).
+goal (<= 1.03), the loss bound easyckpt reached and the peers' ratios, and writes the figures as JSON (--out).
 """
 from __future__ import annotations
 
@@ -38,15 +39,22 @@ REGIMES: Dict[str, Dict[str, Any]] = {
     "pt10": {"hidden": 640, "batch": 64, "steps": 1600},
     "pt100": {"hidden": 1400, "batch": 256, "steps": 260},
     "hf10": {"steps": 1600},
-    "loop074": {"hidden": 4560, "batch": 2048, "steps": 90, "storage": 10},
+    "loop074": {"width": 2048, "layers": 5, "batch": 2048, "steps": 80, "storage": 10},
 }
 RUN_TIMEOUT = 900
+DLROVER_PYTHON = os.path.join(ROOT, ".venv-dlrover", "bin", "python")
 
 
-def _mlp(hidden: int) -> Any:
+def _mlp(spec: Dict[str, Any]) -> Any:
+    """The regime's MLP; loop074: bench_checkpoint.py's (bias-free 2048-wide layers, 0.25 GB with AdamW)."""
     import torch
-    return torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
-                               torch.nn.ReLU(), torch.nn.Linear(hidden, hidden))
+    if "width" in spec:
+        w = spec["width"]
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(w, w, bias=False), torch.nn.ReLU())
+                                     for _ in range(spec["layers"])])
+    h = spec["hidden"]
+    return torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, h),
+                               torch.nn.ReLU(), torch.nn.Linear(h, h))
 
 
 def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[float]:
@@ -54,9 +62,9 @@ def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[floa
     import torch
     spec = REGIMES[regime]
     torch.manual_seed(0)
-    model = _mlp(spec["hidden"])
+    model = _mlp(spec)
     opt = torch.optim.AdamW(model.parameters(), 1e-4)
-    x = torch.randn(spec["batch"], spec["hidden"])
+    x = torch.randn(spec["batch"], spec.get("width", spec.get("hidden")))
     ep: Any = None
     dcp: Any = None
     pending: Any = None
@@ -66,6 +74,8 @@ def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[floa
         ep.load_checkpoint(model, opt)
     elif mode == "dcp":
         import torch.distributed.checkpoint as dcp
+    elif mode == "dlrover":
+        return dlrover_loop(model, opt, x, spec, every, save_dir)
     began = []
     for step in range(1, spec["steps"] + 1):
         began.append(time.perf_counter())
@@ -85,6 +95,31 @@ def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[floa
         pending.result()
     if ep is not None:
         ep.finalize_easyckpt()
+    return began
+
+
+def dlrover_loop(model: Any, opt: Any, x: Any, spec: Dict[str, Any], every: int, save_dir: str) -> List[float]:
+    """The plain loop with DLRover's flash checkpoint: to memory every ``every`` steps, to disk every
+    save_storage_interval (5, or the regime's), each as its documentation shows (under dlrover-run)."""
+    import torch.distributed as dist
+    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+    dist.init_process_group("gloo")
+    ckpt = DdpCheckpointer(save_dir)
+    ckpt.load_checkpoint()
+    storage = spec.get("storage", 5)
+    began = []
+    for step in range(1, spec["steps"] + 1):
+        began.append(time.perf_counter())
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        kind = StorageType.DISK if step % storage == 0 else StorageType.MEMORY if step % every == 0 else None
+        if kind is not None:
+            ckpt.save_checkpoint(step, {"model": model.state_dict(), "optimizer": opt.state_dict()},
+                                 storage_type=kind)
+    began.append(time.perf_counter())
+    dist.destroy_process_group()
     return began
 
 
@@ -137,9 +172,13 @@ def launch(regime: str, mode: str, every: int, workdir: str) -> Dict[str, Any]:
     save_dir = tempfile.mkdtemp(dir=workdir)
     out = os.path.join(workdir, f"{mode}.json")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    cmd = [sys.executable, __file__]
+    if mode == "dlrover":      # its own launcher, from its own venv
+        cmd = [DLROVER_PYTHON, os.path.join(HERE, "dlrover_launch.py"), "--standalone", "--nproc_per_node=1",
+               __file__]
     t = time.perf_counter()
-    subprocess.run([sys.executable, __file__, "--worker", "--regime", regime, "--mode", mode, "--every", str(every),
-                    "--save-dir", save_dir, "--out", out], env=env, check=True, timeout=RUN_TIMEOUT,
+    subprocess.run(cmd + ["--worker", "--regime", regime, "--mode", mode, "--every", str(every),
+                          "--save-dir", save_dir, "--out", out], env=env, check=True, timeout=RUN_TIMEOUT,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - t
     with open(out) as f:
@@ -157,7 +196,10 @@ def one_pair(regime: str, index: int, workdir: str) -> Dict[str, Any]:
     runs = {mode: launch(regime, mode, 1, workdir) for mode in order}
     cadence = runs["easyckpt"]["cadence"]
     every = cadence["last"]["every"] if cadence else 1
-    runs["dcp"] = launch(regime, "dcp", every, workdir) if regime != "hf10" else None
+    plain = regime != "hf10"
+    runs["dcp"] = launch(regime, "dcp", every, workdir) if plain else None
+    runs["dlrover"] = launch(regime, "dlrover", every, workdir) if plain and os.path.exists(DLROVER_PYTHON) \
+        else None
     # the steady part: from the step the cadence was first decided (by then both runs are warm)
     first = cadence["first"] if cadence else len(runs["none"]["began"]) // 2
     base = _per_step(runs["none"]["began"], first)
@@ -167,8 +209,9 @@ def one_pair(regime: str, index: int, workdir: str) -> Dict[str, Any]:
            "every": every, "bound": cadence["last"]["bound"] if cadence else 0,
            "said_cost": cadence["last"]["cost"] if cadence else None,
            "said_per_step": cadence["last"]["per_step"] if cadence else None}
-    if runs["dcp"] is not None:
-        row["dcp_ratio"] = _per_step(runs["dcp"]["began"], first) / base
+    for peer in ("dcp", "dlrover"):
+        if runs[peer] is not None:
+            row[f"{peer}_ratio"] = _per_step(runs[peer]["began"], first) / base
     return row
 
 
@@ -196,19 +239,25 @@ def main() -> None:
                 print(f"{regime} pair {i + 1}: step {row['step_none'] * 1e3:.2f} ms, easyckpt x{row['ratio']:.3f} "
                       f"(whole run x{row['whole_run_ratio']:.3f}), every {row['every']} (bound {row['bound']}), "
                       f"said {1e3 * (row['said_per_step'] or 0):.3f} ms/step"
-                      + (f", DCP async_save every {row['every']} x{row['dcp_ratio']:.3f}" if "dcp_ratio" in row
-                         else ""), flush=True)
-        ratio = statistics.median(r["ratio"] for r in rows)
-        dcp = [r["dcp_ratio"] for r in rows if "dcp_ratio" in r]
-        results[regime] = {"pairs": rows, "median_ratio": ratio,
-                           "median_dcp_ratio": statistics.median(dcp) if dcp else None,
+                      + "".join(f", {peer} every {row['every']} x{row[f'{peer}_ratio']:.3f}"
+                                for peer in ("dcp", "dlrover") if f"{peer}_ratio" in row), flush=True)
+        results[regime] = {"pairs": rows, "median_ratio": statistics.median(r["ratio"] for r in rows),
                            "bounds": [r["bound"] for r in rows]}
-    print("\nregime   step (ms)  easyckpt/none  goal <= 1.03  loss bound (steps)  DCP async_save/none (same bound)")
+        for peer in ("dcp", "dlrover"):
+            got = [r[f"{peer}_ratio"] for r in rows if f"{peer}_ratio" in r]
+            results[regime][f"median_{peer}_ratio"] = statistics.median(got) if got else None
+    if not os.path.exists(DLROVER_PYTHON):
+        print(f"\nDLRover: {DLROVER_PYTHON} is missing (bash benchmarks/setup_dlrover.sh makes it): not compared")
+    print("\nregime   step (ms)  easyckpt/none  goal <= 1.03  loss bound (steps)  DCP async_save  DLRover flash"
+          "  (each /none, at easyckpt's bound; the goal: easyckpt <= both)")
     for regime, res in results.items():
         step = statistics.median(r["step_none"] for r in res["pairs"]) * 1e3
-        dcp = f"{res['median_dcp_ratio']:.3f}" if res["median_dcp_ratio"] is not None else "-"
+        peers = [res[f"median_{peer}_ratio"] for peer in ("dcp", "dlrover")]
+        shown = [f"{v:.3f}" if v is not None else "-" for v in peers]
         verdict = "PASS" if res["median_ratio"] <= GOAL else "MISS"
-        print(f"{regime:8s} {step:9.2f}  {res['median_ratio']:13.3f}  {verdict:12s}  {str(res['bounds']):18s}  {dcp}")
+        beats = all(res["median_ratio"] <= v for v in peers if v is not None)
+        print(f"{regime:8s} {step:9.2f}  {res['median_ratio']:13.3f}  {verdict:12s}  {str(res['bounds']):18s}  "
+              f"{shown[0]:14s}  {shown[1]:13s}  {'PASS' if beats else 'MISS'}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -146,3 +146,13 @@ def test_the_cost_said_matches_the_stopwatch_and_rank_0_is_told_once(tmp_path):
     # easyckpt status: from the committed step's manifest (the job ended)
     status = harness.run([sys.executable, "-m", "easyckpt.cli", "status", str(tmp_path / "ckpt")], timeout=60)
     assert re.search(rf"snapshots  every {every} step\(s\) \(max_overhead 0.2\): each costs [\d.]+ ms", status.stdout)
+
+
+def test_agreements_come_every_16_steps_until_decided_then_about_every_30_seconds():
+    slow = SnapshotBudget(floor=1, budget=0.02)
+    train([slow], 200, step=0.5, costs=[0.05])            # warm at step 16 (8 s), decided at 32
+    assert slow.phase is Phase.STEADY and slow.spacing == 64      # 30 s of 0.5 s steps: the nearest power of two
+    assert [s for s in range(200, 400) if slow.agreement_due(s)] == [256, 320, 384]
+    fast = SnapshotBudget(floor=1, budget=0.02)
+    train([fast], 3000, step=0.001, costs=[0.0001])
+    assert fast.phase is Phase.STEADY and fast.spacing == bm.MAX_SPACING

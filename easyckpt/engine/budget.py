@@ -12,8 +12,8 @@ and the snapshot is taken every ``every`` steps, the smallest multiple of ``save
 cost / (every x step) <= max_overhead. A crash then loses at most ``every - 1`` completed steps.
 
 Every rank must snapshot the same steps (a resume from memory needs one step that every rank holds), so the
-phases and ``every`` change only at agreement steps, the same on every rank (multiples of AGREE_EVERY, by
-phase); there the ranks gather their figures and the costliest rank's wish wins. Between them each rank
+phases and ``every`` change only at agreement steps, the same on every rank (multiples of ``spacing``: 16
+steps until the cadence is decided, then as many as take about RESTATE_SECONDS, agreed too); there the ranks gather their figures and the costliest rank's wish wins. Between them each rank
 decides alone, from the step number only.
 
     WARMUP   a snapshot at every opportunity (save_mem_interval), as without a budget, until every rank has
@@ -54,9 +54,12 @@ class Phase(enum.Enum):
     STEADY = "steady"
 
 
-# the steps the ranks agree at (multiples of these, by phase): often while warming up, so that measuring starts
-# soon after WARMUP_SECONDS; rarely once steady (each agreement is a collective: about a millisecond)
-AGREE_EVERY = {Phase.WARMUP: 16, Phase.MEASURE: 64, Phase.STEADY: 1024}
+# the steps the ranks agree at: every FIRST_SPACING steps until the cadence is decided (measuring starts soon
+# after WARMUP_SECONDS), then every power of two of steps nearest RESTATE_SECONDS, within MAX_SPACING (each
+# agreement is a collective: about a millisecond)
+FIRST_SPACING = 16
+RESTATE_SECONDS = 30.0
+MAX_SPACING = 1024
 
 
 # one rank's figures at an agreement step: (warmed up, the ``every`` it wants or 0 when it cannot say yet,
@@ -131,6 +134,7 @@ class SnapshotBudget:
         self._steps = self._taken = 0              # since the last agreement: the rate of snapshots
         self._said: Optional[int] = None           # the ``every`` rank 0's console last said
         self._info: Optional[dict] = None
+        self.spacing = FIRST_SPACING               # steps between agreements (agreed: the same on every rank)
 
     # ---- every step ----------------------------------------------------------------------------
 
@@ -167,7 +171,7 @@ class SnapshotBudget:
         phase is agreed, so the same steps on every rank, whichever step each process started at)."""
         if self.budget is None or self.first is None or step == self.first:
             return False
-        return step % AGREE_EVERY[self.phase] == 0
+        return step % self.spacing == 0
 
     def vote(self) -> Vote:
         warm = self._now - self._started >= WARMUP_SECONDS
@@ -202,6 +206,10 @@ class SnapshotBudget:
         # the rate measured since the last agreement is that of this cadence, unless it just changed
         self.rate = 0.0 if changed else rate
         costliest = max(votes, key=lambda v: v[2] / v[3] if v[3] else 0.0)
+        slowest = max(v[3] for v in votes)
+        if slowest > 0:
+            near = 2 ** round(math.log2(max(1.0, RESTATE_SECONDS / slowest)))
+            self.spacing = min(MAX_SPACING, max(FIRST_SPACING, near))
         said = self._said
         say = changed and ((said is None and self.every > self.floor) or
                            (said is not None and (self.every >= RELAX * said or RELAX * self.every <= said)))

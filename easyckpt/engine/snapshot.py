@@ -3,7 +3,8 @@
 The layout (where each tensor lives in the slot) is computed on the first snapshot and reused as
 long as the state has the same tensors. Both slots are allocated and mapped before the first snapshot
 when the adapter can say how large its state will be (``prepare``, right after the load: a thread
-reserves the memory while the first iterations run), else at the first snapshot; either way a
+reserves the first slot while the first iteration runs, the second once the first snapshot is taken), else
+at the first snapshot; either way a
 steady-state snapshot is a plain copy into warm memory, with no allocation and no pickling.
 
 Slot choice. The agent may be reading a slot (busy) or owe it a persist (requested, not yet
@@ -42,6 +43,10 @@ _ALIGN = 64
 # seconds a memory-only snapshot waits for the second slot's preparation before it is skipped: ample for
 # small slots (tests take their steps for granted), short beside the seconds a large one can still need
 SECOND_SLOT_WAIT = 0.5
+# the preparation faults in the first slot while the first iteration runs and the second only once the first
+# snapshot is taken (or after this many seconds): fresh memory is slow to come by on some machines, and both
+# at once made the first iteration of a 1 GB state 2.6 times DLRover's (bench_peer.py)
+SECOND_SLOT_AFTER = 30.0
 
 
 @dataclass
@@ -113,6 +118,7 @@ class Snapshotter:
         self._preparing: Optional[threading.Thread] = None
         self._prepared: List[Optional[shm.Slot]] = [None, None]
         self._ready = [threading.Event(), threading.Event()]    # set when the thread is done with slot i
+        self._first_taken = threading.Event()     # the first snapshot is taken: the second slot's turn
         self.skipped: Optional[str] = None    # why the last snapshot() returned None, if not both slots reserved
         self.rescan()
 
@@ -151,6 +157,8 @@ class Snapshotter:
         def run() -> None:
             try:
                 for i, path in enumerate(self.paths):
+                    if i == 1:     # the second slot after the first snapshot: neither competes with it
+                        self._first_taken.wait(SECOND_SLOT_AFTER)
                     self._prepared[i] = shm.Slot.create_or_grow(path, size) if _file_size(path) < size \
                         else shm.Slot(path, writable=True, populate=True)
                     self._ready[i].set()
@@ -162,6 +170,7 @@ class Snapshotter:
 
         for ready in self._ready:
             ready.clear()
+        self._first_taken.clear()
         self._preparing = threading.Thread(target=run, daemon=True, name="easyckpt-slots")
         self._preparing.start()
         return None
@@ -169,6 +178,7 @@ class Snapshotter:
     def wait_prepared(self) -> None:
         if self._preparing is None:
             return
+        self._first_taken.set()     # whatever is left is prepared now, not after the first snapshot
         self._preparing.join()      # bounded: posix_fallocate and a populated mapping of a known size
         self._preparing = None
         for i, slot in enumerate(self._prepared):
@@ -301,12 +311,14 @@ class Snapshotter:
         if defer is None:
             copy_all(dsts, srcs)
             slot.publish(hdr, meta)
+            self._first_taken.set()
             result.seconds = time.perf_counter() - t0
             return result
         now = [(d, s) for d, s in zip(dsts, srcs) if not defer(s)]
         later = [(d, s) for d, s in zip(dsts, srcs) if defer(s)]
         if now:
             copy_all(*zip(*now))
+        self._first_taken.set()
         return PendingSnapshot(result, later, lambda: slot.publish(hdr, meta),
                                lambda: slot.begin_write(result.generation), t0, self.rank)
 
