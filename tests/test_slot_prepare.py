@@ -104,10 +104,10 @@ def test_the_first_snapshot_takes_the_first_slot_while_the_second_is_still_being
     snap = Snapshotter(f"t{uuid.uuid4().hex[:10]}", 0, 1)
     release, real = threading.Event(), shm.Slot.create_or_grow
 
-    def slow_second(path, size):
+    def slow_second(path, size, **how):
         if path == snap.paths[1]:
             assert release.wait(30), "the test never released the second slot"
-        return real(path, size)
+        return real(path, size, **how)
 
     monkeypatch.setattr(shm.Slot, "create_or_grow", staticmethod(slow_second))
     monkeypatch.setattr(snapshot_mod, "SECOND_SLOT_WAIT", 0.05)
@@ -145,10 +145,10 @@ def test_a_skipped_snapshot_is_logged_with_its_reason(tmp_path, monkeypatch):
     engine = Engine(Config(save_dir=str(tmp_path / "ckpt"), save_mem_interval=1, save_storage_interval=100,
                            log_file_path=str(log), autocheckpoint_on_sigterm=False, agent_idle_timeout=1))
 
-    def slow_second(path, size):
+    def slow_second(path, size, **how):
         if path == engine.snapshotter.paths[1]:
             assert release.wait(30), "the test never released the second slot"
-        return real(path, size)
+        return real(path, size, **how)
 
     monkeypatch.setattr(shm.Slot, "create_or_grow", staticmethod(slow_second))
     try:

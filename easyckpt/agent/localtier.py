@@ -16,12 +16,12 @@ import threading
 import time
 from typing import Dict, Optional, Tuple
 
-from easyckpt.agent import priority, slots
+from easyckpt.agent import slots
 from easyckpt.agent.warnings import Warnings
 from easyckpt.config import Config
 from easyckpt.errors import SlotNotComplete
 from easyckpt.formats import tier as tf
-from easyckpt.ipc import shm, slotread
+from easyckpt.ipc import priority, shm, slotread
 from easyckpt.storage import tierfiles
 from easyckpt.storage.auditlog import AuditLog
 

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
-from easyckpt.agent import priority, slots
+from easyckpt.agent import slots
 from easyckpt.agent.peerrefusals import PeerRefusals
 from easyckpt.errors import (
     BadMessage,
@@ -29,7 +29,7 @@ from easyckpt.errors import (
     ShmCapacityError,
     SlotNotComplete,
 )
-from easyckpt.ipc import peerwire, shm, slotread
+from easyckpt.ipc import peerwire, priority, shm, slotread
 from easyckpt.ipc.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.units import human

@@ -23,7 +23,7 @@ import threading
 from typing import Callable, Deque, List, Optional, Protocol
 
 from easyckpt import _faults as faults
-from easyckpt.agent import priority, slots
+from easyckpt.agent import slots
 from easyckpt.agent.jobdir import JobDir
 from easyckpt.agent.jobs import (
     AbandonJob,
@@ -37,6 +37,7 @@ from easyckpt.agent.jobs import (
 )
 from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.stepwriter import persist_slot
+from easyckpt.ipc import priority
 from easyckpt.storage.auditlog import AuditLog
 
 ABANDON_WHY = "its trainers died before every rank's shard of this step was written; a restarted job redoes it"

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from easyckpt.agent import priority, slots
+from easyckpt.agent import slots
 from easyckpt.agent.cadence import Cadence
 from easyckpt.agent.mailbox import Mailbox
 from easyckpt.agent.peerserve import PeerServer, Warm, receive_slot, send_slot
@@ -49,7 +49,7 @@ from easyckpt.formats.replies import (
     ReplicaStatus,
     Reply,
 )
-from easyckpt.ipc import peerwire, shm, slotread
+from easyckpt.ipc import peerwire, priority, shm, slotread
 from easyckpt.ipc.peerwire import Conn
 from easyckpt.storage.auditlog import AuditLog
 

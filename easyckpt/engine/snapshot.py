@@ -36,17 +36,14 @@ from easyckpt.engine.tree import Tensors, rebuild
 from easyckpt.errors import EasyCkptError, ShmCapacityError
 from easyckpt.formats.shardfile import dtype_name
 from easyckpt.formats.shardformat import ShardFormat
-from easyckpt.ipc import shm, slotread
+from easyckpt.ipc import priority, shm, slotread
+from easyckpt.pages import populate_write
 from easyckpt.units import human
 
 _ALIGN = 64
 # seconds a memory-only snapshot waits for the second slot's preparation before it is skipped: ample for
 # small slots (tests take their steps for granted), short beside the seconds a large one can still need
 SECOND_SLOT_WAIT = 0.5
-# the preparation faults in the first slot while the first iteration runs and the second only once the first
-# snapshot is taken (or after this many seconds): fresh memory is slow to come by on some machines, and both
-# at once made the first iteration of a 1 GB state 2.6 times DLRover's (bench_peer.py)
-SECOND_SLOT_AFTER = 30.0
 
 
 @dataclass
@@ -115,10 +112,11 @@ class Snapshotter:
         self.layout: Optional[_Layout] = None
         self._views: List[Optional[List[torch.Tensor]]] = [None, None]
         self.generation = 0
-        self._preparing: Optional[threading.Thread] = None
+        self._preparing: Optional[List[threading.Thread]] = None    # the slots' preparation (prepare())
         self._prepared: List[Optional[shm.Slot]] = [None, None]
         self._ready = [threading.Event(), threading.Event()]    # set when the thread is done with slot i
-        self._first_taken = threading.Event()     # the first snapshot is taken: the second slot's turn
+        self._size = 0                            # of each slot prepare() reserves
+        self._wanted = [threading.Event(), threading.Event()]   # a snapshot waits for slot i: stop faulting in
         self.skipped: Optional[str] = None    # why the last snapshot() returned None, if not both slots reserved
         self.rescan()
 
@@ -154,32 +152,54 @@ class Snapshotter:
         if need and need + 2 * size * self.replica_copies > shm.free_bytes():
             return f"{shm.SHM_DIR} has {human(shm.free_bytes())} free, the slots need {human(need)} more"
 
-        def run() -> None:
-            try:
-                for i, path in enumerate(self.paths):
-                    if i == 1:     # the second slot after the first snapshot: neither competes with it
-                        self._first_taken.wait(SECOND_SLOT_AFTER)
-                    self._prepared[i] = shm.Slot.create_or_grow(path, size) if _file_size(path) < size \
-                        else shm.Slot(path, writable=True, populate=True)
-                    self._ready[i].set()
-            except (OSError, EasyCkptError):
-                pass                # the first snapshot allocates, and reports, by itself
-            finally:
-                for ready in self._ready:
-                    ready.set()
-
-        for ready in self._ready:
-            ready.clear()
-        self._first_taken.clear()
-        self._preparing = threading.Thread(target=run, daemon=True, name="easyckpt-slots")
-        self._preparing.start()
+        for event in self._ready + self._wanted:
+            event.clear()
+        self._size = size
+        self._preparing = [self._prepare_thread(0, nice=True)]
         return None
 
-    def wait_prepared(self) -> None:
+    def _prepare_thread(self, i: int, nice: bool) -> threading.Thread:
+        """A thread that reserves slot ``i`` and faults its pages in (until a snapshot waits for it). ``nice``:
+        below training's priority (the first slot, while the first iteration runs: on a busy CPU the first
+        touch of fresh memory then waits for the iteration, not the reverse; a 2 GB slot made the first
+        iteration 3.5 times as long, bench_peer.py). The second slot is prepared once the first snapshot is
+        taken, at training's own priority, so that it is ready within a few steps."""
+        def run() -> None:
+            if nice:
+                priority.bulk_thread()
+            path, size = self.paths[i], self._size
+            try:
+                slot = shm.Slot.create_or_grow(path, size, touch=False) if _file_size(path) < size \
+                    else shm.Slot(path, writable=True)
+                # once a snapshot waits for this slot, the copy faults in the rest itself (with torch's threads:
+                # faster than this one thread)
+                assert slot.mm is not None
+                populate_write(slot.mm, stop=self._wanted[i].is_set)
+                self._prepared[i] = slot
+            except (OSError, EasyCkptError):
+                pass                # the snapshot allocates, and reports, by itself
+            finally:
+                self._ready[i].set()
+        thread = threading.Thread(target=run, daemon=True, name=f"easyckpt-slot{i}")
+        thread.start()
+        return thread
+
+    def _prepare_second(self) -> None:
+        """After the first snapshot: the second slot's turn (when prepare() reserves the slots)."""
+        if self._preparing is not None and len(self._preparing) == 1:
+            self._preparing.append(self._prepare_thread(1, nice=False))
+
+    def wait_prepared(self, both: bool = True) -> None:
+        """Both slots ready (what is left of their preparation done now; the copies fault in the rest).
+        ``both=False``: only wait for what was started (closing)."""
         if self._preparing is None:
             return
-        self._first_taken.set()     # whatever is left is prepared now, not after the first snapshot
-        self._preparing.join()      # bounded: posix_fallocate and a populated mapping of a known size
+        for event in self._wanted:
+            event.set()
+        if both:
+            self._prepare_second()
+        for thread in self._preparing:
+            thread.join()      # bounded: posix_fallocate and a mapping of a known size
         self._preparing = None
         for i, slot in enumerate(self._prepared):
             if slot is not None and self.slots[i] is None:
@@ -197,6 +217,7 @@ class Snapshotter:
         why) while the first slot keeps the newest snapshot."""
         assert self.layout is not None      # snapshot() builds it before sizing the slots
         if self._preparing is not None and all(s is None for s in self.slots):
+            self._wanted[0].set()
             self._ready[0].wait()          # bounded: one fallocate and one populated mapping
             first = self._prepared[0]
             if first is not None and first.size >= shm.HEADER_BYTES + self.layout.data_bytes + meta_len:
@@ -311,14 +332,14 @@ class Snapshotter:
         if defer is None:
             copy_all(dsts, srcs)
             slot.publish(hdr, meta)
-            self._first_taken.set()
+            self._prepare_second()
             result.seconds = time.perf_counter() - t0
             return result
         now = [(d, s) for d, s in zip(dsts, srcs) if not defer(s)]
         later = [(d, s) for d, s in zip(dsts, srcs) if defer(s)]
         if now:
             copy_all(*zip(*now))
-        self._first_taken.set()
+        self._prepare_second()
         return PendingSnapshot(result, later, lambda: slot.publish(hdr, meta),
                                lambda: slot.begin_write(result.generation), t0, self.rank)
 
@@ -340,7 +361,7 @@ class Snapshotter:
         self.slots[i] = None
 
     def close(self, unlink: bool) -> None:
-        self.wait_prepared()
+        self.wait_prepared(both=False)
         for i in (0, 1):
             self._close_slot(i)
         if unlink:

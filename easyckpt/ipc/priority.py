@@ -1,4 +1,5 @@
-"""Training comes first: the agent's bulk work runs at a lower CPU priority than the trainers.
+"""Training comes first: the agent's bulk work, and the trainer's own preparation of its snapshot slots, run
+at a lower CPU priority than training.
 
 Only the threads that move bytes are lowered (the persist worker and the hash threads it starts, the
 replica sender, peer transfers): on Linux a thread's nice value is its own and the threads it starts
