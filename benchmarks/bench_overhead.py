@@ -12,8 +12,9 @@ Regimes (the step times are this machine's; the sizes are fixed):
 Per pair it starts the loop twice, once without checkpoints and once with easyckpt, in alternating order, and
 then, in the plain PyTorch regimes, with torch DCP's ``async_save`` and with DLRover's flash checkpoint (to
 memory; launched by its own ``dlrover-run`` from .venv-dlrover, benchmarks/setup_dlrover.sh) every k steps, k
-the number of steps between easyckpt's snapshots in that pair (the same loss bound); DLRover also persists to
-disk every save_storage_interval steps, as easyckpt does. The step time is the mean over the steady part of the run (from the step
+the number of steps between easyckpt's snapshots in that pair (the same loss bound). Neither peer persists
+more than that, while easyckpt also persists every save_storage_interval steps as its defaults say (DLRover's
+disk saves every 5 steps of 10 ms held its loop for minutes): the comparison is tilted against easyckpt. The step time is the mean over the steady part of the run (from the step
 easyckpt's snapshot budget decided its cadence, the same steps in every run of the pair); the whole run's
 time is printed too. It prints each regime's median ratio over the pairs with PASS/MISS against the
 goal (<= 1.03), the loss bound easyckpt reached and the peers' ratios, and writes the figures as JSON (--out).
@@ -42,6 +43,8 @@ REGIMES: Dict[str, Dict[str, Any]] = {
     "loop074": {"width": 2048, "layers": 5, "batch": 2048, "steps": 80, "storage": 10},
 }
 RUN_TIMEOUT = 900
+sys.path.insert(0, HERE)
+import bench_peer  # noqa: E402  (DLRover's leftovers, found and removed as bench_peer does)
 DLROVER_PYTHON = os.path.join(ROOT, ".venv-dlrover", "bin", "python")
 
 
@@ -99,14 +102,13 @@ def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[floa
 
 
 def dlrover_loop(model: Any, opt: Any, x: Any, spec: Dict[str, Any], every: int, save_dir: str) -> List[float]:
-    """The plain loop with DLRover's flash checkpoint: to memory every ``every`` steps, to disk every
-    save_storage_interval (5, or the regime's), each as its documentation shows (under dlrover-run)."""
+    """The plain loop with DLRover's flash checkpoint: to memory every ``every`` steps, as its documentation
+    shows (under dlrover-run)."""
     import torch.distributed as dist
     from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
     dist.init_process_group("gloo")
     ckpt = DdpCheckpointer(save_dir)
     ckpt.load_checkpoint()
-    storage = spec.get("storage", 5)
     began = []
     for step in range(1, spec["steps"] + 1):
         began.append(time.perf_counter())
@@ -114,10 +116,9 @@ def dlrover_loop(model: Any, opt: Any, x: Any, spec: Dict[str, Any], every: int,
         opt.zero_grad()
         loss.backward()
         opt.step()
-        kind = StorageType.DISK if step % storage == 0 else StorageType.MEMORY if step % every == 0 else None
-        if kind is not None:
+        if step % every == 0:
             ckpt.save_checkpoint(step, {"model": model.state_dict(), "optimizer": opt.state_dict()},
-                                 storage_type=kind)
+                                 storage_type=StorageType.MEMORY)
     began.append(time.perf_counter())
     dist.destroy_process_group()
     return began
@@ -176,10 +177,15 @@ def launch(regime: str, mode: str, every: int, workdir: str) -> Dict[str, Any]:
     if mode == "dlrover":      # its own launcher, from its own venv
         cmd = [DLROVER_PYTHON, os.path.join(HERE, "dlrover_launch.py"), "--standalone", "--nproc_per_node=1",
                __file__]
+    before = bench_peer._dlrover_leftovers() if mode == "dlrover" else None
     t = time.perf_counter()
-    subprocess.run(cmd + ["--worker", "--regime", regime, "--mode", mode, "--every", str(every),
-                          "--save-dir", save_dir, "--out", out], env=env, check=True, timeout=RUN_TIMEOUT,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        subprocess.run(cmd + ["--worker", "--regime", regime, "--mode", mode, "--every", str(every),
+                              "--save-dir", save_dir, "--out", out], env=env, check=True, timeout=RUN_TIMEOUT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    finally:
+        if before is not None:      # DLRover's own segments and directories, left behind after its run
+            bench_peer._clean(before)
     wall = time.perf_counter() - t
     with open(out) as f:
         began = json.load(f)
@@ -255,9 +261,10 @@ def main() -> None:
         peers = [res[f"median_{peer}_ratio"] for peer in ("dcp", "dlrover")]
         shown = [f"{v:.3f}" if v is not None else "-" for v in peers]
         verdict = "PASS" if res["median_ratio"] <= GOAL else "MISS"
-        beats = all(res["median_ratio"] <= v for v in peers if v is not None)
+        compared = [v for v in peers if v is not None]
+        beats = "-" if not compared else "PASS" if all(res["median_ratio"] <= v for v in compared) else "MISS"
         print(f"{regime:8s} {step:9.2f}  {res['median_ratio']:13.3f}  {verdict:12s}  {str(res['bounds']):18s}  "
-              f"{shown[0]:14s}  {shown[1]:13s}  {'PASS' if beats else 'MISS'}")
+              f"{shown[0]:14s}  {shown[1]:13s}  {beats}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
