@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -60,6 +60,21 @@ def _mlp(spec: Dict[str, Any]) -> Any:
                                torch.nn.ReLU(), torch.nn.Linear(h, h))
 
 
+def _loop(model: Any, opt: Any, x: Any, steps: int, after: Callable[[int], None]) -> List[float]:
+    """The training loop every plain regime runs; ``after(step)`` after each optimizer step (the save, if any).
+    Returns when each step began, and the end."""
+    began = []
+    for step in range(1, steps + 1):
+        began.append(time.perf_counter())
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        after(step)
+    began.append(time.perf_counter())
+    return began
+
+
 def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[float]:
     """One run of a plain PyTorch loop; the time each step began (and the end)."""
     import torch
@@ -68,36 +83,30 @@ def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[floa
     model = _mlp(spec)
     opt = torch.optim.AdamW(model.parameters(), 1e-4)
     x = torch.randn(spec["batch"], spec.get("width", spec.get("hidden")))
-    ep: Any = None
-    dcp: Any = None
-    pending: Any = None
+    if mode == "dlrover":
+        return dlrover_loop(model, opt, x, spec, every, save_dir)
     if mode == "easyckpt":
         import easyckpt.pytorch as ep
         ep.initialize_easyckpt(save_dir, **({"save_storage_interval": spec["storage"]} if "storage" in spec else {}))
         ep.load_checkpoint(model, opt)
-    elif mode == "dcp":
-        import torch.distributed.checkpoint as dcp
-    elif mode == "dlrover":
-        return dlrover_loop(model, opt, x, spec, every, save_dir)
-    began = []
-    for step in range(1, spec["steps"] + 1):
-        began.append(time.perf_counter())
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if ep is not None:
-            ep.save_checkpoint_if_needed(step, model, opt)
-        elif dcp is not None and step % every == 0:
-            if pending is not None:
-                pending.result()        # one save in flight at a time, as DCP's documentation shows
-            pending = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
-                                     checkpoint_id=os.path.join(save_dir, f"step_{step}"))
-    began.append(time.perf_counter())
-    if pending is not None:
-        pending.result()
-    if ep is not None:
+        began = _loop(model, opt, x, spec["steps"], lambda step: ep.save_checkpoint_if_needed(step, model, opt))
         ep.finalize_easyckpt()
+        return began
+    if mode == "none":
+        return _loop(model, opt, x, spec["steps"], lambda step: None)
+    import torch.distributed.checkpoint as dcp
+    pending: List[Any] = []
+
+    def save(step: int) -> None:
+        if step % every:
+            return
+        if pending:
+            pending.pop().result()        # one save in flight at a time, as DCP's documentation shows
+        pending.append(dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
+                                      checkpoint_id=os.path.join(save_dir, f"step_{step}")))
+    began = _loop(model, opt, x, spec["steps"], save)
+    for p in pending:
+        p.result()
     return began
 
 
@@ -109,17 +118,12 @@ def dlrover_loop(model: Any, opt: Any, x: Any, spec: Dict[str, Any], every: int,
     dist.init_process_group("gloo")
     ckpt = DdpCheckpointer(save_dir)
     ckpt.load_checkpoint()
-    began = []
-    for step in range(1, spec["steps"] + 1):
-        began.append(time.perf_counter())
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+
+    def save(step: int) -> None:
         if step % every == 0:
             ckpt.save_checkpoint(step, {"model": model.state_dict(), "optimizer": opt.state_dict()},
                                  storage_type=StorageType.MEMORY)
-    began.append(time.perf_counter())
+    began = _loop(model, opt, x, spec["steps"], save)
     dist.destroy_process_group()
     return began
 
