@@ -156,3 +156,13 @@ def test_agreements_come_every_16_steps_until_decided_then_about_every_30_second
     fast = SnapshotBudget(floor=1, budget=0.02)
     train([fast], 3000, step=0.001, costs=[0.0001])
     assert fast.phase is Phase.STEADY and fast.spacing == bm.MAX_SPACING
+
+
+def test_snapshots_as_far_apart_as_the_persists_are_the_persists_alone_and_the_bound_says_so():
+    b = SnapshotBudget(floor=1, budget=0.02, persist_every=5)
+    train([b], 1500, step=0.01, costs=[0.005])       # 5 ms of a 10 ms step: 25 steps wanted, 25 = 5 x 5
+    assert b.every % 5 == 0 and b.every >= 25
+    c = b.cadence()
+    assert c.bound == 4                               # a persisted step is a snapshot too
+    assert "snapshots every 5 steps (the storage persists alone, save_storage_interval=5)" in c.words()
+    assert "a crash loses at most 4 steps" in c.words()

@@ -110,7 +110,8 @@ class Cadence:
                 else f"each costs {self.cost * 1e3:.2f} ms of a {self.step * 1e3:.2f} ms step")
         probe = f" (one in {PROBE_EVERY} is skipped to keep measuring)" if self.probing else ""
         if self.persist_every and self.every % self.persist_every == 0 and self.every > 1:
-            steps, probe = f"every {self.persist_every} steps", " (only those storage persists)"
+            steps, probe = (f"every {self.persist_every} steps", f" (the storage persists alone, "
+                                                                 f"save_storage_interval={self.persist_every})")
         return f"snapshots {steps}{probe}: {cost}; a crash loses at most {lose}"
 
 
