@@ -13,8 +13,9 @@ Per pair it starts the loop twice, once without checkpoints and once with easyck
 then, in the plain PyTorch regimes, with torch DCP's ``async_save`` and with DLRover's flash checkpoint (to
 memory; launched by its own ``dlrover-run`` from .venv-dlrover, benchmarks/setup_dlrover.sh) every k steps, k
 the number of steps between easyckpt's snapshots in that pair (the same loss bound). Neither peer persists
-more than that, while easyckpt also persists every save_storage_interval steps as its defaults say (DLRover's
-disk saves every 5 steps of 10 ms held its loop for minutes): the comparison is tilted against easyckpt. The step time is the mean over the steady part of the run (from the step
+more than that, while easyckpt also persists every save_storage_interval steps as its defaults say
+(DLRover's disk saves every 5 steps of 10 ms held its loop for minutes): the comparison is tilted against
+easyckpt. The step time is the mean over the steady part of the run (from the step
 easyckpt's snapshot budget decided its cadence, the same steps in every run of the pair); the whole run's
 time is printed too. It prints each regime's median ratio over the pairs with PASS/MISS against the
 goal (<= 1.03), the loss bound easyckpt reached and the peers' ratios, and writes the figures as JSON (--out).

@@ -21,7 +21,8 @@ LOOP = Path(__file__).resolve().parent / "budget_loop.py"
 CLOCKS: Dict[int, float] = {}
 
 
-def train(ranks: Sequence[SnapshotBudget], steps: int, step: float, costs: Sequence[float], start: int = 1) -> List[int]:
+def train(ranks: Sequence[SnapshotBudget], steps: int, step: float, costs: Sequence[float],
+          start: int = 1) -> List[int]:
     """``steps`` steps on every rank: a plain step takes ``step`` s, one after a snapshot ``costs[rank]`` more.
     The ranks agree where the budget says (the all_gather, in process). Returns the steps rank 0 snapshotted."""
     now = [CLOCKS.get(id(b), 0.0) for b in ranks]     # each rank's clock goes on from the last call

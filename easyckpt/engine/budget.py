@@ -13,8 +13,9 @@ cost / (every x step) <= max_overhead. A crash then loses at most ``every - 1`` 
 
 Every rank must snapshot the same steps (a resume from memory needs one step that every rank holds), so the
 phases and ``every`` change only at agreement steps, the same on every rank (multiples of ``spacing``: 16
-steps until the cadence is decided, then as many as take about RESTATE_SECONDS, agreed too); there the ranks gather their figures and the costliest rank's wish wins. Between them each rank
-decides alone, from the step number only.
+steps until the cadence is decided, then as many as take about RESTATE_SECONDS, agreed too); there the
+ranks gather their figures and the costliest rank's wish wins. Between them each rank decides alone, from
+the step number only.
 
     WARMUP   a snapshot at every opportunity (save_mem_interval), as without a budget, until every rank has
              trained WARMUP_SECONDS: the first steps (allocator, caches, the slots' first touch) cost what
@@ -43,7 +44,7 @@ from easyckpt.storage.auditlog import AuditLog
 WARMUP_SECONDS = 2.0
 PROBE_EVERY = 16
 WINDOW = 33               # the most recent steps of each kind the medians are taken over
-MIN_SAMPLES = 5
+MIN_SAMPLES = 15         # steps of each kind a cadence is decided on (the medians of fewer swung 20 % under load)
 INFO_EVERY = 64
 RELAX = 2                 # ``every`` is lowered only when the budget allows this many times fewer steps
 
