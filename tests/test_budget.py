@@ -38,9 +38,9 @@ def train(ranks: Sequence[SnapshotBudget], steps: int, step: float, costs: Seque
             took = b.due(s)
             if took:
                 b.took()
+                if r == 0:
+                    taken.append(s)
             now[r] += step + (costs[r] if took else 0.0)
-        if ranks[0]._after_snapshot:
-            taken.append(s)
     CLOCKS.update((id(b), t) for b, t in zip(ranks, now))
     return taken
 
@@ -93,6 +93,17 @@ def test_every_is_a_multiple_of_save_mem_interval():
     assert all(s % 8 == 0 for s in range(3000, 3100) if b.due(s))
 
 
+def test_the_job_ends_with_what_the_steady_cadence_cost_as_a_stopwatch_sees_it():
+    b = SnapshotBudget(floor=1, budget=0.1)
+    assert b.since_agreed() is None                      # nothing measured: nothing said
+    train([b], 600, step=0.01, costs=[0.004])            # 4 ms of a 10 ms step: every 4th step
+    assert b.phase is Phase.STEADY and b.every == 4
+    last = b.since_agreed()
+    assert last is not None and last.every == 4 and last.bound == 3
+    assert last.cost == pytest.approx(0.004) and last.step == pytest.approx(0.01)
+    assert last.per_step == pytest.approx(0.001, rel=0.05)      # a quarter of the steps pay 4 ms
+
+
 def test_fewer_steps_between_snapshots_only_when_they_became_much_cheaper():
     b = SnapshotBudget(floor=1, budget=0.1)
     train([b], 1500, step=0.01, costs=[0.008])
@@ -115,38 +126,59 @@ def _per_step(began: List[float], first: int) -> float:
     return (began[-1] - began[first]) / (len(began) - 1 - first)
 
 
+def _both(tmp_path: Path, off: List[str], on: List[str], env: Dict[str, str]) -> str:
+    """The runs without and with easyckpt side by side, so that both see the same load from whatever else the
+    machine runs (their steps mostly sleep); returns the second's console."""
+    procs = [harness.start(off, log=tmp_path / "off.log"), harness.start(on, env, log=tmp_path / "on.log")]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                harness.kill_tree(p)
+    console = (tmp_path / "on.log").read_text()
+    assert codes == [0, 0], (codes, (tmp_path / "off.log").read_text()[-3000:], console[-3000:])
+    return console
+
+
 def test_the_cost_said_matches_the_stopwatch_and_rank_0_is_told_once(tmp_path):
-    """A 20 ms step; each snapshot sleeps 10 ms more in its copy. With max_overhead=0.2 the budget spaces the
-    snapshots out to every 3rd step or so; the per-step cost it says must be what the step time grew by."""
+    """A 20 ms step; each snapshot sleeps 15 ms more in its copy. With max_overhead=0.5 the budget spaces the
+    snapshots out to every other step or so (a large budget: a large per-step cost against the noise of two
+    stopwatches); the per-step cost it says must be what the step time grew by. The two runs go side by side."""
     steps = 600
     base = [sys.executable, str(LOOP), "--steps", str(steps), "--sleep", "0.02"]
-    off = harness.run(base + ["--out", str(tmp_path / "off.json")], timeout=120)
-    on = harness.run(base + ["--dir", str(tmp_path / "ckpt"), "--max-overhead", "0.2",
-                             "--out", str(tmp_path / "on.json")],
-                     extra_env={"EASYCKPT_FAULTS": "trainer.mid_snapshot=sleep:0.01"}, timeout=120)
-    assert off.returncode == 0
-    said = [e for e in harness.events(tmp_path / "ckpt" / "easyckpt.log") if e["event"] == "budget"]
+    console = _both(tmp_path, base + ["--out", str(tmp_path / "off.json")],
+                    base + ["--dir", str(tmp_path / "ckpt"), "--max-overhead", "0.5",
+                            "--out", str(tmp_path / "on.json")],
+                    {"EASYCKPT_FAULTS": "trainer.mid_snapshot=sleep:0.015"})
+    budget = [e for e in harness.events(tmp_path / "ckpt" / "easyckpt.log") if e["event"] == "budget"]
+    said = [e for e in budget if not e.get("last")]
     assert said, "no agreement on a cadence was recorded"
-    last = said[-1]
+    # the job's end records the cadence as measured over its last steps: the figure for the stopwatch (the
+    # agreements' were measured up to them, the first while every other step took a snapshot)
+    assert len(budget) == len(said) + 1 and budget[-1]["last"], budget
+    last = budget[-1]
     every = last["every"]
-    assert every >= 2 and last["bound"] == every - 1
+    assert every >= 2 and last["bound"] == every - 1 and last["every"] == said[-1]["every"]
     # the stopwatch, from the first step the cadence was decided at to the end, in both runs
     first = said[0]["step"]
     assert first < steps - 100
     on_times = json.loads((tmp_path / "on.json").read_text())
     off_times = json.loads((tmp_path / "off.json").read_text())
     grew = _per_step(on_times, first) - _per_step(off_times, first)
-    assert last["per_step"] == pytest.approx(grew, rel=0.2), (last, grew)
-    assert last["cost"] >= 0.01          # the 10 ms sleep at least, and the copy's own cost
+    figures = [{k: e[k] for k in ("step", "every", "cost", "step_seconds", "per_step")} for e in budget]
+    assert last["per_step"] == pytest.approx(grew, rel=0.2), (figures, grew)
+    assert said[0]["per_step"] == pytest.approx(grew, rel=0.5), (figures, grew)     # measured early: a guide
+    assert last["cost"] >= 0.015         # the 15 ms sleep at least, and the copy's own cost
     # rank 0's console, once: the cadence, the measured cost and the loss bound
-    lines = [line for line in (on.stdout + on.stderr).splitlines() if "snapshots every" in line]
+    lines = [line for line in console.splitlines() if "snapshots every" in line]
     assert len(lines) == 1, lines
     m = re.search(r"snapshots every (\d+) steps: each costs ([\d.]+) ms of a ([\d.]+) ms step .*; a crash loses at "
-                  r"most (\d+) steps", lines[0])
-    assert m and int(m.group(4)) == int(m.group(1)) - 1 and float(m.group(2)) > 9, lines[0]
+                  r"most (\d+) steps?", lines[0])
+    assert m and int(m.group(4)) == int(m.group(1)) - 1 and float(m.group(2)) > 14, lines[0]
     # easyckpt status: from the committed step's manifest (the job ended)
     status = harness.run([sys.executable, "-m", "easyckpt.cli", "status", str(tmp_path / "ckpt")], timeout=60)
-    assert re.search(rf"snapshots  every {every} step\(s\) \(max_overhead 0.2\): each costs [\d.]+ ms", status.stdout)
+    assert re.search(rf"snapshots  every {every} step\(s\) \(max_overhead 0.5\): each costs [\d.]+ ms", status.stdout)
 
 
 def test_agreements_come_every_16_steps_until_decided_then_about_every_30_seconds():

@@ -134,6 +134,8 @@ class SnapshotBudget:
         self.snap: Deque[float] = collections.deque(maxlen=WINDOW)
         self._now = 0.0
         self._steps = self._taken = 0              # since the last agreement: the rate of snapshots
+        self._sums = [0.0, 0, 0.0, 0]              # since the last agreement: steps after a snapshot (seconds,
+        #                                            count), after none (seconds, count): the stopwatch's means
         self._said: Optional[int] = None           # the ``every`` rank 0's console last said
         self._info: Optional[dict] = None
         self.spacing = FIRST_SPACING               # steps between agreements (agreed: the same on every rank)
@@ -146,6 +148,9 @@ class SnapshotBudget:
             self.first, self._started = step, now
         elif self._last is not None and now > self._last:
             (self.snap if self._after_snapshot else self.plain).append(now - self._last)
+            i = 0 if self._after_snapshot else 2
+            self._sums[i] += now - self._last
+            self._sums[i + 1] += 1
         self._last, self._after_snapshot, self._now = now, False, now
         self._steps += 1
 
@@ -188,6 +193,7 @@ class SnapshotBudget:
         and again only when that spacing changes by RELAX times or more."""
         rate = self._taken / self._steps if self._steps else 0.0
         self._steps = self._taken = 0
+        self._sums = [0.0, 0, 0.0, 0]
         self._info = None
         if self.phase is Phase.WARMUP:
             if all(v[0] for v in votes):
@@ -232,6 +238,21 @@ class SnapshotBudget:
         cost, step = self.measured()
         return self._cadence(cost or 0.0, step or 0.0)
 
+    def since_agreed(self) -> Optional[Cadence]:
+        """What the snapshots cost since the cadence was last agreed, as a stopwatch sees it: the mean step after
+        a snapshot against the mean step after none, over every step of the steady cadence, at the rate they
+        were taken. (An agreement's figures are medians of the recent steps, the first measured while every
+        other step took a snapshot, which may cost more than further apart.) None: no budget, not steady yet,
+        or too few steps of either kind."""
+        snap, snaps, plain, plains = self._sums
+        if self.budget is None or self.phase is not Phase.STEADY or not self._steps:
+            return None
+        if snaps < MIN_SAMPLES or plains < MIN_SAMPLES:
+            return None
+        cost, step = max(0.0, snap / snaps - plain / plains), plain / plains
+        probing = self.every == 1
+        return Cadence(self.every, cost, step, self.budget, probing, self._taken / self._steps, self.persist_every)
+
     def info(self) -> dict:
         """cadence().to_info(), recomputed every INFO_EVERY steps only (each snapshot records it; the medians
         cost more than a tiny snapshot's copy)."""
@@ -270,3 +291,11 @@ def agree_ranks(budget: SnapshotBudget, group: Group, log: AuditLog, rank: int, 
         log.record("budget", step=step, rank=rank, **told.to_info())
         if say:
             console.info(told.words())
+
+
+def record_last(budget: SnapshotBudget, log: AuditLog, rank: int, step: Optional[int]) -> None:
+    """At the job's end: what the snapshots cost since the cadence was last agreed (SnapshotBudget.since_agreed),
+    in the audit log: a ``budget`` event with ``last``."""
+    told = budget.since_agreed()
+    if told is not None and step is not None:
+        log.record("budget", step=step, rank=rank, last=True, **told.to_info())

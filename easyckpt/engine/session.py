@@ -25,7 +25,7 @@ from easyckpt import console
 from easyckpt.config import Config, validate
 from easyckpt.engine import peers, runlog
 from easyckpt.engine.agentview import AgentView
-from easyckpt.engine.budget import SnapshotBudget, agree_ranks
+from easyckpt.engine.budget import SnapshotBudget, agree_ranks, record_last
 from easyckpt.engine.client import AgentClient
 from easyckpt.engine.dist import TorchGroup
 from easyckpt.engine.load import Loaded, Needed, load_newest
@@ -389,6 +389,7 @@ class Engine:
         self.closed = True
         self.settle()
         self.watch.close()
+        record_last(self.budget, self.log, self.rank, self.last_step)
         timeout = self.cfg.commit_timeout if timeout is None else timeout
         step = None
         if persist and self.last_step is not None and self._collect is not None:
