@@ -283,9 +283,11 @@ def wait_no_agent(save_dir: Any, timeout: float = 60, job_name: Optional[str] = 
         time.sleep(0.05)
     # the agent closes its socket first, then releases the job's shared memory and logs agent_exit: wait for
     # its processes to end too, so a test's own clean-up never races the agent's (bounded: a pid from another
-    # namespace may name a live stranger)
+    # namespace may name a live stranger). The audit log may be elsewhere (--log-file): the agents whose command
+    # line names this save dir count too
+    pids = set(_agent_pids(log, jid)) | set(_agents_of(str(save_dir)))
     end = min(deadline, time.monotonic() + 10)
-    while time.monotonic() < end and any(_running(pid) for pid in _agent_pids(log, jid)):
+    while time.monotonic() < end and any(_running(pid) for pid in pids):
         time.sleep(0.05)
 
 
@@ -303,6 +305,20 @@ def _agent_pids(log: Path, jid: str) -> List[int]:
             continue
         if ev.get("event") == "agent_start" and ev.get("job_id") == jid and ev.get("host") == host:
             pids.append(int(ev["pid"]))
+    return pids
+
+
+def _agents_of(save_dir: str) -> List[int]:
+    """The agent processes whose configuration (their command line) names ``save_dir``."""
+    named = json.dumps(save_dir)[1:-1].encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
+        except OSError:
+            continue
+        if b"easyckpt.agent" in cmd and named in cmd:
+            pids.append(int(entry))
     return pids
 
 
