@@ -29,7 +29,9 @@ setup(
         "transformers": ["transformers>=5", "accelerate>=1"],
         "peft": ["transformers>=5", "accelerate>=1", "peft>=0.17"],
         "s3": ["boto3>=1.34"],
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "import-linter>=2", "mypy>=1.10"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "import-linter>=2", "mypy>=1.10",
+                 # the documentation site (mkdocs.yml), built in strict mode by tests/test_docs.py
+                 "mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         "bench": ["matplotlib"],
         "all": ["megatron-core>=0.16,<0.20", "six", "einops", "pyyaml", "regex", "pydantic", "psutil",
                 "deepspeed>=0.19", "transformers>=5", "accelerate>=1", "peft>=0.17", "boto3>=1.34"],

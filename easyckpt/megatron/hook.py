@@ -4,14 +4,15 @@ What it replaces (in both ``megatron.training.training`` and ``megatron.training
 training.py imports the names at import time):
 
 - ``load_checkpoint``            → ``easyckpt.megatron.load_checkpoint``: the newest complete state from
-                                   memory or ``--save``, Megatron's own ``--ckpt-format torch`` checkpoints
-                                   there included (engine/adopt.py); when easyckpt finds nothing and
-                                   ``--load`` names another directory, Megatron's own loader reads that one
-                                   (fine-tuning from a native checkpoint keeps working), and likewise when
-                                   the iteration Megatron's tracker names in ``--load`` is in a format
-                                   easyckpt does not read (torch_dist, torch_dcp: no mp_rank_* files), as
-                                   Megatron alone would have (with Megatron's checks, not easyckpt's safe
-                                   loader); the console says so.
+                                   memory or ``--save``, Megatron's own checkpoints there included, in
+                                   either layout, ``torch`` or ``torch_dist`` (adopted: engine/adopt.py);
+                                   when easyckpt finds nothing and ``--load`` names another directory,
+                                   Megatron's own loader reads that one (fine-tuning from a native
+                                   checkpoint keeps working), and likewise when easyckpt resumed nothing and
+                                   the iteration Megatron's tracker names in ``--load`` is Megatron's own in a
+                                   distributed-checkpoint format without an easyckpt manifest (no mp_rank_*
+                                   files: torch_dcp, say), as Megatron alone would have (with Megatron's
+                                   checks, not easyckpt's safe loader); the console says so.
 - ``checkpoint_and_decide_exit`` → first ``save_checkpoint_if_needed`` (a memory snapshot every
                                    ``EASYCKPT_SAVE_MEM_INTERVAL`` iterations, default 1, persisted every
                                    ``--save-interval``), then Megatron's own function (exit signal,
@@ -27,8 +28,8 @@ EASYCKPT_LOG_FILE (SAVE_DIR/easyckpt.log; 0 turns it off), EASYCKPT_GRACE_DEADLI
 (default: on with ``--exit-signal-handler``). SIGTERM is handled by easyckpt whether or not Megatron's
 own handler is on (it is chained): the ranks agree on a step, save it, and exit or train on. Checkpoints
 use the layout ``--ckpt-format`` names: ``torch_dist`` (Megatron's default; a resume on another TP/PP/DP
-layout reads it, and so does Megatron's own loader) or ``torch``; rank 0 says which. For the formats
-easyckpt does not write (torch_dcp, fsdp_dtensor) it says so and writes torch_dist.
+layout reads it, and so does Megatron's own loader) or ``torch``; rank 0 says which. The formats easyckpt
+does not write (torch_dcp, fsdp_dtensor) are refused at the start with a ``ConfigError`` naming the two it does.
 """
 from __future__ import annotations
 
