@@ -31,7 +31,7 @@ from easyckpt.cli.catalog import FRAMEWORKS, CatalogError
 from easyckpt.cli.saying import say
 from easyckpt.cli.status import cmd_status
 from easyckpt.errors import EasyCkptError
-from easyckpt.storage import retention, stepfiles
+from easyckpt.storage import resolve, retention, stepfiles
 from easyckpt.storage.resolve import remote
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.units import human
@@ -299,6 +299,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("--framework", default=None, choices=sorted(FRAMEWORKS), help="default: detected")
         p.add_argument("--json", action="store_true", help="one JSON document on stdout")
         p.add_argument("--progress", action="store_true", default=None, help="progress bar even off a terminal")
+        p.add_argument("--endpoint-url", default=None, metavar="URL",
+                       help="the S3-compatible endpoint of an s3:// DIR, as endpoint_url= in training (default: "
+                            "AWS_ENDPOINT_URL, else boto3's own lookup)")
         p.set_defaults(fn=fn)
         return p
 
@@ -324,6 +327,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from easyckpt.cli.launcher import add_parser as add_run
     add_run(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "endpoint_url", None):
+        resolve.set_endpoint(args.endpoint_url)     # as a job's Config(endpoint_url=...) sets it (config.py)
     saying.to(sys.stdout)
     try:
         # `run` passes its command's output through as it is
