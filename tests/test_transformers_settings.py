@@ -143,7 +143,8 @@ def test_a_wrong_value_is_refused_when_built(tmp_path, form, easyckpt, message):
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("name,meant", [("output_dir", "save_dir"), ("save_total_limit", "max_ckpt_num"),
-                                        ("save_steps", "save_storage_interval"), ("save_mem_intervall", "save_mem_interval")])
+                                        ("save_steps", "save_storage_interval"),
+                                        ("save_mem_intervall", "save_mem_interval")])
 def test_an_unknown_keyword_is_refused_naming_the_setting_meant(tmp_path, form, name, meant):
     """The Trainer's and other checkpointers' names for a setting (output_dir) are too far from easyckpt's for a
     spelling match: each is refused with the keyword it stands for."""
