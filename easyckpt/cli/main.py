@@ -263,7 +263,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         for path in summary.get("written") or [summary["output"]]:
             say(f"wrote {path}")
-        if args.what == "safetensors" and summary.get("written"):
+        if summary.get("load"):       # an adapter loads only onto its base model (pretrained.py says how)
+            say(f"load it with: {summary['load']}")
+        elif args.what == "safetensors" and summary.get("written"):
             say(f"from_pretrained-ready: AutoModelForCausalLM.from_pretrained({summary['output']!r}) (or the "
                 f"AutoModel class of its task)")
     return 0
