@@ -223,6 +223,33 @@ def test_save_total_limit_keeps_what_the_trainer_keeps_including_the_best(tmp_pa
     wait_no_agent(tmp_path / "wrapped")
 
 
+def test_ls_marks_the_trainers_best_checkpoint_that_save_total_limit_keeps(tmp_path):
+    """save_total_limit=2 with load_best_model_at_end keeps the newest checkpoint and the best one: ls says which
+    is the best (trainer_state.json's best_model_checkpoint), so an old survivor is explained. A
+    best_model_checkpoint that names no step directory of ours marks nothing."""
+    out = tmp_path / "out"
+    run(hf(out, tmp_path / "loss", "--eval-best", "--best-greater", "--save-steps", "3", "--save-total-limit", "2",
+           "--max-steps", "12"), timeout=300)
+    wait_no_agent(out)
+    state = json.loads((out / "checkpoint-12" / "trainer_state.json").read_text())
+    evals = {e["step"]: e["eval_loss"] for e in state["log_history"] if "eval_loss" in e}
+    best = max(evals, key=evals.get)           # --best-greater: the highest eval loss is the best
+    assert os.path.basename(state["best_model_checkpoint"]) == f"checkpoint-{best}"
+    assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == sorted({best, 12})
+    listing = cli_json("ls", out)
+    assert listing["best"] == best and {r["step"]: r["best"] for r in listing["checkpoints"]} == \
+        {s: s == best for s in {best, 12}}, listing
+    text = cli("ls", out).stdout
+    row = next(line for line in text.splitlines() if f"checkpoint-{best} " in line)
+    assert row.rstrip().endswith(", best"), text
+    assert (f"best: step {best} is the Trainer's best_model_checkpoint (metric_for_best_model, in trainer_state.json): "
+            f"save_total_limit and `easyckpt prune` keep it whatever its age") in text, text
+    for planted in ("/etc/passwd", ["checkpoint-3"], "../checkpoint-x"):      # untrusted input: no best, no crash
+        (out / "checkpoint-12" / "trainer_state.json").write_text(json.dumps(dict(state, best_model_checkpoint=planted)))
+        listing = cli_json("ls", out)
+        assert listing["best"] is None and not any(r["best"] for r in listing["checkpoints"]), planted
+
+
 def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):
     """DeepSpeed refuses a ZeRO checkpoint of another data-parallel size; easyckpt converts it through
     DeepSpeed's universal checkpoint. Without dropout, 1- and 2-process runs differ only by rounding."""

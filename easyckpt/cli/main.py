@@ -63,15 +63,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         cat = catalog.require(args.dir, args.framework)
     # --verify is a check: damage found is exit 1, as for `verify` (a script must not read "fine")
     status = 1 if args.verify and any(e.state == "damaged" for e in cat.entries) else 0
+    best = next((e for e in cat.entries if e.best), None)
     if args.json:
         say(json.dumps({"save_dir": cat.save_dir, "framework": cat.framework,
-                          "picked": cat.picked.step if cat.picked else None,
+                          "picked": cat.picked.step if cat.picked else None, "best": best.step if best else None,
                           "checkpoints": [e.to_json() for e in cat.entries]}, indent=1))
         return status
     say(f"{cat.save_dir}  ({cat.framework} layout)")
     say(f"  {'step':>10}  {'time':<19}  {'size':>10}  {'layout':<13}  {'directory':<20}  state")
     for e in cat.entries:
-        state = e.state if e.complete else f"{e.state.upper()}: {e.why}"
+        state = (e.state if e.complete else f"{e.state.upper()}: {e.why}") + (", best" if e.best else "")
         mark = "*" if e.picked else " "
         say(f"{mark} {e.step:>10}  {_when(e.time):<19}  {_size(e.bytes):>10}  {_layout(e.layout):<13}  "
               f"{os.path.basename(e.path):<20}  {state}")
@@ -79,6 +80,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     checked = "sizes and checksums checked" if args.verify else "sizes checked; --verify reads every byte"
     say(f"* the loader would pick step {pick.step} ({checked}; a newer snapshot in this node's memory comes "
           f"first: easyckpt status)" if pick else "no complete checkpoint: the loader would start from scratch")
+    if best is not None:
+        say(f"best: step {best.step} is the Trainer's best_model_checkpoint (metric_for_best_model, in "
+            f"trainer_state.json): save_total_limit and `easyckpt prune` keep it whatever its age")
     return status
 
 
