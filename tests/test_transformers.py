@@ -245,7 +245,8 @@ def test_ls_marks_the_trainers_best_checkpoint_that_save_total_limit_keeps(tmp_p
     assert (f"best: step {best} is the Trainer's best_model_checkpoint (metric_for_best_model, in trainer_state.json): "
             f"save_total_limit and `easyckpt prune` keep it whatever its age") in text, text
     for planted in ("/etc/passwd", ["checkpoint-3"], "../checkpoint-x"):      # untrusted input: no best, no crash
-        (out / "checkpoint-12" / "trainer_state.json").write_text(json.dumps(dict(state, best_model_checkpoint=planted)))
+        planted_state = json.dumps(dict(state, best_model_checkpoint=planted))
+        (out / "checkpoint-12" / "trainer_state.json").write_text(planted_state)
         listing = cli_json("ls", out)
         assert listing["best"] is None and not any(r["best"] for r in listing["checkpoints"]), planted
 
