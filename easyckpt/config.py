@@ -17,7 +17,9 @@ from typing import (
     TYPE_CHECKING,
     Any,
     Dict,
+    FrozenSet,
     Iterable,
+    List,
     Mapping,
     Optional,
     Type,
@@ -321,6 +323,26 @@ def validate(cfg: Config, names: Optional[Mapping[str, str]] = None) -> Config:
                               f"never followed, nor a file of another user); choose a writable path, or False for "
                               f"no audit log") from exc
     return cfg
+
+
+def existing_files(directories: Iterable[str]) -> Dict[str, FrozenSet[str]]:
+    """The names in the directories a job will write to, noted before ``validate`` prepares them, for
+    ``take_back`` (storage/firstfiles.py)."""
+    from easyckpt.storage import firstfiles
+    return firstfiles.existing(directories)
+
+
+def take_back(cfg: Config, before: Mapping[str, FrozenSet[str]]) -> List[str]:
+    """``validate``'s counterpart for a run that failed before its first snapshot, once its trainers have said
+    bye: the job's own files this run made (audit log, agent log, job lock) are removed (storage/firstfiles.py)."""
+    from easyckpt.storage import firstfiles
+    from easyckpt.storage.joblock import LOCK_NAME, JobLock
+
+    if cfg.remote:          # the lock is a lease object in the store, not a file here: nothing is taken back
+        return []
+    files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname())),
+             os.path.join(cfg.save_dir, LOCK_NAME)] + ([cfg.audit_log] if cfg.audit_log else [])
+    return firstfiles.take_back(files, JobLock(cfg.save_dir, cfg.job_id, cfg.job_name), before)
 
 
 def _check_own_files(cfg: Config) -> None:

@@ -14,10 +14,12 @@ import os
 import random
 import signal
 import statistics
+import time
 
 import pytest
 from harness import (
     ROOT,
+    agent_alive,
     assert_console,
     assert_losses_close,
     assert_losses_equal,
@@ -26,11 +28,13 @@ from harness import (
     cli_json,
     events,
     interrupted_runs,
+    job_id,
     kill_tree,
     killed_then_resumed,
     losses,
     run,
     script_cmd,
+    shm_segments,
     start,
     starts,
     wait_for_iteration,
@@ -249,6 +253,26 @@ def test_ls_marks_the_trainers_best_checkpoint_that_save_total_limit_keeps(tmp_p
         (out / "checkpoint-12" / "trainer_state.json").write_text(planted_state)
         listing = cli_json("ls", out)
         assert listing["best"] is None and not any(r["best"] for r in listing["checkpoints"]), planted
+
+
+@pytest.mark.parametrize("form", ["wrapper", "callback"])
+def test_a_resume_path_that_does_not_exist_fails_as_the_trainer_does_and_leaves_nothing_behind(tmp_path, form):
+    """train(resume_from_checkpoint=<missing path>) raises the plain Trainer's error; nothing was snapshotted, so
+    the job's agent leaves at once (not after agent_idle_timeout=60 s) and the lock, the audit log and the
+    agent's log this run made are gone: the output_dir is as the plain Trainer leaves it, empty."""
+    out, missing = tmp_path / "out", tmp_path / "no-such-checkpoint"
+    cmd = script_cmd(HF, 1, "--output-dir", str(out), "--max-steps", "4", "--idle-timeout", "60", "--resume",
+                     str(missing), *(["--callback"] if form == "callback" else []))
+    failed = run(cmd, timeout=120, check=False)
+    assert failed.returncode != 0 and f"Can't find a valid checkpoint at {missing}" in failed.stderr, failed.stderr
+    jid = job_id(out)
+    deadline = time.monotonic() + 5
+    while agent_alive(jid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not agent_alive(jid), "the agent of a run that failed before its first snapshot lingers"
+    wait_no_agent(out, timeout=5)
+    assert sorted(os.listdir(out)) == [], sorted(os.listdir(out))
+    assert not [n for n in shm_segments() if jid in n], shm_segments()
 
 
 def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):
