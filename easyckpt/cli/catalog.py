@@ -10,6 +10,8 @@ Decisions:
 - The loader's pick is the newest complete one. For the HF Trainer that includes a ``checkpoint-N`` the
   Trainer wrote itself (no manifest, a trainer_state.json of step N): TrainerWrapper resumes from it. A snapshot that survived in this node's shared memory
   can be newer: ``easyckpt status`` shows those (they belong to a job, not to a directory).
+- The HF Trainer's best checkpoint (``best_model_checkpoint`` in the newest trainer_state.json, which
+  save_total_limit keeps whatever its age) is marked ``best``.
 - The world layout comes from the native file names, so that checkpoints written before the manifest
   recorded it are described too: Megatron ``mp_rank_TT[_PPP]`` directories and ``distrib_optim_dpRRR``
   shards; DeepSpeed ``zero_pp_rank_D_mp_rank_MM`` files; otherwise every rank is data-parallel.

@@ -12,7 +12,8 @@ convert, and run a job that restarts itself.
     easyckpt run [--max-restarts N] -- CMD          run CMD until it succeeds (launcher.py)
 
 DIR is the save directory (Megatron --save, the Trainer's output_dir, DeepSpeed's save_dir); the framework
-is detected from its step directories' names (--framework to say it). --json prints one JSON document on
+is detected from its step directories' names (--framework to say it); an s3:// DIR is reached at --endpoint-url
+(else AWS_ENDPOINT_URL, else boto3's own lookup), as a job's endpoint_url. --json prints one JSON document on
 stdout for scripts; progress bars go to stderr (on a terminal, or with --progress). Exit status: 0 fine,
 1 damage found or a command failed, 2 a wrong path, a directory with no checkpoint, or bad arguments.
 """
