@@ -17,7 +17,9 @@ from typing import (
     TYPE_CHECKING,
     Any,
     Dict,
+    FrozenSet,
     Iterable,
+    List,
     Mapping,
     Optional,
     Type,
@@ -47,6 +49,19 @@ if TYPE_CHECKING:
 T = TypeVar("T", bound="DataclassInstance")     # the decorator reads the fields of a dataclass
 
 
+# the names other checkpointers and the Trainer use for easyckpt's settings: too far apart for difflib to match
+_ALIASES = {
+    "output_dir": ("save_dir", "Under the Trainer it defaults to TrainingArguments(output_dir=...)"),
+    "checkpoint_dir": ("save_dir", "The directory checkpoints are committed to"),
+    "save_steps": ("save_storage_interval", "Under the Trainer it defaults to TrainingArguments(save_steps=...)"),
+    "save_interval": ("save_storage_interval", "Every how many steps a checkpoint reaches storage"),
+    "save_total_limit": ("max_ckpt_num", "Under the Trainer it defaults to TrainingArguments(save_total_limit=...)"),
+    "keep_last": ("max_ckpt_num", "How many committed checkpoints to keep"),
+    "log_file": ("log_file_path", "easyckpt's audit log"),
+    "endpoint": ("endpoint_url", "The S3-compatible endpoint of an s3:// save_dir"),
+}
+
+
 def _unknown(where: str, given: Iterable[str], known: Iterable[str]) -> None:
     """UnknownSettingError naming every setting ``where`` does not know, with the nearest known name."""
     known = list(known)
@@ -55,8 +70,10 @@ def _unknown(where: str, given: Iterable[str], known: Iterable[str]) -> None:
         return
     hints = []
     for name in unknown:
-        near = difflib.get_close_matches(name, known, n=1)
-        hints.append(f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name))
+        alias = _ALIASES.get(name)
+        near = [alias[0]] if alias is not None and alias[0] in known else difflib.get_close_matches(name, known, n=1)
+        why = f" {alias[1]}" if alias is not None and near else ""
+        hints.append(f"{name!r} (did you mean {near[0]!r}?{why})" if near else repr(name))
     raise UnknownSettingError(f"{where} got unknown setting(s) {', '.join(hints)}; it accepts {known}")
 
 
@@ -273,8 +290,11 @@ def check_values(cfg: Config) -> None:
                           f"or False (no audit log)")
 
 
-def validate(cfg: Config) -> Config:
-    """Check every setting and prepare the save directory; raise ConfigError naming the fix."""
+def validate(cfg: Config, names: Optional[Mapping[str, str]] = None) -> Config:
+    """Check every setting and prepare the save directory; raise ConfigError naming the fix. ``names``: how a
+    message names ``save_dir`` / ``local_dir`` where the user set them as something else (the Trainer's
+    output_dir): the setting to change is the one the user wrote."""
+    names = names or {}
     check_values(cfg)
     if not cfg.save_dir or not isinstance(cfg.save_dir, (str, os.PathLike)):
         raise ConfigError(f"save_dir={cfg.save_dir!r} must be a directory path")
@@ -289,9 +309,9 @@ def validate(cfg: Config) -> Config:
                           f"reached through s3:// (an S3-compatible endpoint, endpoint_url=...); else give a "
                           f"local or network file system directory")
     if not cfg.remote:
-        _check_dir("save_dir", cfg.save_dir)
+        _check_dir(names.get("save_dir", "save_dir"), cfg.save_dir)
     if cfg.node_dir != cfg.save_dir:
-        _check_dir("local_dir", cfg.node_dir)
+        _check_dir(names.get("local_dir", "local_dir"), cfg.node_dir)
     _check_own_files(cfg)
     if cfg.audit_log is not None:
         log = Path(cfg.audit_log)
@@ -303,6 +323,26 @@ def validate(cfg: Config) -> Config:
                               f"never followed, nor a file of another user); choose a writable path, or False for "
                               f"no audit log") from exc
     return cfg
+
+
+def existing_files(directories: Iterable[str]) -> Dict[str, FrozenSet[str]]:
+    """The names in the directories a job will write to, noted before ``validate`` prepares them, for
+    ``take_back`` (storage/firstfiles.py)."""
+    from easyckpt.storage import firstfiles
+    return firstfiles.existing(directories)
+
+
+def take_back(cfg: Config, before: Mapping[str, FrozenSet[str]]) -> List[str]:
+    """``validate``'s counterpart for a run that failed before its first snapshot, once its trainers have said
+    bye: the job's own files this run made (audit log, agent log, job lock) are removed (storage/firstfiles.py)."""
+    from easyckpt.storage import firstfiles
+    from easyckpt.storage.joblock import LOCK_NAME, JobLock
+
+    if cfg.remote:          # the lock is a lease object in the store, not a file here: nothing is taken back
+        return []
+    files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname())),
+             os.path.join(cfg.save_dir, LOCK_NAME)] + ([cfg.audit_log] if cfg.audit_log else [])
+    return firstfiles.take_back(files, JobLock(cfg.save_dir, cfg.job_id, cfg.job_name), before)
 
 
 def _check_own_files(cfg: Config) -> None:

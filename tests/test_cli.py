@@ -13,12 +13,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import s3server
 from harness import (
     cli,
     cli_json,
     cli_process,
     committed_steps,
     events,
+    run,
     train_cmd,
     wait_no_agent,
 )
@@ -208,3 +210,27 @@ def test_version_prints_the_packages_version_and_exits_0():
     import easyckpt
     assert cli_process("--version").stdout.strip() == f"easyckpt {easyckpt.__version__}"
     assert cli_process(expect=2).stderr, "no command is still a usage error"
+
+
+# ---- an object store, reached by --endpoint-url --------------------------------------------------------------
+
+server, bucket = s3server.fixtures()     # the session's S3 server (tests/s3server.py), a bucket per test
+
+
+def test_every_verb_reaches_an_object_store_by_endpoint_url_with_no_aws_endpoint_url(server, request, tmp_path,
+                                                                                     monkeypatch):
+    """The training API takes endpoint_url; the verbs take --endpoint-url, passed the same way: with
+    AWS_ENDPOINT_URL unset, ls (as a user's process), inspect and verify read a job's steps in the store."""
+    pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3])")
+    _, top = request.getfixturevalue("bucket")
+    url, local = f"{top}/job", tmp_path / "local"
+    run(train_cmd(url, 1, "--local-dir", str(local), "--idle-timeout", "1", "--iters", "4",  # type: ignore[arg-type]
+                  "--storage-interval", "2"), timeout=180)
+    wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    endpoint = ["--endpoint-url", server["ENDPOINT"]]
+    listing = cli_process("ls", url, *endpoint, "--json")
+    assert json.loads(listing.stdout)["picked"] == 4, listing.stdout
+    assert [r["step"] for r in json.loads(listing.stdout)["checkpoints"]] == [4, 2]
+    assert cli_json("inspect", url, "2", *endpoint)["step"] == 2
+    assert "step 4: OK" in cli("verify", url, *endpoint).stdout

@@ -270,3 +270,40 @@ def test_a_directory_without_a_committed_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a committed easyckpt checkpoint"):
         to_safetensors(str(tmp_path / "global_step3"), str(tmp_path / "x.safetensors"))
     assert not (tmp_path / "x.safetensors").exists()
+
+
+LOAD_ADAPTER = """
+import json, sys, torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(42)       # the base model as hf_train.py builds it (from a config, its --seed)
+base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
+model = PeftModel.from_pretrained(base, sys.argv[1])
+state, saved = model.state_dict(), load_file(sys.argv[1] + "/adapter_model.safetensors")
+lora = {k: v for k, v in state.items() if ".lora_" in k}
+assert len(lora) == len(saved) and all(any(torch.equal(v, s) for s in saved.values()) for v in lora.values())
+print("loaded", len(lora))
+"""
+
+
+def test_a_lora_adapter_of_a_config_built_model_converts_with_the_hint_that_loads_it(tmp_path):
+    """The base model was built from a config (adapter_config.json: base_model_name_or_path null), so
+    from_pretrained of the adapter folder would look it up on the Hub and fail: the printed hint is PEFT's load
+    onto the base built as in training, and that call, run as a user would, loads the adapter."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install -e .[peft])")
+    out = tmp_path / "out"
+    run(script_cmd(HF, 1, "--output-dir", str(out), "--max-steps", "2", "--save-steps", "2", "--idle-timeout", "1",
+                   "--lora"), timeout=300)
+    wait_no_agent(out)
+    folder = out / "checkpoint-2" / "consolidated"
+    said = convert(out, "2")
+    assert said.returncode == 0, said.stderr
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    assert (f"load it with: PeftModel.from_pretrained(base, {str(folder)!r}), with base the model the adapter was "
+            f"trained on, built as in training (adapter_config.json names no base model: base_model_name_or_path "
+            f"is null, so AutoModelForCausalLM.from_pretrained cannot load this folder); or --base-model") \
+        in said.stdout, said.stdout
+    assert "from_pretrained-ready" not in said.stdout
+    loaded = run([sys.executable, "-c", LOAD_ADAPTER, str(folder)], extra_env={"HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert loaded.stdout.startswith("loaded "), loaded.stdout

@@ -14,10 +14,12 @@ import os
 import random
 import signal
 import statistics
+import time
 
 import pytest
 from harness import (
     ROOT,
+    agent_alive,
     assert_console,
     assert_losses_close,
     assert_losses_equal,
@@ -26,11 +28,13 @@ from harness import (
     cli_json,
     events,
     interrupted_runs,
+    job_id,
     kill_tree,
     killed_then_resumed,
     losses,
     run,
     script_cmd,
+    shm_segments,
     start,
     starts,
     wait_for_iteration,
@@ -221,6 +225,54 @@ def test_save_total_limit_keeps_what_the_trainer_keeps_including_the_best(tmp_pa
     loads = [e for e in events(log) if e["event"] == "load"]
     assert loads[-1]["source"] == "storage" and loads[-1]["step"] == other
     wait_no_agent(tmp_path / "wrapped")
+
+
+def test_ls_marks_the_trainers_best_checkpoint_that_save_total_limit_keeps(tmp_path):
+    """save_total_limit=2 with load_best_model_at_end keeps the newest checkpoint and the best one: ls says which
+    is the best (trainer_state.json's best_model_checkpoint), so an old survivor is explained. A
+    best_model_checkpoint that names no step directory of ours marks nothing."""
+    out = tmp_path / "out"
+    run(hf(out, tmp_path / "loss", "--eval-best", "--best-greater", "--save-steps", "3", "--save-total-limit", "2",
+           "--max-steps", "12"), timeout=300)
+    wait_no_agent(out)
+    state = json.loads((out / "checkpoint-12" / "trainer_state.json").read_text())
+    evals = {e["step"]: e["eval_loss"] for e in state["log_history"] if "eval_loss" in e}
+    best = max(evals, key=evals.get)           # --best-greater: the highest eval loss is the best
+    assert os.path.basename(state["best_model_checkpoint"]) == f"checkpoint-{best}"
+    assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == sorted({best, 12})
+    listing = cli_json("ls", out)
+    assert listing["best"] == best and {r["step"]: r["best"] for r in listing["checkpoints"]} == \
+        {s: s == best for s in {best, 12}}, listing
+    text = cli("ls", out).stdout
+    row = next(line for line in text.splitlines() if f"checkpoint-{best} " in line)
+    assert row.rstrip().endswith(", best"), text
+    assert (f"best: step {best} is the Trainer's best_model_checkpoint (metric_for_best_model, in trainer_state.json): "
+            f"save_total_limit and `easyckpt prune` keep it whatever its age") in text, text
+    for planted in ("/etc/passwd", ["checkpoint-3"], "../checkpoint-x"):      # untrusted input: no best, no crash
+        planted_state = json.dumps(dict(state, best_model_checkpoint=planted))
+        (out / "checkpoint-12" / "trainer_state.json").write_text(planted_state)
+        listing = cli_json("ls", out)
+        assert listing["best"] is None and not any(r["best"] for r in listing["checkpoints"]), planted
+
+
+@pytest.mark.parametrize("form", ["wrapper", "callback"])
+def test_a_resume_path_that_does_not_exist_fails_as_the_trainer_does_and_leaves_nothing_behind(tmp_path, form):
+    """train(resume_from_checkpoint=<missing path>) raises the plain Trainer's error; nothing was snapshotted, so
+    the job's agent leaves at once (not after agent_idle_timeout=60 s) and the lock, the audit log and the
+    agent's log this run made are gone: the output_dir is as the plain Trainer leaves it, empty."""
+    out, missing = tmp_path / "out", tmp_path / "no-such-checkpoint"
+    cmd = script_cmd(HF, 1, "--output-dir", str(out), "--max-steps", "4", "--idle-timeout", "60", "--resume",
+                     str(missing), *(["--callback"] if form == "callback" else []))
+    failed = run(cmd, timeout=120, check=False)
+    assert failed.returncode != 0 and f"Can't find a valid checkpoint at {missing}" in failed.stderr, failed.stderr
+    jid = job_id(out)
+    deadline = time.monotonic() + 5
+    while agent_alive(jid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not agent_alive(jid), "the agent of a run that failed before its first snapshot lingers"
+    wait_no_agent(out, timeout=5)
+    assert sorted(os.listdir(out)) == [], sorted(os.listdir(out))
+    assert not [n for n in shm_segments() if jid in n], shm_segments()
 
 
 def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):

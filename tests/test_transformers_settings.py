@@ -141,6 +141,41 @@ def test_a_wrong_value_is_refused_when_built(tmp_path, form, easyckpt, message):
         TrainerWrapper(t, save_dri=".") if form == "wrapper" else EasyCkptCallback(save_dri=".")
 
 
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name,meant", [("output_dir", "save_dir"), ("save_total_limit", "max_ckpt_num"),
+                                        ("save_steps", "save_storage_interval"),
+                                        ("save_mem_intervall", "save_mem_interval")])
+def test_an_unknown_keyword_is_refused_naming_the_setting_meant(tmp_path, form, name, meant):
+    """The Trainer's and other checkpointers' names for a setting (output_dir) are too far from easyckpt's for a
+    spelling match: each is refused with the keyword it stands for."""
+    from easyckpt.transformers import EasyCkptCallback, TrainerWrapper
+    with pytest.raises(UnknownSettingError, match=rf"'{name}' \(did you mean '{meant}'\?"):
+        TrainerWrapper(trainer(tmp_path / "out"), **{name: 1}) if form == "wrapper" else EasyCkptCallback(**{name: 1})
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_read_only_output_dir_is_refused_as_output_dir_not_as_save_dir(tmp_path, form):
+    """The user set output_dir, not save_dir: the error names the setting to change."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if run_quiet(["mount", "--bind", "-o", "ro", str(ro), str(ro)]) != 0:
+        pytest.skip("cannot make a read-only bind mount here (needs root): read-only case not exercised")
+    try:
+        with pytest.raises(ConfigError) as err:
+            build(form, ro, {})
+        assert "output_dir=" in str(err.value) and "save_dir" not in str(err.value), str(err.value)
+        assert "is not writable" in str(err.value) and "choose another output_dir" in str(err.value)
+        with pytest.raises(ConfigError, match=r"save_dir='.*' is not writable"):     # given, it is named
+            build(form, ro, {"save_dir": str(ro)})
+    finally:
+        run_quiet(["umount", str(ro)])
+
+
+def run_quiet(cmd):
+    import subprocess
+    return subprocess.run(cmd, capture_output=True, timeout=30).returncode
+
+
 def test_both_forms_take_every_setting_as_a_typed_keyword_with_its_default():
     from easyckpt.transformers import FROM_TRAINER, EasyCkptCallback, TrainerWrapper
     wrapper = dict(inspect.signature(TrainerWrapper).parameters)

@@ -10,6 +10,8 @@ Decisions:
 - The loader's pick is the newest complete one. For the HF Trainer that includes a ``checkpoint-N`` the
   Trainer wrote itself (no manifest, a trainer_state.json of step N): TrainerWrapper resumes from it. A snapshot that survived in this node's shared memory
   can be newer: ``easyckpt status`` shows those (they belong to a job, not to a directory).
+- The HF Trainer's best checkpoint (``best_model_checkpoint`` in the newest trainer_state.json, which
+  save_total_limit keeps whatever its age) is marked ``best``.
 - The world layout comes from the native file names, so that checkpoints written before the manifest
   recorded it are described too: Megatron ``mp_rank_TT[_PPP]`` directories and ``distrib_optim_dpRRR``
   shards; DeepSpeed ``zero_pp_rank_D_mp_rank_MM`` files; otherwise every rank is data-parallel.
@@ -66,6 +68,7 @@ class Entry:
     # quarantined (set aside whole by a fresh start or a newer run's commit of its name: never loaded or pruned) |
     # "untrusted: why" (whole, but another user owns or may write it: the loader, run as this user, refuses it)
     state: str = ""
+    best: bool = False                 # the HF Trainer's best_model_checkpoint: save_total_limit and prune keep it
 
     @property
     def run_key(self) -> mf.RunKey:
@@ -136,11 +139,32 @@ def scan(save_dir: str, framework: Optional[str] = None, checksums: bool = False
             problem = stepfiles.owner_problem(e.path)
             if problem is not None:
                 e.state = f"untrusted: {problem}"
+    best = trainer_best(entries, nm) if framework == "transformers" else None
+    for e in entries:
+        e.best = e.step == best and not e.staging and e.state != "quarantined"
     complete = {e.step: e for e in entries if e.complete and not e.state.startswith("untrusted")}
     order = mf.newest_first(complete, {s: e.run_key for s, e in complete.items()})    # the loader's order
     if order:
         complete[order[0]].picked = True
     return Catalog(save_dir, framework, entries)
+
+
+def trainer_best(entries: List[Entry], nm: Naming) -> Optional[int]:
+    """The step of the Trainer's best checkpoint (load_best_model_at_end, metric_for_best_model), as the newest
+    readable trainer_state.json records it (``best_model_checkpoint``: a path ending in the step directory's
+    name), or None. The file is untrusted: stepfiles.trainer_state caps and checks it, and anything but a
+    string naming one of our step directories is no best."""
+    for e in entries:                   # newest first: the Trainer's latest view of which one is best
+        if e.staging or e.state == "quarantined":
+            continue
+        state = stepfiles.trainer_state(e.path)
+        if state is None:
+            continue
+        where = state.get("best_model_checkpoint")
+        if not isinstance(where, str) or len(where) > 4096:
+            return None
+        return nm.parse(os.path.basename(where.rstrip("/")))
+    return None
 
 
 def verify(entry: Entry, on_bytes: Optional[Callable[[int], None]] = None) -> List[str]:

@@ -12,7 +12,8 @@ convert, and run a job that restarts itself.
     easyckpt run [--max-restarts N] -- CMD          run CMD until it succeeds (launcher.py)
 
 DIR is the save directory (Megatron --save, the Trainer's output_dir, DeepSpeed's save_dir); the framework
-is detected from its step directories' names (--framework to say it). --json prints one JSON document on
+is detected from its step directories' names (--framework to say it); an s3:// DIR is reached at --endpoint-url
+(else AWS_ENDPOINT_URL, else boto3's own lookup), as a job's endpoint_url. --json prints one JSON document on
 stdout for scripts; progress bars go to stderr (on a terminal, or with --progress). Exit status: 0 fine,
 1 damage found or a command failed, 2 a wrong path, a directory with no checkpoint, or bad arguments.
 """
@@ -31,7 +32,7 @@ from easyckpt.cli.catalog import FRAMEWORKS, CatalogError
 from easyckpt.cli.saying import say
 from easyckpt.cli.status import cmd_status
 from easyckpt.errors import EasyCkptError
-from easyckpt.storage import retention, stepfiles
+from easyckpt.storage import resolve, retention, stepfiles
 from easyckpt.storage.resolve import remote
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.units import human
@@ -63,15 +64,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         cat = catalog.require(args.dir, args.framework)
     # --verify is a check: damage found is exit 1, as for `verify` (a script must not read "fine")
     status = 1 if args.verify and any(e.state == "damaged" for e in cat.entries) else 0
+    best = next((e for e in cat.entries if e.best), None)
     if args.json:
         say(json.dumps({"save_dir": cat.save_dir, "framework": cat.framework,
-                          "picked": cat.picked.step if cat.picked else None,
+                          "picked": cat.picked.step if cat.picked else None, "best": best.step if best else None,
                           "checkpoints": [e.to_json() for e in cat.entries]}, indent=1))
         return status
     say(f"{cat.save_dir}  ({cat.framework} layout)")
     say(f"  {'step':>10}  {'time':<19}  {'size':>10}  {'layout':<13}  {'directory':<20}  state")
     for e in cat.entries:
-        state = e.state if e.complete else f"{e.state.upper()}: {e.why}"
+        state = (e.state if e.complete else f"{e.state.upper()}: {e.why}") + (", best" if e.best else "")
         mark = "*" if e.picked else " "
         say(f"{mark} {e.step:>10}  {_when(e.time):<19}  {_size(e.bytes):>10}  {_layout(e.layout):<13}  "
               f"{os.path.basename(e.path):<20}  {state}")
@@ -79,6 +81,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     checked = "sizes and checksums checked" if args.verify else "sizes checked; --verify reads every byte"
     say(f"* the loader would pick step {pick.step} ({checked}; a newer snapshot in this node's memory comes "
           f"first: easyckpt status)" if pick else "no complete checkpoint: the loader would start from scratch")
+    if best is not None:
+        say(f"best: step {best.step} is the Trainer's best_model_checkpoint (metric_for_best_model, in "
+            f"trainer_state.json): save_total_limit and `easyckpt prune` keep it whatever its age")
     return status
 
 
@@ -263,7 +268,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         for path in summary.get("written") or [summary["output"]]:
             say(f"wrote {path}")
-        if args.what == "safetensors" and summary.get("written"):
+        if summary.get("load"):       # an adapter loads only onto its base model (pretrained.py says how)
+            say(f"load it with: {summary['load']}")
+        elif args.what == "safetensors" and summary.get("written"):
             say(f"from_pretrained-ready: AutoModelForCausalLM.from_pretrained({summary['output']!r}) (or the "
                 f"AutoModel class of its task)")
     return 0
@@ -299,6 +306,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("--framework", default=None, choices=sorted(FRAMEWORKS), help="default: detected")
         p.add_argument("--json", action="store_true", help="one JSON document on stdout")
         p.add_argument("--progress", action="store_true", default=None, help="progress bar even off a terminal")
+        p.add_argument("--endpoint-url", default=None, metavar="URL",
+                       help="the S3-compatible endpoint of an s3:// DIR, as endpoint_url= in training (default: "
+                            "AWS_ENDPOINT_URL, else boto3's own lookup)")
         p.set_defaults(fn=fn)
         return p
 
@@ -324,6 +334,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from easyckpt.cli.launcher import add_parser as add_run
     add_run(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "endpoint_url", None):
+        resolve.set_endpoint(args.endpoint_url)     # as a job's Config(endpoint_url=...) sets it (config.py)
     saying.to(sys.stdout)
     try:
         # `run` passes its command's output through as it is

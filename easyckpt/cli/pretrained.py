@@ -105,12 +105,28 @@ def _adapter(step_dir: str, output_dir: Optional[str], progress: Optional[Progre
     files = {os.path.join(folder, rel): stepfiles.read_verified(step_dir, rel, man) for rel in (ADAPTER, ADAPTER_CONFIG)}
     try:
         weights = load(files[os.path.join(folder, ADAPTER)])
-        json.loads(files[os.path.join(folder, ADAPTER_CONFIG)])
+        config = json.loads(files[os.path.join(folder, ADAPTER_CONFIG)])
     except Exception as exc:  # noqa: BLE001 - a listed file whose checksum matched and does not parse
         raise ValueError(f"{step_dir}: its adapter files do not load ({exc}); nothing was written") from None
     outputs.write(step_dir, man, files, progress)      # the config last: a folder with it holds the weights
     return {"output": folder, "written": list(files), "tensors": len(weights), "kind": "peft-adapter",
-            "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+            "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+            "load": _adapter_load(folder, config if isinstance(config, dict) else {})}
+
+
+def _adapter_load(folder: str, config: Dict[str, Any]) -> str:
+    """The call that loads the adapter folder. Only PEFT loads an adapter, onto its base model: by the name in
+    adapter_config.json where it has one; where it has none (a base built from a config in training:
+    base_model_name_or_path null), from_pretrained of the folder looks the folder up on the Hub and fails, so
+    the hint says to build the base as training did."""
+    auto = _AUTO_CLASS.get(str(config.get("task_type") or "CAUSAL_LM"), "AutoModel")
+    base = config.get("base_model_name_or_path")
+    if isinstance(base, str) and base:
+        return f"PeftModel.from_pretrained({auto}.from_pretrained({base!r}), {folder!r})"
+    return (f"PeftModel.from_pretrained(base, {folder!r}), with base the model the adapter was trained on, built "
+            f"as in training ({ADAPTER_CONFIG} names no base model: base_model_name_or_path is null, so "
+            f"{auto}.from_pretrained cannot load this folder); or --base-model with that model saved by "
+            f"save_pretrained writes the merged model instead")
 
 
 # PEFT's task types -> the transformers Auto class that loads their base model (PEFT's own AutoPeftModel* pairs)
@@ -169,7 +185,8 @@ def _merged(step_dir: str, output_dir: Optional[str], base_model: str,
     state = merged.state_dict()
     outputs.write(step_dir, man, files, progress)
     return {"output": folder, "written": list(files), "tensors": len(state), "kind": "peft-merged",
-            "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+            "bytes": sum(t.numel() * t.element_size() for t in state.values()),
+            "load": f"{auto.__name__}.from_pretrained({folder!r})"}
 
 
 def _folder(step_dir: str, output_dir: Optional[str]) -> str:

@@ -21,6 +21,7 @@ import json
 import os
 import stat
 from typing import (
+    Any,
     Callable,
     Dict,
     Iterable,
@@ -315,6 +316,17 @@ TRAINER_STATE_MAX = 64 << 20     # the Trainer's trainer_state.json: a log histo
 def trainer_state_step(step_dir: str) -> Optional[int]:
     """``global_step`` of the HF Trainer's ``trainer_state.json`` in ``step_dir``, or None: missing, not a
     regular file (a FIFO, a link to /dev/zero), larger than TRAINER_STATE_MAX, or not what the Trainer writes."""
+    state = trainer_state(step_dir)
+    try:
+        return int(state["global_step"]) if state is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def trainer_state(step_dir: str) -> Optional[Dict[str, Any]]:
+    """The HF Trainer's ``trainer_state.json`` in ``step_dir`` as the JSON object it holds, or None: missing, not
+    a regular file, larger than TRAINER_STATE_MAX, not JSON or not an object. Untrusted: callers check each
+    field they use."""
     store = remote(step_dir)
     try:
         if store is not None:
@@ -325,9 +337,10 @@ def trainer_state_step(step_dir: str) -> Optional[int]:
                 raw = f.read(TRAINER_STATE_MAX + 1)
         if len(raw) > TRAINER_STATE_MAX:
             return None
-        return int(json.loads(raw)["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        state = json.loads(raw)
+    except (OSError, ValueError):
         return None
+    return state if isinstance(state, dict) else None
 
 
 def owner_problem(step_dir: str, rels: Iterable[str] = ()) -> Optional[str]:

@@ -54,13 +54,13 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
 from transformers import TrainerCallback
 
 import easyckpt.deepspeed.cpu as cpu
 from easyckpt import console
-from easyckpt.config import Config
+from easyckpt.config import Config, existing_files, take_back
 from easyckpt.engine.checkpointer import Checkpointer
 from easyckpt.engine.foreign import newest_plain_checkpoint
 from easyckpt.errors import ConfigError, EasyCkptError
@@ -98,6 +98,9 @@ class _Attached:
                               f"trainer.train(...); drop the {given.verb} (or the callback), not both")
         self.trainer, self.settings = trainer, given
         self.engine: Optional[Checkpointer] = None
+        # what the directories easyckpt writes to held before resolve prepares them: a train() that fails before
+        # its first snapshot takes back the files it made (_abandon); None once a run has made them its own
+        self.before: Optional[Dict[str, FrozenSet[str]]] = existing_files(_own_dirs(given, trainer.args))
         resolve(given, trainer.args)        # every conflict with the TrainingArguments, now rather than at train()
         if getattr(trainer.args, "deepspeed", None):
             cpu.advise()                    # without CUDA: which call the next start needs
@@ -116,6 +119,7 @@ class _Attached:
         engine = Checkpointer(resolve(self.settings, args))
         self.engine = engine
         session = _Session(trainer, engine)
+        explicit = resume_from_checkpoint not in (True, False, None)      # a path: the Trainer's to check
         finished = False
         try:
             with session.hooks():
@@ -132,8 +136,35 @@ class _Attached:
             try:
                 if finished:   # after an exception the process is usually on its way out: the agent persists
                     engine.finalize(persist=args.save_strategy != "no")
+                elif engine.engine.last_step is None:
+                    self._abandon(engine, take_back_files=explicit)
             finally:
                 self.engine = None
+                if finished or engine.engine.last_step is not None:
+                    self.before = None
+
+    def _abandon(self, engine: Checkpointer, take_back_files: bool) -> None:
+        """A train() that failed before its first snapshot has nothing to persist: its agent is told to leave
+        now, not after agent_idle_timeout. Where the Trainer refused the resume_from_checkpoint path it was
+        given (one that does not exist), the files this run made (lock, logs) go too: they record nothing but
+        a typo; easyckpt's own refusals (on_no_valid_checkpoint) keep their audit log. The Trainer's error is
+        the one raised: a failure here is only logged."""
+        try:
+            engine.finalize(persist=False)
+            if take_back_files and self.before is not None:
+                take_back(engine.config, self.before)
+        except Exception as exc:  # noqa: BLE001 - the Trainer's exception is on its way up; this must not hide it
+            console.logger.warning("easyckpt: after the failed train(), its agent or files could not be released "
+                                   "(%s)", exc)
+
+
+def _own_dirs(given: Settings, args: "TrainingArguments") -> List[str]:
+    """The local directories a job of these settings writes its own files to (config.take_back's)."""
+    dirs = [str(args.output_dir)]
+    dirs += [str(given.base.local_dir)] if given.base.local_dir else []
+    log = given.base.log_file_path
+    dirs += [os.path.dirname(os.path.abspath(log))] if isinstance(log, str) else []
+    return [d for d in dirs if "://" not in d]
 
 
 class TrainerWrapper:

@@ -140,9 +140,13 @@ def resolve(s: Settings, args: "TrainingArguments") -> Config:
                           f"TrainingArguments(save_total_limit={m!r}), or leave {name} out")
     # the Trainer's save points decide what is persisted (save_now); the checkpointer's own storage interval
     # goes unused and only has to be a multiple of the memory interval
+    # a directory the user gave only as the Trainer's output_dir is named so, not as the save_dir it stands for
+    names = {} if "save_dir" in s.parity else {"save_dir": "output_dir"}
+    if local_dir == output_dir and not s.base.local_dir:
+        names["local_dir"] = "output_dir"
     try:
         return validate(replace(s.base, save_dir=save_dir, local_dir=local_dir, max_ckpt_num=limit,
-                                save_storage_interval=s.base.save_mem_interval))
+                                save_storage_interval=s.base.save_mem_interval), names)
     except ConfigError as exc:      # (a directory that cannot be made, a store that does not answer) said as ours
         if str(exc).startswith(f"{verb}: "):
             raise
