@@ -296,7 +296,7 @@ MUTATE = textwrap.dedent("""
 
 
 def test_tensors_changed_after_save_returns_do_not_leak_into_the_persisted_step(tmp_path):
-    """Synchronous snapshots (what the README asks of loops that change parameters in place): the
+    """Synchronous snapshots (what docs/architecture.md asks of loops that change parameters in place): the
     persisted step holds the values at its save, however slow storage is."""
     script = tmp_path / "mutate.py"
     script.write_text(MUTATE)

@@ -11,7 +11,7 @@ next forward changes; RNG and scheduler state; tensors an adapter built for the 
 before ``maybe_save`` returns. A tensor is matched by its storage, so ``state_dict()`` views of a
 parameter count as the parameter.
 
-Assumption, stated in the README: user code does not change parameters in place between the
+Assumption, stated in docs/architecture.md ("How it works"): user code does not change parameters in place between the
 snapshot and the next optimizer step (e.g. weight noise before forward). ``snapshot_overlap=False``
 turns the overlap off for such loops.
 """

@@ -56,8 +56,8 @@ def client(endpoint_url: Optional[str] = None, max_pool: int = PARALLEL * 2, pat
     """A boto3 S3 client (credentials and region as boto3 finds them; ``endpoint_url`` for a compatible store).
 
     What it computes over each request's body, and why (every byte it saves is CPU the gateway or training
-    needs: on a 2-core machine a 216 MB upload went from 0.75 s to 0.56 s with neither, see the README's object
-    storage section):
+    needs: on a 2-core machine a 216 MB upload went from 0.75 s to 0.56 s with neither, see
+    docs/object-storage.md):
 
     - no per-request CRC32, sent or asked for on reads (botocore's default since 1.36): every file and item has its own
       checksum in the manifest, checked by every load and by ``easyckpt verify`` whatever carried the bytes,

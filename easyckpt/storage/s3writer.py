@@ -21,7 +21,7 @@ class Body:
     and each ``read`` answers a whole piece, which urllib3 hands to one ``sendall``. A bytes body would be
     copied into a BytesIO and sent 16 KiB per call (botocore's handler for PutObject and UploadPart), a part
     of the mapping copied first: on this 2-core machine a 216 MB upload went from about 350 to 416-436 MB/s
-    without them (the README's object storage section)."""
+    without them (docs/object-storage.md)."""
 
     def __init__(self, pieces: List[Piece]):
         self._pieces = [memoryview(p).cast("B") for p in pieces if len(p)]
