@@ -1,0 +1,57 @@
+"""The run's checkpointing figures (engine/metrics.py): checkpoint_metrics() and rank 0's summary line at the end of
+a real run agree with what that run's audit log records; the HF Trainer's log_history carries them."""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+from harness import events, run, wait_no_agent
+
+LOOP = Path(__file__).resolve().parent / "budget_loop.py"
+SUMMARY = re.compile(r"run summary: newest committed step (\d+); (\d+) snapshots? \((\d+) skipped\), stall "
+                     r"([\d.]+) ms in all, median ([\d.]+) ms; (\d+) persists?, (.+) written")
+
+
+def test_the_summary_line_and_checkpoint_metrics_agree_with_the_audit_log(tmp_path):
+    save, out = tmp_path / "save", tmp_path / "metrics.json"
+    proc = run([sys.executable, str(LOOP), "--dir", str(save), "--steps", "40", "--sleep", "0.005",
+                "--storage-interval", "10", "--metrics", str(out), "--out", str(tmp_path / "began.json")])
+    wait_no_agent(save)
+    said = SUMMARY.findall(proc.stdout + proc.stderr)
+    assert len(said) == 1, proc.stdout + proc.stderr      # once, on rank 0, at finalize
+    committed, snaps, skipped, total_ms, median_ms, persists, written = said[0]
+    log = events(save / "easyckpt.log")
+    mine = [e for e in log if e.get("source") == "rank0"]
+    snapshots = [e for e in mine if e["event"] == "snapshot"]
+    commits = [e for e in log if e["event"] == "commit"]
+    persisted = [e for e in log if e["event"] == "persist" and e.get("rank") == 0]
+    assert int(snaps) == len(snapshots) == 40 and int(skipped) == len([e for e in mine if e["event"] == "skip"])
+    assert int(committed) == max(e["step"] for e in commits) == 40
+    assert int(persists) == len(persisted) == 4          # steps 10, 20, 30, 40; finalize's step 40 was one
+    seconds = [e["seconds"] for e in snapshots]
+    assert abs(float(total_ms) - 1e3 * sum(seconds)) < 0.01
+    # the figures written to the audit log at the end are the ones the loop read last
+    final = json.loads(out.read_text())[-1]
+    recorded = next(e for e in mine if e["event"] == "metrics")
+    assert {k[len("easyckpt/"):]: v for k, v in final.items()} == {
+        k: v for k, v in recorded.items() if k not in ("time", "event", "source", "host", "pid", "rank")}
+    assert final["easyckpt/snapshots"] == 40 and final["easyckpt/persists"] == 4
+    assert final["easyckpt/commits"] == len(commits) == 4 and final["easyckpt/committed_step"] == 40
+    assert final["easyckpt/stall_median_s"] == pytest.approx(statistics.median(seconds))
+    assert final["easyckpt/stall_total_s"] == pytest.approx(sum(seconds))
+    assert abs(1e3 * final["easyckpt/stall_median_s"] - float(median_ms)) < 0.01
+    # the last commit may be seen in the save dir before its status reply brings its bytes: not counted then
+    committed_bytes = sum(e["bytes"] for e in commits)
+    assert final["easyckpt/bytes_written"] in (committed_bytes, committed_bytes - commits[-1]["bytes"])
+    assert final["easyckpt/loss_bound_steps"] == 0          # every step snapshotted: a crash loses none
+    assert 0 <= final["easyckpt/commit_latency_s"] < 30
+    # read while training: counts only grow, the stall is never negative
+    during = json.loads(out.read_text())[:-1]
+    # (a snapshot whose copy overlaps the next step counts once that copy is done: up to one step later)
+    assert all(n - 1 <= m["easyckpt/snapshots"] <= n for n, m in zip((10, 20, 30, 40), during))
+    assert all(m["easyckpt/stall_total_s"] >= m.get("easyckpt/stall_s", 0) >= 0 for m in during)
+    assert written.endswith("B")
