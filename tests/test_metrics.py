@@ -8,8 +8,9 @@ import statistics
 import sys
 from pathlib import Path
 
+import harness
 import pytest
-from harness import events, run, wait_no_agent
+from harness import events, run, script_cmd, wait_no_agent
 
 LOOP = Path(__file__).resolve().parent / "budget_loop.py"
 SUMMARY = re.compile(r"run summary: newest committed step (\d+); (\d+) snapshots? \((\d+) skipped\), stall "
@@ -55,3 +56,31 @@ def test_the_summary_line_and_checkpoint_metrics_agree_with_the_audit_log(tmp_pa
     assert all(n - 1 <= m["easyckpt/snapshots"] <= n for n, m in zip((10, 20, 30, 40), during))
     assert all(m["easyckpt/stall_total_s"] >= m.get("easyckpt/stall_s", 0) >= 0 for m in during)
     assert written.endswith("B")
+
+
+HF = harness.ROOT / "examples" / "deepspeed" / "hf_train.py"
+
+
+@pytest.mark.parametrize("form", ["wrapper", "callback"])
+def test_the_trainers_log_history_carries_the_figures_in_both_forms(tmp_path, form):
+    out = tmp_path / "out"
+    run(script_cmd(HF, 1, "--output-dir", str(out), "--loss-file", str(tmp_path / "loss"), "--max-steps", "12",
+                   "--idle-timeout", "20", *(["--callback"] if form == "callback" else [])), timeout=300)
+    wait_no_agent(out)
+    # logging_steps=1 (hf_train.py): the log_history the committed checkpoint-12 holds has one entry a step
+    history = [h for h in json.loads((out / "checkpoint-12" / "trainer_state.json").read_text())["log_history"]
+               if "loss" in h]
+    assert [h["step"] for h in history] == list(range(1, 13))
+    assert all(h["easyckpt/stall_total_s"] >= 0 and h["easyckpt/snapshots_skipped"] == 0 for h in history)
+    counts = [h["easyckpt/snapshots"] for h in history]
+    assert counts == sorted(counts) and counts[-1] > 0
+    assert all(h["easyckpt/stall_s"] >= 0 and h["easyckpt/stall_median_s"] >= 0 for h in history[2:])
+    # a step is logged before it is snapshotted: the snapshots then taken are at most the steps before it
+    log = events(out / "easyckpt.log")
+    assert counts[-1] <= len([e for e in log if e["event"] == "snapshot" and e.get("step", 99) < 12])
+    # checkpoint-5 (save_steps=5) committed during the run: seen by the logs that follow, as the audit log says
+    assert any(e["event"] == "commit" and e["step"] == 5 for e in log)
+    later = [h for h in history if "easyckpt/committed_step" in h]
+    assert later and all(h["easyckpt/committed_step"] in (5, 10) and h["easyckpt/committed_step"] < h["step"]
+                         for h in later)
+    assert all(h["easyckpt/bytes_written"] > 0 for h in later)
