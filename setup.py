@@ -31,6 +31,7 @@ setup(
         "s3": ["boto3>=1.34"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "import-linter>=2", "mypy>=1.10"],
         "bench": ["matplotlib"],
+        "report": ["matplotlib"],       # easyckpt report DIR -o FILE.png (the HTML report needs nothing)
         "all": ["megatron-core>=0.16,<0.20", "six", "einops", "pyyaml", "regex", "pydantic", "psutil",
                 "deepspeed>=0.19", "transformers>=5", "accelerate>=1", "peft>=0.17", "boto3>=1.34"],
     },
