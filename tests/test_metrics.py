@@ -84,3 +84,32 @@ def test_the_trainers_log_history_carries_the_figures_in_both_forms(tmp_path, fo
     assert later and all(h["easyckpt/committed_step"] in (5, 10) and h["easyckpt/committed_step"] < h["step"]
                          for h in later)
     assert all(h["easyckpt/bytes_written"] > 0 for h in later)
+
+
+class Recorded:
+    """The two calls Megatron-LM's writers take from its training loop (SummaryWriter.add_scalar, wandb.log),
+    recorded: neither torch's tensorboard nor wandb is installed here, nor the Megatron-LM checkout whose
+    global_vars make them (tests/test_megatron_lm.py needs EASYCKPT_MEGATRON_LM)."""
+
+    def __init__(self):
+        self.scalars, self.logged = [], []
+
+    def add_scalar(self, key, value, step):
+        self.scalars.append((key, value, step))
+
+    def log(self, values, step):
+        self.logged.append((values, step))
+
+
+def test_megatron_writers_get_the_figures_at_its_tensorboard_log_interval():
+    import argparse
+
+    from easyckpt.megatron import logs
+    args = argparse.Namespace(tensorboard_log_interval=5, log_interval=2)
+    assert [i for i in range(0, 21) if logs.due(i, args)] == [5, 10, 15, 20]
+    assert [i for i in range(0, 7) if logs.due(i, argparse.Namespace(log_interval=3))] == [3, 6]
+    figures = {"easyckpt/snapshots": 3.0, "easyckpt/stall_total_s": 0.01}
+    tb, wb = Recorded(), Recorded()
+    assert logs.write(figures, 10, tb, wb) == 2 and logs.write(figures, 10, None, None) == 0
+    assert tb.scalars == [("easyckpt/snapshots", 3.0, 10), ("easyckpt/stall_total_s", 0.01, 10)]
+    assert wb.logged == [(figures, 10)]
