@@ -94,7 +94,7 @@ def _checked(record: Any, line: int) -> Tuple[Optional[Event], str]:
     kind, when, source = record.get("event"), record.get("time"), record.get("source")
     if not isinstance(kind, str) or not 0 < len(kind) <= 64:
         return None, "no event name"
-    if not _number(when):
+    if not isinstance(when, (int, float)) or not _number(when):
         return None, "time is not a number"
     if not isinstance(source, str) or len(source) > 64:
         return None, "source is not a short string"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import io
 import math
-from typing import TYPE_CHECKING, Any, Callable, List, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence
 
 if TYPE_CHECKING:
     from easyckpt.cli.report import Timeline
@@ -133,11 +133,13 @@ def png(tl: "Timeline") -> bytes:
             top.scatter([s for _, s in tl.skips], [0] * len(tl.skips), marker="x", color="#d62728", label="skipped")
         _scatter(bottom, tl.persists, "o", "#1f77b4", "persist")
         _scatter(bottom, tl.commits, "D", "#ff7f0e", "commit")
+        at_step: Dict[int, int] = {}
         for m in tl.marks:
             for ax in (top, bottom):
                 ax.axvline(m.step, color=EVENT_COLOURS.get(m.kind, "#555"), linestyle="--", linewidth=0.8)
-            top.annotate(m.label, (m.step, 1.0), xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
-                         va="top", ha="right")
+            nth = at_step[m.step] = at_step.get(m.step, -1) + 1       # labels of one step side by side
+            top.annotate(m.label, (m.step, 1.0), xycoords=("data", "axes fraction"), xytext=(-2 + 9 * nth, -2),
+                         textcoords="offset points", fontsize=7, rotation=90, va="top", ha="right")
         top.set_ylabel("stall per snapshot (ms)")
         bottom.set_ylabel("persist / commit (ms)")
         bottom.set_xlabel("step")

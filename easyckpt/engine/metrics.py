@@ -31,6 +31,7 @@ from easyckpt.storage.auditlog import AuditLog
 from easyckpt.units import human
 
 PREFIX = "easyckpt/"
+MAX_ASKED = 256           # persist requests whose commit is still awaited, kept for their latency
 MEDIAN_WINDOW = 4096      # the newest snapshots the median stall is taken over (a long run's list stays bounded)
 
 
@@ -77,6 +78,8 @@ class RunMetrics:
             if self._first_request is None:
                 self._first_request = step
             self._asked.setdefault(step, self.clock.monotonic())
+            if len(self._asked) > MAX_ASKED:      # a rank that never hears of commits (not rank 0) stays bounded
+                del self._asked[next(iter(self._asked))]
 
     def _status(self, status: StatusReply) -> None:
         with self._lock:
