@@ -10,8 +10,9 @@ What is drawn, against the training step:
                (``trainer_lost``: a kill or crash), each error that names a step, as labelled lines
 
 A run begins at each rank-0 ``load`` event (every start loads, or says it found nothing), so the steps a resume
-does again are drawn again, in the new run's colour. The HTML file is self-contained: an inline SVG
-(timeline_svg.py draws it, no dependency); FILE ending in .png is drawn by matplotlib, the ``report`` extra.
+does again are drawn again, in the new run's colour (timeline.py builds what is drawn). The HTML file is
+self-contained: an inline SVG (timeline_svg.py draws it, no dependency); FILE ending in .png is drawn by
+matplotlib, the ``report`` extra. The file is written through the storage layer (temp, fsync, rename).
 """
 from __future__ import annotations
 
@@ -20,81 +21,16 @@ import html
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from dataclasses import asdict
 
 from easyckpt.cli import auditread, timeline_svg
 from easyckpt.cli.saying import say
+from easyckpt.cli.timeline import Timeline, build
 from easyckpt.config import DEFAULT_LOG_NAME
-from easyckpt.formats import paths
+from easyckpt.storage.posix import PosixStorage
 
 REPORT_NAME = "easyckpt-report.html"
 PNG_EXTRA = "pip install 'easyckpt[report]' (matplotlib)"
-
-
-@dataclass
-class Mark:
-    step: int
-    kind: str          # start, resume, sigterm, lost, error
-    label: str
-
-
-@dataclass
-class Timeline:
-    """What the report draws; every figure comes from one checked line of the audit log."""
-
-    log: str
-    stalls: List[Tuple[int, int, float]] = field(default_factory=list)      # run, step, ms (slowest rank)
-    skips: List[Tuple[int, int]] = field(default_factory=list)              # run, step
-    persists: List[Tuple[int, float]] = field(default_factory=list)         # step, ms (slowest rank)
-    commits: List[Tuple[int, float]] = field(default_factory=list)          # step, ms
-    marks: List[Mark] = field(default_factory=list)
-    runs: List[str] = field(default_factory=list)                           # how each run began
-    skipped_lines: int = 0
-    why_skipped: List[str] = field(default_factory=list)
-
-    def steps(self) -> Tuple[int, int]:
-        every = [s for _, s, _ in self.stalls] + [s for _, s in self.skips] + [s for s, _ in self.persists] + \
-            [s for s, _ in self.commits] + [m.step for m in self.marks]
-        return (min(every), max(every)) if every else (0, 1)
-
-
-def build(read: auditread.AuditRead) -> Timeline:
-    """The timeline of the checked events, in the log's order."""
-    tl = Timeline(read.path, skipped_lines=read.skipped, why_skipped=list(read.why))
-    stall: Dict[Tuple[int, int], float] = {}
-    persist: Dict[int, float] = {}
-    run, last_step = -1, 0
-    for e in read.events:
-        if e.step is not None and e.event in ("snapshot", "skip", "persist", "commit", "sigterm_save"):
-            last_step = e.step
-        if e.event == "load" and e.rank in (0, None) and e.source in ("none", "memory", "peer", "local", "storage"):
-            run += 1
-            start = e.step or 0
-            said = f"resumed step {start} from {e.source}" if e.source != "none" else "start (no checkpoint)"
-            tl.runs.append(said)
-            tl.marks.append(Mark(start, "resume" if e.source != "none" else "start", said))
-            last_step = start
-        elif e.event == "snapshot" and e.step is not None and e.seconds is not None:
-            key = (max(run, 0), e.step)
-            stall[key] = max(stall.get(key, 0.0), 1e3 * e.seconds)
-        elif e.event == "skip" and e.step is not None:
-            tl.skips.append((max(run, 0), e.step))
-        elif e.event == "persist" and e.step is not None and e.seconds is not None:
-            persist[e.step] = max(persist.get(e.step, 0.0), 1e3 * e.seconds)
-        elif e.event == "commit" and e.step is not None and e.seconds is not None:
-            tl.commits.append((e.step, 1e3 * e.seconds))
-        elif e.event == "sigterm_save" and e.step is not None and e.rank in (0, None):
-            tl.marks.append(Mark(e.step, "sigterm", f"SIGTERM save of step {e.step}"))
-        elif e.event == "trainer_lost":
-            tl.marks.append(Mark(last_step, "lost", f"trainer rank {e.rank} lost (newest step logged: {last_step})"))
-        elif e.event == "error" and e.step is not None:
-            tl.marks.append(Mark(e.step, "error", f"error at step {e.step}: {e.text[:80]}"))
-    if run < 0 and stall:
-        tl.runs.append("the log holds no start")
-    tl.stalls = [(r, s, ms) for (r, s), ms in stall.items()]
-    tl.persists = sorted(persist.items())
-    return tl
 
 
 def to_html(tl: Timeline, title: str) -> str:
@@ -123,10 +59,9 @@ def to_html(tl: Timeline, title: str) -> str:
 
 
 def _write(path: str, data: bytes) -> None:
-    # never through a symlink or into a FIFO planted under the output's name (formats/paths.py)
-    fd = paths.open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    # temp file, fsync, rename (storage/posix.py): never written through a symlink or into a FIFO planted under
+    # the output's name, and a reader sees the previous report or the whole new one
+    PosixStorage().write_atomic(path, data)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import html
 import io
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
-if TYPE_CHECKING:
-    from easyckpt.cli.report import Timeline
+from easyckpt.cli.timeline import Timeline
 
 WIDTH, LEFT, RIGHT = 960, 70, 20
 TOP_H, BOTTOM_H, GAP, HEAD = 220, 150, 50, 60
@@ -48,7 +47,7 @@ def _fmt(v: float) -> str:
     return f"{v:g}" if v >= 0.01 or v == 0 else f"{v:.1e}"
 
 
-def svg(tl: "Timeline") -> str:
+def svg(tl: Timeline) -> str:
     first, last = tl.steps()
     span = max(1, last - first)
     plot_w = WIDTH - LEFT - RIGHT
@@ -119,7 +118,7 @@ def has_matplotlib() -> bool:
     return True
 
 
-def png(tl: "Timeline") -> bytes:
+def png(tl: Timeline) -> bytes:
     """The same panels as svg(), drawn by matplotlib (the ``report`` extra) into PNG bytes."""
     import matplotlib
     matplotlib.use("Agg")
