@@ -10,7 +10,7 @@ from pathlib import Path
 
 import harness
 import pytest
-from harness import events, run, script_cmd, wait_no_agent
+from harness import events, run, script_cmd, train_cmd, wait_no_agent
 
 LOOP = Path(__file__).resolve().parent / "budget_loop.py"
 SUMMARY = re.compile(r"run summary: newest committed step (\d+); (\d+) snapshots? \((\d+) skipped\), stall "
@@ -113,3 +113,18 @@ def test_megatron_writers_get_the_figures_at_its_tensorboard_log_interval():
     assert logs.write(figures, 10, tb, wb) == 2 and logs.write(figures, 10, None, None) == 0
     assert tb.scalars == [("easyckpt/snapshots", 3.0, 10), ("easyckpt/stall_total_s", 0.01, 10)]
     assert wb.logged == [(figures, 10)]
+
+
+def test_two_ranks_say_one_summary_and_each_records_its_own_figures(tmp_path):
+    save = tmp_path / "save"
+    proc = run(train_cmd(save, 2, "--iters", "10", "--storage-interval", "5"))
+    wait_no_agent(save)
+    said = proc.stdout + proc.stderr
+    assert len(SUMMARY.findall(said)) == 1 and "newest committed step 10;" in said, said[-3000:]
+    log = events(save / "easyckpt.log")
+    for rank in (0, 1):
+        mine = [e for e in log if e.get("source") == f"rank{rank}"]
+        recorded = [e for e in mine if e["event"] == "metrics"]
+        assert len(recorded) == 1 and recorded[0]["rank"] == rank
+        assert recorded[0]["snapshots"] == len([e for e in mine if e["event"] == "snapshot"]) == 10
+        assert recorded[0]["persists"] == 2 and recorded[0]["committed_step"] == 10
