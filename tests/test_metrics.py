@@ -128,3 +128,18 @@ def test_two_ranks_say_one_summary_and_each_records_its_own_figures(tmp_path):
         assert len(recorded) == 1 and recorded[0]["rank"] == rank
         assert recorded[0]["snapshots"] == len([e for e in mine if e["event"] == "snapshot"]) == 10
         assert recorded[0]["persists"] == 2 and recorded[0]["committed_step"] == 10
+
+
+def test_the_budgets_figures_are_those_of_the_cadence_the_audit_log_records(tmp_path):
+    save, out = tmp_path / "save", tmp_path / "metrics.json"
+    run([sys.executable, str(LOOP), "--dir", str(save), "--steps", "400", "--sleep", "0.01", "--max-overhead", "0.05",
+         "--metrics", str(out), "--out", str(tmp_path / "began.json")])
+    wait_no_agent(save)
+    agreed = [e for e in events(save / "easyckpt.log") if e["event"] == "budget" and not e.get("last")]
+    assert agreed, "the budget decided no cadence in 400 steps"
+    final = json.loads(out.read_text())[-1]
+    assert final["easyckpt/snapshot_every"] == agreed[-1]["every"]
+    assert final["easyckpt/loss_bound_steps"] == agreed[-1]["bound"]
+    # measured by the budget (medians of the steps after a snapshot and after none), not by a stopwatch of ours
+    cost, per_step = final["easyckpt/snapshot_cost_s"], final["easyckpt/stall_per_step_s"]
+    assert 0 <= per_step <= cost < 0.1 and final["easyckpt/overhead"] >= 0

@@ -87,10 +87,11 @@ def svg(tl: Timeline) -> str:
     for i, m in enumerate(tl.marks):
         colour, mx = EVENT_COLOURS.get(m.kind, "#555"), x(m.step)
         label = html.escape(m.label)
+        left = mx < LEFT + 0.6 * plot_w         # labels near the right edge run leftwards, inside the picture
         out.append(f"<g class='event' data-step='{m.step}' data-kind='{html.escape(m.kind)}'>"
                    f"<line x1='{mx:.2f}' x2='{mx:.2f}' y1='{HEAD - 8}' y2='{bottom0 + BOTTOM_H}' stroke='{colour}' "
-                   f"stroke-dasharray='4 3'/><text x='{mx + 3:.2f}' y='{12 + 12 * (i % 4)}' fill='{colour}'>{label}"
-                   f"</text></g>")
+                   f"stroke-dasharray='4 3'/><text x='{mx + (3 if left else -3):.2f}' y='{12 + 12 * (i % 4)}' "
+                   f"fill='{colour}' text-anchor='{'start' if left else 'end'}'>{label}</text></g>")
     out.append("</svg>")
     return "\n".join(out)
 
