@@ -174,7 +174,7 @@ def checkpoint_and_decide_exit(model: _em.Model, optimizer: _em.Optimizer, opt_p
         _em.save_checkpoint_if_needed(iteration, model, optimizer, opt_param_scheduler,
                                       num_floating_point_operations_so_far)
         # beside Megatron's own scalars, in its TensorBoard / W&B writers (logs.py)
-        _logs.write_if_due(iteration, _em.checkpoint_metrics())
+        _logs.write_if_due(iteration, _em.checkpoint_metrics)
     return _orig_decide(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
                         *args, **kwargs)
 

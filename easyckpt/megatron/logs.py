@@ -7,7 +7,7 @@ after each iteration's snapshot decision; nothing is written when neither writer
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 
 def due(iteration: int, args: Any) -> bool:
@@ -29,11 +29,12 @@ def write(figures: Dict[str, float], iteration: int, tensorboard: Optional[Any],
     return wrote
 
 
-def write_if_due(iteration: int, figures: Dict[str, float]) -> None:
-    """Megatron-LM's writers, as its training loop gets them (``megatron.training.global_vars``)."""
+def write_if_due(iteration: int, figures: Callable[[], Dict[str, float]]) -> None:
+    """Megatron-LM's writers, as its training loop gets them (``megatron.training.global_vars``); ``figures`` is
+    asked only when they are written (its median is not worth a sort every iteration)."""
     from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
     if not due(iteration, get_args()):
         return
     tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
     if tensorboard is not None or wandb is not None:
-        write(figures, iteration, tensorboard, wandb)
+        write(figures(), iteration, tensorboard, wandb)
