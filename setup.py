@@ -33,6 +33,7 @@ setup(
                  # the documentation site (mkdocs.yml), built in strict mode by tests/test_docs.py
                  "mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         "bench": ["matplotlib"],
+        "report": ["matplotlib"],       # easyckpt report DIR -o FILE.png (the HTML report needs nothing)
         "all": ["megatron-core>=0.16,<0.20", "six", "einops", "pyyaml", "regex", "pydantic", "psutil",
                 "deepspeed>=0.19", "transformers>=5", "accelerate>=1", "peft>=0.17", "boto3>=1.34"],
     },

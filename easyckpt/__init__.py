@@ -18,6 +18,7 @@ from easyckpt.errors import (
 if TYPE_CHECKING:   # what __getattr__ below resolves, for type checkers and IDEs
     from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
     from easyckpt.pytorch import (
+        checkpoint_metrics,
         finalize_easyckpt,
         initialize_easyckpt,
         load_checkpoint,
@@ -25,10 +26,11 @@ if TYPE_CHECKING:   # what __getattr__ below resolves, for type checkers and IDE
     )
 
 __all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt",
-           "Checkpointer", "FrameworkState", "Config", "EasyCkptError", "ConfigError", "ShmCapacityError",
-           "AgentError", "CheckpointError"]
+           "checkpoint_metrics", "Checkpointer", "FrameworkState", "Config", "EasyCkptError", "ConfigError",
+           "ShmCapacityError", "AgentError", "CheckpointError"]
 __version__ = "0.1.0"
-_VERBS = {"initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt"}
+_VERBS = {"initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "finalize_easyckpt",
+          "checkpoint_metrics"}
 
 
 def __getattr__(name: str) -> Any:

@@ -169,6 +169,14 @@ def load_checkpoint(model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
     return (0, None) if restored is None else restored
 
 
+def checkpoint_metrics() -> Dict[str, float]:
+    """This rank's checkpointing figures, for the training loop's own logger: ``{"easyckpt/<name>": number}``
+    (snapshots taken and skipped, the stall they cost, persists, commits, bytes written, the loss bound; the
+    keys are listed in docs/metrics.md). After finalize_easyckpt, the run's final figures; {} before
+    initialize_easyckpt."""
+    return _default.metrics()
+
+
 def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:
     """Make the newest state durable (persisted and committed), then release shared memory.
 

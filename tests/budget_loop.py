@@ -19,6 +19,9 @@ def main() -> None:
     p.add_argument("--sleep", type=float, required=True, help="seconds each step sleeps")
     p.add_argument("--max-overhead", type=float, default=None)
     p.add_argument("--out", required=True, help="a JSON list of when each step began (seconds)")
+    p.add_argument("--storage-interval", type=int, default=10 ** 6)
+    p.add_argument("--metrics", default=None,
+                   help="a JSON list of easyckpt.checkpoint_metrics() every 10 steps, then after finalize")
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -26,9 +29,9 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), 1e-3)
     x = torch.randn(8, 64)
     if args.dir:
-        ep.initialize_easyckpt(args.dir, save_storage_interval=10 ** 6, max_overhead=args.max_overhead)
+        ep.initialize_easyckpt(args.dir, save_storage_interval=args.storage_interval, max_overhead=args.max_overhead)
         ep.load_checkpoint(model, opt)
-    began = []
+    began, figures = [], []
     for step in range(1, args.steps + 1):
         began.append(time.perf_counter())
         loss = model(x).pow(2).mean()
@@ -38,9 +41,15 @@ def main() -> None:
         opt.step()
         if args.dir:
             ep.save_checkpoint_if_needed(step, model, opt)
+            if step % 10 == 0:
+                figures.append(ep.checkpoint_metrics())
     began.append(time.perf_counter())
     if args.dir:
         ep.finalize_easyckpt()
+        figures.append(ep.checkpoint_metrics())
+    if args.metrics:
+        with open(args.metrics, "w") as f:
+            json.dump(figures, f)
     with open(args.out, "w") as f:
         json.dump(began, f)
 

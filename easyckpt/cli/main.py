@@ -9,6 +9,7 @@ convert, and run a job that restarts itself.
     easyckpt convert safetensors DIR [STEP]         full weights of an HF / DeepSpeed ZeRO checkpoint (HF: a
                                                     folder from_pretrained reads)
     easyckpt status DIR                             agent, snapshots in memory, newest checkpoint, /dev/shm
+    easyckpt report DIR [-o FILE]                   the audit log as a timeline (HTML; PNG with matplotlib)
     easyckpt run [--max-restarts N] -- CMD          run CMD until it succeeds (launcher.py)
 
 DIR is the save directory (Megatron --save, the Trainer's output_dir, DeepSpeed's save_dir); the framework
@@ -331,6 +332,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                                        "safetensors: an HF or DeepSpeed ZeRO checkpoint -> consolidated weights",
                 step=True, what=["megatron-distopt", "safetensors"])
     _convert_options(conv)
+    from easyckpt.cli.report import cmd_report
+    rep = verb("report", cmd_report, "the audit log as a timeline: stall per snapshot step, persists, commits, "
+                                     "skipped snapshots, starts, resumes, SIGTERM saves (HTML, or PNG with matplotlib)")
+    rep.add_argument("-o", "--output", default=None, help="an .html file (default: DIR/easyckpt-report.html) or a "
+                                                          ".png one (needs the report extra: matplotlib)")
+    rep.add_argument("--log-file", default=None, help="the audit log (default: DIR/easyckpt.log)")
     from easyckpt.cli.launcher import add_parser as add_run
     add_run(sub)
     args = parser.parse_args(argv)

@@ -161,6 +161,12 @@ def load_checkpoint(ds_engine: "DeepSpeedEngine", load_module_strict: bool = Tru
     return (None, None) if restored is None else restored
 
 
+def checkpoint_metrics() -> Dict[str, float]:
+    """This rank's checkpointing figures, ``{"easyckpt/<name>": number}`` (docs/metrics.md), e.g. for
+    DeepSpeed's ``monitor.write_events([(name, value, step), ...])``; after finalize_easyckpt, the run's final ones."""
+    return _default.metrics()
+
+
 def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:
     """Make the newest state durable (persisted and committed), then release shared memory."""
     return _default.finalize(timeout)

@@ -6,7 +6,7 @@ manifest of S under S's final name); that is the one fact waited on. The agent's
 step will never commit (failed_steps, so the wait ends at once) and the figures of the console line."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 from easyckpt import console
 from easyckpt.config import Config
@@ -32,6 +32,15 @@ class AgentView:
         self.reports = StatusReports(rank, cfg.naming, log)
         self._next_status = 0.0        # rank 0 asks the agent for new commits now and then
         self._quiet_until, self._silent, self._silent_said = 0.0, 0, False   # an agent that stopped answering
+        # told of each persist handed to the agent and each status reply (engine/metrics.py: the run's figures)
+        self.on_requested: List[Callable[[int], None]] = []
+        self.on_status: List[Callable[[StatusReply], None]] = []
+
+    def requested(self, step: int) -> None:
+        """``step`` was handed to the agent for persisting."""
+        self.reports.requested(step)
+        for fn in self.on_requested:
+            fn(step)
 
     def status(self) -> Optional[StatusReply]:
         """The agent's status (None when none answers); what is new in it is said on the console. Bounded for
@@ -57,6 +66,8 @@ class AgentView:
                 console.info(f"rank {self.rank}: the easyckpt agent answers again")
             self._silent, self._silent_said = 0, False
             self.reports.take(got)
+            for fn in self.on_status:
+                fn(got)
         self._next_status = self.clock.monotonic() + STATUS_EVERY
         return got
 

@@ -19,6 +19,7 @@ import contextlib
 from typing import (
     Any,
     Callable,
+    Dict,
     Iterator,
     List,
     Optional,
@@ -178,6 +179,11 @@ class Checkpointer:
                 yield here
         return agreed
 
+    def metrics(self) -> Dict[str, float]:
+        """This rank's checkpointing figures so far, ``{"easyckpt/<name>": number}`` (engine/metrics.py;
+        docs/metrics.md lists the keys); after finalize, the run's last ones."""
+        return self.engine.metrics.values()
+
     def emit(self, event: str, **fields: Any) -> None:
         """A line of the audit log (and the console, for warnings and errors) from this rank."""
         self.engine.log.emit(event, rank=self.rank, **fields)
@@ -194,6 +200,7 @@ class DefaultCheckpointer:
     def __init__(self, verbs: str):
         self.verbs = verbs            # e.g. "easyckpt" or "easyckpt.megatron", for messages
         self.current: Optional[Checkpointer] = None
+        self.finished: Optional[Checkpointer] = None     # the last one finalized: its figures stay readable
         # what initialize_easyckpt builds: a Checkpointer over the job's real seams; the test suite swaps it
         # for one over an in-process agent (tests/inproc.py) to run the example's loop in its interpreter
         self.make: Callable[[Config], Checkpointer] = Checkpointer
@@ -217,7 +224,12 @@ class DefaultCheckpointer:
         try:
             return ckpt.finalize(timeout)
         finally:
-            self.current = None
+            self.current, self.finished = None, ckpt
+
+    def metrics(self) -> Dict[str, float]:
+        """The current job's figures (Checkpointer.metrics), or the last finalized one's; {} before any."""
+        ckpt = self.current or self.finished
+        return ckpt.metrics() if ckpt is not None else {}
 
 
 __all__ = ["Checkpointer", "DefaultCheckpointer", "FrameworkState"]

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from easyckpt import console
 from easyckpt.config import Config, validate
-from easyckpt.engine import peers, runlog
+from easyckpt.engine import metrics, peers, runlog
 from easyckpt.engine.agentview import AgentView
 from easyckpt.engine.budget import SnapshotBudget, agree_ranks, record_last
 from easyckpt.engine.client import AgentClient
@@ -94,6 +94,7 @@ class Engine:
         self.watch = OptimizerWatch(self.before_optimizer_step)
         self._overlap_on: Optional[bool] = None
         self.budget = SnapshotBudget(cfg.save_mem_interval, cfg.max_overhead)   # within max_overhead of step time
+        self.metrics = metrics.RunMetrics(self.rank, self.log, self.view, self.budget, self.clock)
         self.preempt: Optional[Preemption] = None
         if cfg.autocheckpoint_on_sigterm:
             link_ = self.client
@@ -277,7 +278,7 @@ class Engine:
         try:
             self.client.send(protocol.Persist(self.rank, result.slot, result.generation, result.step))
             self.last_persisted_step = result.step
-            self.view.reports.requested(result.step)
+            self.view.requested(result.step)
         except AgentError as exc:   # never take training down for a failed persist (docs/reliability.md promise 2)
             self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
         self.status()
@@ -410,6 +411,7 @@ class Engine:
         self.client.send(protocol.Bye(self.rank))
         self.client.close()
         self.snapshotter.close(unlink=True)
+        self.metrics.finish(step)      # rank 0's summary line, and the audit log's ``metrics`` event
         self.log.close()
         return step
 

@@ -269,6 +269,12 @@ def _restore_training_counters(saved: Dict[str, Any], iteration: int) -> None:
         pass
 
 
+def checkpoint_metrics() -> Dict[str, float]:
+    """This rank's checkpointing figures, ``{"easyckpt/<name>": number}`` (docs/metrics.md); the hook writes them
+    to Megatron-LM's TensorBoard / W&B writers (logs.py). After finalize_easyckpt, the run's final ones."""
+    return _default.metrics()
+
+
 def finalize_easyckpt(timeout: Optional[float] = None) -> Optional[int]:
     """Persist and commit the newest state, then release shared memory. Returns the committed iteration."""
     return _default.finalize(timeout)

@@ -61,6 +61,7 @@ except ImportError as exc:
 
 from easyckpt import console
 from easyckpt import megatron as _em
+from easyckpt.megatron import logs as _logs
 
 _orig_load = _ckpt.load_checkpoint
 _orig_save = _ckpt.save_checkpoint
@@ -173,6 +174,8 @@ def checkpoint_and_decide_exit(model: _em.Model, optimizer: _em.Optimizer, opt_p
     if _ensure_initialized():
         _em.save_checkpoint_if_needed(iteration, model, optimizer, opt_param_scheduler,
                                       num_floating_point_operations_so_far)
+        # beside Megatron's own scalars, in its TensorBoard / W&B writers (logs.py)
+        _logs.write_if_due(iteration, _em.checkpoint_metrics)
     return _orig_decide(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
                         *args, **kwargs)
 

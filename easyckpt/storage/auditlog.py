@@ -12,7 +12,7 @@ import json
 import os
 import socket
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from easyckpt import console
 from easyckpt.formats import paths
@@ -27,6 +27,8 @@ class AuditLog:
         self.source = source
         self._fd: Optional[int] = None
         self._cap_said = False
+        # called with each event as written (engine/metrics.py counts snapshots and skips from them)
+        self.listeners: List[Callable[[str, Dict[str, Any]], None]] = []
         if path:
             self._fd = self._open(path)
 
@@ -56,6 +58,11 @@ class AuditLog:
                   "host": socket.gethostname(), "pid": os.getpid(), **fields}
         line = json.dumps(record, default=str)
         console.audit_logger.debug("%s", line)
+        for listener in self.listeners:
+            try:
+                listener(event, record)
+            except Exception as exc:  # noqa: BLE001 - the figures must never take training down
+                console.audit_logger.debug("audit listener failed on %s: %r", event, exc)
         if self._fd is not None:
             try:
                 os.write(self._fd, (line + "\n").encode())

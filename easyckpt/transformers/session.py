@@ -35,7 +35,7 @@ from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
-from easyckpt.transformers import fsdp, peftmodel, rng
+from easyckpt.transformers import fsdp, logs, peftmodel, rng
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
@@ -210,6 +210,7 @@ class _Session(FrameworkState[Any]):
             t._maybe_log_save_evaluate)
         t._save_checkpoint = self._save_checkpoint  # type: ignore[method-assign]
         t._load_best_model = self._load_best_model(t._load_best_model)  # type: ignore[method-assign]
+        t.log = logs.with_metrics(t.log, self.engine)  # type: ignore[method-assign]
         saved_limit = t.args.save_total_limit
         # easyckpt prunes (logged, never the newest); the Trainer's end-of-training deletion must not
         t.args.save_total_limit = None
@@ -221,7 +222,7 @@ class _Session(FrameworkState[Any]):
             trainer_module.deepspeed_load_checkpoint = ds_load
             t.args.save_total_limit = saved_limit
             for name in ("_maybe_log_save_evaluate", "_save_checkpoint", "_load_best_model", "_load_from_checkpoint",
-                         "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state"):
+                         "log", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state"):
                 t.__dict__.pop(name, None)
 
     def _maybe_log_save_evaluate(self, original: Callable[..., None]) -> Callable[..., None]:
