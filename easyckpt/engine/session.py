@@ -248,6 +248,7 @@ class Engine:
         t0 = self.clock.time()
         since = pre.signalled_at
         console.info(f"SIGTERM: saving step {step}" + (f" on all {self.world_size} ranks" if self.world_size > 1 else ""))
+        self.view.reports.announce(step)
         try:
             self.client.send(protocol.TermStep(self.rank, step))
             self.persist_now(step, collect, max(1.0, pre.deadline_left()), info)
