@@ -26,6 +26,7 @@ class StatusReports:
         self.newest = -1               # the newest step handed to the agent
         self.announced = -1            # the newest step a console line said was being saved (SIGTERM)
         self.starved: Set[int] = set()   # holder nodes this node's replicas do not reach, as said
+        self.persist_seconds: Dict[int, float] = {}   # recent commits' persist times by step, on every rank
 
     def requested(self, step: int) -> None:
         if self.started_at < 0:
@@ -49,6 +50,10 @@ class StatusReports:
         self._starved(status)
 
     def _commits(self, status: StatusReply) -> None:
+        for step, _, seconds in status.commits:      # the cost a back-pressure summary names (skips.py)
+            self.persist_seconds[step] = seconds
+        for step in sorted(self.persist_seconds)[:-16]:
+            del self.persist_seconds[step]
         if self.rank != 0 or self.started_at < 0:
             return
         for step, nbytes, seconds in sorted(status.commits):

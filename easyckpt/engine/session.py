@@ -32,6 +32,7 @@ from easyckpt.engine.load import Loaded, Needed, load_newest
 from easyckpt.engine.overlap import OptimizerWatch, auto_overlap
 from easyckpt.engine.preempt import Preemption
 from easyckpt.engine.seams import AgentLink, Clock, Group, SystemClock
+from easyckpt.engine.skips import SkipEpisodes
 from easyckpt.engine.snapshot import (
     PendingSnapshot,
     ShardSpec,
@@ -77,6 +78,7 @@ class Engine:
         self.last_step: Optional[int] = None
         self.last_complete_step: Optional[int] = None   # newest snapshot a crash would resume from
         self.view = AgentView(cfg, self.rank, self.world_size, self.client, self.savedir, self.log, self.clock)
+        self.skips = SkipEpisodes(self.rank, cfg.save_mem_interval, cfg.save_storage_interval, self.log)
         self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
@@ -176,15 +178,7 @@ class Engine:
                 f"the easyckpt agent (pid {pid}) is stopped and holds both snapshot slots" if pid and shm.pid_stopped(pid)
                 else f"both snapshot slots are still being persisted (storage is slower than "
                      f"save_storage_interval={self.cfg.save_storage_interval})")
-            # on the console only when the loss bound does not hold (docs/reliability.md promise 10): a skip
-            # that leaves the newest snapshot within save_mem_interval (the same step snapshotted again at the
-            # end) risks nothing
-            over = behind > self.cfg.save_mem_interval
-            bound = f", more than save_mem_interval={self.cfg.save_mem_interval}" if over else ""
-            (self.log.emit if over else self.log.record)(
-                "skip", step=step, rank=self.rank, behind=behind,
-                message=f"rank {self.rank}: snapshot of step {step} skipped: {why}; a crash now would lose {behind} "
-                        f"iterations on this rank{bound}")
+            self.skips.skipped(step, behind, why, self.clock.monotonic())   # said once an episode (skips.py)
             return None
         self._snapshot_done(result, persist)
         return result
@@ -192,6 +186,7 @@ class Engine:
     def _snapshot_done(self, result: SnapshotResult, persist: bool, copy_seconds: Optional[float] = None) -> None:
         self.last = result
         self.last_complete_step = result.step
+        self.skips.resumed(result.step, self.clock.monotonic(), self.view.persist_seconds)
         self.log.emit("snapshot", step=result.step, rank=self.rank, slot=result.slot, bytes=result.nbytes,
                       seconds=round(result.seconds, 6),
                       **({} if copy_seconds is None else {"background_seconds": round(copy_seconds, 6)}))
