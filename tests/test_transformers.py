@@ -228,11 +228,20 @@ def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):
     DeepSpeed's universal checkpoint. Without dropout, 1- and 2-process runs differ only by rounding."""
     ref = reference(tmp_path, "--zero", "2", "--dropout", "0", nproc=1)
     out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    said = []
     resumed = killed_then_resumed(
         hf(out, loss, "--zero", "2", "--dropout", "0", "--step-sleep", "0.1", "--idle-timeout", "2", nproc=2, log=log),
-        hf(out, loss, "--zero", "2", "--dropout", "0", nproc=1, log=log), out, loss, tmp_path, kill_at=12)
+        hf(out, loss, "--zero", "2", "--dropout", "0", nproc=1, log=log), out, loss, tmp_path, kill_at=12, said=said)
     assert resumed >= 10
     assert any(e["event"] == "convert" for e in events(log))
+    # issue 51: said as a conversion, timed with it; the missing RNG state of a process the run did not have: expected
+    timed = [e for e in events(log) if e["event"] == "resumed"]
+    assert len(timed) == 1 and timed[0]["seconds"] > [e for e in events(log) if e["event"] == "load"][-1]["seconds"]
+    assert (f"easyckpt: resumed step {resumed} from storage ({out / f'checkpoint-{resumed}'}, verified): " in said[0]
+            and f" in {timed[0]['seconds']:.2f} s, converted from 2 rank(s) to 1 through DeepSpeed's universal "
+                "checkpoint (the conversion included)\n" in said[0]), said[0][-3000:]
+    assert ("no RNG state saved for this process: expected, the step was written by 2 rank(s) and this run has 1, "
+            "so it starts a fresh RNG stream (as every new rank does)") in said[0], said[0][-3000:]
     assert_losses_close(losses(loss), ref, range(resumed + 1, STEPS + 1), rel=1e-4)
     assert not list(out.glob(".easyckpt-universal-*")), "the converted copy was not removed"
     wait_no_agent(out)

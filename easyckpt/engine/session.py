@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from easyckpt import console
 from easyckpt.config import Config, validate
-from easyckpt.engine import peers, runlog
+from easyckpt.engine import peers, resumeline, runlog
 from easyckpt.engine.agentview import AgentView
 from easyckpt.engine.budget import SnapshotBudget, agree_ranks, record_last
 from easyckpt.engine.client import AgentClient
@@ -46,7 +46,6 @@ from easyckpt.ipc import shm
 from easyckpt.ipc.reap import reap_dead_jobs
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
-from easyckpt.units import human
 
 Collect = Callable[[], Sequence[ShardSpec]]
 # what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})
@@ -357,7 +356,8 @@ class Engine:
                           bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
             self.last_step = loaded.step
             self.progress.mark(loaded.step)
-        console.info(_resumed(loaded, self.cfg.save_dir, self.world_size, fresh, otherwise))
+        if loaded is None:    # a loaded step is said once the adapter restored it, timed with it (resumeline.py)
+            console.info(resumeline.nothing_words(self.cfg.save_dir, fresh, otherwise))
         if self.rank == 0:
             runlog.record("resume", step=loaded.step if loaded else 0, source=loaded.source if loaded else "none",
                           seconds=round(loaded.seconds, 6) if loaded else 0.0)
@@ -416,21 +416,3 @@ class Engine:
             if self.last is not None and self.last.step == step:
                 self._request_persist(self.last)
         self.view.wait_committed(step, self.cfg.commit_timeout if timeout is None else timeout, agent_died)
-
-
-def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int, fresh: Sequence[int] = (),
-             otherwise: Optional[str] = None) -> str:
-    if loaded is None and fresh:
-        return (f"none of this job's {len(fresh)} committed step(s) in {save_dir} ({', '.join(map(str, fresh))}) can "
-                f"be restored here: training starts from the beginning, as on_no_valid_checkpoint='start_fresh' "
-                f"allows; they are set aside as quarantined-<name>-<stamp>, kept whole (`easyckpt ls` lists them)")
-    if loaded is None:
-        return f"no checkpoint of this job in {save_dir}: {otherwise or 'training starts from the beginning'}"
-    where = {"memory": "memory (the snapshot that outlived the last run)",
-             "peer": "a peer node's memory (the replica of this node's snapshot)",
-             "local": "the local tier (each rank's snapshot on its node's disk, verified)",
-             "storage": f"storage ({loaded.path}, verified)"}.get(loaded.source, f"{loaded.path} ({loaded.source})")
-    size = human(loaded.nbytes) + (" on rank 0" if world_size > 1 else "")
-    if loaded.from_peers and loaded.source != "peer":
-        where += f"; rank(s) {list(loaded.from_peers)} from a peer node's memory (the replicas of their lost node)"
-    return f"resumed step {loaded.step} from {where}: {size} in {loaded.seconds:.2f} s"
