@@ -453,6 +453,28 @@ def test_the_trainers_fsdp2_on_cpu_resumes_exactly_after_kill9_and_sigterm_in_th
     assert got == {i: losses(ref / "loss")[i] for i in got}, "a plain Trainer from easyckpt's FSDP checkpoint: other losses"
 
 
+def test_the_trainers_fsdp2_step_of_two_processes_resumed_on_one_says_it_resharded_timing_the_load(tmp_path):
+    """issue 51 item 1: FSDP2 under the Trainer, 2 processes -> 1: the resume line said "in 0.00 s" (the engine's
+    read alone) while the Trainer's load hooks resharded for 0.9 s. It is said after those hooks, timed with them,
+    naming the resharding; the one process's RNG file (rng_state.pth) was never written: said to be expected."""
+    out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    run(hf(out, loss, "--fsdp", nproc=2, log=log), timeout=300)
+    wait_no_agent(out)
+    one = run(hf(out, loss, "--fsdp", "--max-steps", str(STEPS + 2), nproc=1, log=log), timeout=300)
+    wait_no_agent(out)
+    said = one.stdout + one.stderr
+    assert starts(loss) == [0, STEPS], said[-3000:]
+    timed = [e for e in events(log) if e["event"] == "resumed"]
+    read = [e for e in events(log) if e["event"] == "load" and e["source"] == "storage"]
+    assert len(timed) == 1 and len(read) == 1 and timed[0]["seconds"] > read[0]["seconds"], (timed, read)
+    assert (f"easyckpt: resumed step {STEPS} from storage ({out / f'checkpoint-{STEPS}'}, verified): " in said
+            and f" in {timed[0]['seconds']:.2f} s, converted from 2 rank(s) to 1 by DCP's resharding (the conversion "
+                "included)\n" in said), said[-3000:]
+    assert said.index("easyckpt: resumed step") < said.index("easyckpt: no RNG state saved for this process: expected, "
+                                                             "the step was written by 2 rank(s) and this run has 1"), \
+        said[-3000:]
+
+
 def test_the_trainers_fsdp1_is_refused_before_anything_starts():
     """FSDP1 (fsdp_version 1, FullyShardedDataParallel) is not supported: refused when the session starts."""
     import types
