@@ -139,5 +139,5 @@ def test_a_missing_rng_state_is_said_expected_only_on_another_world_size():
     assert missing_rng_words("this rank", loaded(2), 2) == "no RNG state saved for this rank"
     assert missing_rng_words("this rank", None, 2) == "no RNG state saved for this rank"
     assert missing_rng_words("this process", loaded(2), 1) == (
-        "no RNG state saved for this process: expected, the step was written by 2 rank(s) and this run has 1, so it "
-        "starts a fresh RNG stream (as every new rank does)")
+        "no RNG state saved for this process: expected on a new world size (the step was written by 2 rank(s), this "
+        "run has 1); it starts a fresh RNG stream")

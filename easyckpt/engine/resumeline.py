@@ -43,8 +43,8 @@ def missing_rng_words(who: str, loaded: Optional[Loaded], world_size: int) -> st
     saved = saved_world_size(loaded)
     if saved is None or saved == world_size:
         return f"no RNG state saved for {who}"
-    return (f"no RNG state saved for {who}: expected, the step was written by {saved} rank(s) and this run has "
-            f"{world_size}, so it starts a fresh RNG stream (as every new rank does)")
+    return (f"no RNG state saved for {who}: expected on a new world size (the step was written by {saved} rank(s), "
+            f"this run has {world_size}); it starts a fresh RNG stream")
 
 
 class ResumeLine:
