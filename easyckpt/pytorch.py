@@ -115,13 +115,14 @@ class PytorchState(FrameworkState[Any]):
         per_rank = trees.get(_rank_file(self.rank))
         if self.sharded:
             # a snapshot in memory (path None) holds this rank's own shards; a committed step is read by DCP's reader
+            self.ckpt.converting("by DCP's resharding")      # said only where the world size changed
             dtensor.restore(self.model, self.optimizer, trees, loaded.path, self.rank, self.ckpt.staging(loaded))
             if self.lr_scheduler is not None and per_rank is not None and "lr_scheduler" in per_rank:
                 self.lr_scheduler.load_state_dict(per_rank["lr_scheduler"])
         else:
             self._restore_whole(trees)
         if per_rank is None:
-            self.ckpt.emit("warning", message="no RNG state saved for this rank")
+            self.ckpt.missing_rng("this rank")
             return loaded.step, None
         rng.restore(per_rank["rng"])
         return int(per_rank["iteration"]), per_rank["extra"]

@@ -422,15 +422,17 @@ def assert_losses_close(got: Dict[int, str], reference: Dict[int, str], iteratio
 
 
 def killed_then_resumed(first: Sequence[str], then: Sequence[str], save_dir: Path, loss: Path, workdir: Path,
-                        kill_at: int, timeout: float = 300) -> int:
+                        kill_at: int, timeout: float = 300, said: Optional[List[str]] = None) -> int:
     """Run ``first`` until its loss file shows ``kill_at``, kill -9 it, let its agent persist the newest
     state and leave, then run ``then`` (e.g. on another number of ranks) to the end. Returns the
-    iteration ``then`` resumed from."""
+    iteration ``then`` resumed from; ``said``, if given, gets what ``then`` printed (stdout, then stderr)."""
     proc = start(first, log=workdir / "first.out")
     wait_for_iteration(loss, kill_at, proc, timeout)
     kill_tree(proc)
     wait_no_agent(save_dir, timeout=90)
-    run(then, timeout=timeout)
+    done = run(then, timeout=timeout)
+    if said is not None:
+        said.append(done.stdout + done.stderr)
     return starts(loss)[-1]
 
 

@@ -110,10 +110,14 @@ def test_status_reports_say_each_commit_once_and_ignore_what_is_malformed(tmp_pa
     reports.take(status_from_wire({"failed_steps": {"15": "disk full"}}))      # a failed step is not polled for
     assert not reports.waiting(15)
     capsys.readouterr()
-    reports.requested(20)       # step 20 handed on (a SIGTERM save) before 16's commit is learned
+    reports.requested(20)       # later steps in flight while 16 commits: the normal asynchronous case, said bare
     reports.take(status_from_wire({"commits": [[16, 1024, 0.5]]}))
-    assert capsys.readouterr().err == ("easyckpt: checkpoint-16 committed (1.0 KiB, written in 0.50 s; said late: "
-                                       "step 20 was handed on since)\n")
+    assert capsys.readouterr().err == "easyckpt: checkpoint-16 committed (1.0 KiB, written in 0.50 s)\n"
+    reports.announce(25)        # "SIGTERM: saving step 25" said before 17's commit is learned
+    reports.requested(25)
+    reports.take(status_from_wire({"commits": [[17, 1024, 0.5]]}))
+    assert capsys.readouterr().err == ("easyckpt: checkpoint-17 committed (1.0 KiB, written in 0.50 s; an earlier "
+                                       "step, not the step 25 being saved)\n")
     reports.take(status_from_wire({"commits": "garbage", "failed_steps": ["9"], "refused": 2, "last_refused": [3, "rank 2 was refused"]}))
     assert capsys.readouterr().err == "easyckpt: agent: rank 2 was refused\n"
     other = StatusReports(1, NAMINGS["transformers"], log)

@@ -106,11 +106,18 @@ def test_zero3_saved_on_two_ranks_resumes_on_one_through_the_universal_checkpoin
     run(ds(tmp_path / "ref", tmp_path / "ref-loss", "--zero", "3", "--dropout", "0", nproc=1), timeout=300)
     reference = losses(tmp_path / "ref-loss")
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    said = []
     resumed = killed_then_resumed(
         ds(ckpt, loss, "--zero", "3", "--dropout", "0", "--step-sleep", "0.1", "--idle-timeout", "2", log=log),
-        ds(ckpt, loss, "--zero", "3", "--dropout", "0", nproc=1, log=log), ckpt, loss, tmp_path, kill_at=10)
+        ds(ckpt, loss, "--zero", "3", "--dropout", "0", nproc=1, log=log), ckpt, loss, tmp_path, kill_at=10,
+        said=said)
     assert resumed >= 9
     assert any(e["event"] == "convert" for e in events(log))
+    # issue 51: said as a conversion and timed with it (it said "in 0.01 s" while the conversion took seconds)
+    timed = [e for e in events(log) if e["event"] == "resumed"]
+    assert len(timed) == 1 and timed[0]["seconds"] > [e for e in events(log) if e["event"] == "load"][-1]["seconds"]
+    assert (f" in {timed[0]['seconds']:.2f} s, converted from 2 rank(s) to 1 through DeepSpeed's universal checkpoint "
+            f"(the conversion included)\n") in said[0], said[0][-3000:]
     assert_losses_close(losses(loss), reference, range(resumed + 1, ITERS + 1), rel=1e-4)
     assert not list(ckpt.glob(".easyckpt-universal-*")), "the converted copy was not removed"
     wait_no_agent(ckpt)

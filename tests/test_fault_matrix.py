@@ -55,7 +55,7 @@ ROWS = {
     25: "test_manifest_trust.py::test_a_malformed_manifest_is_rejected_logged_and_the_job_starts_from_the_previous_step",
     26: "test_adopt.py::test_megatrons_own_checkpoint_is_adopted_and_later_saves_commit",
     27: "test_preemption.py::test_sigterm_to_every_process_with_dataloader_workers_saves_the_agreed_step",
-    28: "test_trust.py::test_skipped_snapshots_under_back_pressure_are_said_on_the_console_with_the_iterations_at_risk",
+    28: "test_trust.py::test_skipped_snapshots_under_back_pressure_are_said_once_an_episode_per_rank_with_a_summary",
     29: "test_verdicts.py::test_every_step_rejected_stops_the_job_and_a_fresh_start_sets_them_aside_whole",
     30: "test_megatron.py::test_a_wrong_flag_at_relaunch_is_incompatible_and_costs_no_checkpoint",
     31: "test_verdicts.py::test_a_job_never_resumes_another_jobs_steps_and_says_whose_they_are",

@@ -10,6 +10,7 @@ had; a resume on another world size (2 ranks -> 1) reshards through DCP and load
 from __future__ import annotations
 
 import random
+import re
 import signal
 
 from harness import (
@@ -71,6 +72,11 @@ def test_fsdp2_resumes_exactly_after_kill9_and_sigterm_and_dcp_reads_what_it_sav
                          "--storage-interval", "4", "--idle-timeout", "10", "--loss-file", str(tmp_path / "one"),
                          "--dump-loaded", str(loaded), torchrun=True), timeout=300)
     assert starts(tmp_path / "one") == [ITERS], out.stdout[-3000:]
+    said = out.stdout + out.stderr       # issue 51: said as a conversion, timed with it
+    assert re.search(rf"easyckpt: resumed step {ITERS} from storage \(.*, verified\): [0-9.]+ [KM]iB in [0-9.]+ s, "
+                     r"converted from 2 rank\(s\) to 1 by DCP's resharding \(the conversion included\)\n", said), \
+        said[-3000:]
+    assert "no RNG state" not in said, said[-3000:]      # rank 0 of the two had its own
     got = torch.load(loaded, weights_only=True)
     assert all(torch.equal(got[k], trained[k]) for k in trained), "the 1-rank resume loaded other weights"
     wait_no_agent(ckpt)

@@ -100,3 +100,44 @@ def test_exception_in_one_rank_is_persisted_by_the_agent_and_resumed_from_storag
     assert any(e["event"] == "persist_after_death" for e in events(log))
     assert_same_losses(loss, reference)
     wait_no_agent(ckpt)
+
+
+def test_a_resume_on_another_world_size_says_so_timing_the_whole_load(tmp_path):
+    """issue 51 item 1: a step written by 2 ranks (DDP), resumed by 1: the resume line says "written by 2 rank(s),
+    loaded by 1", with the time of the whole load (the adapter's restore included); rank 0 had its RNG state, so
+    no RNG line. (A rank the step did not have is said in tests/test_transformers.py's 2 -> 1 resume.)"""
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    run(train_cmd(ckpt, 2, "--iters", "4", "--storage-interval", "4", "--loss-file", str(loss)))
+    wait_no_agent(ckpt)
+    one = run(train_cmd(ckpt, 1, "--iters", "6", "--storage-interval", "4", "--loss-file", str(loss),
+                        "--log-file", str(log)))
+    wait_no_agent(ckpt)
+    said = one.stdout + one.stderr
+    assert starts(loss) == [0, 4], said[-3000:]
+    m = re.search(r"easyckpt: resumed step 4 from storage \(.*step_00000004, verified\): [0-9.]+ KiB in ([0-9.]+) s, "
+                  r"written by 2 rank\(s\), loaded by 1\n", said)
+    assert m, said[-3000:]
+    timed = [e for e in events(log) if e["event"] == "resumed"]
+    read = [e for e in events(log) if e["event"] == "load"]
+    assert len(timed) == 1 and timed[0]["saved_world_size"] == 2 and timed[0]["world_size"] == 1, timed
+    assert timed[0]["seconds"] >= read[0]["seconds"] and float(m.group(1)) == round(timed[0]["seconds"], 2), \
+        (timed, read)
+    assert "no RNG state" not in said, said[-3000:]
+
+
+def test_a_missing_rng_state_is_said_expected_only_on_another_world_size():
+    """issue 51 item 1: the bare warning where the world size did not change (something is missing); on another
+    one, that a rank the step did not have starts a fresh RNG stream, as expected."""
+    from easyckpt.engine.load import Loaded
+    from easyckpt.engine.resumeline import missing_rng_words
+    from easyckpt.formats import manifest as mf
+
+    def loaded(world):
+        man = mf.Manifest(step=4, framework="pytorch", files={}, job_id="0123456789ab", world_size=world)
+        return Loaded(step=4, source="storage", path="/x", trees={}, nbytes=1, seconds=0.0, manifest=man)
+
+    assert missing_rng_words("this rank", loaded(2), 2) == "no RNG state saved for this rank"
+    assert missing_rng_words("this rank", None, 2) == "no RNG state saved for this rank"
+    assert missing_rng_words("this process", loaded(2), 1) == (
+        "no RNG state saved for this process: expected on a new world size (the step was written by 2 rank(s), this "
+        "run has 1); it starts a fresh RNG stream")

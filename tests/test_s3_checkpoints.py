@@ -401,6 +401,32 @@ def test_two_jobs_on_one_prefix_the_second_is_refused_naming_the_first(bucket, t
     assert sorted(losses(tmp_path / "b-loss")) == [1, 2, 3, 4]
 
 
+def test_a_step_another_job_committed_under_the_prefix_is_refused_naming_that_job_not_advising_a_delete(bucket,
+                                                                                                       tmp_path):
+    """issue 51 item 4: job b after job a on one prefix, same cadence: b's steps 5 and 10 would be written in place
+    over a's commits. Each is refused naming job 'a' (from its manifest) and advising a prefix of b's own or
+    job_name='a', never a delete; a's objects are left as they were and b's last step commits."""
+    store, top = bucket
+    url = f"{top}/run"
+    run(_cmd(url, tmp_path / "a", 1, "--iters", "10", "--storage-interval", "5", "--job-name", "a"))
+    wait_no_agent(url, timeout=90, log=tmp_path / "a" / "easyckpt.log", job_name="a")
+    theirs = ("step_00000005/", "step_00000010/")
+    before = {k: store.read(f"{url}/{k}") for k in _keys(store, url) if k.startswith(theirs)}
+    done = run(_cmd(url, tmp_path / "b", 1, "--iters", "12", "--storage-interval", "5", "--job-name", "b",
+                    "--loss-file", str(tmp_path / "b-loss")))
+    wait_no_agent(url, timeout=90, log=tmp_path / "b" / "easyckpt.log", job_name="b")
+    text = done.stdout + done.stderr
+    assert sorted(losses(tmp_path / "b-loss")) == list(range(1, 13)), text[-3000:]
+    assert (f"{url}/step_00000005 holds step 5 of another job, job 'a' (job id ") in text, text[-3000:]
+    assert ("an object store writes a step in place, so this job does not write over it. That checkpoint is not this "
+            "job's to delete: give this job a prefix of its own; or, if this run continues job 'a', set job_name='a' "
+            "to resume it") in text, text[-3000:]
+    assert "prune or delete" not in text, text[-3000:]
+    keys = _keys(store, url)
+    assert _committed(keys) == [5, 10, 12]
+    assert {k: store.read(f"{url}/{k}") for k in keys if k.startswith(theirs)} == before
+
+
 def test_a_lease_object_with_until_1e400_refuses_the_job_naming_it_instead_of_crashing_every_agent(bucket, tmp_path):
     """issue 49 item 8: a lease object with "until": 1e400 crash-looped every agent (OverflowError) and rank 0
     failed after 60 s with "no easyckpt agent answered". A lease whose fields are not ours is a running lease of an

@@ -242,6 +242,24 @@ def test_a_commit_never_replaces_another_jobs_step(sd, tmp_path):
     assert stepfiles.read(sd.step_path(3)).job_id == OTHER_JOB and intact(sd, 3) and sd.staging_dirs() == []
 
 
+def test_a_refused_step_names_its_owner_from_the_manifest_quoted_and_cut(sd):
+    """issue 51 item 4: the owner's job name is read from another job's manifest, so it is input: shown quoted
+    (control characters escaped) and cut at 64 characters; job_name=... is offered only for a name one can type."""
+    other = SaveDir(sd.root, sd.naming, OTHER_JOB, job_name="beta")
+    stage(other, 3)
+    commit(other, 3, 1, LOG)
+    stage(sd, 3)
+    with pytest.raises(FileExistsError) as err:
+        commit(sd, 3, 1, LOG)
+    assert str(err.value) == (f"{sd.step_path(3)} holds step 3 of another job, job 'beta' (job id '{OTHER_JOB}'); it "
+                              f"is never replaced. That checkpoint is not this job's to delete: give this job a "
+                              f"save_dir of its own; or, if this run continues job 'beta', set job_name='beta' to "
+                              f"resume it")
+    odd = mf.Manifest(step=3, framework="x", files={}, job_id=OTHER_JOB, job="\x1b[2J" + "b" * 100)
+    said = sd.taken_words(sd.step_path(3), 3, odd, "it is never replaced")
+    assert "job '\\x1b[2J" + "b" * 60 + "'... (job id" in said and "\x1b" not in said and "set job_name" not in said
+
+
 def test_remove_staging_removes_only_this_jobs_leftovers(sd):
     stage(sd, 1)
     other = SaveDir(sd.root, sd.naming, OTHER_JOB)

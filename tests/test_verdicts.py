@@ -96,6 +96,27 @@ def test_a_job_never_resumes_another_jobs_steps_and_says_whose_they_are(tmp_path
     assert jobs == {"a", "b"}
 
 
+def test_a_step_name_another_job_committed_is_refused_naming_that_job_and_never_advising_a_delete(tmp_path):
+    """issue 51 item 4: job b after job a in one save dir, on the same cadence: b's steps 5 and 10 take the names of
+    a's commits. Each is refused naming job 'a' (from its manifest), advising a save_dir of b's own, or job_name='a'
+    to continue a; never a delete. a's steps stay byte for byte, b's training goes on and its last step commits."""
+    save, loss_b = tmp_path / "ckpt", tmp_path / "b"
+    run_worker(train_cmd(save, 1, "--iters", "10", "--storage-interval", "5", "--job-name", "a"), timeout=RUN_TIMEOUT)
+    wait_no_agent(save, job_name="a")
+    before = {s: _tree(save / f"step_{s:08d}") for s in (5, 10)}
+    out = run_worker(train_cmd(save, 1, "--iters", "12", "--storage-interval", "5", "--job-name", "b",
+                               "--loss-file", str(loss_b)), timeout=RUN_TIMEOUT)
+    wait_no_agent(save, job_name="b")
+    text = out.stdout + out.stderr
+    assert sorted(losses(loss_b)) == list(range(1, 13)) and committed_steps(save) == [5, 10, 12], text[-3000:]
+    said = f"{save / 'step_00000005'} holds step 5 of another job, job 'a' (job id "
+    assert said in text, text[-3000:]
+    assert ("it is never replaced. That checkpoint is not this job's to delete: give this job a save_dir of its "
+            "own; or, if this run continues job 'a', set job_name='a' to resume it") in text, text[-3000:]
+    assert "prune or delete" not in text and "move it away" not in text
+    assert {s: _tree(save / f"step_{s:08d}") for s in (5, 10)} == before
+
+
 def test_a_new_runs_commits_are_never_pruned_for_an_older_runs_higher_steps(tmp_path):
     """Row 32: a --no-resume run in a directory holding an older run's steps 10-20: its commits 4 and 8 are
     the newest (retention orders by run, then step) and stay; the older run's go beyond max_ckpt_num; the

@@ -105,6 +105,7 @@ class DeepSpeedState(FrameworkState[Any]):
             ckpt.emit("convert", step=loaded.step, path=loaded.path,
                       message=f"data-parallel size {loaded.manifest.info.get('dp_world_size') if loaded.manifest else None} → "
                               f"{dp_size(self.engine)}: loading through DeepSpeed's universal checkpoint")
+            ckpt.converting("through DeepSpeed's universal checkpoint")
             # only a committed step can have another layout
             assert loaded.path is not None and loaded.manifest is not None
             cfg = ckpt.config

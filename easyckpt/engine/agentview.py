@@ -42,6 +42,11 @@ class AgentView:
         for fn in self.on_requested:
             fn(step)
 
+    def persist_seconds(self) -> Dict[int, float]:
+        """Seconds the agent took to persist and commit its recent steps, by step, as of a status asked now."""
+        self.status()
+        return self.reports.persist_seconds
+
     def status(self) -> Optional[StatusReply]:
         """The agent's status (None when none answers); what is new in it is said on the console. Bounded for
         the training thread (docs/reliability.md promise 13): an agent that is alive but silent (stopped,

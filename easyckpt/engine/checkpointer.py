@@ -16,9 +16,11 @@ verbs are a DefaultCheckpointer, a thin default instance over this object.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import (
     Any,
     Callable,
+    ContextManager,
     Dict,
     Iterator,
     List,
@@ -34,6 +36,7 @@ from easyckpt.engine import scratch
 from easyckpt.engine.dcp import Wanted
 from easyckpt.engine.load import Loaded
 from easyckpt.engine.reads import Read
+from easyckpt.engine.resumeline import ResumeLine, missing_rng_words, saved_world_size
 from easyckpt.engine.seams import AgentLink, Clock, Group
 from easyckpt.engine.session import Engine, Info
 from easyckpt.engine.snapshot import ShardSpec, SnapshotResult
@@ -76,6 +79,11 @@ class FrameworkState(Protocol[R]):
         starts; None when the adapter cannot say."""
         return None
 
+    def loads_later(self) -> bool:
+        """Whether the framework loads the state after ``restore`` returns (the Trainer's load hooks): the adapter
+        then times that (Checkpointer.loading) and says the resume line itself (Checkpointer.say_resumed)."""
+        return False
+
 
 class Checkpointer:
     """Checkpoints of one job in this process; see the module docstring for the call order."""
@@ -85,6 +93,7 @@ class Checkpointer:
         """``group``, ``link``, ``clock``: the engine's seams (seams.py), for tests that run ranks and the
         agent in one interpreter (easyckpt/_testing/); left out, a job's real ones."""
         self.engine = Engine(config, group=group, link=link, clock=clock)
+        self.resume: Optional[ResumeLine] = None     # the last load's console line (resumeline.py)
 
     @property
     def config(self) -> Config:
@@ -119,17 +128,61 @@ class Checkpointer:
     def load(self, state: FrameworkState[R]) -> Optional[R]:
         """Restore the newest complete state through ``state``; None (logged) when there is nothing."""
         # an adapter whose layout can change under the same world size (Megatron's TP/PP) says which it has
+        started = time.monotonic()
         loaded = self.engine.load(state.needed, state.layout(), otherwise=state.otherwise())
         if loaded is None:
             self.engine.log.emit("load", step=0, rank=self.rank, source="none",
                                  message="no checkpoint found: starting from scratch")
-        restored = None if loaded is None else state.restore(loaded)
+            restored = None
+        else:
+            self.resume = ResumeLine(loaded, self.world_size, started)
+            restored = state.restore(loaded)
+            self.resume.since_start()      # the engine's read and the adapter's restore (a conversion included)
+            if not state.loads_later():
+                self.say_resumed()
         # the snapshot slots are reserved while the first iterations run (an adapter that can say how
         # large its state will be: ``snapshot_bytes``)
         estimate = state.snapshot_bytes()
         if estimate is not None:
             self.engine.prepare(estimate)
         return restored
+
+    def converting(self, how: str) -> None:
+        """The adapter converts the loaded step to this world size (``how``: "through DeepSpeed's universal
+        checkpoint"): the resume line says so."""
+        if self.resume is not None:
+            self.resume.converted(how)
+
+    def loading(self) -> ContextManager[None]:
+        """Time a block where the framework loads the resumed state after ``restore`` (FrameworkState.loads_later)."""
+        return self.resume.timed() if self.resume is not None else contextlib.nullcontext()
+
+    def timed_hook(self, hook: Callable[..., Any], say_after: bool = False) -> Callable[..., Any]:
+        """``hook`` (a framework's load hook), its time counted as loading; ``say_after``: the resume line is said
+        once it returned."""
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.loading():
+                out = hook(*args, **kwargs)
+            if say_after:
+                self.say_resumed()
+            return out
+        return timed
+
+    def say_resumed(self) -> None:
+        """Say the resume line on rank 0's console (once), and what it timed in the audit log."""
+        line = self.resume
+        if line is None or line.said:
+            return
+        line.say()
+        self.engine.log.record("resumed", step=line.loaded.step, rank=self.rank, seconds=round(line.seconds, 6),
+                               saved_world_size=saved_world_size(line.loaded), world_size=self.world_size,
+                               converted=line.how)
+
+    def missing_rng(self, who: str) -> None:
+        """Warn that ``who`` (this rank, this process) has no RNG state in the loaded step; expected on a new world
+        size, and said so."""
+        self.emit("warning", message=missing_rng_words(who, self.resume.loaded if self.resume else None,
+                                                       self.world_size))
 
     def is_committed(self, step: int, directory: Optional[str] = None) -> bool:
         """Whether ``step`` is committed (its manifest verifies) in ``directory`` (default: save_dir)."""

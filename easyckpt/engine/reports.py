@@ -24,12 +24,18 @@ class StatusReports:
         self.said_commit = -1          # the newest step whose commit was said
         self.started_at = -1           # commits of steps before this run's first request are not ours
         self.newest = -1               # the newest step handed to the agent
+        self.announced = -1            # the newest step a console line said was being saved (SIGTERM)
         self.starved: Set[int] = set()   # holder nodes this node's replicas do not reach, as said
+        self.persist_seconds: Dict[int, float] = {}   # recent commits' persist times by step, on every rank
 
     def requested(self, step: int) -> None:
         if self.started_at < 0:
             self.started_at = step
         self.newest = max(self.newest, step)
+
+    def announce(self, step: int) -> None:
+        """A console line has just said that ``step`` is being saved (SIGTERM: saving step 9)."""
+        self.announced = max(self.announced, step)
 
     def waiting(self, newest_requested: int) -> bool:
         """A commit not yet said may be on its way (rank 0 asks the agent about it now and then); a step the
@@ -44,14 +50,19 @@ class StatusReports:
         self._starved(status)
 
     def _commits(self, status: StatusReply) -> None:
+        for step, _, seconds in status.commits:      # the cost a back-pressure summary names (skips.py)
+            self.persist_seconds[step] = seconds
+        for step in sorted(self.persist_seconds)[:-16]:
+            del self.persist_seconds[step]
         if self.rank != 0 or self.started_at < 0:
             return
         for step, nbytes, seconds in sorted(status.commits):
             if step > self.said_commit and step >= self.started_at:
                 self.said_commit = step
-                # a commit learned after a later step was handed on (a SIGTERM save, say) is said as such:
-                # printed after "saving step 9", a bare "iter_0000005 committed" reads as step 9's
-                late = f"; said late: step {self.newest} was handed on since" if step < self.newest else ""
+                # only after "SIGTERM: saving step 9" could a bare "iter_0000005 committed" be read as step 9's;
+                # a commit learned while later steps are in flight is the normal asynchronous case, said bare
+                late = (f"; an earlier step, not the step {self.announced} being saved"
+                        if step < self.announced else "")
                 console.info(f"{self.naming.dir_name(step)} committed ({human(nbytes)}, written in {seconds:.2f} s"
                              f"{late})")
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from easyckpt import console
 from easyckpt.config import Config, validate
-from easyckpt.engine import metrics, peers, runlog
+from easyckpt.engine import metrics, peers, resumeline, runlog
 from easyckpt.engine.agentview import AgentView
 from easyckpt.engine.budget import SnapshotBudget, agree_ranks, record_last
 from easyckpt.engine.client import AgentClient
@@ -32,6 +32,7 @@ from easyckpt.engine.load import Loaded, Needed, load_newest
 from easyckpt.engine.overlap import OptimizerWatch, auto_overlap
 from easyckpt.engine.preempt import Preemption
 from easyckpt.engine.seams import AgentLink, Clock, Group, SystemClock
+from easyckpt.engine.skips import SkipEpisodes
 from easyckpt.engine.snapshot import (
     PendingSnapshot,
     ShardSpec,
@@ -45,7 +46,6 @@ from easyckpt.ipc import shm
 from easyckpt.ipc.reap import reap_dead_jobs
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
-from easyckpt.units import human
 
 Collect = Callable[[], Sequence[ShardSpec]]
 # what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})
@@ -77,6 +77,7 @@ class Engine:
         self.last_step: Optional[int] = None
         self.last_complete_step: Optional[int] = None   # newest snapshot a crash would resume from
         self.view = AgentView(cfg, self.rank, self.world_size, self.client, self.savedir, self.log, self.clock)
+        self.skips = SkipEpisodes(self.rank, cfg.save_mem_interval, cfg.save_storage_interval, self.log)
         self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
@@ -177,15 +178,7 @@ class Engine:
                 f"the easyckpt agent (pid {pid}) is stopped and holds both snapshot slots" if pid and shm.pid_stopped(pid)
                 else f"both snapshot slots are still being persisted (storage is slower than "
                      f"save_storage_interval={self.cfg.save_storage_interval})")
-            # on the console only when the loss bound does not hold (docs/reliability.md promise 10): a skip
-            # that leaves the newest snapshot within save_mem_interval (the same step snapshotted again at the
-            # end) risks nothing
-            over = behind > self.cfg.save_mem_interval
-            bound = f", more than save_mem_interval={self.cfg.save_mem_interval}" if over else ""
-            (self.log.emit if over else self.log.record)(
-                "skip", step=step, rank=self.rank, behind=behind,
-                message=f"rank {self.rank}: snapshot of step {step} skipped: {why}; a crash now would lose {behind} "
-                        f"iterations on this rank{bound}")
+            self.skips.skipped(step, behind, why, self.clock.monotonic())   # said once an episode (skips.py)
             return None
         self._snapshot_done(result, persist)
         return result
@@ -193,6 +186,7 @@ class Engine:
     def _snapshot_done(self, result: SnapshotResult, persist: bool, copy_seconds: Optional[float] = None) -> None:
         self.last = result
         self.last_complete_step = result.step
+        self.skips.resumed(result.step, self.clock.monotonic(), self.view.persist_seconds)
         self.log.emit("snapshot", step=result.step, rank=self.rank, slot=result.slot, bytes=result.nbytes,
                       seconds=round(result.seconds, 6),
                       **({} if copy_seconds is None else {"background_seconds": round(copy_seconds, 6)}))
@@ -249,6 +243,7 @@ class Engine:
         t0 = self.clock.time()
         since = pre.signalled_at
         console.info(f"SIGTERM: saving step {step}" + (f" on all {self.world_size} ranks" if self.world_size > 1 else ""))
+        self.view.reports.announce(step)
         try:
             self.client.send(protocol.TermStep(self.rank, step))
             self.persist_now(step, collect, max(1.0, pre.deadline_left()), info)
@@ -362,7 +357,8 @@ class Engine:
                           bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
             self.last_step = loaded.step
             self.progress.mark(loaded.step)
-        console.info(_resumed(loaded, self.cfg.save_dir, self.world_size, fresh, otherwise))
+        if loaded is None:    # a loaded step is said once the adapter restored it, timed with it (resumeline.py)
+            console.info(resumeline.nothing_words(self.cfg.save_dir, fresh, otherwise))
         if self.rank == 0:
             runlog.record("resume", step=loaded.step if loaded else 0, source=loaded.source if loaded else "none",
                           seconds=round(loaded.seconds, 6) if loaded else 0.0)
@@ -422,21 +418,3 @@ class Engine:
             if self.last is not None and self.last.step == step:
                 self._request_persist(self.last)
         self.view.wait_committed(step, self.cfg.commit_timeout if timeout is None else timeout, agent_died)
-
-
-def _resumed(loaded: Optional[Loaded], save_dir: str, world_size: int, fresh: Sequence[int] = (),
-             otherwise: Optional[str] = None) -> str:
-    if loaded is None and fresh:
-        return (f"none of this job's {len(fresh)} committed step(s) in {save_dir} ({', '.join(map(str, fresh))}) can "
-                f"be restored here: training starts from the beginning, as on_no_valid_checkpoint='start_fresh' "
-                f"allows; they are set aside as quarantined-<name>-<stamp>, kept whole (`easyckpt ls` lists them)")
-    if loaded is None:
-        return f"no checkpoint of this job in {save_dir}: {otherwise or 'training starts from the beginning'}"
-    where = {"memory": "memory (the snapshot that outlived the last run)",
-             "peer": "a peer node's memory (the replica of this node's snapshot)",
-             "local": "the local tier (each rank's snapshot on its node's disk, verified)",
-             "storage": f"storage ({loaded.path}, verified)"}.get(loaded.source, f"{loaded.path} ({loaded.source})")
-    size = human(loaded.nbytes) + (" on rank 0" if world_size > 1 else "")
-    if loaded.from_peers and loaded.source != "peer":
-        where += f"; rank(s) {list(loaded.from_peers)} from a peer node's memory (the replicas of their lost node)"
-    return f"resumed step {loaded.step} from {where}: {size} in {loaded.seconds:.2f} s"

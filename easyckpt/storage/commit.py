@@ -155,8 +155,7 @@ def _retire_existing(sd: "SaveDir", step: int, final: str, new: mf.Manifest, log
     if man is None and sd.storage.listdir(final):
         raise FileExistsError(f"{final} exists and is not an easyckpt checkpoint; refusing to replace it")
     if man is not None and not sd.owns(man):
-        raise FileExistsError(f"{final} holds a checkpoint of another job ({man.job_words()}); refusing to "
-                              f"replace it: move it away, or give this job another save_dir")
+        raise FileExistsError(sd.taken_words(final, step, man, "it is never replaced"))
     damaged = sd.read_damaged().get(os.path.basename(final))
     if man is None or damaged is not None or man.run_key == new.run_key:
         why = (f"replaced by a newer commit of the same step (the old one was rejected: {damaged})" if damaged

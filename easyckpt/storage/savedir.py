@@ -100,10 +100,31 @@ class SaveDir:
             return
         final = self.step_path(step)
         if self.storage.is_file(os.path.join(final, mf.MANIFEST_NAME)):
-            raise FileExistsError(f"{final} holds a committed step already: in an object store a step is written in "
-                                  f"place, so step {step} is not written over it (easyckpt prune or delete it to free "
-                                  f"the name)")
+            man = stepfiles.read(final)
+            if man is None or not self.owns(man):
+                raise FileExistsError(self.taken_words(final, step, man, "an object store writes a step in place, "
+                                                                         "so this job does not write over it"))
+            raise FileExistsError(f"{final} holds this job's step {step}, committed by an earlier run: in an object "
+                                  f"store a step is written in place, so it is not written over (easyckpt prune, or "
+                                  f"resume from it, to go on)")
         self.storage.write_atomic(self.claim_path(step), b"")
+
+    def taken_words(self, final: str, step: int, man: Optional[mf.Manifest], why: str) -> str:
+        """Why ``step`` cannot be committed here: the name holds a step another job committed (``man``, a validated
+        manifest, or None when it does not validate). Names that job and advises what frees this job's way, never
+        deleting a checkpoint that is not its own (docs/reliability.md promise 4)."""
+        where = "prefix" if not self.renames else "save_dir"
+        if man is None:
+            return (f"{final} holds a step whose {mf.MANIFEST_NAME} is not one this job can read; {why}: give this "
+                    f"job a {where} of its own")
+        # the manifest is input from whoever wrote it: its job name is shown quoted and cut, offered only if typable
+        name = man.job if man.job is not None and len(man.job) <= 64 and man.job.isprintable() else None
+        shown = repr(man.job[:64]) + ("..." if len(man.job) > 64 else "") if man.job is not None else None
+        owner = (f"job {shown} (job id {man.job_id[:32]!r})" if shown is not None
+                 else f"job id {man.job_id[:32]!r}")
+        cont = f"; or, if this run continues job {name!r}, set job_name={name!r} to resume it" if name else ""
+        return (f"{final} holds step {step} of another job, {owner}; {why}. That checkpoint is not this job's to "
+                f"delete: give this job a {where} of its own{cont}")
 
     def trash_path(self, victim: str) -> str:
         """Where a directory goes before it is deleted (a rename is atomic, a tree delete is not); named after

@@ -298,8 +298,10 @@ class _Session(FrameworkState[Any]):
         self.stage = engine.staging(loaded)     # DCP's reader (FSDP): each rank's items only, from an object store
         t = self.trainer
         # the Trainer's load hooks, shadowed by instance attributes (hooks() pops them)
-        t._load_from_checkpoint = self._load_model  # type: ignore[method-assign]
-        t._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler  # type: ignore[method-assign]
+        t._load_from_checkpoint = engine.timed_hook(self._load_model)  # type: ignore[method-assign]
+        # the Trainer's last load of any weight (the scaler's and the RNG states are small): the resume line after it
+        t._load_optimizer_and_scheduler = engine.timed_hook(  # type: ignore[method-assign]
+            self._load_optimizer_and_scheduler, say_after=True)
         t._load_scaler = self._load_scaler  # type: ignore[method-assign]
         t._load_rng_state = self._load_rng_state  # type: ignore[method-assign]
         if loaded.path is not None and not engine.config.remote:
@@ -330,11 +332,15 @@ class _Session(FrameworkState[Any]):
             files.append((optional, True))
         return files
 
+    def loads_later(self) -> bool:
+        return True         # the Trainer calls the load hooks below after restore(): they are timed, then said
+
     def _load_model(self, resume_from_checkpoint: str, model: Optional[torch.nn.Module] = None) -> None:
         model = model if model is not None else self.trainer.model
         assert model is not None and self.trees is not None    # the Trainer's model; restore() set the trees
         if self.fsdp:        # the model is sharded by now (the Trainer loads it after accelerate's prepare)
             # (loaded_path is None for a snapshot in memory: dtensor reads it there)
+            self.engine.converting("by DCP's resharding")      # said only where the world size changed
             fsdp.load_model(model, self.trees, self.loaded_path, self.args.process_index, self.stage)
             return
         if peftmodel.ADAPTER in self.trees:
@@ -381,9 +387,10 @@ class _Session(FrameworkState[Any]):
             scaler.load_state_dict(self.trees[SCALER])
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        self.engine.say_resumed()       # unless said already: a Trainer that skipped the optimizer's hook
         state = (self.trees or {}).get(self._rng_file())
         if state is None:
-            self.engine.emit("warning", message="no RNG state saved for this process")
+            self.engine.missing_rng("this process")
             return
         rng.restore(state)
 
@@ -395,17 +402,20 @@ class _Session(FrameworkState[Any]):
             tag = deepspeed_tag(step)
             kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=True,
                           load_lr_scheduler_states=True)
-            if self.loaded_path is None or ds.same_layout(ds_engine, self.loaded_manifest):
-                ds.restore_native(ds_engine, self.trees, tag, prefix=tag + "/", **kwargs)
-            else:
+            with self.engine.loading():
+                if self.loaded_path is None or ds.same_layout(ds_engine, self.loaded_manifest):
+                    ds.restore_native(ds_engine, self.trees, tag, prefix=tag + "/", **kwargs)
+                    return
                 self.engine.emit("convert", step=step, path=self.loaded_path,
                                  message="data-parallel size changed: loading through DeepSpeed's universal checkpoint")
+                self.engine.converting("through DeepSpeed's universal checkpoint")
                 ds.restore_universal(ds_engine, os.path.join(str(self._local()), tag), tag,
                                      universal.work_dir(self.engine.config), self.engine.rank,
                                      self.engine.world_size, **kwargs)
         return load
 
     def cleanup(self) -> None:
+        self.engine.say_resumed()       # a resume whose load hooks the Trainer never called is still said
         if self.virtual_dir is not None:
             scratch.remove(os.path.dirname(self.virtual_dir))
             self.virtual_dir = None
