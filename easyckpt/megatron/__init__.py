@@ -164,6 +164,8 @@ class MegatronState(FrameworkState[Any]):
             saved = _dist.restore(loaded.trees, None if in_memory else loaded.path, where, self.model, self.optimizer,
                                   self.opt_param_scheduler, self.strict, same_layout=same, exact=in_memory or not moved,
                                   split=split, stage=None if in_memory else _default.require().staging(loaded))
+            if not in_memory and moved:
+                _default.require().converting(f"by Megatron's reader, {before or 'another layout'} to {self.layout()}")
             if not in_memory and moved and where.rank == 0:
                 console.info(f"{os.path.basename(loaded.path or '')} (saved on {before or 'another layout'}) "
                              f"resharded to {self.layout()} through Megatron's reader in "
@@ -173,6 +175,7 @@ class MegatronState(FrameworkState[Any]):
             before = loaded.manifest.layout if loaded.manifest else None
             saved = _reshard.restore(loaded.trees, where, self.model, self.optimizer, self.opt_param_scheduler,
                                      self.layout(), before if isinstance(before, str) else "")
+            _default.require().converting(f"by easyckpt's torch-layout reshard, {before} to {self.layout()}")
             if where.rank == 0:
                 console.info(f"{os.path.basename(loaded.path or '')} (saved on {before}, torch layout) resharded to "
                              f"{self.layout()} in {time.perf_counter() - t0:.2f} s")
