@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import functools
 import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
@@ -289,29 +290,42 @@ def _convert_options(conv: argparse.ArgumentParser) -> None:
                            "merged model's folder (default: the adapter's folder, for PeftModel.from_pretrained)")
 
 
+def _verb(sub: Any, name: str, fn: Callable[[argparse.Namespace], int], help: str, step: bool = False,
+          what: Optional[List[str]] = None) -> argparse.ArgumentParser:
+    """A verb over a save directory, with the options every such verb takes."""
+    p = sub.add_parser(name, help=help, description=help)
+    if what:
+        p.add_argument("what", choices=what)
+    p.add_argument("dir", help="the save directory")
+    if step:
+        p.add_argument("step", nargs="?", type=int, help="default: the one the loader would pick")
+    p.add_argument("--framework", default=None, choices=sorted(FRAMEWORKS), help="default: detected")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.add_argument("--progress", action="store_true", default=None, help="progress bar even off a terminal")
+    p.add_argument("--endpoint-url", default=None, metavar="URL",
+                   help="the S3-compatible endpoint of an s3:// DIR, as endpoint_url= in training (default: "
+                        "AWS_ENDPOINT_URL, else boto3's own lookup)")
+    p.set_defaults(fn=fn)
+    return p
+
+
+def _report_verb(sub: Any) -> None:
+    from easyckpt.cli.report import cmd_report
+    rep = _verb(sub, "report", cmd_report, "the audit log as a timeline: stall per snapshot step, persists, commits, "
+                                           "skipped snapshots, starts, resumes, SIGTERM saves (HTML, or PNG with "
+                                           "matplotlib)")
+    rep.add_argument("-o", "--output", default=None, help="an .html file (default: DIR/easyckpt-report.html) or a "
+                                                          ".png one (needs the report extra: matplotlib)")
+    rep.add_argument("--log-file", default=None, help="the audit log (default: DIR/easyckpt.log)")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from easyckpt import __version__
     parser = argparse.ArgumentParser(prog="easyckpt", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"easyckpt {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
-
-    def verb(name: str, fn: Callable[[argparse.Namespace], int], help: str, step: bool = False,
-             what: Optional[List[str]] = None):
-        p = sub.add_parser(name, help=help, description=help)
-        if what:
-            p.add_argument("what", choices=what)
-        p.add_argument("dir", help="the save directory")
-        if step:
-            p.add_argument("step", nargs="?", type=int, help="default: the one the loader would pick")
-        p.add_argument("--framework", default=None, choices=sorted(FRAMEWORKS), help="default: detected")
-        p.add_argument("--json", action="store_true", help="one JSON document on stdout")
-        p.add_argument("--progress", action="store_true", default=None, help="progress bar even off a terminal")
-        p.add_argument("--endpoint-url", default=None, metavar="URL",
-                       help="the S3-compatible endpoint of an s3:// DIR, as endpoint_url= in training (default: "
-                            "AWS_ENDPOINT_URL, else boto3's own lookup)")
-        p.set_defaults(fn=fn)
-        return p
+    verb = functools.partial(_verb, sub)
 
     ls = verb("ls", cmd_ls, "one row per checkpoint: step, time, size, layout, complete or why not; the loader's pick")
     ls.add_argument("--verify", action="store_true", help="check checksums too (reads every byte)")
@@ -332,12 +346,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                        "safetensors: an HF or DeepSpeed ZeRO checkpoint -> consolidated weights",
                 step=True, what=["megatron-distopt", "safetensors"])
     _convert_options(conv)
-    from easyckpt.cli.report import cmd_report
-    rep = verb("report", cmd_report, "the audit log as a timeline: stall per snapshot step, persists, commits, "
-                                     "skipped snapshots, starts, resumes, SIGTERM saves (HTML, or PNG with matplotlib)")
-    rep.add_argument("-o", "--output", default=None, help="an .html file (default: DIR/easyckpt-report.html) or a "
-                                                          ".png one (needs the report extra: matplotlib)")
-    rep.add_argument("--log-file", default=None, help="the audit log (default: DIR/easyckpt.log)")
+    _report_verb(sub)
     from easyckpt.cli.launcher import add_parser as add_run
     add_run(sub)
     args = parser.parse_args(argv)
