@@ -72,7 +72,7 @@ def _unknown(where: str, given: Iterable[str], known: Iterable[str]) -> None:
     for name in unknown:
         alias = _ALIASES.get(name)
         near = [alias[0]] if alias is not None and alias[0] in known else difflib.get_close_matches(name, known, n=1)
-        why = f" {alias[1]}" if alias is not None and near else ""
+        why = f" {alias[1]}" if alias is not None and near == [alias[0]] else ""
         hints.append(f"{name!r} (did you mean {near[0]!r}?{why})" if near else repr(name))
     raise UnknownSettingError(f"{where} got unknown setting(s) {', '.join(hints)}; it accepts {known}")
 

@@ -228,6 +228,8 @@ def test_every_verb_reaches_an_object_store_by_endpoint_url_with_no_aws_endpoint
                   "--storage-interval", "2"), timeout=180)
     wait_no_agent(url, timeout=90, log=local / "easyckpt.log")
     monkeypatch.delenv("AWS_ENDPOINT_URL")
+    from easyckpt.storage import resolve
+    monkeypatch.setattr(resolve, "_endpoint", resolve._endpoint)    # the in-process verbs set it: put back after
     endpoint = ["--endpoint-url", server["ENDPOINT"]]
     listing = cli_process("ls", url, *endpoint, "--json")
     assert json.loads(listing.stdout)["picked"] == 4, listing.stdout

@@ -432,3 +432,33 @@ def test_the_agent_log_is_capped_through_the_stderr_it_was_handed(tmp_path):
     assert path.stat().st_size <= 2048 + 100 and older.stat().st_size <= 2048 + 100
     lines = (older.read_text() + path.read_text()).splitlines()
     assert lines[-1].startswith("line 00399") and len(lines) < 100, lines[-3:]
+
+
+def test_a_lock_file_removed_between_its_open_and_its_lock_is_opened_again(tmp_path, monkeypatch):
+    """storage/firstfiles.py removes a failed run's lock file while holding it: a process that opened the old file
+    just before must not hold a lock on it (it guards nothing) while another locks the new one."""
+    from easyckpt.storage import joblock
+    real = joblock.paths.open_own
+    calls = []
+
+    def open_then_removed(path: str, flags: int, mode: int) -> int:
+        fd = real(path, flags, mode)
+        calls.append(path)
+        if len(calls) == 1:
+            os.unlink(path)           # the holder took it back after this open, before the flock
+        return fd
+
+    monkeypatch.setattr(joblock.paths, "open_own", open_then_removed)
+    first = joblock.JobLock(str(tmp_path), "job", None)
+    assert first.acquire() is None and len(calls) == 2
+    assert first.fd is not None and os.fstat(first.fd).st_ino == os.lstat(first.path).st_ino
+    monkeypatch.setattr(joblock.paths, "open_own", real)
+    other = joblock.JobLock(str(tmp_path), "job", None)
+    assert other.acquire() is not None           # the file at the path is the one held
+    first.release()
+
+
+@pytest.mark.parametrize("value,step", [(7, 7), ("7", None), (True, None), (7.9, None), (-1, None), (None, None)])
+def test_the_trainers_global_step_is_taken_only_as_the_int_it_writes(tmp_path, value, step):
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": value}))
+    assert stepfiles.trainer_state_step(str(tmp_path)) == step

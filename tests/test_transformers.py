@@ -275,6 +275,22 @@ def test_a_resume_path_that_does_not_exist_fails_as_the_trainer_does_and_leaves_
     assert not [n for n in shm_segments() if jid in n], shm_segments()
 
 
+def test_a_resume_path_that_does_not_exist_takes_back_only_what_this_run_made(tmp_path):
+    """The same failure in an output_dir an earlier run wrote to: its audit log is kept (only files this run made
+    go), with its earlier lines first."""
+    out, missing = tmp_path / "out", tmp_path / "no-such-checkpoint"
+    out.mkdir()
+    earlier = json.dumps({"time": 1.0, "event": "agent_exit", "source": "agent"}) + "\n"
+    (out / "easyckpt.log").write_text(earlier)
+    cmd = script_cmd(HF, 1, "--output-dir", str(out), "--max-steps", "4", "--idle-timeout", "60", "--resume",
+                     str(missing))
+    failed = run(cmd, timeout=120, check=False)
+    assert failed.returncode != 0 and f"Can't find a valid checkpoint at {missing}" in failed.stderr, failed.stderr
+    wait_no_agent(out, timeout=10)
+    assert sorted(os.listdir(out)) == ["easyckpt.log"], sorted(os.listdir(out))
+    assert (out / "easyckpt.log").read_text().startswith(earlier)
+
+
 def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):
     """DeepSpeed refuses a ZeRO checkpoint of another data-parallel size; easyckpt converts it through
     DeepSpeed's universal checkpoint. Without dropout, 1- and 2-process runs differ only by rounding."""

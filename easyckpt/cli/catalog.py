@@ -155,7 +155,7 @@ def trainer_best(entries: List[Entry], nm: Naming) -> Optional[int]:
     name), or None. The file is untrusted: stepfiles.trainer_state caps and checks it, and anything but a
     string naming one of our step directories is no best."""
     for e in entries:                   # newest first: the Trainer's latest view of which one is best
-        if e.staging or e.state == "quarantined":
+        if e.staging or e.state == "quarantined" or e.state.startswith("untrusted"):     # not a say in it
             continue
         state = stepfiles.trainer_state(e.path)
         if state is None:

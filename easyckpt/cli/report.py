@@ -69,6 +69,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"easyckpt report: {args.dir} is in an object store; give the audit log's local path with --log-file "
               f"(the job's log_file_path)", file=sys.stderr)
         return 2
+    if "://" in args.dir and not args.output:
+        print(f"easyckpt report: {args.dir} is in an object store; name the report's local file with -o",
+              file=sys.stderr)
+        return 2
     log = args.log_file or os.path.join(args.dir, DEFAULT_LOG_NAME)
     output = args.output or os.path.join(args.dir, REPORT_NAME)
     png = output.lower().endswith(".png")

@@ -69,7 +69,8 @@ def build(read: auditread.AuditRead) -> Timeline:
         elif e.event == "sigterm_save" and e.step is not None and e.rank in (0, None):
             tl.marks.append(Mark(e.step, "sigterm", f"SIGTERM save of step {e.step}"))
         elif e.event == "trainer_lost":
-            tl.marks.append(Mark(last_step, "lost", f"trainer rank {e.rank} lost (newest step logged: {last_step})"))
+            who = "trainer" if e.rank is None else f"trainer rank {e.rank}"
+            tl.marks.append(Mark(last_step, "lost", f"{who} lost (newest step logged: {last_step})"))
         elif e.event == "error" and e.step is not None:
             tl.marks.append(Mark(e.step, "error", f"error at step {e.step}: {e.text[:80]}"))
     if run < 0 and stall:

@@ -40,18 +40,26 @@ class JobLock:
         # never through a symlink planted in the save dir: it would truncate its target (docs/reliability.md promise
         # 9); 0600 and this user's own: a file any local user can open, any local user can flock, and block the
         # job's relaunch with it (docs/reliability.md promise 15)
-        try:
-            fd = paths.open_own(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except UntrustedFileError as exc:      # a symlink, a FIFO, a directory, another user's file
-            return f"nobody: {exc} (easyckpt never follows a symlink nor locks a file it did not make)"
-        if os.fstat(fd).st_mode & 0o077:
-            os.fchmod(fd, 0o600)       # made 0644 by an earlier version: from now on only this user opens it
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _describe(fd)
+        for _ in range(3):
+            try:
+                fd = paths.open_own(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            except UntrustedFileError as exc:      # a symlink, a FIFO, a directory, another user's file
+                return f"nobody: {exc} (easyckpt never follows a symlink nor locks a file it did not make)"
+            if os.fstat(fd).st_mode & 0o077:
+                os.fchmod(fd, 0o600)       # made 0644 by an earlier version: from now on only this user opens it
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _describe(fd)
+                os.close(fd)
+                return holder
+            if _still_there(fd, self.path):
+                break
+            # the file was removed (storage/firstfiles.py takes back a failed run's lock) or replaced after we
+            # opened it: a lock on that one guards nothing, while another process may lock the new one
             os.close(fd)
-            return holder
+        else:
+            return f"nobody: {self.path} was removed or replaced each time it was locked (three tries)"
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"job_id": self.job_id, "job_name": self.job_name, "host": socket.gethostname(),
                                   "agent_pid": os.getpid(), "since": time.time()}).encode(), 0)
@@ -117,3 +125,12 @@ def _process(pid: int) -> str:
         return f"pid {pid}"
     cmd = cmd if len(cmd) <= 120 else cmd[:117] + "..."
     return f"pid {pid} (user {paths.owner_name(uid)}: {cmd!r})"
+
+
+def _still_there(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        here, mine = os.lstat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)

@@ -317,10 +317,9 @@ def trainer_state_step(step_dir: str) -> Optional[int]:
     """``global_step`` of the HF Trainer's ``trainer_state.json`` in ``step_dir``, or None: missing, not a
     regular file (a FIFO, a link to /dev/zero), larger than TRAINER_STATE_MAX, or not what the Trainer writes."""
     state = trainer_state(step_dir)
-    try:
-        return int(state["global_step"]) if state is not None else None
-    except (ValueError, KeyError, TypeError):
-        return None
+    step = state.get("global_step") if state is not None else None
+    # what the Trainer writes: an int (not a bool, a string or a float that int() would take)
+    return step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 1 << 62 else None
 
 
 def trainer_state(step_dir: str) -> Optional[Dict[str, Any]]:

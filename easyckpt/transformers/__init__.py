@@ -119,7 +119,9 @@ class _Attached:
         engine = Checkpointer(resolve(self.settings, args))
         self.engine = engine
         session = _Session(trainer, engine)
-        explicit = resume_from_checkpoint not in (True, False, None)      # a path: the Trainer's to check
+        # a path the Trainer will refuse (none there): only then are this run's files nothing but a typo's; a run
+        # with a real path that fails otherwise (an OOM before its first snapshot) keeps its audit log
+        explicit = isinstance(resume_from_checkpoint, (str, os.PathLike)) and not os.path.isdir(resume_from_checkpoint)
         finished = False
         try:
             with session.hooks():
