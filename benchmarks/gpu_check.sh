@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one lent device session, as one command (they must fit one call: about 7 minutes on an
+# The GPU checks of one lent device session, as one command (they must fit one call: at most 9 minutes on an
 # H100/H200): the machine, the overhead benchmark against torch DCP and DLRover on the same device, then the
 # CUDA tests. Run from the repository root on the GPU machine; output under $OUT (or ./gpu-out).
 #
@@ -15,9 +15,9 @@ py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 nvidia-smi -L; nproc; "$py" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 dl=()
-[ -n "${DLROVER_SITE:-}" ] && dl=(--dlrover "$(cd "$DLROVER_SITE" && pwd)" --dlrover-timeout 150)
-timeout 330 "$py" benchmarks/bench_gpu.py --gb 4 --steps 15 --rounds 2 --trace --peers "${dl[@]}" \
+[ -n "${DLROVER_SITE:-}" ] && dl=(--dlrover "$(cd "$DLROVER_SITE" && pwd)" --dlrover-timeout 120)
+timeout 300 "$py" benchmarks/bench_gpu.py --gb 4 --steps 15 --rounds 2 --trace --peers "${dl[@]}" \
     --out "$out/gpu.json" 2>&1 | tee "$out/bench.txt"
 echo "bench_gpu: exit ${PIPESTATUS[0]}"
-timeout 280 "$py" -m pytest -q -rs -n 3 --dist load -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -25 \
+timeout 250 "$py" -m pytest -q -rs -n 3 --dist load -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -25 \
     | tee "$out/tests.txt"
