@@ -50,6 +50,7 @@ from easyckpt.engine.checkpointer import Checkpointer  # noqa: E402
 from easyckpt.pytorch import PytorchState  # noqa: E402
 
 TRACE = False
+SYNC_BY_STREAM = False
 HERE = Path(__file__).resolve().parent
 # (name, interval, overlap): overlap None for a peer's mode (its name says which)
 Mode = Tuple[str, Optional[int], Optional[bool]]
@@ -148,7 +149,9 @@ def run_mode(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, ste
     x = torch.randn(batch, model[0].in_features, device="cuda")
     times = []
     warm = 2 * (interval or 1) + 1    # the first two snapshots allocate and page-lock the slots: not timed
-    host_opt = []
+    host_opt: List[float] = []
+    host_save: List[float] = []
+    host_item: List[float] = []
     marks: List[Tuple[object, object, object]] = []
     try:
         for step in range(1, warm + steps + 1):
@@ -169,14 +172,23 @@ def run_mode(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, ste
             if e:
                 e[2].record()
                 marks.append((e[0], e[1], e[2]))
+            h = time.perf_counter()
             saver(step, model, opt)
+            host_save.append(time.perf_counter() - h)
             # what a loop that logs its loss waits for: the compute stream, not the side stream's copy
             # (torch.cuda.synchronize() would wait for that copy too, and time an overlap as a stall)
-            loss.item()
+            h = time.perf_counter()
+            if SYNC_BY_STREAM:
+                torch.cuda.current_stream().synchronize()      # the same wait without a device-to-host copy
+            else:
+                loss.item()
+            host_item.append(time.perf_counter() - h)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) / steps)
         if TRACE:
             _print_timeline(name, statistics.median(host_opt[warm:]), marks)
+            print(f"    [{name}] host time in save {statistics.median(host_save[warm:]) * 1e3:.1f} ms, in the wait for "
+                  f"the loss {statistics.median(host_item[warm:]) * 1e3:.1f} ms", flush=True)
     finally:
         saver.close()
     return times
@@ -287,9 +299,19 @@ def main() -> int:
     p.add_argument("--dlrover", metavar="SITE", help="also DLRover's flash checkpoint, from this folder's dlrover")
     p.add_argument("--dlrover-timeout", type=int, default=300)
     p.add_argument("--dlrover-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--modes", help="only these of easyckpt's modes (none is always run), e.g. overlap/1")
+    p.add_argument("--sync-by-stream", action="store_true",
+                   help="wait for the training stream instead of loss.item() (no device-to-host copy of the loss)")
+    p.add_argument("--piece-mb", type=int, help="the background copy's piece size (default 64)")
+    p.add_argument("--in-flight", type=int, help="the background copy's pieces in flight (default 2)")
     args = p.parse_args()
-    global TRACE
-    TRACE = args.trace
+    global TRACE, SYNC_BY_STREAM
+    TRACE, SYNC_BY_STREAM = args.trace, args.sync_by_stream
+    from easyckpt.engine import background
+    if args.piece_mb:
+        background.PIECE_BYTES = args.piece_mb << 20
+    if args.in_flight:
+        background.IN_FLIGHT = args.in_flight
     if not torch.cuda.is_available():
         print("no GPU: this benchmark measures device-to-host snapshots (benchmarks/bench_checkpoint.py is the CPU one)")
         return 2
@@ -298,6 +320,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="easyckpt-bench-gpu-"))
     results: Dict[str, Dict[str, float]] = {}
     modes = MODES + (DCP_MODES if args.peers else [])
+    if args.modes:
+        modes = [m for m in modes if m[0] == "none" or m[0] in args.modes.split(",")]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     try:
         for gb in (float(g) for g in args.gb.split(",")):

@@ -36,6 +36,11 @@ def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 WARM = ROOT / "tests" / "warm_torchrun.py"
+# On a machine with a GPU every process is exec'd, as users start them: a process forked after its parent
+# initialized CUDA cannot use it ("Cannot re-initialize CUDA in forked subprocess"), and on an H200 with torch
+# 2.11 the fork server's and the warm launcher's imports did (two of tests/test_cuda.py's five tests failed so).
+# CI has no GPU: the warm paths keep its time there.
+GPU = os.path.exists("/dev/nvidiactl")     # an NVIDIA driver (torch not imported here for it)
 # what each script imports anyway, imported once by the warm launcher before it forks the workers
 MEGATRON = ["megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
             "easyckpt.megatron"]
@@ -56,7 +61,7 @@ def launcher(nproc: int, script: Path, warm: bool = True) -> List[str]:
     else torchrun as users run it, each worker an interpreter of its own: the tests of signals to the process
     tree, a killed launcher, DataLoader workers and the user's command line."""
     opts = ["--standalone", f"--nproc_per_node={nproc}"]
-    if not warm:
+    if not warm or GPU:
         return [sys.executable, "-m", "torch.distributed.run", *opts]
     preload = PRELOAD.get(str(Path(script).resolve().relative_to(ROOT)) if Path(script).is_relative_to(ROOT)
                           else "", [])
@@ -94,7 +99,7 @@ def forkable(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None) -> 
     the server). The server never imports easyckpt (its modules read EASYCKPT_* at import). EASYCKPT_TEST_EXEC=1
     turns it off: every process exec'd, as before."""
     args = list(map(str, cmd))
-    if os.environ.get("EASYCKPT_TEST_EXEC") == "1" or isinstance(cmd, Exec) or len(args) < 2 \
+    if GPU or os.environ.get("EASYCKPT_TEST_EXEC") == "1" or isinstance(cmd, Exec) or len(args) < 2 \
             or args[0] != sys.executable:
         return None
     if any(not k.startswith("EASYCKPT_") for k in (extra_env or {})):
