@@ -31,6 +31,7 @@ class FaultyStorage:
     together), every fsync, every rename. Records each mutating call, in order."""
 
     has_rename = True
+    local = True
 
     def __init__(self) -> None:
         self.inner = PosixStorage()

@@ -68,6 +68,9 @@ class Writer(Protocol):
 @runtime_checkable
 class Storage(Protocol):
     has_rename: bool          # False: an object store; the commit is the manifest written last
+    # True: its paths are the file system's, so a reader that takes only a path (torch.load, DCP's FileSystemReader,
+    # DeepSpeed's loader) reads them in place; False: an object store's URLs, fetched into a local copy first
+    local: bool
 
     def makedirs(self, path: str) -> None:
         """``path`` and its parents exist as directories (no-op for an object store)."""

@@ -131,6 +131,7 @@ class PosixStorage:
     (O_DIRECT where the file system allows it, the same bytes either way)."""
 
     has_rename = True
+    local = True
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)

@@ -72,6 +72,7 @@ class S3Storage:
     """The Storage verbs (base.py) on one S3-compatible store; paths are ``s3://bucket/key`` URLs."""
 
     has_rename = False
+    local = False
 
     def __init__(self, endpoint_url: Optional[str] = None, part_bytes: int = PART_BYTES, parallel: int = PARALLEL,
                  c: Any = None, patience: Patience = Patience()):
