@@ -9,7 +9,6 @@ import difflib
 import functools
 import hashlib
 import os
-import re
 import socket
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from easyckpt.errors import ConfigError, UnknownSettingError
 # the save-dir names (formats/layout.py); re-exported: adapters and settings name them from here
 from easyckpt.formats import layout, paths
 from easyckpt.formats.layout import NAMINGS, Naming  # noqa: F401
+from easyckpt.storage import resolve
 from easyckpt.storage.posix import probe_writable
 
 DEFAULT_LOG_NAME = "easyckpt.log"
@@ -90,6 +90,12 @@ def _refuse_unknown_settings(cls: Type[T]) -> Type[T]:
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
+
+
+def is_url(path: object) -> bool:
+    """Whether a path setting is a URL (an object store's, or one validate refuses) rather than a directory; the
+    adapters ask here, storage/resolve.py decides."""
+    return resolve.is_url(path)
 
 
 def default_local_dir(job_id: str) -> str:
@@ -167,8 +173,8 @@ class Config:
 
     @property
     def remote(self) -> bool:
-        """Whether save_dir is an object store's URL (s3://bucket/prefix)."""
-        return str(self.save_dir).startswith("s3://")
+        """Whether save_dir is an object store's URL (s3://bucket/prefix; storage/resolve.py's schemes)."""
+        return resolve.is_store_url(self.save_dir)
 
     @property
     def node_dir(self) -> str:
@@ -303,11 +309,11 @@ def validate(cfg: Config, names: Optional[Mapping[str, str]] = None) -> Config:
             raise ConfigError(f"{name}={getattr(cfg, name)!r} must be a string or None")
     if cfg.remote:
         _check_store(cfg)
-    elif re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", str(cfg.save_dir)):
-        # (without this, "gs://bucket/ckpt" would become a local directory named "gs:")
+    elif resolve.is_url(cfg.save_dir):
+        # (without this, "xy://bucket/ckpt" would become a local directory named "xy:")
         raise ConfigError(f"save_dir={str(cfg.save_dir)!r} is a URL easyckpt cannot write: object stores are "
-                          f"reached through s3:// (an S3-compatible endpoint, endpoint_url=...); else give a "
-                          f"local or network file system directory")
+                          f"reached through {', '.join(resolve.schemes())} (s3://: an S3-compatible endpoint, "
+                          f"endpoint_url=...); else give a local or network file system directory")
     if not cfg.remote:
         _check_dir(names.get("save_dir", "save_dir"), cfg.save_dir)
     if cfg.node_dir != cfg.save_dir:
@@ -365,18 +371,15 @@ def _check_own_files(cfg: Config) -> None:
 
 
 def _check_store(cfg: Config) -> None:
-    """An s3:// save_dir: a well-formed URL, boto3 installed, and the bucket reachable with these credentials
-    (storage/s3.py's check names what to fix), before anything trains."""
-    from easyckpt.storage import resolve, s3client
-
-    try:
-        s3client.Location.parse(cfg.save_dir)
-    except ValueError as exc:
-        raise ConfigError(f"save_dir: {exc}") from None
+    """An object store's save_dir: its client library installed, a well-formed URL, and the bucket reachable with
+    these credentials (the back-end's ``check`` names what to fix), before anything trains."""
     resolve.set_endpoint(cfg.endpoint_url)
-    store = resolve.remote(cfg.save_dir)
-    assert store is not None
-    store.check(cfg.save_dir)
+    try:
+        resolve.storage_for(cfg.save_dir).check(cfg.save_dir)
+    except ConfigError:
+        raise
+    except ValueError as exc:      # the URL is malformed
+        raise ConfigError(f"save_dir: {exc}") from None
 
 
 def _check_dir(name: str, where: str) -> None:

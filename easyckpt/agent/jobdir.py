@@ -27,9 +27,9 @@ from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
 from easyckpt.storage.commit import Committed, commit
 from easyckpt.storage.joblock import JobLock
-from easyckpt.storage.resolve import remote, storage_for
+from easyckpt.storage.resolve import storage_for
 from easyckpt.storage.savedir import SaveDir
-from easyckpt.storage.storelock import StoreLock
+from easyckpt.storage.storelock import StoreLock, job_lock
 
 POLL_S = 0.25
 
@@ -52,11 +52,7 @@ class JobDir:
     def lock(self) -> Union[JobLock, StoreLock]:
         """docs/reliability.md promise 8, one job per directory: the coordinator's agent holds it while it has
         work (a flock in the save dir; on an object store a lease object, storelock.py)."""
-        store = remote(self.cfg.save_dir, quick=True)
-        if store is not None:
-            self._lock = StoreLock(store, self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
-        else:
-            self._lock = JobLock(self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
+        self._lock = job_lock(self.quick.storage, self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
         return self._lock
 
     def begin(self, step: int) -> str:
