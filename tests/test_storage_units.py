@@ -20,6 +20,8 @@ from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage, Writer
 from easyckpt.storage.commit import commit
 from easyckpt.storage.posix import PosixStorage
+from easyckpt.storage.manifestcommit import ManifestCommit
+from easyckpt.storage.renamecommit import RenameCommit
 from easyckpt.storage.retention import KeepLast, prune
 from easyckpt.storage.savedir import SaveDir
 
@@ -548,3 +550,73 @@ class _Recording:
     def __getattr__(self, name: str) -> Any:
         self.asked.append(name)
         return getattr(self.inner, name)
+
+
+# ---- the commit path walks each module once ----------------------------------------------------------------------
+
+_COMMIT_MODULES = ("savedir", "commit", "renamecommit", "manifestcommit")
+
+
+def _module_walk(run: Any) -> List[str]:
+    """The storage modules of the commit concern that ``run()`` is in, in order, each stretch once (leaves such as
+    the back-end, stepfiles, markers, damaged and formats/ are passed through, not counted)."""
+    import sys
+    walk: List[str] = []
+
+    def module_of(frame: Any) -> Optional[str]:
+        while frame is not None:
+            name = os.path.splitext(os.path.basename(frame.f_code.co_filename))[0]
+            if "easyckpt/storage/" in frame.f_code.co_filename and name in _COMMIT_MODULES:
+                return name
+            if "easyckpt/" in frame.f_code.co_filename and "/storage/" not in frame.f_code.co_filename:
+                return None                      # back in the caller (jobdir, the test)
+            frame = frame.f_back
+        return None
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event not in ("call", "return"):
+            return
+        where = module_of(frame if event == "call" else frame.f_back)
+        if where is not None and (not walk or walk[-1] != where):
+            walk.append(where)
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return walk
+
+
+def _returns(walk: List[str]) -> int:
+    return sum(1 for i, m in enumerate(walk) if m in walk[:i])
+
+
+class _NoRename:
+    """The POSIX file system as an object store would be used: no rename, so the manifest commit."""
+    has_rename = False
+
+    def __init__(self) -> None:
+        self.inner = PosixStorage()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def write_atomic(self, path: str, data: bytes) -> None:       # a key needs no directory made first
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.inner.write_atomic(path, data)
+
+
+@pytest.mark.parametrize("renames", [True, False])
+def test_the_commit_path_returns_at_most_once_to_a_module_it_left(tmp_path, renames):
+    """From JobDir.commit's call (sd.commits.commit) each strategy runs its whole sequence in its own module; it
+    enters the save dir once (the run's number: SaveDir.run_seq) and comes back once, never bouncing between them
+    (everything else it calls is a leaf: the back-end, markers, damaged, tracker, stepfiles, formats/)."""
+    storage: Any = PosixStorage() if renames else _NoRename()
+    sd = SaveDir(str(tmp_path), NAMINGS["megatron"], JOB, storage=storage)
+    assert isinstance(sd.commits, RenameCommit if renames else ManifestCommit)
+    sd.begin_step(5)
+    stage(sd, 5)
+    walk = _module_walk(lambda: sd.commits.commit(5, 1, LOG))
+    assert intact(sd, 5) and sd.tracker_step() == 5
+    strategy = "renamecommit" if renames else "manifestcommit"
+    assert walk == [strategy, "savedir", strategy] and _returns(walk) == 1, walk
