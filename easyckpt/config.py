@@ -167,12 +167,12 @@ class Config:
     def job_id(self) -> str:
         """Stable across restarts of the same job (same save dir and job name), so that a restarted
         trainer finds its agent and its shared-memory snapshots again."""
-        where = self.save_dir.rstrip("/") if self.remote else os.path.realpath(self.save_dir)
+        where = self.save_dir.rstrip("/") if self.in_store else os.path.realpath(self.save_dir)
         key = f"{where}\0{self.job_name or ''}"
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
     @property
-    def remote(self) -> bool:
+    def in_store(self) -> bool:
         """Whether save_dir is an object store's URL (s3://bucket/prefix; storage/resolve.py's schemes)."""
         return resolve.is_store_url(self.save_dir)
 
@@ -182,7 +182,7 @@ class Config:
         an object store a directory under ~/.cache/easyckpt named after the job."""
         if self.local_dir:
             return str(self.local_dir)
-        return default_local_dir(self.job_id) if self.remote else self.save_dir
+        return default_local_dir(self.job_id) if self.in_store else self.save_dir
 
     @property
     def audit_log(self) -> Optional[str]:
@@ -307,14 +307,14 @@ def validate(cfg: Config, names: Optional[Mapping[str, str]] = None) -> Config:
     for name in ("endpoint_url", "local_dir"):
         if getattr(cfg, name) is not None and not isinstance(getattr(cfg, name), str):
             raise ConfigError(f"{name}={getattr(cfg, name)!r} must be a string or None")
-    if cfg.remote:
+    if cfg.in_store:
         _check_store(cfg)
     elif resolve.is_url(cfg.save_dir):
         # (without this, "xy://bucket/ckpt" would become a local directory named "xy:")
         raise ConfigError(f"save_dir={str(cfg.save_dir)!r} is a URL easyckpt cannot write: object stores are "
                           f"reached through {', '.join(resolve.schemes())} (s3://: an S3-compatible endpoint, "
                           f"endpoint_url=...); else give a local or network file system directory")
-    if not cfg.remote:
+    if not cfg.in_store:
         _check_dir(names.get("save_dir", "save_dir"), cfg.save_dir)
     if cfg.node_dir != cfg.save_dir:
         _check_dir(names.get("local_dir", "local_dir"), cfg.node_dir)
@@ -344,7 +344,7 @@ def take_back(cfg: Config, before: Mapping[str, FrozenSet[str]]) -> List[str]:
     from easyckpt.storage import firstfiles
     from easyckpt.storage.joblock import LOCK_NAME, JobLock
 
-    if cfg.remote:          # the lock is a lease object in the store, not a file here: nothing is taken back
+    if cfg.in_store:          # the lock is a lease object in the store, not a file here: nothing is taken back
         return []
     files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname())),
              os.path.join(cfg.save_dir, LOCK_NAME)] + ([cfg.audit_log] if cfg.audit_log else [])
@@ -361,7 +361,7 @@ def _check_own_files(cfg: Config) -> None:
 
     node_files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname()))]
     hints = []
-    if not cfg.remote:
+    if not cfg.in_store:
         node_files.append(os.path.join(cfg.save_dir, LOCK_NAME))
         hints = [os.path.join(cfg.save_dir, name) for name in (layout.DAMAGED_NAME, cfg.naming.tracker) if name]
     for path in node_files + hints:
