@@ -9,7 +9,6 @@ import difflib
 import functools
 import hashlib
 import os
-import re
 import socket
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from easyckpt.errors import ConfigError, UnknownSettingError
 # the save-dir names (formats/layout.py); re-exported: adapters and settings name them from here
 from easyckpt.formats import layout, paths
 from easyckpt.formats.layout import NAMINGS, Naming  # noqa: F401
+from easyckpt.storage import resolve
 from easyckpt.storage.posix import probe_writable
 
 DEFAULT_LOG_NAME = "easyckpt.log"
@@ -90,6 +90,12 @@ def _refuse_unknown_settings(cls: Type[T]) -> Type[T]:
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
+
+
+def is_url(path: object) -> bool:
+    """Whether a path setting is a URL (an object store's, or one validate refuses) rather than a directory; the
+    adapters ask here, storage/resolve.py decides."""
+    return resolve.is_url(path)
 
 
 def default_local_dir(job_id: str) -> str:
@@ -161,14 +167,14 @@ class Config:
     def job_id(self) -> str:
         """Stable across restarts of the same job (same save dir and job name), so that a restarted
         trainer finds its agent and its shared-memory snapshots again."""
-        where = self.save_dir.rstrip("/") if self.remote else os.path.realpath(self.save_dir)
+        where = self.save_dir.rstrip("/") if self.in_store else os.path.realpath(self.save_dir)
         key = f"{where}\0{self.job_name or ''}"
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
     @property
-    def remote(self) -> bool:
-        """Whether save_dir is an object store's URL (s3://bucket/prefix)."""
-        return str(self.save_dir).startswith("s3://")
+    def in_store(self) -> bool:
+        """Whether save_dir is an object store's URL (s3://bucket/prefix; storage/resolve.py's schemes)."""
+        return resolve.is_store_url(self.save_dir)
 
     @property
     def node_dir(self) -> str:
@@ -176,7 +182,7 @@ class Config:
         an object store a directory under ~/.cache/easyckpt named after the job."""
         if self.local_dir:
             return str(self.local_dir)
-        return default_local_dir(self.job_id) if self.remote else self.save_dir
+        return default_local_dir(self.job_id) if self.in_store else self.save_dir
 
     @property
     def audit_log(self) -> Optional[str]:
@@ -301,14 +307,14 @@ def validate(cfg: Config, names: Optional[Mapping[str, str]] = None) -> Config:
     for name in ("endpoint_url", "local_dir"):
         if getattr(cfg, name) is not None and not isinstance(getattr(cfg, name), str):
             raise ConfigError(f"{name}={getattr(cfg, name)!r} must be a string or None")
-    if cfg.remote:
+    if cfg.in_store:
         _check_store(cfg)
-    elif re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", str(cfg.save_dir)):
-        # (without this, "gs://bucket/ckpt" would become a local directory named "gs:")
+    elif resolve.is_url(cfg.save_dir):
+        # (without this, "xy://bucket/ckpt" would become a local directory named "xy:")
         raise ConfigError(f"save_dir={str(cfg.save_dir)!r} is a URL easyckpt cannot write: object stores are "
-                          f"reached through s3:// (an S3-compatible endpoint, endpoint_url=...); else give a "
-                          f"local or network file system directory")
-    if not cfg.remote:
+                          f"reached through {', '.join(resolve.schemes())} (s3://: an S3-compatible endpoint, "
+                          f"endpoint_url=...); else give a local or network file system directory")
+    if not cfg.in_store:
         _check_dir(names.get("save_dir", "save_dir"), cfg.save_dir)
     if cfg.node_dir != cfg.save_dir:
         _check_dir(names.get("local_dir", "local_dir"), cfg.node_dir)
@@ -338,7 +344,7 @@ def take_back(cfg: Config, before: Mapping[str, FrozenSet[str]]) -> List[str]:
     from easyckpt.storage import firstfiles
     from easyckpt.storage.joblock import LOCK_NAME, JobLock
 
-    if cfg.remote:          # the lock is a lease object in the store, not a file here: nothing is taken back
+    if cfg.in_store:          # the lock is a lease object in the store, not a file here: nothing is taken back
         return []
     files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname())),
              os.path.join(cfg.save_dir, LOCK_NAME)] + ([cfg.audit_log] if cfg.audit_log else [])
@@ -355,7 +361,7 @@ def _check_own_files(cfg: Config) -> None:
 
     node_files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname()))]
     hints = []
-    if not cfg.remote:
+    if not cfg.in_store:
         node_files.append(os.path.join(cfg.save_dir, LOCK_NAME))
         hints = [os.path.join(cfg.save_dir, name) for name in (layout.DAMAGED_NAME, cfg.naming.tracker) if name]
     for path in node_files + hints:
@@ -365,18 +371,15 @@ def _check_own_files(cfg: Config) -> None:
 
 
 def _check_store(cfg: Config) -> None:
-    """An s3:// save_dir: a well-formed URL, boto3 installed, and the bucket reachable with these credentials
-    (storage/s3.py's check names what to fix), before anything trains."""
-    from easyckpt.storage import resolve, s3client
-
-    try:
-        s3client.Location.parse(cfg.save_dir)
-    except ValueError as exc:
-        raise ConfigError(f"save_dir: {exc}") from None
+    """An object store's save_dir: its client library installed, a well-formed URL, and the bucket reachable with
+    these credentials (the back-end's ``check`` names what to fix), before anything trains."""
     resolve.set_endpoint(cfg.endpoint_url)
-    store = resolve.remote(cfg.save_dir)
-    assert store is not None
-    store.check(cfg.save_dir)
+    try:
+        resolve.storage_for(cfg.save_dir).check(cfg.save_dir)
+    except ConfigError:
+        raise
+    except ValueError as exc:      # the URL is malformed
+        raise ConfigError(f"save_dir: {exc}") from None
 
 
 def _check_dir(name: str, where: str) -> None:

@@ -72,6 +72,48 @@ def test_no_import_circle_between_modules():
     assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in sorted(circles))
 
 
+# The one function that parses a save directory's name into a back-end: storage/resolve.py's ``remote``; every other
+# caller asks the back-end (``storage_for(path).local``, its verbs) or resolve (``is_url``, ``is_store_url``).
+URL_PARSERS = {"easyckpt/storage/resolve.py", "easyckpt/storage/s3client.py"}     # s3client: its own URLs' form
+# switched by the engine's change (issue 52: ``storage_for(path).local``); remove each entry as it goes
+REMOTE_CALLERS_LEFT = {"easyckpt/engine/checkpointer.py", "easyckpt/engine/scratch.py", "easyckpt/engine/stepread.py",
+                       "easyckpt/engine/load.py"}
+
+
+def _url_tests(tree) -> list:
+    """Lines that call ``remote(...)`` or test a string for a URL scheme ("://" in x, x.startswith("s3://"))."""
+    import ast
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name == "remote":
+                found.append(node.lineno)
+            elif name in ("startswith", "match") and any(
+                    isinstance(a, ast.Constant) and isinstance(a.value, str) and "://" in a.value for a in node.args):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and \
+                isinstance(node.left.value, str) and "://" in node.left.value:
+            found.append(node.lineno)
+    return found
+
+
+def test_a_paths_url_scheme_is_parsed_in_one_place():
+    import ast
+    where = []
+    for path in _modules():
+        rel = str(path.relative_to(ROOT))
+        if rel in URL_PARSERS or rel in REMOTE_CALLERS_LEFT:
+            continue
+        where += [f"{rel}:{line}" for line in _url_tests(ast.parse(path.read_text(encoding="utf-8")))]
+    assert not where, ("a path's scheme is tested outside storage/resolve.py (ask resolve.storage_for(path).local, "
+                       "resolve.is_url or the back-end's verbs):\n" + "\n".join(where))
+    tree = ast.parse((PACKAGE / "storage" / "resolve.py").read_text(encoding="utf-8"))
+    parsers = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "remote"]
+    assert parsers == ["remote"]
+
+
 def test_each_shard_format_is_named_in_one_module():
     """formats/shardformat.py writes the format names; everything else dispatches through ShardFormat (a
     name like "torch" has other meanings too: what is checked is its use as a format)."""

@@ -136,16 +136,16 @@ def test_a_body_reads_piece_by_piece_and_rewinds_for_a_retry():
 
 
 def test_a_whole_file_read_has_each_pieces_pages_made_present_by_the_thread_that_fills_it(store, monkeypatch):
-    """storage/remotefiles.read_whole: the bytes and checksum of a file read in several ranged GETs; its buffer's
+    """S3Storage.read_hashed (storage/objectread.py): the bytes and checksum of a file read in several ranged GETs; its buffer's
     pages are made present piece by piece, each in the pool thread that then fills that piece (beside the other
     pieces' transfers), not all at once before the first GET."""
     import threading
 
     from easyckpt import pages
     from easyckpt.formats import manifest as mf
-    from easyckpt.storage import remotefiles
+    from easyckpt.storage import objectread
     s, top = store
-    monkeypatch.setattr(remotefiles, "PIECE", 1 << 20)
+    monkeypatch.setattr(objectread, "PIECE", 1 << 20)
     calls, real = [], pages.populate_range
 
     def recording(mm, start, length):
@@ -154,11 +154,36 @@ def test_a_whole_file_read_has_each_pieces_pages_made_present_by_the_thread_that
     monkeypatch.setattr(pages, "populate_range", recording)
     data = os.urandom((4 << 20) + 123)
     s.write_atomic(f"{top}/step/f.bin", data)
-    buf, digest = remotefiles.read_whole(s, f"{top}/step", "f.bin", mf.ALGO, None, len(data))
+    buf, digest = s.read_hashed(f"{top}/step/f.bin", mf.ALGO, None, len(data))
     assert bytes(buf) == data and digest == mf.checksum(data)
     assert sorted((a, n) for a, n, _ in calls) == [(off, min(1 << 20, len(data) - off))
                                                    for off in range(0, len(data), 1 << 20)]
     assert all(name.startswith("easyckpt-s3") for *_, name in calls), calls
+
+
+def test_the_read_verbs_of_the_storage_protocol_on_a_store(store):
+    """Storage's read verbs on S3 (base.py): size, no owner (the bucket's policy), a range into the caller's buffer,
+    several ranges at once, a whole file with and without its checksum, each short only at the object's end."""
+    from easyckpt.formats import manifest as mf
+    from easyckpt.storage.base import Storage, Versioned
+    s, top = store
+    assert isinstance(s, Storage) and isinstance(s, Versioned) and not s.local
+    data = os.urandom((2 << 20) + 5)
+    path = f"{top}/verbs/f.bin"
+    s.write_atomic(path, data)
+    assert s.size(path) == len(data) and s.owner(path) is None
+    with pytest.raises(FileNotFoundError):
+        s.size(f"{top}/verbs/none.bin")
+    view = memoryview(bytearray(10))
+    assert s.read_into(path, 7, view) == 10 and bytes(view) == data[7:17]
+    assert s.read_into(path, len(data) - 4, view) == 4 and bytes(view[:4]) == data[-4:]
+    assert [bytes(b) for b in s.read_ranges(path, [(0, 3), (1 << 20, 9), (len(data) - 2, 5)])] == \
+        [data[:3], data[1 << 20:(1 << 20) + 9], data[-2:]]
+    buf, digest = s.read_hashed(path, mf.ALGO)
+    assert bytes(buf) == data and digest == mf.checksum(data)
+    buf, digest = s.read_hashed(path)
+    assert bytes(buf) == data and digest is None
+    s.check(f"{top}/verbs")
 
 
 def test_an_unfinished_upload_is_invisible_and_aborted_for_its_prefix(store):

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
 
+from easyckpt.errors import UntrustedFileError
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS
@@ -19,6 +20,8 @@ from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage, Writer
 from easyckpt.storage.commit import commit
 from easyckpt.storage.posix import PosixStorage
+from easyckpt.storage.manifestcommit import ManifestCommit
+from easyckpt.storage.renamecommit import RenameCommit
 from easyckpt.storage.retention import KeepLast, prune
 from easyckpt.storage.savedir import SaveDir
 
@@ -463,3 +466,157 @@ def test_a_lock_file_removed_between_its_open_and_its_lock_is_opened_again(tmp_p
 def test_the_trainers_global_step_is_taken_only_as_the_int_it_writes(tmp_path, value, step):
     (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": value}))
     assert stepfiles.trainer_state_step(str(tmp_path)) == step
+
+
+# ---- the read verbs of the Storage protocol on POSIX (base.py) --------------------------------------------------
+
+def test_posix_size_and_owner_never_follow_a_symlink_nor_read_a_fifo(tmp_path):
+    s = PosixStorage()
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"x" * 1234)
+    assert s.size(str(f)) == 1234
+    assert s.owner(str(f)) == (os.geteuid(), os.lstat(f).st_mode)
+    assert s.owner(str(tmp_path / "none")) is None
+    os.symlink(f, tmp_path / "link")
+    os.mkfifo(tmp_path / "fifo")
+    for name, kind in (("link", "symlink"), ("fifo", "FIFO")):
+        with pytest.raises(UntrustedFileError, match=kind):
+            s.size(str(tmp_path / name))
+    with pytest.raises(FileNotFoundError):
+        s.size(str(tmp_path / "none"))
+
+
+@pytest.mark.parametrize("nbytes", [1000, (9 << 20) + 7])     # one plain read; parallel O_DIRECT pieces
+def test_posix_read_hashed_reads_a_whole_file_with_and_without_its_checksum(tmp_path, nbytes):
+    s = PosixStorage()
+    data = os.urandom(nbytes)
+    (tmp_path / "f.bin").write_bytes(data)
+    heard: List[int] = []
+    buf, digest = s.read_hashed(str(tmp_path / "f.bin"), mf.ALGO, heard.append)
+    assert bytes(buf) == data and digest == mf.checksum(data) and sum(heard) == nbytes
+    buf, digest = s.read_hashed(str(tmp_path / "f.bin"), None, None, nbytes)
+    assert bytes(buf) == data and digest is None
+    with pytest.raises(OSError, match="shrank"):           # a size larger than the file: never stitched
+        s.read_hashed(str(tmp_path / "f.bin"), mf.ALGO, None, nbytes + 10)
+    os.symlink(tmp_path / "f.bin", tmp_path / "link")
+    with pytest.raises(UntrustedFileError):
+        s.read_hashed(str(tmp_path / "link"), mf.ALGO)
+
+
+def test_posix_read_into_and_read_ranges_are_short_only_at_the_end(tmp_path):
+    s = PosixStorage()
+    data = os.urandom(4096 + 3)
+    path = str(tmp_path / "f.bin")
+    (tmp_path / "f.bin").write_bytes(data)
+    view = memoryview(bytearray(100))
+    assert s.read_into(path, 10, view) == 100 and bytes(view) == data[10:110]
+    assert s.read_into(path, len(data) - 5, view) == 5 and bytes(view[:5]) == data[-5:]
+    got = s.read_ranges(path, [(0, 3), (4000, 50), (len(data) - 2, 9)])
+    assert [bytes(b) for b in got] == [data[:3], data[4000:4050], data[-2:]]
+    os.symlink(path, tmp_path / "link")
+    with pytest.raises(UntrustedFileError):
+        s.read_ranges(str(tmp_path / "link"), [(0, 1)])
+    s.check(str(tmp_path))          # a file system's checks are config.py's: nothing here
+
+
+def test_a_steps_files_are_read_through_the_storage_it_is_given(tmp_path):
+    """stepfiles reads a step through the Storage verbs alone: a back-end that is not the one its name picks is
+    used as given (a SaveDir's), for the manifest, sizes, whole files, items and verification."""
+    step = tmp_path / "step_00000001"
+    step.mkdir()
+    data = os.urandom(3000)
+    (step / "a.bin").write_bytes(data)
+    items = (mf.Item(0, 1000, mf.checksum(data[:1000]), ["x", None, None]),
+             mf.Item(1000, 2000, mf.checksum(data[1000:]), ["y", None, None]))
+    man = mf.build(1, JOB, "pytorch", 1, {"a.bin": mf.FileEntry(len(data), mf.checksum(data), None, items)}, {})
+    (step / mf.MANIFEST_NAME).write_bytes(man.to_bytes())
+    asked: List[str] = []
+    seen: Any = _Recording(PosixStorage(), asked)
+    loaded = stepfiles.load(str(step), storage=seen)
+    assert loaded.files["a.bin"].size == 3000 and stepfiles.check_sizes(str(step), loaded, storage=seen) == []
+    assert stepfiles.read_verified(str(step), "a.bin", loaded, storage=seen) == data
+    kept: Dict[int, bytearray] = {}
+    assert stepfiles.read_items(str(step), "a.bin", loaded, [1], keep=kept, storage=seen) == (None, 2000)
+    assert bytes(kept[1]) == data[1000:]
+    assert stepfiles.verify_file(str(step), "a.bin", loaded, storage=seen, chunk=1024) is None
+    assert stepfiles.owner_problem(str(step), ["a.bin"], storage=seen) is None
+    assert {"size", "read", "read_hashed", "read_ranges", "read_into", "owner"} <= set(asked)
+
+
+class _Recording:
+    def __init__(self, inner: Storage, asked: List[str]):
+        self.inner, self.asked = inner, asked
+
+    def __getattr__(self, name: str) -> Any:
+        self.asked.append(name)
+        return getattr(self.inner, name)
+
+
+# ---- the commit path walks each module once ----------------------------------------------------------------------
+
+_COMMIT_MODULES = ("savedir", "commit", "renamecommit", "manifestcommit")
+
+
+def _module_walk(run: Any) -> List[str]:
+    """The storage modules of the commit concern that ``run()`` is in, in order, each stretch once (leaves such as
+    the back-end, stepfiles, markers, damaged and formats/ are passed through, not counted)."""
+    import sys
+    walk: List[str] = []
+
+    def module_of(frame: Any) -> Optional[str]:
+        while frame is not None:
+            name = os.path.splitext(os.path.basename(frame.f_code.co_filename))[0]
+            if "easyckpt/storage/" in frame.f_code.co_filename and name in _COMMIT_MODULES:
+                return name
+            if "easyckpt/" in frame.f_code.co_filename and "/storage/" not in frame.f_code.co_filename:
+                return None                      # back in the caller (jobdir, the test)
+            frame = frame.f_back
+        return None
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event not in ("call", "return"):
+            return
+        where = module_of(frame if event == "call" else frame.f_back)
+        if where is not None and (not walk or walk[-1] != where):
+            walk.append(where)
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return walk
+
+
+def _returns(walk: List[str]) -> int:
+    return sum(1 for i, m in enumerate(walk) if m in walk[:i])
+
+
+class _NoRename:
+    """The POSIX file system as an object store would be used: no rename, so the manifest commit."""
+    has_rename = False
+
+    def __init__(self) -> None:
+        self.inner = PosixStorage()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def write_atomic(self, path: str, data: bytes) -> None:       # a key needs no directory made first
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.inner.write_atomic(path, data)
+
+
+@pytest.mark.parametrize("renames", [True, False])
+def test_the_commit_path_returns_at_most_once_to_a_module_it_left(tmp_path, renames):
+    """From JobDir.commit's call (sd.commits.commit) each strategy runs its whole sequence in its own module; it
+    enters the save dir once (the run's number: SaveDir.run_seq) and comes back once, never bouncing between them
+    (everything else it calls is a leaf: the back-end, markers, damaged, tracker, stepfiles, formats/)."""
+    storage: Any = PosixStorage() if renames else _NoRename()
+    sd = SaveDir(str(tmp_path), NAMINGS["megatron"], JOB, storage=storage)
+    assert isinstance(sd.commits, RenameCommit if renames else ManifestCommit)
+    sd.begin_step(5)
+    stage(sd, 5)
+    walk = _module_walk(lambda: sd.commits.commit(5, 1, LOG))
+    assert intact(sd, 5) and sd.tracker_step() == 5
+    strategy = "renamecommit" if renames else "manifestcommit"
+    assert walk == [strategy, "savedir", strategy] and _returns(walk) == 1, walk

@@ -106,7 +106,7 @@ class Agent:
         self.got_sigterm = False
         self.notices: List[str] = []            # what rank 0's console must hear, through status (dirwatch.py)
         self.logs = NodeLogs(cfg, self.log)
-        self.dirwatch = DirWatch([cfg.node_dir] if cfg.remote else [cfg.save_dir, cfg.node_dir])
+        self.dirwatch = DirWatch([cfg.node_dir] if cfg.in_store else [cfg.save_dir, cfg.node_dir])
         self.stopped: Optional[str] = None      # why this agent persists no more (its save dir is another job's)
         # for the trainers' console ("checkpoint-15 committed (1.2 GiB, 0.4 s ...)"), through status
         self.asked: Dict[int, float] = {}       # step -> when a trainer first asked to persist it

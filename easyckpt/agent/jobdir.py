@@ -25,11 +25,11 @@ from easyckpt.ipc.reap import reap_dead_jobs
 from easyckpt.storage import retention
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.base import Storage
-from easyckpt.storage.commit import Committed, commit
+from easyckpt.storage.commit import Committed
 from easyckpt.storage.joblock import JobLock
-from easyckpt.storage.resolve import remote, storage_for
+from easyckpt.storage.resolve import storage_for
 from easyckpt.storage.savedir import SaveDir
-from easyckpt.storage.storelock import StoreLock
+from easyckpt.storage.storelock import StoreLock, job_lock
 
 POLL_S = 0.25
 
@@ -52,11 +52,7 @@ class JobDir:
     def lock(self) -> Union[JobLock, StoreLock]:
         """docs/reliability.md promise 8, one job per directory: the coordinator's agent holds it while it has
         work (a flock in the save dir; on an object store a lease object, storelock.py)."""
-        store = remote(self.cfg.save_dir, quick=True)
-        if store is not None:
-            self._lock = StoreLock(store, self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
-        else:
-            self._lock = JobLock(self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
+        self._lock = job_lock(self.quick.storage, self.cfg.save_dir, self.cfg.job_id, self.cfg.job_name)
         return self._lock
 
     def begin(self, step: int) -> str:
@@ -71,7 +67,7 @@ class JobDir:
         yet (the step waits; commit_timeout bounds it)."""
         now = time.monotonic()
         last = self._polled.get(step)
-        if last is not None and not self.sd.renames and now - last[0] < POLL_S:
+        if last is not None and self.sd.commits.polls and now - last[0] < POLL_S:
             return last[1]
         try:
             ranks = self.quick.ready_ranks(step)
@@ -107,7 +103,8 @@ class JobDir:
         self._polled.pop(step, None)
 
     def commit(self, step: int, world_size: int) -> Tuple[int, List[int]]:
-        """Commit ``step`` (storage/commit.py's durable sequence), then prune older steps of this job.
+        """Commit ``step`` by the save dir's strategy (storage/renamecommit.py or manifestcommit.py: each docstring is
+        its sequence), then prune older steps of this job.
         Returns the bytes the step holds and the steps pruned. Refused while another job holds the lease this job
         lost (two jobs committing to one prefix: the step fails, saying so, until this job takes the lease again)."""
         lost = self._lock.lost if self._lock is not None else None
@@ -115,7 +112,7 @@ class JobDir:
             raise LeaseLost(f"step {step} was not committed: {lost}")
         t0 = time.perf_counter()
         try:
-            done = commit(self.sd, step, world_size, self.log)
+            done = self.sd.commits.commit(step, world_size, self.log)
         except TrackerNotUpdated as exc:      # committed all the same: said, and retention runs
             self.log.emit("warning", step=step, message=str(exc))
             done = cast(Committed, exc.done)

@@ -7,7 +7,7 @@ state the loop reads, and the loop's state is never touched here. Order of the w
     mark the slot busy → persist.persist_slot() into the step's staging dir → check it held ``step``
     → write the rank's marker → release the slot → log "persist" → Result (the loop decides on the
     commit: coordinator.py)
-  commit (step): commit.py's durable sequence (manifest, rename, fsync, tracker) → prune → Result
+  commit (step): the save dir's commit strategy (renamecommit.py: manifest, rename, fsync, tracker) → prune → Result
   abandon (keep) / drop (step): remove staging dirs → Result
   damaged (step): mark the committed step damaged → Result
 

@@ -23,11 +23,11 @@ from easyckpt import _faults as faults
 from easyckpt.errors import SlotNotComplete, SnapshotChanged
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import torchzip
-from easyckpt.formats.paths import inside
 from easyckpt.formats.shardfile import encode_header, file_entries
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.formats.slotmeta import SlotFile
 from easyckpt.ipc import shm, slotread
+from easyckpt.storage import stepfiles
 from easyckpt.storage.base import Storage, Writer
 from easyckpt.storage.posix import PosixStorage
 
@@ -67,7 +67,7 @@ def persist_slot(slot_path: str, generation: int, staging: str, rank: int, direc
                     if parent not in made_dirs:
                         storage.makedirs(parent)
                         made_dirs.add(parent)
-                    path = inside(staging, rel)     # after makedirs: no directory on the way is a symlink out
+                    path = stepfiles.join(storage, staging, rel)    # after makedirs: no directory on the way leads out
                     out = storage.open_writer(path, direct=direct_io)
                     written.append(out)
                     digest, items = WRITERS[f.fmt](out, view, f)

@@ -56,7 +56,7 @@ from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import DS_MODEL_STATES, DS_OPTIM_STATES
 from easyckpt.storage import stepfiles
-from easyckpt.storage.resolve import remote
+from easyckpt.storage.resolve import storage_for
 from easyckpt.storage.stepfiles import damaged_message
 
 Weights = Dict[str, torch.Tensor]
@@ -115,7 +115,7 @@ class Source:
 
 
 def open_step(step_dir: str) -> Source:
-    step_dir = step_dir if remote(step_dir) is not None else os.path.abspath(step_dir)
+    step_dir = os.path.abspath(step_dir) if storage_for(step_dir).local else step_dir
     try:
         man = stepfiles.load(step_dir)
     except (OSError, ValueError) as exc:

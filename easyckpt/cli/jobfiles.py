@@ -7,21 +7,19 @@ from typing import Union
 
 from easyckpt.config import default_local_dir
 from easyckpt.storage.joblock import JobLock
-from easyckpt.storage.resolve import remote, storage_for
-from easyckpt.storage.s3client import is_url
-from easyckpt.storage.storelock import StoreLock
+from easyckpt.storage.resolve import storage_for
+from easyckpt.storage.storelock import StoreLock, job_lock
 
 
 def prune_lock(save_dir: str, job: str) -> Union[JobLock, StoreLock]:
     """The job lock prune takes: the save dir's flock, or on an object store the job's lease, taken only when no
     lease runs (not even this job's own)."""
-    store = remote(save_dir)
-    return StoreLock(store, save_dir, job, None, own_ok=False) if store is not None else JobLock(save_dir, job, None)
+    return job_lock(storage_for(save_dir), save_dir, job, None, own_ok=False)
 
 
 def node_dir(save_dir: str, job: str) -> str:
     """Where prune's log goes: the save dir, or for an object store the job's default local_dir on this node."""
-    if not is_url(save_dir):
+    if storage_for(save_dir).local:
         return save_dir
     where = default_local_dir(job)
     storage_for(where).makedirs(where)

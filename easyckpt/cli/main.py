@@ -35,7 +35,7 @@ from easyckpt.cli.saying import say
 from easyckpt.cli.status import cmd_status
 from easyckpt.errors import EasyCkptError
 from easyckpt.storage import resolve, retention, stepfiles
-from easyckpt.storage.resolve import remote
+from easyckpt.storage.resolve import is_url, storage_for
 from easyckpt.storage.savedir import SaveDir
 from easyckpt.units import human
 
@@ -240,7 +240,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"easyckpt convert: step {entry.step} is not a complete checkpoint ({entry.why}); "
               f"`easyckpt ls {args.dir}` lists the complete ones", file=sys.stderr)
         return 1
-    if remote(entry.path) is not None and (args.what == "megatron-distopt" or not args.output or "://" in args.output):
+    in_store = not storage_for(entry.path).local
+    if in_store and (args.what == "megatron-distopt" or not args.output or is_url(args.output)):
         print(f"easyckpt convert: {args.dir} is in an object store, where a committed step is never changed: give "
               f"--output a local path" + (" (megatron-distopt writes into the step itself: copy the step to a disk "
                                           "first)" if args.what == "megatron-distopt" else ""), file=sys.stderr)

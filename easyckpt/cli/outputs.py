@@ -13,7 +13,7 @@ from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles
 from easyckpt.storage.posix import PosixStorage
-from easyckpt.storage.resolve import remote
+from easyckpt.storage.resolve import storage_for
 from easyckpt.storage.savedir import SaveDir
 
 ProgressFactory = Callable[[int, str], Progress]
@@ -21,7 +21,7 @@ DERIVED_BY = "easyckpt.cli.consolidate"        # the value earlier releases wrot
 
 
 def relpath_inside(step_dir: str, output: str) -> Optional[str]:
-    if remote(step_dir) is not None:     # an output is always local (main.py refuses one in the store)
+    if not storage_for(step_dir).local:     # an output is always local (main.py refuses one in the store)
         return None
     base, out = os.path.realpath(step_dir), os.path.realpath(output)
     return os.path.relpath(out, base) if os.path.commonpath([base, out]) == base else None

@@ -37,7 +37,7 @@ from easyckpt.cli.outputs import ProgressFactory
 from easyckpt.engine import scratch
 from easyckpt.formats import manifest as mf
 from easyckpt.storage import stepfiles
-from easyckpt.storage.resolve import remote
+from easyckpt.storage.resolve import storage_for
 
 logger = logging.getLogger("easyckpt")
 MAX_SHARD_BYTES = 50 * 10 ** 9         # save_pretrained's default max_shard_size ("50GB")
@@ -155,7 +155,7 @@ def _merged(step_dir: str, output_dir: Optional[str], base_model: str,
     auto = getattr(transformers, _AUTO_CLASS.get(task, "AutoModel"))
     # PEFT and transformers read and write only by path: scratch directories in the save directory (beside the
     # step, never inside it), removed after
-    near = os.path.dirname(folder) if remote(step_dir) is not None else os.path.dirname(os.path.abspath(step_dir))
+    near = os.path.dirname(os.path.abspath(step_dir)) if storage_for(step_dir).local else os.path.dirname(folder)
     tag = str(os.getpid())
     adapter_dir = scratch.fresh(scratch.path(near, "adapter", tag))
     try:

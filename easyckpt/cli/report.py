@@ -28,6 +28,7 @@ from easyckpt.cli.saying import say
 from easyckpt.cli.timeline import Timeline, build
 from easyckpt.config import DEFAULT_LOG_NAME
 from easyckpt.storage.posix import PosixStorage
+from easyckpt.storage.resolve import is_url
 
 REPORT_NAME = "easyckpt-report.html"
 PNG_EXTRA = "pip install 'easyckpt[report]' (matplotlib)"
@@ -65,11 +66,11 @@ def _write(path: str, data: bytes) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    if "://" in args.dir and not args.log_file:
+    if is_url(args.dir) and not args.log_file:
         print(f"easyckpt report: {args.dir} is in an object store; give the audit log's local path with --log-file "
               f"(the job's log_file_path)", file=sys.stderr)
         return 2
-    if "://" in args.dir and not args.output:
+    if is_url(args.dir) and not args.output:
         print(f"easyckpt report: {args.dir} is in an object store; name the report's local file with -o",
               file=sys.stderr)
         return 2

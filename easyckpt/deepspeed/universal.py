@@ -24,7 +24,7 @@ from easyckpt.formats.manifest import MANIFEST_NAME
 def work_dir(cfg: Config) -> str:
     """The job's scratch directory for the converted copy (one per job: two jobs never share it): beside the
     checkpoints, or for an object store's job in its node-local directory."""
-    return scratch_path(cfg.node_dir if cfg.remote else cfg.save_dir, "universal", cfg.job_id)
+    return scratch_path(cfg.node_dir if cfg.in_store else cfg.save_dir, "universal", cfg.job_id)
 
 
 @contextmanager

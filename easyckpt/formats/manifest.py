@@ -169,7 +169,7 @@ class Manifest:
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)   # what the adapters recorded (layout, run...)
     adopted: bool = False
     format_version: int = FORMAT_VERSION
-    # the number of the run that committed it, decided by the commit under the job's lock (commit.run_seq_of);
+    # the number of the run that committed it, decided by the commit under the job's lock (storage/savedir.py SaveDir.run_seq);
     # 0: committed before runs were numbered (its order is then its "run" stamp's, see run_key)
     run_seq: int = 0
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # fields a newer writer added: kept

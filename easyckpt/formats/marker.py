@@ -1,5 +1,5 @@
 """A rank's done-marker: in a step's staging directory, written by its agent once the rank's files are
-durable (storage/savedir.py write_marker), read by the coordinator before the commit (storage/commit.py).
+durable (storage/markers.py write), read by the coordinator before the commit (storage/commit.py's strategies).
 JSON, checked whole when parsed: the staging directory is shared, so a marker is input like any file."""
 from __future__ import annotations
 

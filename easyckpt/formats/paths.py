@@ -39,11 +39,9 @@ def check_relpath(rel: object) -> str:
 
 
 def inside(base: str, rel: object) -> str:
-    """The path of ``rel`` inside directory ``base``, refused if it leaves ``base`` (symlinks resolved). Under an
-    object store's URL (``s3://...``) there are no symlinks: a plain relative name is inside by construction."""
+    """The path of ``rel`` inside file-system directory ``base``, refused if it leaves ``base`` (symlinks
+    resolved). (Under an object store's URL there are no symlinks: stepfiles.join takes a plain relative name.)"""
     path = os.path.join(base, check_relpath(rel))
-    if base.startswith("s3://"):    # only the one URL scheme the storage layer opens; anything else is a path
-        return path
     real_base = os.path.realpath(base)
     real = os.path.realpath(path)
     if os.path.commonpath([real_base, real]) != real_base or real == real_base:

@@ -6,6 +6,7 @@ names, listings and deletes of one save directory) · commit.py (the commit sequ
 is pruned) · stepfiles.py (reading a step's manifest and listed files) · auditlog.py · joblock.py (one job per
 save directory) · s3.py (an S3-compatible object store as a Storage back-end: conditional create, parallel
 multipart uploads and ranged reads; s3writer.py: one object's multipart upload; s3client.py: URLs, the boto3
-client, its failures as StoreError) · resolve.py (which back-end serves a path: s3:// URLs the store) ·
-remotefiles.py (stepfiles' reads of a step on the store).
+client, its failures as StoreError; objectread.py: a whole object read by parallel ranged GETs, shared by
+object-store back-ends) · resolve.py (which back-end serves a path: the one parser of a URL's scheme) ·
+storelock.py (one job per prefix on a store: a lease over the Versioned verbs).
 """

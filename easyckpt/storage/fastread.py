@@ -36,12 +36,12 @@ STALL = 300.0             # seconds a chunk may take before the read is given up
 _ALIGN = 4096             # O_DIRECT: offsets, lengths and the buffer's address on this boundary
 
 
-def read_hashed(open_fd: Callable[[int], int], size: int, algo: str = mf.ALGO,
+def read_hashed(open_fd: Callable[[int], int], size: int, algo: Optional[str] = mf.ALGO,
                 on_bytes: Optional[Callable[[int], None]] = None, what: str = "file"
-                ) -> Tuple[memoryview, str]:
-    """(the file's ``size`` bytes, their checksum). ``open_fd(extra_flags)`` opens the file for reading
-    (the caller's checks on the path stay its own). OSError when the file is shorter than ``size``."""
-    hasher = mf.Hasher(algo)
+                ) -> Tuple[memoryview, Optional[str]]:
+    """(the file's ``size`` bytes, their checksum by ``algo``, None without one). ``open_fd(extra_flags)`` opens the
+    file for reading (the caller's checks on the path stay its own). OSError when the file is shorter than ``size``."""
+    hasher = mf.Hasher(algo) if algo else None
     if size < SMALL:
         fd = open_fd(0)
         try:
@@ -49,10 +49,11 @@ def read_hashed(open_fd: Callable[[int], int], size: int, algo: str = mf.ALGO,
             _read_range(fd, memoryview(buf), 0, size, what)
         finally:
             os.close(fd)
-        hasher.update(buf)
+        if hasher is not None:
+            hasher.update(buf)
         if on_bytes is not None:
             on_bytes(size)
-        return memoryview(buf), hasher.hexdigest()
+        return memoryview(buf), (hasher.hexdigest() if hasher is not None else None)
     flags = getattr(os, "O_DIRECT", 0)
     try:
         fd = open_fd(flags)
@@ -69,7 +70,8 @@ def read_hashed(open_fd: Callable[[int], int], size: int, algo: str = mf.ALGO,
     try:
         chunks.start()
         for start, end in chunks.in_order():
-            hasher.update(view[start:end])
+            if hasher is not None:
+                hasher.update(view[start:end])
             if on_bytes is not None:
                 on_bytes(end - start)
     finally:
@@ -79,7 +81,7 @@ def read_hashed(open_fd: Callable[[int], int], size: int, algo: str = mf.ALGO,
         os.close(fd)
     if chunks.errors:
         raise chunks.errors[0]
-    return view[:size], hasher.hexdigest()
+    return view[:size], (hasher.hexdigest() if hasher is not None else None)
 
 
 class _Chunks:

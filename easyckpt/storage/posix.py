@@ -16,10 +16,11 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import Iterable, List, Tuple, Union
+from typing import Callable, Iterable, List, Optional, Tuple, Union
 
 from easyckpt.errors import UntrustedFileError
-from easyckpt.formats.paths import open_own, owner_name
+from easyckpt.formats.paths import open_own, open_regular, owner_name
+from easyckpt.storage import fastread
 from easyckpt.storage.base import Buffer
 from easyckpt.storage.direct import SequentialWriter
 
@@ -280,3 +281,57 @@ class PosixStorage:
             return os.pread(fd, max_bytes, 0)
         finally:
             os.close(fd)
+
+    def size(self, path: str) -> int:
+        fd = open_regular(path)       # a symlink, a FIFO, a device: UntrustedFileError naming what it is
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def owner(self, path: str) -> Optional[Tuple[int, int]]:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        return st.st_uid, st.st_mode
+
+    def read_hashed(self, path: str, algo: Optional[str] = None, on_bytes: Optional[Callable[[int], None]] = None,
+                    size: Optional[int] = None) -> Tuple[memoryview, Optional[str]]:
+        """Parallel O_DIRECT reads (fastread.py), every open O_NOFOLLOW and of a regular file only."""
+        return fastread.read_hashed(lambda extra: open_regular(path, os.O_RDONLY | extra),
+                                    self.size(path) if size is None else size, algo, on_bytes,
+                                    what=os.path.basename(path))
+
+    def read_into(self, path: str, offset: int, view: memoryview) -> int:
+        fd = open_regular(path)
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n <= 0:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
+
+    def read_ranges(self, path: str, ranges: List[Tuple[int, int]]) -> List[bytearray]:
+        fd = open_regular(path)       # one open file for every range: none read from a file swapped meanwhile
+        try:
+            out: List[bytearray] = []
+            for offset, length in ranges:
+                buf = bytearray(length)
+                view, got = memoryview(buf), 0
+                while got < length:
+                    n = os.preadv(fd, [view[got:]], offset + got)
+                    if n <= 0:
+                        break
+                    got += n
+                out.append(buf if got == length else buf[:got])
+            return out
+        finally:
+            os.close(fd)
+
+    def check(self, url: str) -> None:
+        """A file system's checks (writable, this user's) are config.py's, made when a job starts."""

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from easyckpt.errors import AlreadyCommitted, ConfigError, ObjectChanged, StoreError
 from easyckpt.formats.manifest import MANIFEST_NAME
-from easyckpt.storage.base import Buffer
+from easyckpt.storage import objectread
+from easyckpt.storage.base import Buffer, Version
 from easyckpt.storage.s3writer import S3Writer
 from easyckpt.storage.s3client import (
     PARALLEL,
@@ -51,21 +51,6 @@ from easyckpt.storage.s3client import (
 
 _CHUNK = 1 << 20     # read_into's reads from a reply's body
 _REFUSED = ("PreconditionFailed", "412", "ConditionalRequestConflict")     # a conditional request's "no"
-
-
-@dataclass(frozen=True)
-class Version:
-    """One object as the store holds it now (``read_version``): its first bytes, its ETag (as the store
-    quotes it), and two times by the store's own clock, never this host's."""
-    data: bytes
-    etag: str
-    modified: float             # its Last-Modified (whole seconds)
-    store_now: Optional[float]  # the Date of the reply that carried it; None when the store sends no Date
-
-    @property
-    def age(self) -> Optional[float]:
-        """Seconds since the object was last written, by the store's clock; None when the store gave no time."""
-        return None if self.store_now is None else self.store_now - self.modified
 
 
 class S3Storage:
@@ -326,6 +311,13 @@ class S3Storage:
         if head is None:
             raise FileNotFoundError(path)
         return int(head["ContentLength"])
+
+    def owner(self, path: str) -> Optional[Tuple[int, int]]:
+        return None     # who may write is the bucket's policy: no owner to check
+
+    def read_hashed(self, path: str, algo: Optional[str] = None, on_bytes: Optional[Callable[[int], None]] = None,
+                    size: Optional[int] = None) -> Tuple[memoryview, Optional[str]]:
+        return objectread.read_hashed(self, path, algo, on_bytes, size)
 
     def files(self, path: str) -> List[Tuple[str, int]]:
         loc = Location.parse(path)

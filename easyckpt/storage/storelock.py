@@ -33,10 +33,11 @@ import os
 import secrets
 import socket
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from easyckpt.errors import AlreadyCommitted, LeaseLost, ObjectChanged
-from easyckpt.storage.s3 import S3Storage, Version
+from easyckpt.storage.base import Storage, Version, Versioned
+from easyckpt.storage.joblock import JobLock
 
 LOCK_NAME = ".easyckpt.lock"
 LEASE_S = 120.0          # read when used (tests shorten it)
@@ -48,7 +49,7 @@ _MAX_TIME = 1e11         # seconds since 1970: year 5138
 
 
 class StoreLock:
-    def __init__(self, store: S3Storage, save_dir: str, job_id: str, job_name: Optional[str],
+    def __init__(self, store: Versioned, save_dir: str, job_id: str, job_name: Optional[str],
                  own_ok: bool = True, clock: Callable[[], float] = time.time):
         self.store, self.path = store, save_dir.rstrip("/") + "/" + LOCK_NAME
         self.job_id, self.job_name, self.own_ok, self.clock = job_id, job_name, own_ok, clock
@@ -207,3 +208,14 @@ def _describe(holder: Optional[Dict[str, Any]], why: str, lease: Version) -> str
                 f"lease {runs})")
     return (f"job {holder['job_name'] or holder['job_id']} (agent pid {holder['agent_pid']} on {holder['host']}; "
             f"its lease on the store runs {runs})")
+
+
+def job_lock(storage: Storage, save_dir: str, job_id: str, job_name: Optional[str],
+             own_ok: bool = True) -> Union[JobLock, StoreLock]:
+    """One job per save dir (docs/reliability.md promise 8): a flock in a file system's save dir (joblock.py), a
+    lease object on a store (``own_ok`` False: taken only when no lease runs, not even this job's own: prune)."""
+    if storage.local:
+        return JobLock(save_dir, job_id, job_name)
+    if not isinstance(storage, Versioned):
+        raise TypeError(f"{save_dir}: its store has no conditional writes (Versioned), which the job's lease needs")
+    return StoreLock(storage, save_dir, job_id, job_name, own_ok=own_ok)

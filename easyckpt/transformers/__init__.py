@@ -60,7 +60,7 @@ from transformers import TrainerCallback
 
 import easyckpt.deepspeed.cpu as cpu
 from easyckpt import console
-from easyckpt.config import Config, existing_files, take_back
+from easyckpt.config import Config, existing_files, is_url, take_back
 from easyckpt.engine.checkpointer import Checkpointer
 from easyckpt.engine.foreign import newest_plain_checkpoint
 from easyckpt.errors import ConfigError, EasyCkptError
@@ -166,7 +166,7 @@ def _own_dirs(given: Settings, args: "TrainingArguments") -> List[str]:
     dirs += [str(given.base.local_dir)] if given.base.local_dir else []
     log = given.base.log_file_path
     dirs += [os.path.dirname(os.path.abspath(log))] if isinstance(log, str) else []
-    return [d for d in dirs if "://" not in d]
+    return [d for d in dirs if not is_url(d)]
 
 
 class TrainerWrapper:

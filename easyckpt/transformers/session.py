@@ -241,7 +241,7 @@ class _Session(FrameworkState[Any]):
         snapshot of the same step: evaluation, best metric) and hand it to the agent."""
         state, args = self.trainer.state, self.args
         config = self.engine.config     # checkpoint-N go to the save_dir (output_dir, or an object store)
-        run_dir = config.save_dir if config.remote else self.trainer._get_output_dir(trial=trial)
+        run_dir = config.save_dir if config.in_store else self.trainer._get_output_dir(trial=trial)
         if args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
             best = state.best_global_step
             if best in self.requested or best == state.global_step or self.engine.is_committed(best, run_dir):
@@ -259,7 +259,7 @@ class _Session(FrameworkState[Any]):
             where, best = state.best_model_checkpoint, _step_of(state.best_model_checkpoint)
             if best is not None and best in self.requested:
                 self.engine.wait_committed(best)      # its persist may still be under way
-            if where is None or best is None or not self.engine.config.remote:
+            if where is None or best is None or not self.engine.config.in_store:
                 return original(*args, **kwargs)
             # the Trainer reads the best weights by path: from an object store, a verified copy on this node
             with scratch.local_committed(where, best, self._scratch("best")) as here:
@@ -277,7 +277,7 @@ class _Session(FrameworkState[Any]):
     def _local(self) -> Optional[str]:
         """The loaded step for readers that open paths (DCP's, DeepSpeed's universal checkpoint): the step
         itself, or a verified copy of it from an object store (removed by cleanup); None: from memory."""
-        if self.loaded_path is None or not self.engine.config.remote:
+        if self.loaded_path is None or not self.engine.config.in_store:
             return self.loaded_path
         if self.local_dir is None:
             assert self.loaded_manifest is not None     # restore() set it with the path
@@ -304,12 +304,12 @@ class _Session(FrameworkState[Any]):
             self._load_optimizer_and_scheduler, say_after=True)
         t._load_scaler = self._load_scaler  # type: ignore[method-assign]
         t._load_rng_state = self._load_rng_state  # type: ignore[method-assign]
-        if loaded.path is not None and not engine.config.remote:
+        if loaded.path is not None and not engine.config.in_store:
             return loaded.path
         # from memory or an object store: the Trainer reads trainer_state.json by path; give it just that file
         self.virtual_dir = os.path.join(self._scratch("resume"), NAMING.dir_name(loaded.step))
         state = loaded.trees[STATE]
-        if engine.config.remote:    # a best checkpoint in the store is no directory to the Trainer: kept aside
+        if engine.config.in_store:    # a best checkpoint in the store is no directory to the Trainer: kept aside
             state = json.dumps(dict(json.loads(state), best_model_checkpoint=None)).encode()
         return scratch.staged_file(self.virtual_dir, STATE, state)
 
@@ -372,7 +372,7 @@ class _Session(FrameworkState[Any]):
         Trainer's next call after it loads the state."""
         best = json.loads(self.trees[STATE]).get("best_model_checkpoint") if self.trees else None
         config = self.engine.config
-        if not (config.remote and isinstance(best, str) and os.path.dirname(best) == config.save_dir.rstrip("/")):
+        if not (config.in_store and isinstance(best, str) and os.path.dirname(best) == config.save_dir.rstrip("/")):
             return
         step = _step_of(best)
         if step is not None and self.engine.is_committed(step, config.save_dir):

@@ -27,6 +27,7 @@ from easyckpt.config import (
     _unknown,
     adapter_config,
     check_values,
+    is_url,
     validate,
 )
 from easyckpt.errors import ConfigError
@@ -104,14 +105,14 @@ def resolve(s: Settings, args: "TrainingArguments") -> Config:
     set where a given setting disagrees with it. Prepares the save directory (validate)."""
     output_dir = str(args.output_dir)
     verb, labels = s.verb, s.labels
-    if "://" in output_dir:
+    if is_url(output_dir):
         raise ConfigError(f"{verb}: TrainingArguments(output_dir={output_dir!r}): the Trainer writes its logs and "
                           f"runs to output_dir, a local directory; for checkpoints in an object store keep a local "
                           f"output_dir and give {labels['save_dir']}='s3://bucket/prefix' beside it")
     save_dir, local_dir = output_dir, s.base.local_dir
     if "save_dir" in s.parity:
         given = str(s.parity["save_dir"])
-        if "://" in given:      # an object store (validate refuses any scheme but s3://): checkpoint-N go there,
+        if is_url(given):      # an object store (validate refuses a scheme it does not serve): checkpoint-N go there,
             # the Trainer's logs, runs and this node's own files (audit log, agent log) stay in output_dir
             save_dir, local_dir = given, local_dir or output_dir
         elif os.path.realpath(given) != os.path.realpath(output_dir):
