@@ -167,8 +167,8 @@ class Config:
 
     @property
     def remote(self) -> bool:
-        """Whether save_dir is an object store's URL (s3://bucket/prefix)."""
-        return str(self.save_dir).startswith("s3://")
+        """Whether save_dir is an object store's URL (s3://, gs:// or az://bucket/prefix)."""
+        return str(self.save_dir).startswith(("s3://", "gs://", "az://"))     # issue 52 item 5: resolve.SCHEMES
 
     @property
     def node_dir(self) -> str:
@@ -306,7 +306,8 @@ def validate(cfg: Config, names: Optional[Mapping[str, str]] = None) -> Config:
     elif re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", str(cfg.save_dir)):
         # (without this, "gs://bucket/ckpt" would become a local directory named "gs:")
         raise ConfigError(f"save_dir={str(cfg.save_dir)!r} is a URL easyckpt cannot write: object stores are "
-                          f"reached through s3:// (an S3-compatible endpoint, endpoint_url=...); else give a "
+                          f"reached through s3:// (an S3-compatible endpoint, endpoint_url=...), gs:// (Google Cloud "
+                          f"Storage) or az:// (Azure Blob Storage); else give a "
                           f"local or network file system directory")
     if not cfg.remote:
         _check_dir(names.get("save_dir", "save_dir"), cfg.save_dir)
@@ -370,13 +371,14 @@ def _check_store(cfg: Config) -> None:
     from easyckpt.storage import resolve, s3client
 
     try:
-        s3client.Location.parse(cfg.save_dir)
+        if cfg.save_dir.startswith("s3://"):
+            s3client.Location.parse(cfg.save_dir)
+        resolve.set_endpoint(cfg.endpoint_url)
+        store = resolve.remote(cfg.save_dir)
+        assert store is not None
+        store.check(cfg.save_dir)       # issue 52 item 5: gs:// and az:// parse their URL here
     except ValueError as exc:
         raise ConfigError(f"save_dir: {exc}") from None
-    resolve.set_endpoint(cfg.endpoint_url)
-    store = resolve.remote(cfg.save_dir)
-    assert store is not None
-    store.check(cfg.save_dir)
 
 
 def _check_dir(name: str, where: str) -> None:

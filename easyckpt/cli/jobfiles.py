@@ -7,8 +7,7 @@ from typing import Union
 
 from easyckpt.config import default_local_dir
 from easyckpt.storage.joblock import JobLock
-from easyckpt.storage.resolve import remote, storage_for
-from easyckpt.storage.s3client import is_url
+from easyckpt.storage.resolve import is_store_url as is_url, remote, storage_for
 from easyckpt.storage.storelock import StoreLock
 
 

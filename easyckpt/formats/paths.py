@@ -42,7 +42,7 @@ def inside(base: str, rel: object) -> str:
     """The path of ``rel`` inside directory ``base``, refused if it leaves ``base`` (symlinks resolved). Under an
     object store's URL (``s3://...``) there are no symlinks: a plain relative name is inside by construction."""
     path = os.path.join(base, check_relpath(rel))
-    if base.startswith("s3://"):    # only the one URL scheme the storage layer opens; anything else is a path
+    if base.startswith(("s3://", "gs://", "az://")):    # the URL schemes the storage layer opens (resolve.SCHEMES)
         return path
     real_base = os.path.realpath(base)
     real = os.path.realpath(path)

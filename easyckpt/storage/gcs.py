@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from functools import partial
 from email.utils import parsedate_to_datetime
 from typing import Any, Callable, List, Optional, Tuple, TypeVar
 from urllib.parse import quote
@@ -180,9 +181,9 @@ class GcsStorage:
         keys = sorted((k for k, _ in self._names(s)), key=lambda k: k.endswith("/" + MANIFEST_NAME))
         bucket = self.c.bucket(s.bucket)
         for k in keys:
-            target = d.prefix() + k[len(s.prefix()):]
-            self._do("copy", s.url(k), lambda k=k, target=target: bucket.copy_blob(
-                bucket.blob(k), self.c.bucket(d.bucket), target, timeout=self._timeout, retry=self._retry))
+            self._do("copy", s.url(k), partial(bucket.copy_blob, bucket.blob(k), self.c.bucket(d.bucket),
+                                               d.prefix() + k[len(s.prefix()):], timeout=self._timeout,
+                                               retry=self._retry))
         self.delete(src)
 
     def delete(self, path: str) -> None:

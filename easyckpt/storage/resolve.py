@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, cast
 
 from easyckpt.errors import ConfigError
 from easyckpt.storage.base import Storage
@@ -18,6 +18,14 @@ from easyckpt.storage.s3 import S3Storage
 from easyckpt.storage.s3client import PART_BYTES, QUICK, Patience, is_url
 
 MIN_PART_MIB = 5     # S3's smallest part (but the last)
+# ---- issue 52 item 5: gs:// and az:// (to become entries of the scheme registry) ----
+SCHEMES = ("s3://", "gs://", "az://")     # every object store's URL scheme this package opens
+
+
+def is_store_url(path: object) -> bool:
+    """Whether ``path`` is an object store's URL (s3://, gs://, az://)."""
+    return str(path).startswith(SCHEMES)
+# ---- end issue 52 item 5 ----
 
 _lock = threading.Lock()
 _stores: Dict[Tuple[object, ...], S3Storage] = {}
@@ -48,6 +56,8 @@ def set_endpoint(endpoint_url: Optional[str]) -> None:
 def remote(path: str, quick: bool = False) -> Optional[S3Storage]:
     """The object store serving ``path``, or None when it is a file-system path. ``quick``: a client that tries
     once with short timeouts (s3.QUICK), for a thread that must keep answering while the store is down."""
+    if str(path).startswith(("gs://", "az://")):     # issue 52 item 5
+        return _other_store(str(path), quick)
     if not is_url(str(path)):
         return None
     # keyed by what boto3 reads from the environment too: a process whose environment changes (a test, a
@@ -61,7 +71,32 @@ def remote(path: str, quick: bool = False) -> Optional[S3Storage]:
         return store
 
 
+# ---- issue 52 item 5: gs:// and az:// ----
+_others: Dict[Tuple[object, ...], object] = {}
+
+
+def _other_store(path: str, quick: bool) -> Optional[S3Storage]:
+    """The GCS or Azure store of ``path``, one per process and environment (the variables each SDK reads), made on
+    first use; their modules imported only then (importing easyckpt imports no google or azure library). Typed as
+    S3Storage until the Storage protocol carries the read and lease verbs (they have them, by the same names)."""
+    gcs = path.startswith("gs://")
+    env = ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS") if gcs else (
+        "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY")
+    key = (path[:5], quick) + tuple(os.environ.get(name) for name in env)
+    with _lock:
+        store = _others.get(key)
+        if store is None:
+            if gcs:
+                from easyckpt.storage.gcs import GcsStorage
+                store = _others[key] = GcsStorage(part_bytes=part_bytes(), quick=quick)
+            else:
+                from easyckpt.storage.azure import AzureStorage
+                store = _others[key] = AzureStorage(part_bytes=part_bytes(), quick=quick)
+        return cast(S3Storage, store)
+# ---- end issue 52 item 5 ----
+
+
 def storage_for(path: str, quick: bool = False) -> Storage:
-    """The back-end of ``path``: the object store of an s3:// URL, else the POSIX file system."""
+    """The back-end of ``path``: the object store of an s3://, gs:// or az:// URL, else the POSIX file system."""
     store = remote(path, quick)
     return store if store is not None else PosixStorage()
