@@ -76,7 +76,8 @@ class GcsStorage:
         self.part_bytes, self.parallel = part_bytes, parallel
         self._pool = Pool(parallel, "easyckpt-gcs")
         # ``quick``: for a thread that must keep answering (the agent's loop): one attempt, short timeouts
-        self._retry: Optional[Retry] = None if quick else DEFAULT_RETRY.with_timeout(60.0)
+        # (else retried for 20 s at most, about boto3's standard mode for S3: a failed step is said, the next tried)
+        self._retry: Optional[Retry] = None if quick else DEFAULT_RETRY.with_timeout(20.0)
         self._timeout: Tuple[float, float] = (2.0, 10.0) if quick else (10.0, 60.0)
 
     @property
