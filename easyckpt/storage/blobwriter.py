@@ -115,24 +115,25 @@ class PartWriter:
     def __init__(self, pool: Pool, parts: Parts, url: str, part_bytes: int):
         self.pool, self.parts, self.url, self.part_bytes = pool, parts, url, part_bytes
         self.size = 0
-        self._held: List[bytes] = []
+        self._held: List[Any] = []         # bytes copied by write, views of the caller's mapping (write_mapped)
         self._n = 0
         self._sent: List["Future[str]"] = []
         self._put: Optional["Future[Any]"] = None
         self._done = self._closed = False
 
     def write(self, data: Buffer) -> int:
-        self._add(memoryview(data).cast("B"))
+        self._add(memoryview(data).cast("B"), copy=True)
         return len(data)
 
     def write_mapped(self, view: memoryview, start: int, end: int) -> None:
-        self._add(view[start:end])
+        """Not copied until its part is cut (``view`` must stay unchanged until then: ``finish`` cuts the last)."""
+        self._add(view[start:end], copy=False)
 
-    def _add(self, view: memoryview) -> None:
+    def _add(self, view: memoryview, copy: bool) -> None:
         self.size += len(view)
         while view:
             take = min(self.part_bytes - self._n, len(view))
-            self._held.append(bytes(view[:take]))
+            self._held.append(bytes(view[:take]) if copy else view[:take])
             self._n += take
             view = view[take:]
             if self._n == self.part_bytes:
