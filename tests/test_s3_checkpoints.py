@@ -197,7 +197,7 @@ def test_a_copy_that_fails_on_one_rank_fails_every_rank_before_any_reader_starts
 
     from easyckpt.config import Config
     from easyckpt.engine.dcp import boxes_of, reader_files, wanted_items
-    from easyckpt.engine.load import Loaded
+    from easyckpt.engine.load.sources import Loaded
     from easyckpt.errors import CheckpointError
     store, top = bucket
     step = f"{top}/job/step_00000010"

@@ -46,7 +46,7 @@ from easyckpt.engine.checkpointer import (
     DefaultCheckpointer,
     FrameworkState,
 )
-from easyckpt.engine.load import Loaded
+from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.formats.manifest import Manifest

@@ -28,9 +28,11 @@ from easyckpt.engine.agentview import AgentView
 from easyckpt.engine.budget import SnapshotBudget, agree_ranks, record_last
 from easyckpt.engine.client import AgentClient
 from easyckpt.engine.dist import TorchGroup
-from easyckpt.engine.load import Loaded, Needed, load_newest
+from easyckpt.engine.load.newest import load_newest
+from easyckpt.engine.load.sources import Loaded, Ranks
 from easyckpt.engine.overlap import OptimizerWatch, auto_overlap
 from easyckpt.engine.preempt import Preemption
+from easyckpt.engine.reads import Needed
 from easyckpt.engine.seams import AgentLink, Clock, Group, SystemClock
 from easyckpt.engine.skips import SkipEpisodes
 from easyckpt.engine.snapshot import (
@@ -339,10 +341,10 @@ class Engine:
         self._introduce()
         fresh: List[int] = []
         try:
-            loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log,
+            ranks = Ranks(self.cfg, self.rank, self.world_size, self.log, self.group.all_gather)
+            loaded = load_newest(ranks, needed, remote=self.remote, layout=layout,
                                  on_rejected=lambda step, why: self.client.side(
-                                     protocol.Damaged(step, why[:protocol.MAX_TEXT])),
-                                 remote=self.remote, layout=layout, gather=lambda obj, _n: self.group.all_gather(obj))
+                                     protocol.Damaged(step, why[:protocol.MAX_TEXT])))
         except NoValidCheckpoint as exc:
             # every rank raised the same (the verdicts were gathered): all stop, or all start fresh
             self.log.record("error", message=str(exc))     # the console shows it once, as the raised error

@@ -18,7 +18,7 @@ from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.formats.verdicts import Verdict
 from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles
-from easyckpt.storage.resolve import remote
+from easyckpt.storage.resolve import storage_for
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
 # when the checkpoint was written); (relpath, optional, [item, ...]): only those items of a file the
@@ -91,7 +91,7 @@ class _Prefetch:
         self.futures: Dict[str, "Future[Tuple[memoryview, str]]"] = {}
         self.pool: Optional[ThreadPoolExecutor] = None
         whole = [w.relpath for w in wanted if w.whole and w.relpath in man.files]
-        if remote(step_dir) is None or len(whole) < 2:
+        if storage_for(step_dir).local or len(whole) < 2:
             return
         self.pool = ThreadPoolExecutor(max_workers=len(whole), thread_name_prefix="easyckpt-prefetch")
         for rel in whole:

@@ -43,7 +43,7 @@ from easyckpt import console
 from easyckpt.config import Config, adapter_config
 from easyckpt.engine import estimate
 from easyckpt.engine.checkpointer import DefaultCheckpointer, FrameworkState
-from easyckpt.engine.load import Loaded
+from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError, ConfigError

@@ -28,7 +28,7 @@ import easyckpt.deepspeed.universal as universal
 from easyckpt.config import NAMINGS
 from easyckpt.engine import scratch
 from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
-from easyckpt.engine.load import Loaded
+from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.reads import as_reads
 from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
