@@ -20,8 +20,8 @@ from easyckpt.agent import replicas
 from easyckpt.agent.peerserve import MAX_HANDSHAKING_PEERS, MAX_PER_ADDRESS, PeerServer, Warm
 from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.config import Config
-from easyckpt.engine.peers import Remote
-from easyckpt.engine.reports import StatusReports
+from easyckpt.engine.link.peers import Remote
+from easyckpt.engine.link.reports import StatusReports
 from easyckpt.errors import AgentError, BadMessage, PeerError
 from easyckpt.formats.manifest import checksum
 from easyckpt.formats.replies import StatusReply, reply_from_wire

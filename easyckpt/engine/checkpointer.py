@@ -233,7 +233,7 @@ class Checkpointer:
         return agreed
 
     def metrics(self) -> Dict[str, float]:
-        """This rank's checkpointing figures so far, ``{"easyckpt/<name>": number}`` (engine/metrics.py;
+        """This rank's checkpointing figures so far, ``{"easyckpt/<name>": number}`` (engine/link/metrics.py;
         docs/metrics.md lists the keys); after finalize, the run's last ones."""
         return self.engine.metrics.values()
 

@@ -23,15 +23,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from easyckpt import console
 from easyckpt.config import Config, validate
-from easyckpt.engine import metrics, peers, resumeline, runlog
-from easyckpt.engine.agentview import AgentView
+from easyckpt.engine import resumeline
+from easyckpt.engine.link import metrics, peers, runlog
+from easyckpt.engine.link.agentview import AgentView
 from easyckpt.engine.budget import SnapshotBudget, agree_ranks, record_last
-from easyckpt.engine.client import AgentClient
-from easyckpt.engine.dist import TorchGroup
+from easyckpt.engine.link.client import AgentClient
+from easyckpt.engine.link.dist import TorchGroup
 from easyckpt.engine.load.newest import load_newest
 from easyckpt.engine.load.sources import Loaded, Ranks
 from easyckpt.engine.overlap import OptimizerWatch, auto_overlap
-from easyckpt.engine.preempt import Preemption
+from easyckpt.engine.link.preempt import Preemption
 from easyckpt.engine.reads import Needed
 from easyckpt.engine.seams import AgentLink, Clock, Group, SystemClock
 from easyckpt.engine.skips import SkipEpisodes

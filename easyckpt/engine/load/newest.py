@@ -8,7 +8,7 @@ Order:
      every rank can read, in sources.PRIORITY:
   3. a memory snapshot at least as new as the newest committed checkpoint (and the local tier's) wins (it is
      faster); a rank whose node lost its memory (a replacement node) takes that step from a peer node's
-     replica of it (engine/peers.py), pulled into its own slot first; a step counts as in memory when every
+     replica of it (engine/link/peers.py), pulled into its own slot first; a step counts as in memory when every
      rank has it on its node or on a peer; then the local tier (agent/localtier.py: each rank's snapshot
      on its node's disk) when its newest step every rank has is at least as new as the committed ones,
      each copy checked against its record;
@@ -28,7 +28,7 @@ from easyckpt.engine.load.peer import PeerSource
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, Source, Tier
 from easyckpt.engine.load.stored import StorageSource
 from easyckpt.engine.load.tier import TierSource
-from easyckpt.engine.peers import Remote
+from easyckpt.engine.link.peers import Remote
 from easyckpt.engine.reads import Needed
 
 

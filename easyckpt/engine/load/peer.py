@@ -1,4 +1,4 @@
-"""The peer source: this rank's replicas on peer nodes (engine/peers.py), for a rank whose node lost its memory
+"""The peer source: this rank's replicas on peer nodes (engine/link/peers.py), for a rank whose node lost its memory
 (a replacement node). A step is pulled into this rank's own slot first, then read as memory is (memory.agree)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, cast
 from easyckpt.engine import snapshot
 from easyckpt.engine.load import memory
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks
-from easyckpt.engine.peers import Remote
+from easyckpt.engine.link.peers import Remote
 
 
 class PeerSource:

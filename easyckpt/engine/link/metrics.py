@@ -8,7 +8,7 @@ Nothing here measures anything: the figures are gathered from what the engine al
                               thread spent in it (engine/snapshot.py times it)
     cost as the step pays it  the snapshot budget's medians (engine/budget.py: a step after a snapshot against one
                               after none), and its loss bound (Cadence.bound)
-    persists, commits         each persist handed to the agent and each status reply (engine/agentview.py); a
+    persists, commits         each persist handed to the agent and each status reply (engine/link/agentview.py); a
                               commit's latency runs from its request to the moment this rank learned of it, so it
                               is late by up to the status poll (agentview.STATUS_EVERY) at most
 
@@ -23,7 +23,7 @@ import threading
 from typing import Any, Deque, Dict, Optional
 
 from easyckpt import console
-from easyckpt.engine.agentview import AgentView
+from easyckpt.engine.link.agentview import AgentView
 from easyckpt.engine.budget import SnapshotBudget
 from easyckpt.engine.seams import Clock
 from easyckpt.formats.replies import StatusReply
