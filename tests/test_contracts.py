@@ -110,7 +110,7 @@ def test_each_shard_format_is_named_in_one_module():
 
 def test_every_shard_format_has_its_three_halves():
     from easyckpt.agent.stepwriter import WRITERS
-    from easyckpt.engine.codecs import DECODE, FLATTEN
+    from easyckpt.engine.shards.codecs import DECODE, FLATTEN
     from easyckpt.formats.shardformat import ShardFormat
     from easyckpt.formats.slotmeta import SKELETON_CHECKS
     for table in (SKELETON_CHECKS, WRITERS, FLATTEN, DECODE):

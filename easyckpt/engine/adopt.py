@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.config import Naming
-from easyckpt.engine import codecs
+from easyckpt.engine.shards import codecs
 from easyckpt.engine.reads import Needed, reads
 from easyckpt.errors import CheckpointError, UnsafePath, UntrustedFileError
 from easyckpt.formats import manifest as mf
