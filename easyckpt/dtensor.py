@@ -43,7 +43,7 @@ from easyckpt.engine.dcp import (
     wanted_items,
 )
 from easyckpt.engine.scratch import Stage
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest

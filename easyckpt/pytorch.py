@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from easyckpt import dtensor
 from easyckpt.config import NAMINGS, Config, adapter_config
-from easyckpt.engine import estimate, rng
+from easyckpt.engine.save import estimate, rng
 from easyckpt.engine.checkpointer import (
     Checkpointer,
     DefaultCheckpointer,
@@ -31,7 +31,7 @@ from easyckpt.engine.checkpointer import (
 )
 from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.reads import as_reads
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest
 

@@ -13,7 +13,7 @@ import torch
 
 from easyckpt.agent.stepwriter import persist_slot
 from easyckpt.engine.stepread import read_step
-from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
+from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter, read_snapshot
 from easyckpt.engine.shards.tree import safe_torch_load
 from easyckpt.formats.manifest import MANIFEST_NAME, build
 from easyckpt.formats.shardformat import ShardFormat
@@ -182,7 +182,7 @@ def test_rng_state_is_kept_as_tensors_and_the_tuple_form_of_earlier_snapshots_st
     were a fifth of a tiny state's cost); a snapshot taken before holds the tuple, and both restore."""
     import random
 
-    from easyckpt.engine import rng
+    from easyckpt.engine.save import rng
     from easyckpt.engine.shards.tree import flatten, unflatten
     random.seed(7)
     state = rng.capture()

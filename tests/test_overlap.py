@@ -25,9 +25,9 @@ from harness import (
 )
 from safetensors.torch import load_file
 
-from easyckpt.engine.overlap import OptimizerWatch
+from easyckpt.engine.save.overlap import OptimizerWatch
 from easyckpt.engine.shards.shardload import decode
-from easyckpt.engine.snapshot import (
+from easyckpt.engine.save.snapshot import (
     PendingSnapshot,
     ShardSpec,
     Snapshotter,

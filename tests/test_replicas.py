@@ -292,7 +292,7 @@ def test_no_room_for_replicas_is_a_clear_error_naming_the_size_and_the_setting(t
     with the same advice and keeps what it has."""
     import torch
 
-    from easyckpt.engine.snapshot import ShardSpec, Snapshotter
+    from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter
     from easyckpt.errors import ShmCapacityError
     tiny = tmp_path / "tiny"
     tiny.mkdir()

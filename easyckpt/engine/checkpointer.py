@@ -39,7 +39,7 @@ from easyckpt.engine.reads import Read
 from easyckpt.engine.resumeline import ResumeLine, missing_rng_words, saved_world_size
 from easyckpt.engine.seams import AgentLink, Clock, Group
 from easyckpt.engine.session import Engine, Info
-from easyckpt.engine.snapshot import ShardSpec, SnapshotResult
+from easyckpt.engine.save.snapshot import ShardSpec, SnapshotResult
 from easyckpt.errors import CheckpointError, EasyCkptError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.storage.resolve import storage_for

@@ -26,17 +26,17 @@ from easyckpt.config import Config, validate
 from easyckpt.engine import resumeline
 from easyckpt.engine.link import metrics, peers, runlog
 from easyckpt.engine.link.agentview import AgentView
-from easyckpt.engine.budget import SnapshotBudget, agree_ranks, record_last
+from easyckpt.engine.save.budget import SnapshotBudget, agree_ranks, record_last
 from easyckpt.engine.link.client import AgentClient
 from easyckpt.engine.link.dist import TorchGroup
 from easyckpt.engine.load.newest import load_newest
 from easyckpt.engine.load.sources import Loaded, Ranks
-from easyckpt.engine.overlap import OptimizerWatch, auto_overlap
+from easyckpt.engine.save.overlap import OptimizerWatch, auto_overlap
 from easyckpt.engine.link.preempt import Preemption
 from easyckpt.engine.reads import Needed
 from easyckpt.engine.seams import AgentLink, Clock, Group, SystemClock
-from easyckpt.engine.skips import SkipEpisodes
-from easyckpt.engine.snapshot import (
+from easyckpt.engine.save.skips import SkipEpisodes
+from easyckpt.engine.save.snapshot import (
     PendingSnapshot,
     ShardSpec,
     SnapshotResult,

@@ -42,7 +42,7 @@ from easyckpt.engine.dcp import (
 )
 from easyckpt.engine.dcp import metadata as dcp_metadata
 from easyckpt.engine.scratch import Stage
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt import dtensor
 from easyckpt.engine.scratch import Stage
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.formats.manifest import Manifest
 

@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable, Dict, Optional, cast
 
 from easyckpt import console
-from easyckpt.engine import estimate, snapshot
+from easyckpt.engine.save import estimate, snapshot
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, by_rank
 
 

@@ -6,7 +6,7 @@ import time
 from typing import Any, Dict, Optional, cast
 
 from easyckpt import console
-from easyckpt.engine import estimate, snapshot
+from easyckpt.engine.save import estimate, snapshot
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, by_rank
 from easyckpt.storage import tierfiles
 

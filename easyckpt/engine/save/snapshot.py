@@ -29,9 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from easyckpt import _faults as faults
-from easyckpt.engine import pinned
+from easyckpt.engine.save import pinned
 from easyckpt.engine.shards import shardload
-from easyckpt.engine.background import PendingSnapshot, copy_all
+from easyckpt.engine.save.background import PendingSnapshot, copy_all
 from easyckpt.engine.shards.codecs import FLATTEN
 from easyckpt.engine.shards.tree import Tensors, rebuild
 from easyckpt.errors import EasyCkptError, ShmCapacityError
