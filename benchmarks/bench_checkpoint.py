@@ -69,7 +69,7 @@ from common import (  # noqa: E402
 
 import easyckpt  # noqa: E402
 from easyckpt.config import Config  # noqa: E402
-from easyckpt.engine.stepread import read_step  # noqa: E402
+from easyckpt.engine.load.stepread import read_step  # noqa: E402
 from easyckpt.engine.save.overlap import auto_overlap  # noqa: E402
 from easyckpt.engine.session import Engine  # noqa: E402
 from easyckpt.engine.save.snapshot import ShardSpec  # noqa: E402

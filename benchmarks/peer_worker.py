@@ -75,7 +75,7 @@ def run_easyckpt(args: argparse.Namespace, model: Params, opt: torch.optim.Adam,
     from easyckpt import Checkpointer, Config
     from easyckpt.engine.save import estimate
     from easyckpt.engine.checkpointer import FrameworkState
-    from easyckpt.engine.reads import Read
+    from easyckpt.engine.load.reads import Read
     from easyckpt.engine.save.snapshot import ShardSpec
 
     class RankState(FrameworkState[int]):

@@ -30,7 +30,7 @@ from easyckpt.engine.checkpointer import (
     FrameworkState,
 )
 from easyckpt.engine.load.sources import Loaded
-from easyckpt.engine.reads import as_reads
+from easyckpt.engine.load.reads import as_reads
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest

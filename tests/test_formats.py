@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from easyckpt.agent.stepwriter import persist_slot
-from easyckpt.engine.stepread import read_step
+from easyckpt.engine.load.stepread import read_step
 from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter, read_snapshot
 from easyckpt.engine.shards.tree import safe_torch_load
 from easyckpt.formats.manifest import MANIFEST_NAME, build

@@ -40,7 +40,7 @@ from easyckpt.deepspeed.state import (
     same_layout,
 )
 from easyckpt.deepspeed.state import snapshot_bytes as ds_snapshot_bytes
-from easyckpt.engine import scratch
+from easyckpt.engine.load import scratch
 from easyckpt.engine.save import rng
 from easyckpt.engine.checkpointer import (
     Checkpointer,
@@ -48,7 +48,7 @@ from easyckpt.engine.checkpointer import (
     FrameworkState,
 )
 from easyckpt.engine.load.sources import Loaded
-from easyckpt.engine.reads import as_reads
+from easyckpt.engine.load.reads import as_reads
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.formats.manifest import Manifest
 

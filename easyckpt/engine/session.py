@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from easyckpt import console
 from easyckpt.config import Config, validate
-from easyckpt.engine import resumeline
+from easyckpt.engine.load import resumeline
 from easyckpt.engine.link import metrics, peers, runlog
 from easyckpt.engine.link.agentview import AgentView
 from easyckpt.engine.save.budget import SnapshotBudget, agree_ranks, record_last
@@ -33,7 +33,7 @@ from easyckpt.engine.load.newest import load_newest
 from easyckpt.engine.load.sources import Loaded, Ranks
 from easyckpt.engine.save.overlap import OptimizerWatch, auto_overlap
 from easyckpt.engine.link.preempt import Preemption
-from easyckpt.engine.reads import Needed
+from easyckpt.engine.load.reads import Needed
 from easyckpt.engine.seams import AgentLink, Clock, Group, SystemClock
 from easyckpt.engine.save.skips import SkipEpisodes
 from easyckpt.engine.save.snapshot import (

@@ -44,7 +44,7 @@ from easyckpt.config import Config, adapter_config
 from easyckpt.engine.save import estimate
 from easyckpt.engine.checkpointer import DefaultCheckpointer, FrameworkState
 from easyckpt.engine.load.sources import Loaded
-from easyckpt.engine.reads import as_reads
+from easyckpt.engine.load.reads import as_reads
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.formats.manifest import Manifest

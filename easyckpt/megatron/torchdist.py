@@ -30,7 +30,7 @@ from typing import Any, Collection, ContextManager, Dict, List, Optional, Sequen
 
 import torch
 
-from easyckpt.engine.dcp import (
+from easyckpt.engine.load.dcp import (
     DCP_METADATA,
     boxes_of,
     checked_by,
@@ -40,8 +40,8 @@ from easyckpt.engine.dcp import (
     reader_files,
     wanted_items,
 )
-from easyckpt.engine.dcp import metadata as dcp_metadata
-from easyckpt.engine.scratch import Stage
+from easyckpt.engine.load.dcp import metadata as dcp_metadata
+from easyckpt.engine.load.scratch import Stage
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError

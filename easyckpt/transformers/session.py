@@ -26,10 +26,10 @@ import torch
 import easyckpt.deepspeed.state as ds
 import easyckpt.deepspeed.universal as universal
 from easyckpt.config import NAMINGS
-from easyckpt.engine import scratch
+from easyckpt.engine.load import scratch
 from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
 from easyckpt.engine.load.sources import Loaded
-from easyckpt.engine.reads import as_reads
+from easyckpt.engine.load.reads import as_reads
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import deepspeed_tag

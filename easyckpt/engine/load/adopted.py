@@ -6,9 +6,9 @@ import time
 from typing import Any, Dict, Optional, cast
 
 from easyckpt import console
-from easyckpt.engine import adopt
+from easyckpt.engine.load import adopt
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks
-from easyckpt.engine.reads import Needed
+from easyckpt.engine.load.reads import Needed
 
 
 class AdoptedSource:

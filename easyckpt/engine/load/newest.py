@@ -29,7 +29,7 @@ from easyckpt.engine.load.sources import Listing, Loaded, Ranks, Source, Tier
 from easyckpt.engine.load.stored import StorageSource
 from easyckpt.engine.load.tier import TierSource
 from easyckpt.engine.link.peers import Remote
-from easyckpt.engine.reads import Needed
+from easyckpt.engine.load.reads import Needed
 
 
 def load_newest(ranks: Ranks, needed: Needed, remote: Optional[Remote] = None, layout: Optional[str] = None,

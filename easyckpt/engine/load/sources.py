@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from easyckpt import console
 from easyckpt.config import Config
-from easyckpt.engine.reads import Fetched
+from easyckpt.engine.load.reads import Fetched
 from easyckpt.formats.manifest import Manifest
 from easyckpt.storage.auditlog import AuditLog
 

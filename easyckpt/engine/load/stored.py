@@ -19,8 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, cast
 
 from easyckpt import console
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks
-from easyckpt.engine.reads import Fetched, Needed
-from easyckpt.engine.stepread import read_step
+from easyckpt.engine.load.reads import Fetched, Needed
+from easyckpt.engine.load.stepread import read_step
 from easyckpt.errors import NoValidCheckpoint
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import verdicts

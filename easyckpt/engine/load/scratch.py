@@ -13,8 +13,8 @@ import contextlib
 import os
 from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
-from easyckpt.engine.dcp import Wanted, data_files
-from easyckpt.engine.reads import Fetched
+from easyckpt.engine.load.dcp import Wanted, data_files
+from easyckpt.engine.load.reads import Fetched
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import scratch_name
 from easyckpt.formats.manifest import MANIFEST_NAME, Manifest
