@@ -1,5 +1,5 @@
 """What a rank reads to restore a checkpoint: the typed answer of an adapter's ``needed`` (the
-FrameworkState protocol, checkpointer.py), read by load.py and adopt.py."""
+FrameworkState protocol, checkpointer.py), read by the load sources and adopt.py."""
 from __future__ import annotations
 
 import functools

@@ -1,6 +1,6 @@
-"""Read and check what one rank needs of a committed step (load.py's step 4): each file or item against the
+"""Read and check what one rank needs of a committed step (newest.py's step 4): each file or item against the
 manifest, a whole file's ranged GETs from an object store fetched ahead, the decoded trees returned, or the
-verdict on the first problem. Its own module because choosing the step (load.py) is another job.
+verdict on the first problem. Its own module because choosing the step (newest.py, agree.py) is another job.
 """
 from __future__ import annotations
 
