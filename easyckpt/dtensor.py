@@ -42,7 +42,7 @@ from easyckpt.engine.load.dcp import (
     reader_files,
     wanted_items,
 )
-from easyckpt.engine.load.scratch import Stage
+from easyckpt.engine.scratch import Stage
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError

@@ -152,11 +152,11 @@ def _damage(store, url: str, at: int, data: bytes) -> None:
 
 
 def test_a_readers_copy_of_a_step_in_the_store_holds_only_the_items_asked_for_each_checked(bucket, tmp_path):
-    """engine/load/scratch.py's local copy for a reader that opens paths, in-process against the real store: a DCP data
+    """engine/scratch.py's local copy for a reader that opens paths, in-process against the real store: a DCP data
     file holds the items the load asks for at their offsets (the rest a hole), the files the reader does not
     open are not fetched, what the loader already fetched and checked is not fetched again, and a damaged item
     asked for fails the copy, naming it, with nothing left behind."""
-    from easyckpt.engine.load import scratch
+    from easyckpt.engine import scratch
     from easyckpt.engine.load.dcp import boxes_of, reader_files, wanted_items
     from easyckpt.engine.load.reads import Fetched
     from easyckpt.errors import CheckpointError

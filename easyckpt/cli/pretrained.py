@@ -34,7 +34,7 @@ import torch
 from easyckpt.cli import outputs
 from easyckpt.cli.consolidate import Source, Weights, open_step
 from easyckpt.cli.outputs import ProgressFactory
-from easyckpt.engine.load import scratch
+from easyckpt.engine import scratch
 from easyckpt.formats import manifest as mf
 from easyckpt.storage import stepfiles
 from easyckpt.storage.resolve import remote

@@ -40,7 +40,7 @@ from easyckpt.deepspeed.state import (
     same_layout,
 )
 from easyckpt.deepspeed.state import snapshot_bytes as ds_snapshot_bytes
-from easyckpt.engine.load import scratch
+from easyckpt.engine import scratch
 from easyckpt.engine.save import rng
 from easyckpt.engine.checkpointer import (
     Checkpointer,

@@ -15,8 +15,8 @@ from typing import Iterator
 
 from easyckpt.config import Config
 from easyckpt.engine.link.dist import all_gather
-from easyckpt.engine.load.scratch import fresh, remove
-from easyckpt.engine.load.scratch import path as scratch_path
+from easyckpt.engine.scratch import fresh, remove
+from easyckpt.engine.scratch import path as scratch_path
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import MANIFEST_NAME
 

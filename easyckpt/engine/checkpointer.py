@@ -32,7 +32,7 @@ from typing import (
 )
 
 from easyckpt.config import Config
-from easyckpt.engine.load import scratch
+from easyckpt.engine import scratch
 from easyckpt.engine.load.dcp import Wanted
 from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.load.reads import Read

@@ -41,7 +41,7 @@ from easyckpt.engine.load.dcp import (
     wanted_items,
 )
 from easyckpt.engine.load.dcp import metadata as dcp_metadata
-from easyckpt.engine.load.scratch import Stage
+from easyckpt.engine.scratch import Stage
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt import dtensor
-from easyckpt.engine.load.scratch import Stage
+from easyckpt.engine.scratch import Stage
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.formats.manifest import Manifest

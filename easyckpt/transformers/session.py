@@ -26,7 +26,7 @@ import torch
 import easyckpt.deepspeed.state as ds
 import easyckpt.deepspeed.universal as universal
 from easyckpt.config import NAMINGS
-from easyckpt.engine.load import scratch
+from easyckpt.engine import scratch
 from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
 from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.load.reads import as_reads

@@ -44,7 +44,7 @@ Needed = Callable[[Manifest], Sequence[Union[Read, Sequence[Any]]]]
 class Fetched:
     """What a rank's load fetched and checked of a committed step in an object store that the framework's own
     reader opens next (DCP's, Megatron's: a data file's items, a whole data file, a small raw file), kept for
-    the local copy that reader is given (engine/load/scratch.py): the rank's share crosses the network once, not
+    the local copy that reader is given (engine/scratch.py): the rank's share crosses the network once, not
     once to be checked and again to be read. Each entry is taken (removed) by the copy that uses it."""
     files: Dict[str, Any] = field(default_factory=dict)               # relpath -> the whole file's bytes
     items: Dict[str, Dict[int, Any]] = field(default_factory=dict)    # relpath -> item index -> its bytes

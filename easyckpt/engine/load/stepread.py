@@ -75,7 +75,7 @@ def read_files(step_dir: str, man: Manifest, asked: Sequence[Union[Read, Sequenc
     nbytes = 0
     with _Prefetch(step_dir, man, wanted) as ahead:
         for want in wanted:
-            answer = _read_one(step_dir, man, want, trees, on_bytes, ahead, kept)
+            answer = _read_one(ahead, want, trees, on_bytes, kept)
             if isinstance(answer, Verdict):
                 return None, answer, 0, man
             nbytes += answer
@@ -89,6 +89,7 @@ class _Prefetch:
     taken (a verdict ended the read) is cancelled, or waited for and dropped. On a file system: nothing."""
 
     def __init__(self, step_dir: str, man: Manifest, wanted: Sequence[Read]):
+        self.step_dir, self.man = step_dir, man
         self.futures: Dict[str, "Future[Tuple[memoryview, str]]"] = {}
         self.pool: Optional[ThreadPoolExecutor] = None
         whole = [w.relpath for w in wanted if w.whole and w.relpath in man.files]
@@ -110,12 +111,12 @@ class _Prefetch:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _read_one(step_dir: str, man: Manifest, want: Read, trees: Dict[str, Any],
-              on_bytes: Optional[Callable[[int], None]], ahead: _Prefetch,
+def _read_one(ahead: _Prefetch, want: Read, trees: Dict[str, Any], on_bytes: Optional[Callable[[int], None]],
               kept: Optional[Fetched]) -> Union[int, Verdict]:
-    """Read, check and decode one entry of ``needed`` into ``trees``: the bytes it took, or the verdict. What
-    the framework's reader opens next goes to ``kept`` as well: a data file's items, a whole data file (DCP:
-    its tree is nothing), a raw file (its tree is its bytes)."""
+    """Read, check and decode one entry of ``needed`` of the step ``ahead`` reads into ``trees``: the bytes it
+    took, or the verdict. What the framework's reader opens next goes to ``kept`` as well: a data file's items,
+    a whole data file (DCP: its tree is nothing), a raw file (its tree is its bytes)."""
+    step_dir, man = ahead.step_dir, ahead.man
     rel, optional = want.relpath, want.optional
     entry = man.files.get(rel)
     if entry is None:
