@@ -11,23 +11,35 @@ Order of one snapshot:
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence
 
 from easyckpt.config import Config
-from easyckpt.engine.link.agentview import AgentView
 from easyckpt.engine.save.budget import SnapshotBudget
 from easyckpt.engine.save.overlap import OptimizerWatch, auto_overlap
 from easyckpt.engine.save.skips import SkipEpisodes
 from easyckpt.engine.save.snapshot import PendingSnapshot, ShardSpec, SnapshotResult, Snapshotter
-from easyckpt.engine.seams import Clock
+from easyckpt.engine.seams import AgentLink, Clock
 from easyckpt.errors import AgentError, TornSnapshot
 from easyckpt.formats import protocol
+from easyckpt.formats.replies import StatusReply
 from easyckpt.ipc import shm
 from easyckpt.storage.auditlog import AuditLog
 
 Collect = Callable[[], Sequence[ShardSpec]]
 # what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})
 Info = Optional[Dict[str, Any]]
+
+
+class AgentView(Protocol):
+    """What the saver needs of what a rank knows of its agent (link/agentview.py's AgentView; a protocol here so
+    that the save path does not import the link's)."""
+    link: AgentLink
+
+    def persist_seconds(self) -> Dict[int, float]: ...
+
+    def requested(self, step: int) -> None: ...
+
+    def status(self) -> Optional[StatusReply]: ...
 
 
 class Saver:
