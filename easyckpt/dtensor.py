@@ -42,8 +42,8 @@ from easyckpt.engine.load.dcp import (
     reader_files,
     wanted_items,
 )
-from easyckpt.engine.scratch import Stage
 from easyckpt.engine.save.snapshot import ShardSpec
+from easyckpt.engine.scratch import Stage
 from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest

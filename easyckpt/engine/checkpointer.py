@@ -34,12 +34,12 @@ from typing import (
 from easyckpt.config import Config
 from easyckpt.engine import scratch
 from easyckpt.engine.load.dcp import Wanted
-from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.load.reads import Read
 from easyckpt.engine.load.resumeline import ResumeLine, missing_rng_words, saved_world_size
+from easyckpt.engine.load.sources import Loaded
+from easyckpt.engine.save.snapshot import ShardSpec, SnapshotResult
 from easyckpt.engine.seams import AgentLink, Clock, Group
 from easyckpt.engine.session import Engine, Info
-from easyckpt.engine.save.snapshot import ShardSpec, SnapshotResult
 from easyckpt.errors import CheckpointError, EasyCkptError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.storage.resolve import storage_for

@@ -41,8 +41,8 @@ from easyckpt.engine.load.dcp import (
     wanted_items,
 )
 from easyckpt.engine.load.dcp import metadata as dcp_metadata
-from easyckpt.engine.scratch import Stage
 from easyckpt.engine.save.snapshot import ShardSpec
+from easyckpt.engine.scratch import Stage
 from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest

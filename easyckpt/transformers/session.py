@@ -28,8 +28,8 @@ import easyckpt.deepspeed.universal as universal
 from easyckpt.config import NAMINGS
 from easyckpt.engine import scratch
 from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
-from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.load.reads import as_reads
+from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import deepspeed_tag

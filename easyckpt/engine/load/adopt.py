@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.config import Naming
-from easyckpt.engine.shards import codecs
 from easyckpt.engine.load.reads import Needed, reads
+from easyckpt.engine.shards import codecs
 from easyckpt.errors import CheckpointError, UnsafePath, UntrustedFileError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import paths

@@ -7,8 +7,8 @@ from typing import Any, Dict, Optional, cast
 
 from easyckpt import console
 from easyckpt.engine.load import adopt
-from easyckpt.engine.load.sources import Listing, Loaded, Ranks
 from easyckpt.engine.load.reads import Needed
+from easyckpt.engine.load.sources import Listing, Loaded, Ranks
 
 
 class AdoptedSource:

@@ -10,8 +10,8 @@ import time
 from typing import Any, Callable, Dict, Optional, cast
 
 from easyckpt import console
-from easyckpt.engine.save import estimate, snapshot
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, by_rank
+from easyckpt.engine.save import estimate, snapshot
 
 
 class MemorySource:

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
+from easyckpt.engine.link.peers import Remote
 from easyckpt.engine.load import agree
 from easyckpt.engine.load.adopted import AdoptedSource
 from easyckpt.engine.load.memory import MemorySource
 from easyckpt.engine.load.peer import PeerSource
+from easyckpt.engine.load.reads import Needed
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, Source, Tier
 from easyckpt.engine.load.stored import StorageSource
 from easyckpt.engine.load.tier import TierSource
-from easyckpt.engine.link.peers import Remote
-from easyckpt.engine.load.reads import Needed
 
 
 def load_newest(ranks: Ranks, needed: Needed, remote: Optional[Remote] = None, layout: Optional[str] = None,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, cast
 
-from easyckpt.engine.save import snapshot
+from easyckpt.engine.link.peers import Remote
 from easyckpt.engine.load import memory
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks
-from easyckpt.engine.link.peers import Remote
+from easyckpt.engine.save import snapshot
 
 
 class PeerSource:

@@ -9,8 +9,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from easyckpt.engine.load import torchparts
-from easyckpt.engine.shards import codecs
 from easyckpt.engine.load.reads import Fetched, Needed, Read, reads
+from easyckpt.engine.shards import codecs
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import verdicts

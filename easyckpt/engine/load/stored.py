@@ -18,8 +18,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, cast
 
 from easyckpt import console
-from easyckpt.engine.load.sources import Listing, Loaded, Ranks
 from easyckpt.engine.load.reads import Fetched, Needed
+from easyckpt.engine.load.sources import Listing, Loaded, Ranks
 from easyckpt.engine.load.stepread import read_step
 from easyckpt.errors import NoValidCheckpoint
 from easyckpt.formats import manifest as mf

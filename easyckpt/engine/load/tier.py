@@ -6,8 +6,8 @@ import time
 from typing import Any, Dict, Optional, cast
 
 from easyckpt import console
-from easyckpt.engine.save import estimate, snapshot
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, by_rank
+from easyckpt.engine.save import estimate, snapshot
 from easyckpt.storage import tierfiles
 
 

@@ -30,8 +30,8 @@ import torch
 
 from easyckpt import _faults as faults
 from easyckpt.engine.save import pinned
-from easyckpt.engine.shards import shardload
 from easyckpt.engine.save.background import PendingSnapshot, copy_all
+from easyckpt.engine.shards import shardload
 from easyckpt.engine.shards.codecs import FLATTEN
 from easyckpt.engine.shards.tree import Tensors, rebuild
 from easyckpt.errors import EasyCkptError, ShmCapacityError
