@@ -18,7 +18,7 @@ from typing import Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from easyckpt.config import Config  # noqa: E402
-from easyckpt.engine.client import AgentClient  # noqa: E402
+from easyckpt.engine.link.client import AgentClient  # noqa: E402
 from easyckpt.ipc import agentsocket  # noqa: E402
 from easyckpt.storage.auditlog import AuditLog  # noqa: E402
 

@@ -69,10 +69,10 @@ from common import (  # noqa: E402
 
 import easyckpt  # noqa: E402
 from easyckpt.config import Config  # noqa: E402
-from easyckpt.engine.stepread import read_step  # noqa: E402
-from easyckpt.engine.overlap import auto_overlap  # noqa: E402
+from easyckpt.engine.load.stepread import read_step  # noqa: E402
+from easyckpt.engine.save.overlap import auto_overlap  # noqa: E402
+from easyckpt.engine.save.snapshot import ShardSpec  # noqa: E402
 from easyckpt.engine.session import Engine  # noqa: E402
-from easyckpt.engine.snapshot import ShardSpec  # noqa: E402
 
 MODEL, OPTIM = "model.safetensors", "optimizer.safetensors"
 LOOP_WIDTH = 2048          # the loop's MLP: Linear(2048, 2048) layers, as many as the size needs

@@ -307,7 +307,7 @@ def main() -> int:
     args = p.parse_args()
     global TRACE, SYNC_BY_STREAM
     TRACE, SYNC_BY_STREAM = args.trace, args.sync_by_stream
-    from easyckpt.engine import background
+    from easyckpt.engine.save import background
     if args.piece_mb:
         background.PIECE_BYTES = args.piece_mb << 20
     if args.in_flight:

@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import easyckpt.pytorch as ep  # noqa: E402
-from easyckpt.engine import rng  # noqa: E402
-from easyckpt.engine.background import copy_all  # noqa: E402
-from easyckpt.engine.snapshot import encode_meta  # noqa: E402
-from easyckpt.engine.tree import flatten  # noqa: E402
+from easyckpt.engine.save import rng  # noqa: E402
+from easyckpt.engine.save.background import copy_all  # noqa: E402
+from easyckpt.engine.save.snapshot import encode_meta  # noqa: E402
+from easyckpt.engine.shards.tree import flatten  # noqa: E402
 
 GOAL = 0.2e-3
 

@@ -73,10 +73,10 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def run_easyckpt(args: argparse.Namespace, model: Params, opt: torch.optim.Adam, rank: int) -> Dict[str, Any]:
     from easyckpt import Checkpointer, Config
-    from easyckpt.engine import estimate
+    from easyckpt.engine.save import estimate
     from easyckpt.engine.checkpointer import FrameworkState
-    from easyckpt.engine.reads import Read
-    from easyckpt.engine.snapshot import ShardSpec
+    from easyckpt.engine.load.reads import Read
+    from easyckpt.engine.save.snapshot import ShardSpec
 
     class RankState(FrameworkState[int]):
         """This rank's own shard of the job's state (every rank persists its own files)."""

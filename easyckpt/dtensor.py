@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from easyckpt.engine.dcp import (
+from easyckpt.engine.load.dcp import (
     DCP_METADATA,
     Wanted,
     boxes_of,
@@ -42,9 +42,9 @@ from easyckpt.engine.dcp import (
     reader_files,
     wanted_items,
 )
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.engine.scratch import Stage
-from easyckpt.engine.snapshot import ShardSpec
-from easyckpt.engine.tree import dcp_item_size, safe_torch_load
+from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
@@ -190,7 +190,7 @@ def load_state(state: Dict[str, Any], trees: Dict[str, Any], path: Optional[str]
             dcp.load(state, checkpoint_id=os.path.join(here, prefix) if prefix else here, planner=_safe_planner())
     else:
         # defined on DCP's StorageReader, so imported only here
-        from easyckpt.engine.dcpmemory import MemoryReader
+        from easyckpt.engine.load.dcpmemory import MemoryReader
         dcp.load(state, storage_reader=MemoryReader(trees, rank, LOCAL, prefix), planner=_safe_planner(),
                  no_dist=True)
 

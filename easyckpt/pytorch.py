@@ -23,15 +23,15 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from easyckpt import dtensor
 from easyckpt.config import NAMINGS, Config, adapter_config
-from easyckpt.engine import estimate, rng
 from easyckpt.engine.checkpointer import (
     Checkpointer,
     DefaultCheckpointer,
     FrameworkState,
 )
-from easyckpt.engine.load import Loaded
-from easyckpt.engine.reads import as_reads
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.load.reads import as_reads
+from easyckpt.engine.load.sources import Loaded
+from easyckpt.engine.save import estimate, rng
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest
 

@@ -183,7 +183,7 @@ def test_adoption_reads_only_regular_files_inside_the_step_and_never_a_damaged_e
     import torch
 
     from easyckpt.config import NAMINGS
-    from easyckpt.engine import adopt
+    from easyckpt.engine.load import adopt
 
     naming = NAMINGS["megatron"]
     save = tmp_path / "save"

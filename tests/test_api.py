@@ -146,7 +146,7 @@ def test_every_exception_type_lives_in_errors_and_derives_from_one_base():
 
 
 def test_a_damaged_shard_or_an_unlisted_file_raises_the_checkpoint_error(tmp_path):
-    from easyckpt.engine import shardload
+    from easyckpt.engine.shards import shardload
     from easyckpt.formats.manifest import build
     from easyckpt.storage import stepfiles
     with pytest.raises(CheckpointError, match="shorter than its 8-byte header"):

@@ -1,4 +1,4 @@
-"""The snapshot budget (engine/budget.py): in process, fed the steps a training loop would see; and in real
+"""The snapshot budget (engine/save/budget.py): in process, fed the steps a training loop would see; and in real
 processes, a loop whose snapshot cost is known (a sleep injected in the copy path), where what easyckpt says a
 snapshot costs per step must match the stopwatch (with easyckpt against without) within 20 %."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 import harness
 from easyckpt.config import Config, validate
-from easyckpt.engine import budget as bm
-from easyckpt.engine.budget import Phase, SnapshotBudget
+from easyckpt.engine.save import budget as bm
+from easyckpt.engine.save.budget import Phase, SnapshotBudget
 from easyckpt.errors import ConfigError
 
 LOOP = Path(__file__).resolve().parent / "budget_loop.py"

@@ -1,4 +1,4 @@
-"""The console lines (easyckpt/console.py, engine/reports.py, the audit log's warnings), in process.
+"""The console lines (easyckpt/console.py, engine/link/reports.py, the audit log's warnings), in process.
 What a real run prints is checked in test_resume.py, test_preemption.py and the framework tests."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from easyckpt import console
-from easyckpt.engine.reports import StatusReports
+from easyckpt.engine.link.reports import StatusReports
 from easyckpt.formats.layout import NAMINGS
 from easyckpt.formats.replies import status_from_wire
 from easyckpt.storage.auditlog import AuditLog

@@ -56,6 +56,25 @@ def test_no_module_and_no_function_is_longer_than_the_limit():
     assert not long, "over the limits (module 450 lines, function 60):\n" + "\n".join(long)
 
 
+MAX_LOAD_PARAMETERS = 6
+
+
+def test_no_function_of_the_loader_takes_more_than_six_parameters():
+    """The loader's context travels as one Ranks (engine/load/sources.py), not as loose arguments."""
+    import ast
+    wide = []
+    for path in sorted((PACKAGE / "engine" / "load").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+                names += [p.arg for p in (a.vararg, a.kwarg) if p is not None]
+                n = len([p for p in names if p not in ("self", "cls")])
+                if n > MAX_LOAD_PARAMETERS:
+                    wide.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} parameters")
+    assert not wide, "over 6 parameters:\n" + "\n".join(wide)
+
+
 def test_no_import_circle_between_modules():
     import grimp
     graph = grimp.build_graph("easyckpt")
@@ -133,7 +152,7 @@ def test_each_shard_format_is_named_in_one_module():
 
 def test_every_shard_format_has_its_three_halves():
     from easyckpt.agent.stepwriter import WRITERS
-    from easyckpt.engine.codecs import DECODE, FLATTEN
+    from easyckpt.engine.shards.codecs import DECODE, FLATTEN
     from easyckpt.formats.shardformat import ShardFormat
     from easyckpt.formats.slotmeta import SKELETON_CHECKS
     for table in (SKELETON_CHECKS, WRITERS, FLATTEN, DECODE):

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "easyckpt"
 ALLOWED = {
     "ipc/shm.py": "the snapshot slots in /dev/shm (created 0600, exclusively) and their unlink",
     "ipc/jobkey.py": "the job's secret key file in /dev/shm",
-    "engine/runlog.py": "the run directory of `easyckpt run` (launcher.py's, EASYCKPT_RUN_DIR), not the save dir",
+    "engine/link/runlog.py": "the run directory of `easyckpt run` (launcher.py's, EASYCKPT_RUN_DIR), not the save dir",
     "cli/launcher.py": "creates and empties the run directory it hands to its child (runlog.py's)",
     "_faults.py": "the test-only EASYCKPT_FAULT_ONCE_DIR markers (a no-op unless the environment asks)",
     "config.py": "validate(): creates the save dir itself and probes that the audit log can be appended to, "

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from easyckpt.agent.stepwriter import persist_slot
-from easyckpt.engine.stepread import read_step
-from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
-from easyckpt.engine.tree import safe_torch_load
+from easyckpt.engine.load.stepread import read_step
+from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter, read_snapshot
+from easyckpt.engine.shards.tree import safe_torch_load
 from easyckpt.formats.manifest import MANIFEST_NAME, build
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.ipc import shm
@@ -141,7 +141,7 @@ def test_distcp_shards_hold_each_tensor_item_as_torch_saves_it_at_the_stated_off
     slices the file there), and a bytes item must be there verbatim."""
     import io
 
-    from easyckpt.engine.tree import dcp_item_size
+    from easyckpt.engine.shards.tree import dcp_item_size
     items = [b"object-bytes\x00\x01", torch.randn(3, 5), torch.arange(7, dtype=torch.int64),
              torch.randn(2, 2, dtype=torch.bfloat16)[:, 1], b""]
     res = snap.snapshot(3, [ShardSpec("__0_0.distcp", items, True, fmt="dcp")], persist=True)
@@ -182,8 +182,8 @@ def test_rng_state_is_kept_as_tensors_and_the_tuple_form_of_earlier_snapshots_st
     were a fifth of a tiny state's cost); a snapshot taken before holds the tuple, and both restore."""
     import random
 
-    from easyckpt.engine import rng
-    from easyckpt.engine.tree import flatten, unflatten
+    from easyckpt.engine.save import rng
+    from easyckpt.engine.shards.tree import flatten, unflatten
     random.seed(7)
     state = rng.capture()
     skeleton, tensors = flatten(state)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from easyckpt.engine.stepread import read_files, read_step
+from easyckpt.engine.load.stepread import read_files, read_step
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.megatron import torchdist
@@ -87,7 +87,7 @@ def test_a_rank_picks_the_items_its_request_overlaps(tmp_path):
 
 
 def test_what_a_load_reads_chunks_overlapping_its_boxes_and_the_objects_it_names():
-    from easyckpt.engine.dcp import boxes_of, wanted_items
+    from easyckpt.engine.load.dcp import boxes_of, wanted_items
     asked = wanted_items(boxes_of([("w", [2, 0], [2, 4]), ("b", [0], [3])]), {"rng"})
     assert asked(["w", [0, 0], [4, 4]]) and asked(["w", [3, 2], [1, 1]]) and asked(["b", [2], [5]])
     assert not asked(["w", [0, 0], [2, 4]]) and not asked(["w", [4, 0], [2, 4]]) and not asked(["b", [3], [2]])

@@ -209,7 +209,7 @@ def test_a_file_far_larger_than_its_manifest_entry_is_refused_before_a_buffer_is
 
 
 def test_shm_capacity_message_names_a_small_shortfall_in_readable_units(monkeypatch):
-    from easyckpt.engine import snapshot
+    from easyckpt.engine.save import snapshot
     from easyckpt.errors import ShmCapacityError
     from easyckpt.ipc import shm
     monkeypatch.setattr(shm, "free_bytes", lambda: 1000)     # /dev/shm with 1000 bytes left

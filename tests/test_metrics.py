@@ -1,4 +1,4 @@
-"""The run's checkpointing figures (engine/metrics.py): checkpoint_metrics() and rank 0's summary line at the end of
+"""The run's checkpointing figures (engine/link/metrics.py): checkpoint_metrics() and rank 0's summary line at the end of
 a real run agree with what that run's audit log records; the HF Trainer's log_history carries them."""
 from __future__ import annotations
 

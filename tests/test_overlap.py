@@ -25,15 +25,15 @@ from harness import (
 )
 from safetensors.torch import load_file
 
-from easyckpt.engine.overlap import OptimizerWatch
-from easyckpt.engine.shardload import decode
-from easyckpt.engine.snapshot import (
+from easyckpt.engine.save.overlap import OptimizerWatch
+from easyckpt.engine.save.snapshot import (
     PendingSnapshot,
     ShardSpec,
     Snapshotter,
     read_snapshot,
 )
-from easyckpt.engine.tree import rebuild
+from easyckpt.engine.shards.shardload import decode
+from easyckpt.engine.shards.tree import rebuild
 from easyckpt.ipc import shm
 from easyckpt.storage.stepfiles import read_entry
 

@@ -240,7 +240,7 @@ def test_a_staging_dir_planted_mid_run_is_refused_and_no_committed_step_belongs_
 
 
 # test_trust's holder, which opens the agent's peer port where it would say READY (as the trainers of a multi-node
-# job open it, engine/peers.py) and prints it
+# job open it, engine/link/peers.py) and prints it
 PEER_HOLDER = HOLDER.replace('print("READY", flush=True)\n', textwrap.dedent("""
     from easyckpt.formats import protocol
     from easyckpt.formats.replies import ListenReply

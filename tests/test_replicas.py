@@ -20,8 +20,8 @@ from easyckpt.agent import replicas
 from easyckpt.agent.peerserve import MAX_HANDSHAKING_PEERS, MAX_PER_ADDRESS, PeerServer, Warm
 from easyckpt.agent.replicas import Replicas, Table
 from easyckpt.config import Config
-from easyckpt.engine.peers import Remote
-from easyckpt.engine.reports import StatusReports
+from easyckpt.engine.link.peers import Remote
+from easyckpt.engine.link.reports import StatusReports
 from easyckpt.errors import AgentError, BadMessage, PeerError
 from easyckpt.formats.manifest import checksum
 from easyckpt.formats.replies import StatusReply, reply_from_wire
@@ -292,7 +292,7 @@ def test_no_room_for_replicas_is_a_clear_error_naming_the_size_and_the_setting(t
     with the same advice and keeps what it has."""
     import torch
 
-    from easyckpt.engine.snapshot import ShardSpec, Snapshotter
+    from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter
     from easyckpt.errors import ShmCapacityError
     tiny = tmp_path / "tiny"
     tiny.mkdir()

@@ -1,11 +1,11 @@
-"""The agent's replies as typed records (formats/replies.py) and the adapters' read items (engine/reads.py),
+"""The agent's replies as typed records (formats/replies.py) and the adapters' read items (engine/load/reads.py),
 in process: each reply round-trips through the wire, a bad field is refused naming it, the status reply
 keeps what is good of a partly odd one, and needed()'s tuple form becomes Reads."""
 from __future__ import annotations
 
 import pytest
 
-from easyckpt.engine.reads import Read, as_reads
+from easyckpt.engine.load.reads import Read, as_reads
 from easyckpt.errors import BadMessage
 from easyckpt.formats import replies
 from easyckpt.formats.replies import (

@@ -128,8 +128,8 @@ def test_a_resume_on_another_world_size_says_so_timing_the_whole_load(tmp_path):
 def test_a_missing_rng_state_is_said_expected_only_on_another_world_size():
     """issue 51 item 1: the bare warning where the world size did not change (something is missing); on another
     one, that a rank the step did not have starts a fresh RNG stream, as expected."""
-    from easyckpt.engine.load import Loaded
-    from easyckpt.engine.resumeline import missing_rng_words
+    from easyckpt.engine.load.sources import Loaded
+    from easyckpt.engine.load.resumeline import missing_rng_words
     from easyckpt.formats import manifest as mf
 
     def loaded(world):

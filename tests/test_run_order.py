@@ -17,7 +17,7 @@ from harness import TIMEOUT, committed_steps, events, run, train_cmd, wait_no_ag
 from test_storage_units import JOB, LOG, intact, stage
 
 from easyckpt.config import Config
-from easyckpt.engine.agentview import AgentView
+from easyckpt.engine.link.agentview import AgentView
 from easyckpt.errors import AgentError
 from easyckpt.formats.layout import NAMINGS
 from easyckpt.formats.replies import StatusReply

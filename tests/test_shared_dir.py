@@ -270,7 +270,7 @@ def test_a_save_dir_replaced_under_a_running_job_is_noticed_and_still_guarded(sh
 
 def test_a_guessable_replica_secret_file_is_refused_and_whitespace_is_said(tmp_path):
     """Item 9 of the probe: a secret file of one repeated byte was accepted; one of spaces said "holds 0 bytes"."""
-    from easyckpt.engine.peers import secret_from_file
+    from easyckpt.engine.link.peers import secret_from_file
     from easyckpt.errors import ConfigError
     path = tmp_path / "secret"
     for text, said in (("a" * 16, "only 1 distinct"), (" " * 40, "besides leading and trailing whitespace")):

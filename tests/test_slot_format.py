@@ -211,7 +211,7 @@ def test_a_rejected_slot_is_a_checkpoint_error_for_callers_that_raise_it():
 def test_the_trainers_loader_and_the_one_reader_agree(shm_dir):
     """The loader's list of complete snapshots is the one reader's answer (the agent's recovery, persist
     and `easyckpt status` call the same reader)."""
-    from easyckpt.engine import snapshot
+    from easyckpt.engine.save import snapshot
     write_slot(step=5, generation=1, slot=0)
     write_slot(step=6, generation=2, slot=1, files=_files(w=(0, 16), n=(8, 24), end=24))   # bad metadata
     assert [(s.slot, s.step) for s in snapshot.complete_snapshots(JOB, 0)] == [(0, 5)]

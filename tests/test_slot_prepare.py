@@ -14,8 +14,8 @@ from harness import SHM, wait_no_agent
 
 import easyckpt
 from easyckpt import pages
-from easyckpt.engine import estimate
-from easyckpt.engine.snapshot import ShardSpec, Snapshotter
+from easyckpt.engine.save import estimate
+from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter
 from easyckpt.ipc import shm
 
 
@@ -99,7 +99,7 @@ def test_the_first_snapshot_takes_the_first_slot_while_the_second_is_still_being
     persisted waits for the second slot and writes it, so step 1 is still in memory while it is written."""
     import threading
 
-    from easyckpt.engine import snapshot as snapshot_mod
+    from easyckpt.engine.save import snapshot as snapshot_mod
 
     snap = Snapshotter(f"t{uuid.uuid4().hex[:10]}", 0, 1)
     release, real = threading.Event(), shm.Slot.create_or_grow
@@ -136,7 +136,7 @@ def test_a_skipped_snapshot_is_logged_with_its_reason(tmp_path, monkeypatch):
     import threading
 
     from easyckpt.config import Config
-    from easyckpt.engine import snapshot as snapshot_mod
+    from easyckpt.engine.save import snapshot as snapshot_mod
     from easyckpt.engine.session import Engine
 
     release, real = threading.Event(), shm.Slot.create_or_grow

@@ -160,8 +160,8 @@ def test_a_readers_copy_of_a_step_in_the_store_holds_only_the_items_asked_for_ea
     open are not fetched, what the loader already fetched and checked is not fetched again, and a damaged item
     asked for fails the copy, naming it, with nothing left behind."""
     from easyckpt.engine import scratch
-    from easyckpt.engine.dcp import boxes_of, reader_files, wanted_items
-    from easyckpt.engine.reads import Fetched
+    from easyckpt.engine.load.dcp import boxes_of, reader_files, wanted_items
+    from easyckpt.engine.load.reads import Fetched
     from easyckpt.errors import CheckpointError
     store, top = bucket
     step = f"{top}/job/step_00000010"
@@ -199,8 +199,8 @@ def test_a_copy_that_fails_on_one_rank_fails_every_rank_before_any_reader_starts
     from inproc import node, ranks
 
     from easyckpt.config import Config
-    from easyckpt.engine.dcp import boxes_of, reader_files, wanted_items
-    from easyckpt.engine.load import Loaded
+    from easyckpt.engine.load.dcp import boxes_of, reader_files, wanted_items
+    from easyckpt.engine.load.sources import Loaded
     from easyckpt.errors import CheckpointError
     store, top = bucket
     step = f"{top}/job/step_00000010"

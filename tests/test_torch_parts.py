@@ -12,8 +12,8 @@ import mmap
 import torch
 
 from easyckpt.agent.stepwriter import _write_torch
-from easyckpt.engine.stepread import read_files
-from easyckpt.engine.tree import flatten_pickled
+from easyckpt.engine.load.stepread import read_files
+from easyckpt.engine.shards.tree import flatten_pickled
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.formats.slotmeta import SlotFile, TensorSpan

@@ -264,7 +264,7 @@ def test_a_slot_whose_file_names_leave_the_step_is_refused_by_the_agent(tmp_path
     import torch
 
     from easyckpt.agent.stepwriter import persist_slot
-    from easyckpt.engine.snapshot import ShardSpec, Snapshotter
+    from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter
     from easyckpt.formats.slotmeta import BadSlotMeta
     from easyckpt.ipc import shm
 
@@ -295,8 +295,8 @@ def test_a_malicious_object_in_a_torch_shard_runs_neither_in_the_agent_nor_on_lo
     import torch
 
     from easyckpt.agent.stepwriter import persist_slot
-    from easyckpt.engine.snapshot import ShardSpec, Snapshotter, read_snapshot
-    from easyckpt.engine.tree import safe_torch_load
+    from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter, read_snapshot
+    from easyckpt.engine.shards.tree import safe_torch_load
     from easyckpt.ipc import shm
 
     marker = tmp_path / "pwned"

@@ -51,7 +51,7 @@ import torch
 
 from easyckpt.cli import outputs
 from easyckpt.cli.outputs import ProgressFactory
-from easyckpt.engine.tree import safe_torch_load
+from easyckpt.engine.shards.tree import safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import DS_MODEL_STATES, DS_OPTIM_STATES

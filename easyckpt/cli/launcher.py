@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-from easyckpt.engine import runlog
+from easyckpt.engine.link import runlog
 
 MAX_BACKOFF = 300.0
 

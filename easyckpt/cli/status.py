@@ -20,7 +20,7 @@ from easyckpt.units import human
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from easyckpt.engine.client import agent_status
+    from easyckpt.engine.link.client import agent_status
     from easyckpt.ipc import shm, slotread
     cat = catalog.scan(args.dir, args.framework)
     job_id = Config(save_dir=args.dir, job_name=args.job_name).job_id

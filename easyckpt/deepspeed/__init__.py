@@ -40,15 +40,16 @@ from easyckpt.deepspeed.state import (
     same_layout,
 )
 from easyckpt.deepspeed.state import snapshot_bytes as ds_snapshot_bytes
-from easyckpt.engine import rng, scratch
+from easyckpt.engine import scratch
 from easyckpt.engine.checkpointer import (
     Checkpointer,
     DefaultCheckpointer,
     FrameworkState,
 )
-from easyckpt.engine.load import Loaded
-from easyckpt.engine.reads import as_reads
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.load.reads import as_reads
+from easyckpt.engine.load.sources import Loaded
+from easyckpt.engine.save import rng
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.formats.manifest import Manifest
 
 if TYPE_CHECKING:

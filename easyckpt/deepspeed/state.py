@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from easyckpt.deepspeed import universal
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
@@ -126,7 +126,7 @@ def snapshot_bytes(engine: Any) -> int:
     making one: the module's state (ZeRO-3 saves placeholders instead) and the optimizer's. Under ZeRO,
     the torch optimizer inside its wrapper steps fp32 partitions, which the optimizer-states file holds
     next to that optimizer's state; the Adam moments its first step creates are counted before it."""
-    from easyckpt.engine import estimate
+    from easyckpt.engine.save import estimate
 
     stage = engine.zero_optimization_stage() if engine.zero_optimization() else 0
     total = 0 if stage == 3 else estimate.tensor_bytes(engine.module.state_dict())

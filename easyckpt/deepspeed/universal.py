@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from easyckpt.config import Config
-from easyckpt.engine.dist import all_gather
+from easyckpt.engine.link.dist import all_gather
 from easyckpt.engine.scratch import fresh, remove
 from easyckpt.engine.scratch import path as scratch_path
 from easyckpt.errors import CheckpointError

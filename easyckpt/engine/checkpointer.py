@@ -33,16 +33,16 @@ from typing import (
 
 from easyckpt.config import Config
 from easyckpt.engine import scratch
-from easyckpt.engine.dcp import Wanted
-from easyckpt.engine.load import Loaded
-from easyckpt.engine.reads import Read
-from easyckpt.engine.resumeline import ResumeLine, missing_rng_words, saved_world_size
+from easyckpt.engine.load.dcp import Wanted
+from easyckpt.engine.load.reads import Read
+from easyckpt.engine.load.resumeline import ResumeLine, missing_rng_words, saved_world_size
+from easyckpt.engine.load.sources import Loaded
+from easyckpt.engine.save.snapshot import ShardSpec, SnapshotResult
 from easyckpt.engine.seams import AgentLink, Clock, Group
 from easyckpt.engine.session import Engine, Info
-from easyckpt.engine.snapshot import ShardSpec, SnapshotResult
 from easyckpt.errors import CheckpointError, EasyCkptError
 from easyckpt.formats.manifest import Manifest
-from easyckpt.storage.resolve import remote
+from easyckpt.storage.resolve import storage_for
 from easyckpt.storage.savedir import SaveDir
 
 R = TypeVar("R", covariant=True)
@@ -206,7 +206,7 @@ class Checkpointer:
         reader starts (its load is a collective: a rank whose copy failed would leave the others waiting in
         it); one failure fails every rank, naming it. None where the reader opens the step itself (a file
         system: nothing is computed or copied) and for a snapshot (memory, a peer, the local tier)."""
-        if loaded.path is None or loaded.manifest is None or remote(loaded.path) is None:
+        if loaded.path is None or loaded.manifest is None or storage_for(loaded.path).local:
             return None
         cfg, step = self.config, loaded.step
 
@@ -233,7 +233,7 @@ class Checkpointer:
         return agreed
 
     def metrics(self) -> Dict[str, float]:
-        """This rank's checkpointing figures so far, ``{"easyckpt/<name>": number}`` (engine/metrics.py;
+        """This rank's checkpointing figures so far, ``{"easyckpt/<name>": number}`` (engine/link/metrics.py;
         docs/metrics.md lists the keys); after finalize, the run's last ones."""
         return self.engine.metrics.values()
 

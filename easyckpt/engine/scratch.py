@@ -13,15 +13,15 @@ import contextlib
 import os
 from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
-from easyckpt.engine.dcp import Wanted, data_files
-from easyckpt.engine.reads import Fetched
+from easyckpt.engine.load.dcp import Wanted, data_files
+from easyckpt.engine.load.reads import Fetched
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import scratch_name
 from easyckpt.formats.manifest import MANIFEST_NAME, Manifest
 from easyckpt.storage import stepfiles
 from easyckpt.storage.base import Buffer
 from easyckpt.storage.posix import PosixStorage
-from easyckpt.storage.resolve import remote
+from easyckpt.storage.resolve import storage_for
 
 _storage = PosixStorage()
 
@@ -76,7 +76,7 @@ def local_copy(step_dir: str, manifest: Manifest, directory: str, wanted: Option
     (ranged reads, each item checked), at their offsets, the rest a hole: each rank fetches what it needs, not
     the whole step. What the load already fetched and checked (``fetched``, reads.Fetched) is written from
     memory, not fetched again. ``on_bytes`` hears of every piece fetched."""
-    if remote(step_dir) is None:
+    if storage_for(step_dir).local:
         return step_dir
     fresh(directory)
     kept = fetched if fetched is not None else Fetched()

@@ -17,39 +17,31 @@ protocol they implement); they hold no file I/O, no threads, and no knowledge of
 """
 from __future__ import annotations
 
-import os
 import secrets
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from easyckpt import console
 from easyckpt.config import Config, validate
-from easyckpt.engine import metrics, peers, resumeline, runlog
-from easyckpt.engine.agentview import AgentView
-from easyckpt.engine.budget import SnapshotBudget, agree_ranks, record_last
-from easyckpt.engine.client import AgentClient
-from easyckpt.engine.dist import TorchGroup
-from easyckpt.engine.load import Loaded, Needed, load_newest
-from easyckpt.engine.overlap import OptimizerWatch, auto_overlap
-from easyckpt.engine.preempt import Preemption
+from easyckpt.engine.link import metrics, peers, runlog
+from easyckpt.engine.link.agentview import AgentView
+from easyckpt.engine.link.client import AgentClient
+from easyckpt.engine.link.dist import TorchGroup
+from easyckpt.engine.link.preempt import Preemption
+from easyckpt.engine.load import resumeline
+from easyckpt.engine.load.newest import load_newest
+from easyckpt.engine.load.reads import Needed
+from easyckpt.engine.load.sources import Loaded, Ranks
+from easyckpt.engine.save.budget import SnapshotBudget, agree_ranks, record_last
+from easyckpt.engine.save.saver import Collect, Info, Saver
+from easyckpt.engine.save.snapshot import SnapshotResult, Snapshotter
 from easyckpt.engine.seams import AgentLink, Clock, Group, SystemClock
-from easyckpt.engine.skips import SkipEpisodes
-from easyckpt.engine.snapshot import (
-    PendingSnapshot,
-    ShardSpec,
-    SnapshotResult,
-    Snapshotter,
-)
-from easyckpt.errors import AgentError, EasyCkptError, NoValidCheckpoint, TornSnapshot
+from easyckpt.errors import AgentError, EasyCkptError, NoValidCheckpoint
 from easyckpt.formats import protocol
 from easyckpt.formats.replies import FlushReply, StatusReply
-from easyckpt.ipc import shm
 from easyckpt.ipc.reap import reap_dead_jobs
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.savedir import SaveDir
 
-Collect = Callable[[], Sequence[ShardSpec]]
-# what the adapter wants recorded in the manifest's "info" (e.g. {"protect": [best step]})
-Info = Optional[Dict[str, Any]]
 
 
 class Engine:
@@ -72,12 +64,8 @@ class Engine:
             cfg, self.rank, self.local_rank, self.world_size, self.log)
         self.remote: Optional[peers.Remote] = None      # this rank's replicas on peer nodes
         self._introduced = False
-        self.last: Optional[SnapshotResult] = None
-        self.last_persisted_step: Optional[int] = None
         self.last_step: Optional[int] = None
-        self.last_complete_step: Optional[int] = None   # newest snapshot a crash would resume from
         self.view = AgentView(cfg, self.rank, self.world_size, self.client, self.savedir, self.log, self.clock)
-        self.skips = SkipEpisodes(self.rank, cfg.save_mem_interval, cfg.save_storage_interval, self.log)
         self.closed = False
         self._collect: Optional[Collect] = None
         self._info: Info = None
@@ -89,12 +77,9 @@ class Engine:
         self.run_started = round(self.clock.time(), 6)
         self.run_id = secrets.token_hex(8)
         self.progress = runlog.LastStep(self.rank)
-        # overlap (overlap.py): a snapshot whose optimizer-owned tensors are still being copied
-        self.pending: Optional[PendingSnapshot] = None
-        self._pending_persist = False
-        self.watch = OptimizerWatch(self.before_optimizer_step)
-        self._overlap_on: Optional[bool] = None
         self.budget = SnapshotBudget(cfg.save_mem_interval, cfg.max_overhead)   # within max_overhead of step time
+        self.saver = Saver(cfg, self.rank, self.snapshotter, self.log, self.clock, self.view, self.budget,
+                           introduce=self._introduce, run={"run": self.run_started, "run_id": self.run_id})
         self.metrics = metrics.RunMetrics(self.rank, self.log, self.view, self.budget, self.clock)
         self.preempt: Optional[Preemption] = None
         if cfg.autocheckpoint_on_sigterm:
@@ -117,8 +102,8 @@ class Engine:
         budget = self.budget
         budget.tick(step, self.clock.monotonic())
         if self.safe_point(step, collect, info):
-            return self.last
-        self.view.poll(self.last_persisted_step)
+            return self.saver.last
+        self.view.poll(self.saver.last_persisted_step)
         if budget.agreement_due(step):
             agree_ranks(budget, self.group, self.log, self.rank, step)
         if step % self.cfg.save_mem_interval:
@@ -131,19 +116,7 @@ class Engine:
         if not persist and not budget.due(step):
             return None
         budget.took()
-        if optimizer is not None and self._overlap(optimizer):
-            self.watch.add(optimizer)
-        return self._snapshot(step, collect, persist=persist, info=info, overlap=bool(self.watch))
-
-    def _overlap(self, optimizer: Any) -> bool:
-        if self._overlap_on is None:
-            if self.cfg.snapshot_overlap is None:
-                ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-                self._overlap_on, why = auto_overlap(optimizer, ranks)
-            else:
-                self._overlap_on, why = self.cfg.snapshot_overlap, "snapshot_overlap set"
-            self.log.emit("overlap", rank=self.rank, on=self._overlap_on, message=why)
-        return self._overlap_on
+        return self.saver.in_loop(step, collect, persist, info, optimizer)
 
     def _introduce(self) -> None:
         """Introduce the nodes' agents to each other (peers.py), once, at the first load or snapshot: both
@@ -153,73 +126,15 @@ class Engine:
             self.remote = peers.introduce(self.cfg, self.client, self.rank, self.world_size, self.local_rank,
                                           self.log)
 
-    def _snapshot(self, step: int, collect: Collect, persist: bool, quiet: bool = False,
-                  info: Info = None, overlap: bool = False) -> Optional[SnapshotResult]:
-        self.settle()
-        self._introduce()
-        defer = self.watch.deferrable() if overlap else None
-        shards = collect()
-        info = {**(info or {}), "run": self.run_started, "run_id": self.run_id,
-                "budget": self.budget.info()}
-        result = self.snapshotter.snapshot(step, shards, persist, info, defer)
-        if result is None and self.snapshotter.skipped is None and not self.client.alive():
-            # both slots reserved by an agent that died: a new agent releases them (docs/reliability.md promise 10)
-            self.client.reattach("both snapshot slots stay reserved by it")
-            result = self.snapshotter.snapshot(step, shards, persist, info, defer)
-        if isinstance(result, PendingSnapshot):
-            self.pending, self._pending_persist = result, persist
-            return None
-        if result is None and quiet:
-            return None
-        if result is None:
-            behind = step - (self.last_complete_step if self.last_complete_step is not None else 0)
-            pid = self.client.agent_pid
-            why = self.snapshotter.skipped or (
-                f"the easyckpt agent (pid {pid}) is stopped and holds both snapshot slots" if pid and shm.pid_stopped(pid)
-                else f"both snapshot slots are still being persisted (storage is slower than "
-                     f"save_storage_interval={self.cfg.save_storage_interval})")
-            self.skips.skipped(step, behind, why, self.clock.monotonic())   # said once an episode (skips.py)
-            return None
-        self._snapshot_done(result, persist)
-        return result
-
-    def _snapshot_done(self, result: SnapshotResult, persist: bool, copy_seconds: Optional[float] = None) -> None:
-        self.last = result
-        self.last_complete_step = result.step
-        self.skips.resumed(result.step, self.clock.monotonic(), self.view.persist_seconds)
-        self.log.emit("snapshot", step=result.step, rank=self.rank, slot=result.slot, bytes=result.nbytes,
-                      seconds=round(result.seconds, 6),
-                      **({} if copy_seconds is None else {"background_seconds": round(copy_seconds, 6)}))
-        if persist:
-            self._request_persist(result)
+    @property
+    def last(self) -> Optional[SnapshotResult]:
+        """This rank's newest snapshot taken (saver.py)."""
+        return self.saver.last
 
     def settle(self) -> None:
-        """Finish the background snapshot copy, if one runs: called by the watched optimizers' step
-        pre-hook (the copy must end before the parameters change), and before anything else that
-        snapshots, loads or finalizes. A failed copy is logged; training goes on (docs/reliability.md promise 2)."""
-        pending = self.pending
-        if pending is None:
-            return
-        self.pending = None
-        try:
-            result = pending.wait()
-        except TornSnapshot as exc:   # the loop changes what the overlap copies: copy synchronously from now on
-            self._overlap_on = False
-            self.watch.close()
-            self.log.emit("warning", step=pending.result.step, rank=self.rank, message=str(exc))
-            return
-        except Exception as exc:   # noqa: BLE001 - the copy ran in another thread; report, keep training
-            self.log.emit("error", step=pending.result.step, rank=self.rank,
-                          message=f"background snapshot copy failed: {exc!r}")
-            return
-        self._snapshot_done(result, self._pending_persist, pending.copy_seconds)
-
-    def before_optimizer_step(self) -> None:
-        pending = self.pending
-        if pending is None:
-            return
-        if not pending.order_on_device() or pending.done():
-            self.settle()
+        """Finish the background snapshot copy, if one runs (saver.py): before anything else that snapshots,
+        loads or finalizes."""
+        self.saver.settle()
 
     def safe_point(self, step: int, collect: Collect, info: Info = None) -> bool:
         """Every iteration, on every rank (maybe_save calls it; adapters whose framework already saved this
@@ -269,15 +184,6 @@ class Engine:
             self.finalize(persist=False)
             raise SystemExit(0)
 
-    def _request_persist(self, result: SnapshotResult) -> None:
-        try:
-            self.client.send(protocol.Persist(self.rank, result.slot, result.generation, result.step))
-            self.last_persisted_step = result.step
-            self.view.requested(result.step)
-        except AgentError as exc:   # never take training down for a failed persist (docs/reliability.md promise 2)
-            self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
-        self.status()
-
     def status(self) -> Optional[StatusReply]:
         """The agent's status (None when none answers), said on the console where new (agentview.py)."""
         return self.view.status()
@@ -292,8 +198,9 @@ class Engine:
         slot (when both are reserved), never for storage. ``fresh``: snapshot again even if ``step``
         already is (the state changed without the step changing, e.g. evaluation results)."""
         self.last_step, self._collect, self._info = step, collect, info
-        self.settle()
-        mine = fresh or self.last is None or self.last.step != step
+        saver = self.saver
+        saver.settle()
+        mine = fresh or saver.last is None or saver.last.step != step
         # an adapter's collect may run collectives (ZeRO-3 gathers parameters for the checkpoint): every
         # rank collects when any rank must snapshot, and only once, or the others hang in the collective
         try:
@@ -304,17 +211,17 @@ class Engine:
                                   f"going on with this rank's own answer")
             anyone = mine
         if not mine:
-            assert self.last is not None     # mine is False only when the last snapshot is of this step
+            assert saver.last is not None     # mine is False only when the last snapshot is of this step
             if anyone:
                 collect()
-            if self.last_persisted_step != step:
-                self._request_persist(self.last)
-            return self.last
+            if saver.last_persisted_step != step:
+                saver.request_persist(saver.last)
+            return saver.last
         shards = collect()
         self.budget.took()      # this step's time holds a snapshot (budget.py)
         deadline = self.clock.monotonic() + (self.cfg.commit_timeout if timeout is None else timeout)
         while True:
-            result = self._snapshot(step, lambda: shards, persist=True, quiet=True, info=info)
+            result = saver.snapshot(step, lambda: shards, persist=True, quiet=True, info=info)
             if result is not None:
                 return result
             if not self.client.alive():
@@ -339,10 +246,10 @@ class Engine:
         self._introduce()
         fresh: List[int] = []
         try:
-            loaded = load_newest(self.cfg, self.rank, self.world_size, needed, self.log,
+            ranks = Ranks(self.cfg, self.rank, self.world_size, self.log, self.group.all_gather)
+            loaded = load_newest(ranks, needed, remote=self.remote, layout=layout,
                                  on_rejected=lambda step, why: self.client.side(
-                                     protocol.Damaged(step, why[:protocol.MAX_TEXT])),
-                                 remote=self.remote, layout=layout, gather=lambda obj, _n: self.group.all_gather(obj))
+                                     protocol.Damaged(step, why[:protocol.MAX_TEXT])))
         except NoValidCheckpoint as exc:
             # every rank raised the same (the verdicts were gathered): all stop, or all start fresh
             self.log.record("error", message=str(exc))     # the console shows it once, as the raised error
@@ -385,7 +292,7 @@ class Engine:
             return self.last.step if self.last is not None else None
         self.closed = True
         self.settle()
-        self.watch.close()
+        self.saver.watch.close()
         record_last(self.budget, self.log, self.rank, self.last_step)
         timeout = self.cfg.commit_timeout if timeout is None else timeout
         step = None
@@ -416,5 +323,5 @@ class Engine:
         def agent_died() -> None:
             self.client.reattach(f"it died before step {step} was committed")
             if self.last is not None and self.last.step == step:
-                self._request_persist(self.last)
+                self.saver.request_persist(self.last)
         self.view.wait_committed(step, self.cfg.commit_timeout if timeout is None else timeout, agent_died)

@@ -41,11 +41,11 @@ import torch
 
 from easyckpt import console
 from easyckpt.config import Config, adapter_config
-from easyckpt.engine import estimate
 from easyckpt.engine.checkpointer import DefaultCheckpointer, FrameworkState
-from easyckpt.engine.load import Loaded
-from easyckpt.engine.reads import as_reads
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.load.reads import as_reads
+from easyckpt.engine.load.sources import Loaded
+from easyckpt.engine.save import estimate
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.megatron import reshard_torch as _reshard

@@ -143,7 +143,7 @@ def load_checkpoint(model: _em.Model, optimizer: _em.Optimizer, opt_param_schedu
 def _megatron_only(load_dir: str) -> bool:
     """Whether the iteration Megatron's tracker names in ``load_dir`` is Megatron's own checkpoint in a
     format only Megatron reads (engine/foreign.py); the console says so."""
-    from easyckpt.engine.foreign import megatron_only_step
+    from easyckpt.engine.load.foreign import megatron_only_step
     from easyckpt.megatron.state import NAMING
     step_dir = megatron_only_step(load_dir, NAMING)
     if step_dir is None:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from easyckpt.config import NAMINGS
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat

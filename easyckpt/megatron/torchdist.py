@@ -30,7 +30,7 @@ from typing import Any, Collection, ContextManager, Dict, List, Optional, Sequen
 
 import torch
 
-from easyckpt.engine.dcp import (
+from easyckpt.engine.load.dcp import (
     DCP_METADATA,
     boxes_of,
     checked_by,
@@ -40,10 +40,10 @@ from easyckpt.engine.dcp import (
     reader_files,
     wanted_items,
 )
-from easyckpt.engine.dcp import metadata as dcp_metadata
+from easyckpt.engine.load.dcp import metadata as dcp_metadata
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.engine.scratch import Stage
-from easyckpt.engine.snapshot import ShardSpec
-from easyckpt.engine.tree import dcp_item_size, safe_torch_load
+from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat

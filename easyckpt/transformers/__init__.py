@@ -62,7 +62,7 @@ import easyckpt.deepspeed.cpu as cpu
 from easyckpt import console
 from easyckpt.config import Config, existing_files, is_url, take_back
 from easyckpt.engine.checkpointer import Checkpointer
-from easyckpt.engine.foreign import newest_plain_checkpoint
+from easyckpt.engine.load.foreign import newest_plain_checkpoint
 from easyckpt.errors import ConfigError, EasyCkptError
 from easyckpt.transformers.session import NAMING, _Session
 from easyckpt.transformers.settings import (

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt import dtensor
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.engine.scratch import Stage
-from easyckpt.engine.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError, ConfigError
 from easyckpt.formats.manifest import Manifest
 

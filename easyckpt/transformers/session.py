@@ -28,9 +28,9 @@ import easyckpt.deepspeed.universal as universal
 from easyckpt.config import NAMINGS
 from easyckpt.engine import scratch
 from easyckpt.engine.checkpointer import Checkpointer, FrameworkState
-from easyckpt.engine.load import Loaded
-from easyckpt.engine.reads import as_reads
-from easyckpt.engine.snapshot import ShardSpec
+from easyckpt.engine.load.reads import as_reads
+from easyckpt.engine.load.sources import Loaded
+from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.formats.manifest import Manifest
@@ -175,7 +175,7 @@ class _Session(FrameworkState[Any]):
         yet, an Adam-family ``args.optim`` counts two moments of every trainable parameter. Under
         DeepSpeed the engine, and with it how ZeRO partitions the state, does not exist yet: no estimate
         (the first snapshot allocates)."""
-        from easyckpt.engine import estimate
+        from easyckpt.engine.save import estimate
 
         if self.trainer.is_deepspeed_enabled or self.fsdp:     # (FSDP shards the model inside train())
             return 0

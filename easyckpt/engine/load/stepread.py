@@ -1,6 +1,6 @@
-"""Read and check what one rank needs of a committed step (load.py's step 4): each file or item against the
+"""Read and check what one rank needs of a committed step (newest.py's step 4): each file or item against the
 manifest, a whole file's ranged GETs from an object store fetched ahead, the decoded trees returned, or the
-verdict on the first problem. Its own module because choosing the step (load.py) is another job.
+verdict on the first problem. Its own module because choosing the step (newest.py, agree.py) is another job.
 """
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
-from easyckpt.engine import codecs, torchparts
-from easyckpt.engine.reads import Fetched, Needed, Read, reads
+from easyckpt.engine.load import torchparts
+from easyckpt.engine.load.reads import Fetched, Needed, Read, reads
+from easyckpt.engine.shards import codecs
 from easyckpt.errors import ManifestError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import verdicts
@@ -18,7 +19,7 @@ from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.formats.verdicts import Verdict
 from easyckpt.progress import Progress
 from easyckpt.storage import stepfiles
-from easyckpt.storage.resolve import remote
+from easyckpt.storage.resolve import storage_for
 
 # (relpath, optional): an optional file may be absent (e.g. the RNG state of a rank that did not exist
 # when the checkpoint was written); (relpath, optional, [item, ...]): only those items of a file the
@@ -74,7 +75,7 @@ def read_files(step_dir: str, man: Manifest, asked: Sequence[Union[Read, Sequenc
     nbytes = 0
     with _Prefetch(step_dir, man, wanted) as ahead:
         for want in wanted:
-            answer = _read_one(step_dir, man, want, trees, on_bytes, ahead, kept)
+            answer = _read_one(ahead, want, trees, on_bytes, kept)
             if isinstance(answer, Verdict):
                 return None, answer, 0, man
             nbytes += answer
@@ -88,10 +89,11 @@ class _Prefetch:
     taken (a verdict ended the read) is cancelled, or waited for and dropped. On a file system: nothing."""
 
     def __init__(self, step_dir: str, man: Manifest, wanted: Sequence[Read]):
+        self.step_dir, self.man = step_dir, man
         self.futures: Dict[str, "Future[Tuple[memoryview, str]]"] = {}
         self.pool: Optional[ThreadPoolExecutor] = None
         whole = [w.relpath for w in wanted if w.whole and w.relpath in man.files]
-        if remote(step_dir) is None or len(whole) < 2:
+        if storage_for(step_dir).local or len(whole) < 2:
             return
         self.pool = ThreadPoolExecutor(max_workers=len(whole), thread_name_prefix="easyckpt-prefetch")
         for rel in whole:
@@ -109,12 +111,12 @@ class _Prefetch:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _read_one(step_dir: str, man: Manifest, want: Read, trees: Dict[str, Any],
-              on_bytes: Optional[Callable[[int], None]], ahead: _Prefetch,
+def _read_one(ahead: _Prefetch, want: Read, trees: Dict[str, Any], on_bytes: Optional[Callable[[int], None]],
               kept: Optional[Fetched]) -> Union[int, Verdict]:
-    """Read, check and decode one entry of ``needed`` into ``trees``: the bytes it took, or the verdict. What
-    the framework's reader opens next goes to ``kept`` as well: a data file's items, a whole data file (DCP:
-    its tree is nothing), a raw file (its tree is its bytes)."""
+    """Read, check and decode one entry of ``needed`` of the step ``ahead`` reads into ``trees``: the bytes it
+    took, or the verdict. What the framework's reader opens next goes to ``kept`` as well: a data file's items,
+    a whole data file (DCP: its tree is nothing), a raw file (its tree is its bytes)."""
+    step_dir, man = ahead.step_dir, ahead.man
     rel, optional = want.relpath, want.optional
     entry = man.files.get(rel)
     if entry is None:

@@ -14,7 +14,7 @@ import time
 from typing import Iterator, Optional, Sequence
 
 from easyckpt import console
-from easyckpt.engine.load import Loaded
+from easyckpt.engine.load.sources import Loaded
 from easyckpt.units import human
 
 _WHERE = {"memory": "memory (the snapshot that outlived the last run)",

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
-from easyckpt.engine import loader_workers
+from easyckpt.engine.link import loader_workers
 from easyckpt.errors import PreemptionError
 from easyckpt.storage.auditlog import AuditLog
 

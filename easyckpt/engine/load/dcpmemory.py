@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from easyckpt.engine.dcp import data_file
+from easyckpt.engine.load.dcp import data_file
 from easyckpt.errors import CheckpointError
 
 

@@ -41,7 +41,7 @@ DeepSpeed's own checkpoint draws other masks than one that never stopped, as wit
 Reading: each path comes from ``needed`` and must be in the inventory (so it is a regular file found
 inside the step dir without following a link); it is opened with O_NOFOLLOW, checked to resolve inside
 the step dir, to be a regular file and to still have its listed size. Failure on any rank rejects the
-candidate on every rank (load.py's all_gather verdict) and the next older candidate is tried.
+candidate on every rank (adopted.py's all_gather verdict) and the next older candidate is tried.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from easyckpt.config import Naming
-from easyckpt.engine import codecs
-from easyckpt.engine.reads import Needed, reads
+from easyckpt.engine.load.reads import Needed, reads
+from easyckpt.engine.shards import codecs
 from easyckpt.errors import CheckpointError, UnsafePath, UntrustedFileError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats import paths

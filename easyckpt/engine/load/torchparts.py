@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from easyckpt.engine.tree import _weights_only_load
+from easyckpt.engine.shards.tree import _weights_only_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import torchzip
 from easyckpt.formats.manifest import Item, Manifest

@@ -11,7 +11,7 @@ import os
 from typing import Optional
 
 from easyckpt.config import NAMINGS, Naming
-from easyckpt.engine.adopt import tracker_step
+from easyckpt.engine.load.adopt import tracker_step
 from easyckpt.formats import manifest as mf
 from easyckpt.storage import stepfiles
 from easyckpt.storage.savedir import SaveDir

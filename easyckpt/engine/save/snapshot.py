@@ -29,10 +29,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from easyckpt import _faults as faults
-from easyckpt.engine import pinned, shardload
-from easyckpt.engine.background import PendingSnapshot, copy_all
-from easyckpt.engine.codecs import FLATTEN
-from easyckpt.engine.tree import Tensors, rebuild
+from easyckpt.engine.save import pinned
+from easyckpt.engine.save.background import PendingSnapshot, copy_all
+from easyckpt.engine.shards import shardload
+from easyckpt.engine.shards.codecs import FLATTEN
+from easyckpt.engine.shards.tree import Tensors, rebuild
 from easyckpt.errors import EasyCkptError, ShmCapacityError
 from easyckpt.formats.shardfile import dtype_name
 from easyckpt.formats.shardformat import ShardFormat

@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Set
 
 from easyckpt import console
 from easyckpt.config import Config
-from easyckpt.engine.reports import StatusReports
+from easyckpt.engine.link.reports import StatusReports
 from easyckpt.engine.seams import AgentLink, Clock
 from easyckpt.errors import AgentError
 from easyckpt.formats.replies import StatusReply
@@ -32,7 +32,7 @@ class AgentView:
         self.reports = StatusReports(rank, cfg.naming, log)
         self._next_status = 0.0        # rank 0 asks the agent for new commits now and then
         self._quiet_until, self._silent, self._silent_said = 0.0, 0, False   # an agent that stopped answering
-        # told of each persist handed to the agent and each status reply (engine/metrics.py: the run's figures)
+        # told of each persist handed to the agent and each status reply (engine/link/metrics.py: the run's figures)
         self.on_requested: List[Callable[[int], None]] = []
         self.on_status: List[Callable[[StatusReply], None]] = []
 

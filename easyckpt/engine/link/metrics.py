@@ -5,10 +5,10 @@ Nothing here measures anything: the figures are gathered from what the engine al
 
     snapshots, skips, stall   the audit log's ``snapshot`` and ``skip`` events as this rank writes them
                               (storage/auditlog.py listeners): a snapshot's ``seconds`` is the time the training
-                              thread spent in it (engine/snapshot.py times it)
-    cost as the step pays it  the snapshot budget's medians (engine/budget.py: a step after a snapshot against one
+                              thread spent in it (engine/save/snapshot.py times it)
+    cost as the step pays it  the snapshot budget's medians (engine/save/budget.py: a step after a snapshot against one
                               after none), and its loss bound (Cadence.bound)
-    persists, commits         each persist handed to the agent and each status reply (engine/agentview.py); a
+    persists, commits         each persist handed to the agent and each status reply (engine/link/agentview.py); a
                               commit's latency runs from its request to the moment this rank learned of it, so it
                               is late by up to the status poll (agentview.STATUS_EVERY) at most
 
@@ -23,8 +23,8 @@ import threading
 from typing import Any, Deque, Dict, Optional
 
 from easyckpt import console
-from easyckpt.engine.agentview import AgentView
-from easyckpt.engine.budget import SnapshotBudget
+from easyckpt.engine.link.agentview import AgentView
+from easyckpt.engine.save.budget import SnapshotBudget
 from easyckpt.engine.seams import Clock
 from easyckpt.formats.replies import StatusReply
 from easyckpt.storage.auditlog import AuditLog

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Tuple
 
-from easyckpt.engine import shardload
-from easyckpt.engine.tree import (
+from easyckpt.engine.shards import shardload
+from easyckpt.engine.shards.tree import (
     Tensors,
     flatten,
     flatten_dcp,

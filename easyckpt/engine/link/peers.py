@@ -35,7 +35,7 @@ from typing import Any, List, Optional, Tuple
 from easyckpt import _faults as faults
 from easyckpt import console
 from easyckpt.config import Config
-from easyckpt.engine.dist import all_gather
+from easyckpt.engine.link.dist import all_gather
 from easyckpt.engine.seams import AgentLink
 from easyckpt.errors import AgentError, ConfigError
 from easyckpt.formats import paths, protocol

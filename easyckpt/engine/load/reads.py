@@ -1,5 +1,5 @@
 """What a rank reads to restore a checkpoint: the typed answer of an adapter's ``needed`` (the
-FrameworkState protocol, checkpointer.py), read by load.py and adopt.py."""
+FrameworkState protocol, checkpointer.py), read by the load sources and adopt.py."""
 from __future__ import annotations
 
 import functools
@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from easyckpt.formats.manifest import Manifest
 
-# a torch.save file read in part (engine/torchparts.py): given the file's pickled tree, which storages to read
+# a torch.save file read in part (engine/load/torchparts.py): given the file's pickled tree, which storages to read
 Pick = Callable[..., Any]
 
 
