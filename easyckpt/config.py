@@ -127,12 +127,12 @@ class Config:
     autocheckpoint_on_sigterm: bool = True
     exit_after_ondemand_checkpoint: bool = False
     grace_deadline: float = 300.0
-    # copy the tensors the optimizer owns while the next forward/backward runs (engine/overlap.py);
+    # copy the tensors the optimizer owns while the next forward/backward runs (engine/save/overlap.py);
     # None = auto: when they are on a GPU, or when the CPU has a core the training does not compute on
     snapshot_overlap: Optional[bool] = None
     # the share of step time memory snapshots may cost the training loop (measured: step time with and
     # without one); the snapshot is then taken every k-th save_mem_interval, the loss bound said on the
-    # console (engine/budget.py). None: a snapshot on every save_mem_interval, whatever it costs
+    # console (engine/save/budget.py). None: a snapshot on every save_mem_interval, whatever it costs
     max_overhead: Optional[float] = 0.02
     # the agent writes checkpoint files with O_DIRECT (around the page cache) where the file system
     # allows it, plain writes elsewhere; False: always plain writes (storage/direct.py says why)

@@ -9,7 +9,7 @@ A snapshot is what ``torch.distributed.checkpoint.state_dict.get_state_dict`` gi
 local shards, nothing is gathered. Each rank writes the main replica of what it holds (every shard of a
 1-D FSDP mesh; on a mesh with replicated dimensions, the ranks at coordinate 0 of those; objects and
 replicated tensors such as Adam's ``step``: rank 0) to its ``__{rank}_0.distcp``; rank 0 writes
-``.metadata`` (engine/dcp.py). What a rank holds but does not write stays in its memory snapshot
+``.metadata`` (engine/load/dcp.py). What a rank holds but does not write stays in its memory snapshot
 (``LOCAL``), so that a restart on the same layout restores from memory alone.
 
 Restore: from storage through DCP's FileSystemReader on the committed step (the files a rank needs were

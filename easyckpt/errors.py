@@ -66,7 +66,7 @@ class SnapshotChanged(AgentError):
 
 
 class TornSnapshot(EasyCkptError):
-    """A tensor copied in the background was changed in place before its copy ended (engine/background.py)."""
+    """A tensor copied in the background was changed in place before its copy ended (engine/save/background.py)."""
 
 
 class PreemptionError(EasyCkptError):

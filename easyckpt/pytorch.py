@@ -89,7 +89,7 @@ class PytorchState(FrameworkState[Any]):
         return ShardSpec(_rank_file(self.rank), state, persist=True)
 
     def snapshot_bytes(self) -> int:
-        """About what the first snapshot holds (the slots are reserved ahead, engine/estimate.py)."""
+        """About what the first snapshot holds (the slots are reserved ahead, engine/save/estimate.py)."""
         if self.sharded:
             return dtensor.local_bytes(self.model, self.optimizer)
         model = estimate.tensor_bytes(_unwrap(self.model).state_dict())

@@ -95,8 +95,6 @@ def test_no_import_circle_between_modules():
 # caller asks the back-end (``storage_for(path).local``, its verbs) or resolve (``is_url``, ``is_store_url``).
 URL_PARSERS = {"easyckpt/storage/resolve.py", "easyckpt/storage/s3client.py"}     # s3client: its own URLs' form
 # switched by the engine's change (issue 52: ``storage_for(path).local``); remove each entry as it goes
-REMOTE_CALLERS_LEFT = {"easyckpt/engine/checkpointer.py", "easyckpt/engine/scratch.py", "easyckpt/engine/stepread.py",
-                       "easyckpt/engine/load.py"}
 
 
 def _url_tests(tree) -> list:
@@ -123,7 +121,7 @@ def test_a_paths_url_scheme_is_parsed_in_one_place():
     where = []
     for path in _modules():
         rel = str(path.relative_to(ROOT))
-        if rel in URL_PARSERS or rel in REMOTE_CALLERS_LEFT:
+        if rel in URL_PARSERS:
             continue
         where += [f"{rel}:{line}" for line in _url_tests(ast.parse(path.read_text(encoding="utf-8")))]
     assert not where, ("a path's scheme is tested outside storage/resolve.py (ask resolve.storage_for(path).local, "

@@ -74,7 +74,7 @@ CONFLICT = [
     ({"save_steps": 7}, {"config": ("OUT", 4, 5)}, r"config.save_storage_interval=4 but the Trainer's save_steps=7"),
     ({}, {"config": ("ELSEWHERE", 5, 5)}, r"config.save_dir='.*elsewhere' is not the Trainer's output_dir"),
     # an object store is the one save_dir beside output_dir; another scheme is refused, naming s3://
-    ({}, {"save_dir": "gs://bucket/run"}, r"save_dir='gs://bucket/run'.* reached through s3://"),
+    ({}, {"save_dir": "hdfs://bucket/run"}, r"save_dir='hdfs://bucket/run'.* reached through s3://"),
     # accepted as a save_dir, and checked at once: a store that does not answer is refused when built
     ({}, {"save_dir": "s3://bucket/run", "endpoint_url": "http://127.0.0.1:9"}, r"127.0.0.1:9"),
 ]

@@ -1,5 +1,5 @@
 """The agent's entry point: ``python -m easyckpt.agent '<config json>'``, started by the first local rank
-(engine/client.py) or by ``easyckpt run``. Importing it loads neither torch nor an unpickler."""
+(engine/link/client.py) or by ``easyckpt run``. Importing it loads neither torch nor an unpickler."""
 from __future__ import annotations
 
 import json

@@ -8,7 +8,7 @@ way, so every agent knows where any rank's state lives without asking anyone.
 
 Who knows what. The trainers tell their agent the table (node, node count, ranks per node, every
 agent's TCP endpoint, the job's replica secret) after exchanging it through the job's c10d store
-(engine/peers.py); the agent opens its TCP listener when asked for its endpoint. Nothing is sent before
+(engine/link/peers.py); the agent opens its TCP listener when asked for its endpoint. Nothing is sent before
 the table is known.
 
 Sending (one thread, ``_sender``). Every POLL seconds it looks at this node's slots: when a step is
@@ -195,7 +195,7 @@ class Replicas:
         with self.lock:
             sent, errors, failing = dict(self.sent), self.warnings.recent(), dict(self._failing)
         now = time.monotonic()
-        # said on rank 0's console (engine/reports.py): sends that fail for long are a node without a copy
+        # said on rank 0's console (engine/link/reports.py): sends that fail for long are a node without a copy
         starved = {n: f"no replica has reached node {n} for {now - since:.0f} s (the last try: {why}); this node's "
                       f"newest snapshots have no copy on another node, so a lost node would resume from storage"
                    for n, (since, why) in sorted(failing.items()) if now - since >= STARVED_AFTER}

@@ -99,7 +99,7 @@ def _say_status(report: Dict[str, Any], agent: Optional[StatusReply]) -> None:
 
 
 def _budget(info: Any) -> Optional[Dict[str, Any]]:
-    """The snapshot cadence a trainer recorded with its snapshot (engine/budget.py), checked field by field:
+    """The snapshot cadence a trainer recorded with its snapshot (engine/save/budget.py), checked field by field:
     a slot or a manifest may have been written by anyone."""
     got = info.get("budget") if isinstance(info, dict) else None
     if not isinstance(got, dict):

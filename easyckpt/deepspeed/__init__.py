@@ -89,7 +89,7 @@ class DeepSpeedState(FrameworkState[Any]):
         return shards
 
     def snapshot_bytes(self) -> int:
-        """About what the first snapshot holds (the slots are reserved ahead, engine/estimate.py)."""
+        """About what the first snapshot holds (the slots are reserved ahead, engine/save/estimate.py)."""
         return ds_snapshot_bytes(self.engine)
 
     @as_reads

@@ -70,8 +70,8 @@ class Engine:
         self._collect: Optional[Collect] = None
         self._info: Info = None
         # recorded in every manifest's info (rank 0's wins): the run's token names it, and the commit numbers
-        # the run by it (storage/commit.run_seq_of); retention and the loader order this job's steps by (run
-        # number, step), so a new run's commits are never older than a previous run's higher step numbers.
+        # the run by it (SaveDir.run_seq in storage/savedir.py); retention and the loader order this job's steps by
+        # (run number, step), so a new run's commits are never older than a previous run's higher step numbers.
         # The start stamp is for people (and orders only steps committed before runs were numbered): ranks'
         # clocks disagree, and one a day ahead must not make a later run's commits the older ones.
         self.run_started = round(self.clock.time(), 6)

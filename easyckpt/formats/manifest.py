@@ -7,7 +7,7 @@ costs little; zlib's crc32 is the fallback when xxhash is missing.
 This module is the format only (fields, validation, checksums, comparing a file against its entry);
 reading a step's manifest and the files it lists is storage/stepfiles.py's.
 
-The records: ``Manifest`` (a committed step's, or the inventory engine/adopt.py makes of a framework's
+The records: ``Manifest`` (a committed step's, or the inventory engine/load/adopt.py makes of a framework's
 own step), ``FileEntry`` (one listed file) and ``Item`` (a part of a data file a rank may read alone).
 They are frozen and built from JSON in one place, ``Manifest.parse``; every reader uses their fields.
 
@@ -156,7 +156,7 @@ class FileEntry:
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-    """A step's manifest, checked whole when parsed (``parse``), or the inventory engine/adopt.py builds of a
+    """A step's manifest, checked whole when parsed (``parse``), or the inventory engine/load/adopt.py builds of a
     framework's own step (``adopted``: no job, no world size, no checksums)."""
     step: int
     framework: str

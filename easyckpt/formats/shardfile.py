@@ -15,7 +15,7 @@ from easyckpt.errors import CheckpointError
 SKELETON_KEY = "easyckpt.skeleton"
 
 # safetensors dtype names by torch dtype name: this module never imports torch (the agent only copies
-# bytes); the trainer maps names back to torch dtypes in engine/shardload.py
+# bytes); the trainer maps names back to torch dtypes in engine/shards/shardload.py
 DTYPE_NAMES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
@@ -58,7 +58,7 @@ def encode_header(entries: Sequence[Tuple[str, str, Sequence[int], int, int]], s
 def parse(buf: Union[bytes, bytearray, memoryview]) -> Tuple[Any, List[Tuple[str, str, List[int], int, int]]]:
     """The skeleton and the tensor entries (key, dtype name, shape, begin, end; offsets into ``buf``) of
     a whole shard held in ``buf``. Every range is checked to lie inside ``buf``; turning entries into
-    tensors is the trainer's part (engine/shardload.py)."""
+    tensors is the trainer's part (engine/shards/shardload.py)."""
     if len(buf) < 8:
         raise CheckpointError("shard is shorter than its 8-byte header length")
     (n,) = struct.unpack_from("<Q", buf, 0)

@@ -10,7 +10,7 @@
 
 Each format has three halves, each a table keyed by this enum, in the process that runs it: the check of
 a slot's skeleton (formats/slotmeta.py, both processes), the agent's write (agent/stepwriter.py) and the
-trainer's flatten and decode (engine/codecs.py, where torch is). tests/test_formats.py checks that every
+trainer's flatten and decode (engine/shards/codecs.py, where torch is). tests/test_formats.py checks that every
 table has every member, so a new format is one member here plus its halves, and nothing else dispatches
 on a name.
 """

@@ -6,7 +6,7 @@ its nonce, the client answers with its own nonce and a MAC, the server answers w
 The secret is made by global rank 0 for each start of the job and reaches every rank over the job's own
 process group (a collective among its ranks), or is derived from a file the operator gives every node
 (EASYCKPT_REPLICA_SECRET_FILE); each rank hands it to its node's agent on the agent's authenticated local
-socket (engine/peers.py). It never sits in the c10d store, which answers anyone who reaches its port.
+socket (engine/link/peers.py). It never sits in the c10d store, which answers anyone who reaches its port.
 The handshake as a whole must end within HANDSHAKE_TIMEOUT: a connection that trickles bytes never holds
 a slot of the server for longer (agent/peerserve.py keeps its own capacity for authenticated peers).
 

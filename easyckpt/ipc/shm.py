@@ -149,7 +149,7 @@ def open_checked(path: str, flags: int) -> int:
 class Slot:
     """One mapped slot file. Trainers open it read-write; the agent and loaders open it read-only.
     Whether a snapshot in it is complete is decided by slotread.py alone. Page-locking for CUDA is the
-    trainer's business (engine/pinned.py): this module never imports torch."""
+    trainer's business (engine/save/pinned.py): this module never imports torch."""
 
     def __init__(self, path: str, writable: bool, populate: bool = False):
         """``populate``: map every page now (one pass in the kernel), for a mapping that a transfer reads or

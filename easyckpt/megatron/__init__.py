@@ -116,7 +116,7 @@ class MegatronState(FrameworkState[Any]):
         return shards
 
     def snapshot_bytes(self) -> int:
-        """About what the first snapshot holds (the slots are reserved ahead, engine/estimate.py): the
+        """About what the first snapshot holds (the slots are reserved ahead, engine/save/estimate.py): the
         model chunks' tensors, each optimizer's state and, with the DistributedOptimizer, its fp32 main
         parameters (saved beside their moments)."""
         total = sum(estimate.tensor_bytes(t) for t in _shardmap.live_tensors(_state.chunks(self.model)).values())
@@ -142,7 +142,7 @@ class MegatronState(FrameworkState[Any]):
         if isinstance(saved, str) and (set(moved) - {"dp"}
                                        or (moved and (_reshard.expert_split(saved) or _reshard.expert_split(now)))):
             if not self.concat:
-                # a CheckpointError from needed() is the verdict "incompatible" (engine/load.py): the step is
+                # a CheckpointError from needed() is the verdict "incompatible" (engine/load/): the step is
                 # kept as it is, an older one of this layout is tried, and none: the job stops naming this
                 raise CheckpointError(f"iteration {manifest.step} was saved in Megatron's torch layout with {saved}; "
                                     f"this run is {now}: pass load_checkpoint(..., concat=True) to reshard it")

@@ -5,7 +5,7 @@ training.py imports the names at import time):
 
 - ``load_checkpoint``            → ``easyckpt.megatron.load_checkpoint``: the newest complete state from
                                    memory or ``--save``, Megatron's own checkpoints there included, in
-                                   either layout, ``torch`` or ``torch_dist`` (adopted: engine/adopt.py);
+                                   either layout, ``torch`` or ``torch_dist`` (adopted: engine/load/adopt.py);
                                    when easyckpt finds nothing and ``--load`` names another directory,
                                    Megatron's own loader reads that one (fine-tuning from a native
                                    checkpoint keeps working), and likewise when easyckpt resumed nothing and
@@ -142,7 +142,7 @@ def load_checkpoint(model: _em.Model, optimizer: _em.Optimizer, opt_param_schedu
 
 def _megatron_only(load_dir: str) -> bool:
     """Whether the iteration Megatron's tracker names in ``load_dir`` is Megatron's own checkpoint in a
-    format only Megatron reads (engine/foreign.py); the console says so."""
+    format only Megatron reads (engine/load/foreign.py); the console says so."""
     from easyckpt.engine.load.foreign import megatron_only_step
     from easyckpt.megatron.state import NAMING
     step_dir = megatron_only_step(load_dir, NAMING)

@@ -1,4 +1,4 @@
-"""easyckpt's figures (engine/metrics.py) in Megatron-LM's own TensorBoard and W&B writers, at the interval its
+"""easyckpt's figures (engine/link/metrics.py) in Megatron-LM's own TensorBoard and W&B writers, at the interval its
 training loop writes its own scalars (``--tensorboard-log-interval``), so they sit beside the loss.
 
 Megatron-LM makes the writers on one rank only (``megatron.training.global_vars``: the last rank, when

@@ -8,7 +8,7 @@ Per rank at (tp, pp, dp), for iteration N (directory ``iter_{N:07d}``):
         the fp32 main params and Adam moments (per DP rank, so no gather stalls the save; Megatron's own
         single-file ``distrib_optim.pt`` is produced by the converter, easyckpt.cli.convert)
 
-A checkpoint Megatron wrote itself (adopted, engine/adopt.py) has ``distrib_optim.pt`` (DP rank 0's gathered
+A checkpoint Megatron wrote itself (adopted, engine/load/adopt.py) has ``distrib_optim.pt`` (DP rank 0's gathered
 "dp_zero" state) and no per-DP shards: DP rank 0 reads it and megatron-core's own
 ``load_parameter_state_from_dp_zero`` scatters it, so any data-parallel size resumes from it without concat.
     easyckpt_rng/rank_{r:05d}.safetensors             every rank's own RNG states (Megatron keeps DP rank 0's)

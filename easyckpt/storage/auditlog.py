@@ -27,7 +27,7 @@ class AuditLog:
         self.source = source
         self._fd: Optional[int] = None
         self._cap_said = False
-        # called with each event as written (engine/metrics.py counts snapshots and skips from them)
+        # called with each event as written (engine/link/metrics.py counts snapshots and skips from them)
         self.listeners: List[Callable[[str, Dict[str, Any]], None]] = []
         if path:
             self._fd = self._open(path)

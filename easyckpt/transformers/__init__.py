@@ -23,7 +23,7 @@ What easyckpt changes, and what it keeps (easyckpt/transformers/session.py holds
   the newest committed ``checkpoint-N`` whose manifest verifies (damaged or incomplete ones are skipped
   loudly) — is fed to the Trainer's own resume path (data skipping, RNG, trainer state, callbacks) through
   its load hooks, so nothing is read twice. A checkpoint written by a plain Trainer (no manifest) takes part
-  as well (engine/adopt.py): it is read the same way, through easyckpt's safe loader, when every file this
+  as well (engine/load/adopt.py): it is read the same way, through easyckpt's safe loader, when every file this
   process needs loads; one that does not (an interrupted save) is passed over, on the console. Nothing at
   all: a log line, and training starts from scratch, so the first launch and every relaunch use the same
   command.

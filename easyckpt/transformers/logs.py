@@ -1,4 +1,4 @@
-"""easyckpt's figures (engine/metrics.py) in the Trainer's own logs, so that they reach ``report_to``
+"""easyckpt's figures (engine/link/metrics.py) in the Trainer's own logs, so that they reach ``report_to``
 (TensorBoard, W&B, ...) and ``trainer.state.log_history`` as the loss does.
 
 Why a wrapper of ``Trainer.log`` rather than a callback's ``on_log``: ``Trainer.log`` appends a copy of ``logs`` to

@@ -170,7 +170,7 @@ class _Session(FrameworkState[Any]):
         return shards
 
     def snapshot_bytes(self) -> int:
-        """About what the first snapshot holds (the slots are reserved ahead, engine/estimate.py). The
+        """About what the first snapshot holds (the slots are reserved ahead, engine/save/estimate.py). The
         Trainer creates its optimizer inside train(), after the resume point is chosen: without one
         yet, an Adam-family ``args.optim`` counts two moments of every trainable parameter. Under
         DeepSpeed the engine, and with it how ZeRO partitions the state, does not exist yet: no estimate
