@@ -30,17 +30,16 @@ import os
 import secrets
 import time
 from email.utils import parsedate_to_datetime
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt.errors import AlreadyCommitted, ConfigError, ObjectChanged, StoreError
 from easyckpt.formats.manifest import MANIFEST_NAME
-from easyckpt.storage import objectread
 from easyckpt.storage.base import Buffer, Version
-from easyckpt.storage.blobwriter import PARALLEL, PART_BYTES, Location, PartWriter, Pool, failed
+from easyckpt.storage.blobstore import BlobStore
+from easyckpt.storage.blobwriter import PARALLEL, PART_BYTES, Location, Pool, failed
 
 SCHEME = "az://"
 _COPY_WAIT_S = 300.0      # set_aside: how long a server-side copy may stay pending
-T = TypeVar("T")
 
 
 def _service(quick: bool) -> Any:
@@ -82,11 +81,35 @@ def _block_id(tag: str, number: int) -> str:
     return base64.b64encode(f"{tag}-{number:05d}".encode()).decode()
 
 
-class AzureStorage:
+class AzureStorage(BlobStore):
     """The Storage verbs (base.py) on Azure Blob Storage; paths are ``az://container/key`` URLs."""
 
-    has_rename = False
-    local = False
+    scheme = SCHEME
+
+    def _status(self, exc: BaseException) -> int:
+        return _status(exc)
+
+    def _stat(self, loc: Location) -> Optional[Tuple[int, float]]:
+        props = self._props(loc)
+        return None if props is None else (int(props.size), float(props.last_modified.timestamp()))
+
+    def _list_one(self, loc: Location) -> None:
+        container = self.c.get_container_client(loc.bucket)
+        next(iter(container.list_blobs(name_starts_with=loc.prefix(), results_per_page=1).by_page()), None)
+
+    def _endpoint(self) -> str:
+        return str(self.c.url)
+
+    def _parts(self, loc: Location) -> "_Blocks":
+        return _Blocks(self, loc)
+
+    container = "container"
+    credentials_hint = ("set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_KEY / AZURE_STORAGE_SAS_TOKEN) "
+                        "to a key of this account")
+    endpoint_hint = "check the BlobEndpoint of AZURE_STORAGE_CONNECTION_STRING"
+
+    def _stamps(self, loc: Location) -> List[float]:
+        return [b.last_modified.timestamp() for b in self._list(loc)]
 
     def __init__(self, part_bytes: int = PART_BYTES, parallel: int = PARALLEL, client: Any = None,
                  quick: bool = False):
@@ -94,64 +117,10 @@ class AzureStorage:
         self.part_bytes, self.parallel = part_bytes, parallel
         self._pool = Pool(parallel, "easyckpt-azure")
 
-    @property
-    def pool(self) -> Any:
-        return self._pool.pool
-
-    def close(self) -> None:
-        self._pool.close()
-
-    def wait_for_room(self) -> None:
-        self._pool.wait_for_room()
-
     def blob(self, loc: Location) -> Any:
         return self.c.get_blob_client(loc.bucket, loc.key)
 
-    def _do(self, what: str, url: str, call: Callable[[], T]) -> T:
-        """``call()``, its failure a StoreError (an OSError) naming the request; FileNotFoundError on a 404."""
-        try:
-            return call()
-        except Exception as exc:  # noqa: BLE001 - every failure of a request is the store's answer
-            if _status(exc) == 404:
-                raise FileNotFoundError(url) from None
-            raise failed(what, url, exc) from None
-
-    def check(self, url: str) -> None:
-        """ConfigError naming what to fix when the container of ``url`` cannot be listed with these credentials."""
-        loc = Location.parse(url, SCHEME)
-        where = f"{url} (endpoint {self.c.url})"
-        try:
-            container = self.c.get_container_client(loc.bucket)
-            next(iter(container.list_blobs(name_starts_with=loc.prefix(), results_per_page=1).by_page()), None)
-        except Exception as exc:  # noqa: BLE001 - every failure is named for the user
-            code = _status(exc)
-            if code in (401, 403) or type(exc).__name__ == "ClientAuthenticationError":
-                hint = ("the credentials were refused: set AZURE_STORAGE_CONNECTION_STRING (or "
-                        "AZURE_STORAGE_ACCOUNT_KEY / AZURE_STORAGE_SAS_TOKEN) to a key of this account")
-            elif code == 404:
-                hint = f"container {loc.bucket!r} does not exist: create it first"
-            elif not code:
-                hint = (f"the endpoint does not answer ({type(exc).__name__}: {exc}): check the BlobEndpoint of "
-                        f"AZURE_STORAGE_CONNECTION_STRING")
-            else:
-                hint = f"{code}: {exc}"
-            raise ConfigError(f"cannot use {where}: {hint}") from None
-
     # ---- writes -----------------------------------------------------------------------------------
-
-    def makedirs(self, path: str) -> None:
-        """Prefixes need no creating."""
-
-    def make_own_dir(self, path: str) -> None:
-        """No staging directory on a store."""
-
-    def check_own_dir(self, path: str) -> None:
-        pass
-
-    def open_writer(self, path: str, direct: bool = True) -> PartWriter:
-        if self.is_file(path):
-            raise FileExistsError(f"{path} exists")
-        return PartWriter(self._pool, _Blocks(self, Location.parse(path, SCHEME)), path, self.part_bytes)
 
     def write_atomic(self, path: str, data: Buffer) -> None:
         blob = self.blob(Location.parse(path, SCHEME))
@@ -298,36 +267,9 @@ class AzureStorage:
     def subdirs(self, path: str) -> List[str]:
         return sorted(n for n in self._walk(Location.parse(path, SCHEME))[1] if n)
 
-    def is_file(self, path: str) -> bool:
-        return self._props(Location.parse(path, SCHEME)) is not None
-
-    def exists(self, path: str) -> bool:
-        return self.is_file(path) or self.is_dir(path)
-
-    def owner(self, path: str) -> Optional[Tuple[int, int]]:
-        return None     # who may write is the bucket's (container's) policy: no owner to check
-
-    def read_hashed(self, path: str, algo: Optional[str] = None, on_bytes: Optional[Callable[[int], None]] = None,
-                    size: Optional[int] = None) -> Tuple[memoryview, Optional[str]]:
-        return objectread.read_hashed(self, path, algo, on_bytes, size)
-
-    def size(self, path: str) -> int:
-        props = self._props(Location.parse(path, SCHEME))
-        if props is None:
-            raise FileNotFoundError(path)
-        return int(props.size)
-
     def files(self, path: str) -> List[Tuple[str, int]]:
         loc = Location.parse(path, SCHEME)
         return [(b.name[len(loc.prefix()):], int(b.size)) for b in self._list(loc)]
-
-    def mtime(self, path: str) -> float:
-        loc = Location.parse(path, SCHEME)
-        props = self._props(loc)
-        if props is not None:
-            return float(props.last_modified.timestamp())
-        stamps = [b.last_modified.timestamp() for b in self._list(loc)]
-        return float(max(stamps)) if stamps else 0.0
 
     def read_version(self, path: str, limit: int) -> Optional[Version]:
         """At most ``limit`` first bytes of ``path`` with its ETag, Last-Modified and the reply's Date, from one
@@ -369,16 +311,6 @@ class AzureStorage:
 
     def read_own(self, path: str, max_bytes: int) -> bytes:
         return self.read(path, 0, max_bytes)     # who may write is the container's policy: no owner to check
-
-    def read_into(self, path: str, offset: int, view: memoryview) -> int:
-        """``len(view)`` bytes from ``offset`` into ``view`` (one ranged GET); fewer only when the blob is shorter."""
-        data = self.read(path, offset, len(view)) if len(view) else b""
-        view[:len(data)] = data
-        return len(data)
-
-    def read_ranges(self, path: str, ranges: List[Tuple[int, int]]) -> List[bytes]:
-        futures = [self.pool.submit(self.read, path, off, n) for off, n in ranges]
-        return [f.result() for f in futures]
 
 
 class _Blocks:

@@ -30,19 +30,18 @@ import os
 import secrets
 from functools import partial
 from email.utils import parsedate_to_datetime
-from typing import Any, Callable, List, Optional, Tuple, TypeVar
+from typing import Any, List, Optional, Tuple
 from urllib.parse import quote
 
 from easyckpt.errors import AlreadyCommitted, ConfigError, ObjectChanged
 from easyckpt.formats.manifest import MANIFEST_NAME
-from easyckpt.storage import objectread
 from easyckpt.storage.base import Buffer, Version
-from easyckpt.storage.blobwriter import PARALLEL, PART_BYTES, Location, PartWriter, Pool, failed
+from easyckpt.storage.blobstore import BlobStore
+from easyckpt.storage.blobwriter import PARALLEL, PART_BYTES, Location, Pool, failed
 
 SCHEME = "gs://"
 PART_TAG = ".easyckpt-part-"      # a part object's name: <key><PART_TAG><upload id>-<n>
 _COMPOSE = 32                     # GCS composes at most 32 sources at once
-T = TypeVar("T")
 
 
 def _client() -> Any:
@@ -65,11 +64,33 @@ def _status(exc: BaseException) -> int:
     return code if isinstance(code, int) else 0
 
 
-class GcsStorage:
+class GcsStorage(BlobStore):
     """The Storage verbs (base.py) on Google Cloud Storage; paths are ``gs://bucket/key`` URLs."""
 
-    has_rename = False
-    local = False
+    scheme = SCHEME
+
+    def _status(self, exc: BaseException) -> int:
+        return _status(exc)
+
+    def _stat(self, loc: Location) -> Optional[Tuple[int, float]]:
+        blob = self._get(loc)
+        return None if blob is None else (int(blob.size), float(blob.updated.timestamp()))
+
+    def _list_one(self, loc: Location) -> None:
+        list(self.c.list_blobs(loc.bucket, prefix=loc.prefix(), max_results=1, timeout=self._timeout))
+
+    def _endpoint(self) -> str:
+        return os.environ.get("STORAGE_EMULATOR_HOST") or "Google Cloud Storage"
+
+    def _parts(self, loc: Location) -> "_Parts":
+        return _Parts(self, loc)
+
+    credentials_hint = ("set GOOGLE_APPLICATION_CREDENTIALS (or gcloud's application-default login) to an account "
+                        "that may read and write this bucket")
+    endpoint_hint = "check STORAGE_EMULATOR_HOST"
+
+    def _stamps(self, loc: Location) -> List[float]:
+        return [b.updated.timestamp() for b in self._list(loc, None)[0]]
 
     def __init__(self, part_bytes: int = PART_BYTES, parallel: int = PARALLEL, client: Any = None,
                  quick: bool = False):
@@ -83,59 +104,10 @@ class GcsStorage:
         self._retry: Optional[Retry] = None if quick else DEFAULT_RETRY.with_timeout(20.0)
         self._timeout: Tuple[float, float] = (2.0, 10.0) if quick else (10.0, 60.0)
 
-    @property
-    def pool(self) -> Any:
-        return self._pool.pool
-
-    def close(self) -> None:
-        self._pool.close()
-
     def _blob(self, loc: Location) -> Any:
         return self.c.bucket(loc.bucket).blob(loc.key)
 
-    def _do(self, what: str, url: str, call: Callable[[], T]) -> T:
-        """``call()``, its failure a StoreError (an OSError) naming the request; FileNotFoundError on a 404."""
-        try:
-            return call()
-        except Exception as exc:  # noqa: BLE001 - every failure of a request is the store's answer
-            if _status(exc) == 404:
-                raise FileNotFoundError(url) from None
-            raise failed(what, url, exc) from None
-
-    def check(self, url: str) -> None:
-        """ConfigError naming what to fix when the bucket of ``url`` cannot be listed with these credentials."""
-        loc = Location.parse(url, SCHEME)
-        where = f"{url} (endpoint {os.environ.get('STORAGE_EMULATOR_HOST') or 'Google Cloud Storage'})"
-        try:
-            list(self.c.list_blobs(loc.bucket, prefix=loc.prefix(), max_results=1, timeout=self._timeout))
-        except Exception as exc:  # noqa: BLE001 - every failure is named for the user
-            code = _status(exc)
-            if code in (401, 403):
-                hint = ("the credentials were refused: set GOOGLE_APPLICATION_CREDENTIALS (or gcloud's "
-                        "application-default login) to an account that may read and write this bucket")
-            elif code == 404:
-                hint = f"bucket {loc.bucket!r} does not exist: create it first"
-            elif not code:
-                hint = f"the endpoint does not answer ({type(exc).__name__}: {exc}): check STORAGE_EMULATOR_HOST"
-            else:
-                hint = f"{code}: {exc}"
-            raise ConfigError(f"cannot use {where}: {hint}") from None
-
     # ---- writes -----------------------------------------------------------------------------------
-
-    def makedirs(self, path: str) -> None:
-        """Prefixes need no creating."""
-
-    def make_own_dir(self, path: str) -> None:
-        """No staging directory on a store."""
-
-    def check_own_dir(self, path: str) -> None:
-        pass
-
-    def open_writer(self, path: str, direct: bool = True) -> PartWriter:
-        if self.is_file(path):
-            raise FileExistsError(f"{path} exists")
-        return PartWriter(self._pool, _Parts(self, Location.parse(path, SCHEME)), path, self.part_bytes)
 
     def upload(self, loc: Location, data: bytes, generation: Optional[int] = None) -> int:
         """One object from ``data`` (created only where ``generation`` matches: 0, only if none); its generation."""
@@ -264,36 +236,9 @@ class GcsStorage:
         loc = Location.parse(path, SCHEME)
         return sorted(n for n in (p[len(loc.prefix()):].rstrip("/") for p in self._list(loc, "/")[1]) if n)
 
-    def is_file(self, path: str) -> bool:
-        return self._get(Location.parse(path, SCHEME)) is not None
-
-    def exists(self, path: str) -> bool:
-        return self.is_file(path) or self.is_dir(path)
-
-    def owner(self, path: str) -> Optional[Tuple[int, int]]:
-        return None     # who may write is the bucket's (container's) policy: no owner to check
-
-    def read_hashed(self, path: str, algo: Optional[str] = None, on_bytes: Optional[Callable[[int], None]] = None,
-                    size: Optional[int] = None) -> Tuple[memoryview, Optional[str]]:
-        return objectread.read_hashed(self, path, algo, on_bytes, size)
-
-    def size(self, path: str) -> int:
-        blob = self._get(Location.parse(path, SCHEME))
-        if blob is None:
-            raise FileNotFoundError(path)
-        return int(blob.size)
-
     def files(self, path: str) -> List[Tuple[str, int]]:
         loc = Location.parse(path, SCHEME)
         return [(k[len(loc.prefix()):], n) for k, n in self._names(loc)]
-
-    def mtime(self, path: str) -> float:
-        loc = Location.parse(path, SCHEME)
-        blob = self._get(loc)
-        if blob is not None:
-            return float(blob.updated.timestamp())
-        stamps = [b.updated.timestamp() for b in self._list(loc, None)[0]]
-        return float(max(stamps)) if stamps else 0.0
 
     def read_version(self, path: str, limit: int) -> Optional[Version]:
         """At most ``limit`` first bytes of ``path`` with its generation (as ``etag``), its Last-Modified and the
@@ -336,21 +281,6 @@ class GcsStorage:
 
     def read_own(self, path: str, max_bytes: int) -> bytes:
         return self.read(path, 0, max_bytes)     # who may write is the bucket's policy: no owner to check
-
-    def read_into(self, path: str, offset: int, view: memoryview) -> int:
-        """``len(view)`` bytes from ``offset`` into ``view`` (one ranged GET); fewer only when the object is shorter."""
-        data = self.read(path, offset, len(view)) if len(view) else b""
-        view[:len(data)] = data
-        return len(data)
-
-    def read_ranges(self, path: str, ranges: List[Tuple[int, int]]) -> List[bytes]:
-        """Several ``(offset, length)`` ranges of one object, fetched in parallel."""
-        futures = [self.pool.submit(self.read, path, off, n) for off, n in ranges]
-        return [f.result() for f in futures]
-
-    # the writers' pool verbs (s3writer.Store's): shared by PartWriter through self._pool
-    def wait_for_room(self) -> None:
-        self._pool.wait_for_room()
 
 
 class _Parts:
