@@ -25,13 +25,12 @@ step with its markers and claim: remove_staging drops those and keeps the step.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
 from easyckpt import _faults as faults
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
-from easyckpt.formats.marker import Marker
-from easyckpt.storage import damaged, markers, stepfiles, tracker
+from easyckpt.storage import markers, stepfiles, tracker
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.commit import Committed, Owner, taken_words
 
@@ -50,17 +49,6 @@ class ManifestCommit:
 
     def _owns(self, man: mf.Manifest) -> bool:
         return man.same_job(self._job(), self.owner.job_name)
-
-    def _manifest(self, step: int, world_size: int, found: Dict[int, Marker]) -> mf.Manifest:
-        files, info = markers.merge(found, step, world_size)
-        return mf.build(step, self._job(), self.owner.naming.framework, world_size, files, info,
-                        job_name=self.owner.job_name, run_seq=self.owner.run_seq(info))
-
-    def _finish(self, step: int, final: str, manifest: mf.Manifest) -> Committed:
-        damaged.clear(self.storage, self.root, os.path.basename(final))    # a name once rejected is clean again
-        done = Committed(final, manifest.nbytes, manifest)
-        tracker.write(self.storage, self.root, self.owner.naming, step, done)
-        return done
 
     def staging_path(self, step: int) -> str:
         """The step's final prefix: no staging on a store."""
@@ -94,17 +82,17 @@ class ManifestCommit:
         """Make step ``step`` a committed checkpoint (1-4 above); every rank's marker must be present."""
         final = self.staging_path(step)
         found = markers.read(self.storage, final)
-        manifest = self._manifest(step, world_size, found)                       # 1
+        manifest = markers.manifest(self.owner, self._job(), step, world_size, found)    # 1
         try:
             faults.inject("agent.before_rename")
-            self.storage.create_exclusive(os.path.join(final, mf.MANIFEST_NAME), manifest.to_bytes())   # 2
+            self.storage.create_exclusive(os.path.join(final, mf.MANIFEST_NAME), manifest.to_bytes())    # 2
         except Exception:
             self.remove_staging(log, step=step)    # keeps a step a manifest commits; removes an unfinished one
             raise
         faults.inject("agent.after_rename")
         self.storage.delete_files([os.path.join(final, layout.marker_name(rank)) for rank in sorted(found)]
-                                  + [self._claim(step)])                                         # 3
-        return self._finish(step, final, manifest)                                  # 4
+                                  + [self._claim(step)])    # 3
+        return tracker.finish(self.storage, self.root, self.owner.naming, step, final, manifest)    # 4
 
     def delete_dir(self, path: str, log: AuditLog, reason: str, **fields: Any) -> None:
         """Logged first; the store deletes the manifest first: never a half-deleted checkpoint."""

@@ -52,3 +52,11 @@ def merge(found: Dict[int, Marker], step: int, world_size: int) -> Tuple[Dict[st
         files.update(found[rank].files)
         info.update(found[rank].info)
     return files, info
+
+
+def manifest(owner: Any, job: str, step: int, world_size: int, found: Dict[int, Marker]) -> mf.Manifest:
+    """The manifest of ``step`` of job ``job`` from every rank's marker, numbered with its run by ``owner`` (the
+    save dir: commit.Owner); what both commit strategies write."""
+    files, info = merge(found, step, world_size)
+    return mf.build(step, job, owner.naming.framework, world_size, files, info, job_name=owner.job_name,
+                    run_seq=owner.run_seq(info))

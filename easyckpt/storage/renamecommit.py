@@ -24,12 +24,11 @@ its own leftovers (remove_staging).
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
 from easyckpt import _faults as faults
 from easyckpt.formats import layout
 from easyckpt.formats import manifest as mf
-from easyckpt.formats.marker import Marker
 from easyckpt.storage import damaged, markers, stepfiles, tracker
 from easyckpt.storage.auditlog import AuditLog
 from easyckpt.storage.commit import Committed, Owner, taken_words
@@ -49,17 +48,6 @@ class RenameCommit:
 
     def _owns(self, man: mf.Manifest) -> bool:
         return man.same_job(self._job(), self.owner.job_name)
-
-    def _manifest(self, step: int, world_size: int, found: Dict[int, Marker]) -> mf.Manifest:
-        files, info = markers.merge(found, step, world_size)
-        return mf.build(step, self._job(), self.owner.naming.framework, world_size, files, info,
-                        job_name=self.owner.job_name, run_seq=self.owner.run_seq(info))
-
-    def _finish(self, step: int, final: str, manifest: mf.Manifest) -> Committed:
-        damaged.clear(self.storage, self.root, os.path.basename(final))    # a name once rejected is clean again
-        done = Committed(final, manifest.nbytes, manifest)
-        tracker.write(self.storage, self.root, self.owner.naming, step, done)
-        return done
 
     def _final(self, step: int) -> str:
         return os.path.join(self.root, self.owner.naming.dir_name(step))
@@ -83,24 +71,24 @@ class RenameCommit:
         """Make step ``step`` a committed checkpoint (1-5 above); every rank's marker must be present."""
         staging, final = self.staging_path(step), self._final(step)
         found = markers.read(self.storage, staging)
-        manifest = self._manifest(step, world_size, found)
+        manifest = markers.manifest(self.owner, self._job(), step, world_size, found)
         try:
-            self.storage.write_atomic(os.path.join(staging, mf.MANIFEST_NAME), manifest.to_bytes())      # 1
+            self.storage.write_atomic(os.path.join(staging, mf.MANIFEST_NAME), manifest.to_bytes())    # 1
             faults.inject("agent.after_manifest")
             for rank in sorted(found):
                 self.storage.delete(os.path.join(staging, layout.marker_name(rank)))
-            self.storage.sync_dir(staging)                                                                # 2
+            self.storage.sync_dir(staging)    # 2
             faults.inject("agent.before_rename")
             self.storage.check_own_dir(staging)     # what becomes the step dir is ours (a rename keeps its owner)
             if self.storage.exists(final):
                 self._retire_existing(step, final, manifest, log)
-            self.storage.rename_noreplace(staging, final)                                                 # 3
+            self.storage.rename_noreplace(staging, final)    # 3
         except Exception:
             self.remove_staging(log, step=step)    # (a crash leaves it instead: the job's next start removes it)
             raise
         faults.inject("agent.after_rename")
-        self.storage.sync_dir(self.root)                                                                  # 4
-        return self._finish(step, final, manifest)                                           # 5
+        self.storage.sync_dir(self.root)    # 4
+        return tracker.finish(self.storage, self.root, self.owner.naming, step, final, manifest)    # 5
 
     def _retire_existing(self, step: int, final: str, new: mf.Manifest, log: AuditLog) -> None:
         """A step directory of the same name exists. A foreign one (not easyckpt's, another job's) is never

@@ -8,8 +8,11 @@ from typing import Any, Optional
 
 from easyckpt import _faults as faults
 from easyckpt.errors import TrackerNotUpdated
+from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import Naming
+from easyckpt.storage import damaged
 from easyckpt.storage.base import Storage
+from easyckpt.storage.commit import Committed
 
 
 def write(storage: Storage, root: str, naming: Naming, step: int, done: Any) -> None:
@@ -25,6 +28,15 @@ def write(storage: Storage, root: str, naming: Naming, step: int, done: Any) -> 
                                     f"framework's own loader may not see it; easyckpt's loader reads manifests",
                                     done) from exc
     faults.inject("agent.after_tracker")
+
+
+def finish(storage: Storage, root: str, naming: Naming, step: int, final: str, manifest: mf.Manifest) -> Committed:
+    """The end of either commit strategy's commit: the step's name clean of any damaged mark (a name once rejected
+    is clean again), the tracker naming it; the commit's record."""
+    damaged.clear(storage, root, os.path.basename(final))
+    done = Committed(final, manifest.nbytes, manifest)
+    write(storage, root, naming, step, done)
+    return done
 
 
 def read(storage: Storage, root: str, naming: Naming) -> Optional[int]:
