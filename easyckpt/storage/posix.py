@@ -127,6 +127,17 @@ def _unlink_quiet(path: PathLike) -> None:
         pass
 
 
+def _pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """``len(view)`` bytes of ``fd`` from ``offset`` into ``view``; fewer only at the file's end."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
 class PosixStorage:
     """storage.base.Storage on a POSIX file system; files stream through direct.SequentialWriter
     (O_DIRECT where the file system allows it, the same bytes either way)."""
@@ -306,13 +317,7 @@ class PosixStorage:
     def read_into(self, path: str, offset: int, view: memoryview) -> int:
         fd = open_regular(path)
         try:
-            got = 0
-            while got < len(view):
-                n = os.preadv(fd, [view[got:]], offset + got)
-                if n <= 0:
-                    break
-                got += n
-            return got
+            return _pread_full(fd, view, offset)
         finally:
             os.close(fd)
 
@@ -322,12 +327,7 @@ class PosixStorage:
             out: List[bytearray] = []
             for offset, length in ranges:
                 buf = bytearray(length)
-                view, got = memoryview(buf), 0
-                while got < length:
-                    n = os.preadv(fd, [view[got:]], offset + got)
-                    if n <= 0:
-                        break
-                    got += n
+                got = _pread_full(fd, memoryview(buf), offset)
                 out.append(buf if got == length else buf[:got])
             return out
         finally:
