@@ -95,6 +95,12 @@ class PytorchState(FrameworkState[Any]):
         model = estimate.tensor_bytes(_unwrap(self.model).state_dict())
         return model + (estimate.optimizer_bytes(self.optimizer) if self.optimizer is not None else 0)
 
+    def reshards_in_memory(self) -> bool:
+        """A whole model and optimizer (DDP or one process): restore takes them from any rank's snapshot files, so
+        a job restarted on another world size resumes from the nodes' memory. FSDP2's shards go through DCP's
+        resharding of a committed step."""
+        return not self.sharded
+
     @as_reads
     def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
         if self.sharded:

@@ -390,32 +390,122 @@ def test_two_lost_nodes_of_one_replica_group_resume_from_storage_loudly(tmp_path
     assert_losses(loss, ref)
 
 
+# ---- a job restarted on fewer nodes: resharded from memory (issue 53) ----------------------------------------
+
+def resumed_from_storage(tmp_path_factory, first: int, then: int, step: int,
+                         common: tuple = tuple(COMMON)) -> Dict[int, Dict[int, str]]:
+    """rank -> iteration -> loss of a job of ``first`` ranks on one host that stops at ``step`` (committed by its
+    finalize) and is resumed by ``then`` ranks from storage: what a reshard of ``step`` from memory must equal."""
+    d = tmp_path_factory.mktemp(f"storage{first}to{then}")
+    run(train_cmd(d / "ckpt", first, *common, "--iters", str(step)), timeout=TIMEOUT)
+    wait_no_agent(d / "ckpt")
+    run(train_cmd(d / "ckpt", then, *common, "--loss-file", str(d / "loss"), "--log-file", str(d / "log")),
+        timeout=TIMEOUT)
+    wait_no_agent(d / "ckpt")
+    assert {(e["step"], e["source"]) for e in events(d / "log") if e["event"] == "load" and e["step"]} == \
+        {(step, "storage")}
+    return {r: losses(d / "loss", r) for r in range(then)}
+
+
+def assert_same_after(loss: Path, ref: Dict[int, Dict[int, str]], step: int) -> None:
+    for rank, want in ref.items():
+        got = losses(loss, rank)
+        after = [i for i in got if i > step]
+        assert after == list(range(step + 1, N + 1)), f"rank {rank}: iterations {sorted(got)}"
+        diff = [i for i in after if got[i] != want[i]]
+        assert not diff, f"rank {rank}: losses differ from the resume from storage at iterations {diff}"
+
+
+def test_a_job_restarted_on_fewer_nodes_resumes_resharded_from_their_memory(tmp_path, cluster, tmp_path_factory):
+    """Node 3 of 4 (one rank each; node i's replicas on node i + 1) is lost and the job restarts on nodes 0-2:
+    world size 4 -> 3. Old ranks 0-2 are in their own nodes' slots and rank 3 in node 0's replica slots, so the
+    step is resharded from memory: rank 2, whose node holds no copy of rank 0's slot (the model and optimizer),
+    receives it from node 0 over the job's process group, checksummed. Nothing is read from storage, rank 0's
+    console says where the state came from, and the losses equal those of a resume of the same step from storage."""
+    c = cluster(4)
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    args = (*COMMON, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
+    runs = c.launch(ckpt, 1, *args)
+    wait_for_iteration(loss, 15, runs[3].proc, TIMEOUT, rank=3)
+    replicated = newest_replica(log, "node3")
+    runs[3].kill()
+    assert replicated is not None and replicated >= 12, f"node 3's snapshots were not replicated: {replicated}"
+    assert [runs[i].wait_command(120) != 0 for i in range(3)] == [True] * 3, said(runs[:3])
+    cmds = c.train_cmds(ckpt, 1, *args, only=3)
+    again = [runs[i].enter(cmds[i], c.log("fewer", i)) for i in range(3)]
+    assert [p.wait(timeout=TIMEOUT) for p in again] == [0, 0, 0], "\n".join(
+        c.log("fewer", i).read_text()[-2500:] for i in range(3))
+    c.wait(runs[:3], 60)
+    resumed = {starts(loss, r)[-1] for r in range(3)}
+    assert len(resumed) == 1 and replicated <= min(resumed), f"replicated {replicated}, resumed at {resumed}"
+    step = resumed.pop()
+    assert step % 10, f"step {step} is a storage step (storage interval 10): this proves nothing about memory"
+    loads = {e["rank"]: e for e in events(log) if e["event"] == "load" and e["step"] == step}
+    assert sorted(loads) == [0, 1, 2] and {(e["source"], e["saved_world_size"], e["path"]) for e in loads.values()} \
+        == {("resharded", 4, None)}, loads
+    assert loads[0]["moved"] == 0 and loads[2]["moved"] > 0, loads
+    out = c.log("fewer", 0).read_text()
+    assert f"resumed step {step} from memory, resharded 4 → 3 ranks: the slots of 3 nodes and 1 replica held by " \
+           f"peers; " in out and ", 0 bytes read from storage" in out, out[-3000:]
+    assert_same_after(loss, resumed_from_storage(tmp_path_factory, 4, 3, step), step)
+
+
 @pytest.mark.slow
-def test_a_lost_node_that_does_not_come_back_resumes_the_smaller_job_from_storage(tmp_path, cluster,
-                                                                                  tmp_path_factory):
-    """Node 1 is lost for good; the job restarts on node 0 alone (world size 2 -> 1). The snapshots in node 0's
-    memory (its own, node 1's replica) are shards of the 2-rank layout, so the newest committed step serves:
-    rank 0 resumes from storage with exactly the model state it had at that step, and trains to the end."""
+def test_a_lost_node_that_does_not_come_back_resumes_the_smaller_job_from_memory(tmp_path, cluster,
+                                                                                tmp_path_factory):
+    """Node 1 is lost for good; the job restarts on node 0 alone (world size 2 -> 1). Node 0's memory holds rank
+    0's snapshot and node 1's replica: together the step whole, so rank 0 resumes it from memory with nothing
+    moved and nothing read from storage, with exactly the model state it had at that step, and its losses
+    equal a resume of that step from storage."""
     c = cluster(2)
     ckpt, loss, log, dumps = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl", tmp_path / "dumps"
     dumps.mkdir()
-    args = ("--iters", str(N), "--mem-interval", str(MEM), "--storage-interval", "4", "--max-ckpt", "2",
-            "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
+    args = (*COMMON, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
     runs = c.launch(ckpt, 1, *args, "--dump-dir", str(dumps))
     wait_for_iteration(loss, 15, runs[1].proc, TIMEOUT, rank=1)
+    replicated = newest_replica(log, "node1")
     runs[1].kill()
     assert runs[0].wait_command(120) != 0
-    time.sleep(1)
-    newest = committed_steps(ckpt)[-1]
-    alone = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--node_rank=0", "--nproc_per_node=1",
-             f"--master_addr={c.nodes[0].addr}", f"--master_port={next(nodes._ports)}", str(TRAIN),
-             "--save-dir", str(ckpt), *args, "--dump-loaded", str(tmp_path / "loaded.pt")]
+    alone = c.train_cmds(ckpt, 1, *args, "--dump-loaded", str(tmp_path / "loaded.pt"), only=1)[0]
     again = runs[0].enter(alone, c.log("alone", 0))
     assert again.wait(timeout=TIMEOUT) == 0, c.log("alone", 0).read_text()[-3000:]
     c.wait([runs[0]], 60)
-    assert starts(loss, 0)[-1] == newest and last_iteration(loss, 0) == N
+    step = starts(loss, 0)[-1]
+    assert replicated is not None and replicated <= step and step % 10 and last_iteration(loss, 0) == N, \
+        (replicated, starts(loss, 0))
+    loads = [(e["rank"], e["source"], e["moved"]) for e in events(log) if e["event"] == "load" and e["step"] == step]
+    assert loads == [(0, "resharded", 0)], loads
+    import torch
+    want, got = torch.load(dumps / f"model_{step}.pt"), torch.load(tmp_path / "loaded.pt")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert_same_after(loss, resumed_from_storage(tmp_path_factory, 2, 1, step), step)
+
+
+@pytest.mark.slow
+def test_a_shard_in_no_nodes_memory_resumes_the_smaller_job_from_storage_saying_which(tmp_path, cluster,
+                                                                                    tmp_path_factory):
+    """Nodes 1 and 2 of 3 are lost together and the job restarts on node 0 alone (3 -> 1). Node 0 holds rank 0's
+    slots and node 2's replica, but rank 1's state was on node 1 and its replica on node 2: no memory holds it, so
+    the newest committed step serves, and rank 0's console names the rank that is missing."""
+    common = ("--iters", str(N), "--mem-interval", str(MEM), "--storage-interval", "4", "--max-ckpt", "2")
+    c = cluster(3)
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    args = (*common, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
+    runs = c.launch(ckpt, 1, *args)
+    wait_for_iteration(loss, 15, runs[1].proc, TIMEOUT, rank=1)
+    runs[1].kill()
+    runs[2].kill()
+    assert runs[0].wait_command(120) != 0
+    time.sleep(1)          # node 0's agent persists rank 0's newest snapshot; it cannot commit without the others
+    newest = committed_steps(ckpt)[-1]
+    alone = c.train_cmds(ckpt, 1, *args, only=1)[0]
+    again = runs[0].enter(alone, c.log("alone", 0))
+    assert again.wait(timeout=TIMEOUT) == 0, c.log("alone", 0).read_text()[-3000:]
+    c.wait([runs[0]], 60)
+    assert starts(loss, 0)[-1] == newest
     loads = [(e["rank"], e["source"]) for e in events(log) if e["event"] == "load" and e["step"] == newest]
     assert loads == [(0, "storage")], loads
-    import torch
-    want, got = torch.load(dumps / f"model_{newest}.pt"), torch.load(tmp_path / "loaded.pt")
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    out = c.log("alone", 0).read_text()
+    assert "is in memory only in part, so it is not resharded from memory (rank(s) [1] of its 3-rank run are in " \
+           "no node's memory)" in out, out[-3000:]
+    assert_same_after(loss, resumed_from_storage(tmp_path_factory, 3, 1, newest, common), newest)

@@ -3,7 +3,7 @@ runner that gives each rank its thread and re-raises what any of them raised."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 T = TypeVar("T")
 WAIT = 60.0      # seconds a rank waits for the others at a collective before it is an error
@@ -31,6 +31,15 @@ class ThreadGroup:
 
     def any_rank(self, flag: bool) -> bool:
         return any(self.all_gather(bool(flag)))
+
+    def exchange(self, sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) -> Dict[int, List[bytearray]]:
+        posted = self.all_gather({dst: [bytearray(p) for p in payloads] for dst, payloads in sends.items()})
+        got = {src: posted[src].get(self.rank, []) for src in sizes}
+        for src, lengths in sizes.items():
+            if [len(p) for p in got[src]] != lengths:
+                raise RuntimeError(f"rank {self.rank}: rank {src} sent {[len(p) for p in got[src]]} bytes, "
+                                   f"expected {lengths}")
+        return got
 
 
 def groups(world_size: int) -> List[ThreadGroup]:

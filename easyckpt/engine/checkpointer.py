@@ -34,6 +34,7 @@ from typing import (
 from easyckpt.config import Config
 from easyckpt.engine import scratch
 from easyckpt.engine.load.dcp import Wanted
+from easyckpt.engine.load.newest import Layout
 from easyckpt.engine.load.reads import Read
 from easyckpt.engine.load.resumeline import ResumeLine, missing_rng_words, saved_world_size
 from easyckpt.engine.load.sources import Loaded
@@ -68,6 +69,13 @@ class FrameworkState(Protocol[R]):
         """The parallel layout now (Megatron's TP/PP/...), for adapters whose layout can change under the
         same world size: a snapshot taken on another one is not used. None: the world size says it all."""
         return None
+
+    def reshards_in_memory(self) -> bool:
+        """Whether ``restore`` takes a step of another world size or layout from memory: ``loaded.path`` None and
+        ``loaded.trees`` the files ``needed`` named, whole, taken from the snapshots of the ranks that wrote them
+        (engine/load/resharded.py). False: such a step is restored from storage, read by the framework's own
+        resharding."""
+        return False
 
     def otherwise(self) -> Optional[str]:
         """Where the framework itself resumes from when this job has nothing in save_dir (Megatron's own loader
@@ -129,7 +137,8 @@ class Checkpointer:
         """Restore the newest complete state through ``state``; None (logged) when there is nothing."""
         # an adapter whose layout can change under the same world size (Megatron's TP/PP) says which it has
         started = time.monotonic()
-        loaded = self.engine.load(state.needed, state.layout(), otherwise=state.otherwise())
+        loaded = self.engine.load(state.needed, Layout(state.layout(), state.reshards_in_memory()),
+                                  otherwise=state.otherwise())
         if loaded is None:
             self.engine.log.emit("load", step=0, rank=self.rank, source="none",
                                  message="no checkpoint found: starting from scratch")

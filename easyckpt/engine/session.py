@@ -28,7 +28,7 @@ from easyckpt.engine.link.client import AgentClient
 from easyckpt.engine.link.dist import TorchGroup
 from easyckpt.engine.link.preempt import Preemption
 from easyckpt.engine.load import resumeline
-from easyckpt.engine.load.newest import load_newest
+from easyckpt.engine.load.newest import Layout, load_newest
 from easyckpt.engine.load.reads import Needed
 from easyckpt.engine.load.sources import Loaded, Ranks
 from easyckpt.engine.save.budget import SnapshotBudget, agree_ranks, record_last
@@ -76,10 +76,11 @@ class Engine:
         # clocks disagree, and one a day ahead must not make a later run's commits the older ones.
         self.run_started = round(self.clock.time(), 6)
         self.run_id = secrets.token_hex(8)
+        self.run_info: Dict[str, Any] = {"run": self.run_started, "run_id": self.run_id}   # in every snapshot's info
         self.progress = runlog.LastStep(self.rank)
         self.budget = SnapshotBudget(cfg.save_mem_interval, cfg.max_overhead)   # within max_overhead of step time
         self.saver = Saver(cfg, self.rank, self.snapshotter, self.log, self.clock, self.view, self.budget,
-                           introduce=self._introduce, run={"run": self.run_started, "run_id": self.run_id})
+                           introduce=self._introduce, run=self.run_info)
         self.metrics = metrics.RunMetrics(self.rank, self.log, self.view, self.budget, self.clock)
         self.preempt: Optional[Preemption] = None
         if cfg.autocheckpoint_on_sigterm:
@@ -239,14 +240,18 @@ class Engine:
         # logged: the audit shows the estimate next to the first snapshot's bytes
         self.log.emit("prepare", rank=self.rank, bytes=data_bytes, **({"skipped": skipped} if skipped else {}))
 
-    def load(self, needed: Needed, layout: Optional[str] = None, otherwise: Optional[str] = None) -> Optional[Loaded]:
+    def load(self, needed: Needed, layout: Optional[Layout] = None, otherwise: Optional[str] = None) -> Optional[Loaded]:
         """The newest complete state this rank can restore, or None. ``otherwise``: where the framework itself
         resumes from when there is none (FrameworkState.otherwise), said instead of "from the beginning"."""
         self.settle()
         self._introduce()
+        # the ranks take rank 0's run token: every snapshot of this run then names one run, so a reshard from
+        # memory never joins shards of two runs of the same step (reshardplan.py)
+        self.run_info["run_id"] = self.run_id = self.group.all_gather(self.run_id)[0]
         fresh: List[int] = []
         try:
-            ranks = Ranks(self.cfg, self.rank, self.world_size, self.log, self.group.all_gather)
+            ranks = Ranks(self.cfg, self.rank, self.world_size, self.log, self.group.all_gather,
+                          getattr(self.group, "exchange", None))
             loaded = load_newest(ranks, needed, remote=self.remote, layout=layout,
                                  on_rejected=lambda step, why: self.client.side(
                                      protocol.Damaged(step, why[:protocol.MAX_TEXT])))
@@ -260,8 +265,10 @@ class Engine:
         if loaded is not None and loaded.source == "peer":
             self.snapshotter.rescan()    # the pulled slot carries the agent's generation count
         if loaded is not None:
+            moved = {"moved": loaded.moved, "saved_world_size": loaded.manifest.world_size} \
+                if loaded.source == "resharded" and loaded.manifest is not None else {}
             self.log.emit("load", step=loaded.step, rank=self.rank, source=loaded.source, path=loaded.path,
-                          bytes=loaded.nbytes, seconds=round(loaded.seconds, 6))
+                          bytes=loaded.nbytes, seconds=round(loaded.seconds, 6), **moved)
             self.last_step = loaded.step
             self.progress.mark(loaded.step)
         if loaded is None:    # a loaded step is said once the adapter restored it, timed with it (resumeline.py)

@@ -18,27 +18,34 @@ def choose(views: Views, runs: Mapping[int, RunKey]) -> List[Tuple[Tier, List[in
     resort by what reads it)."""
     ordered = [_order(tier, views, runs) for tier in PRIORITY]
     doubted = [_doubted(tier, views) for tier in PRIORITY]
-    trusted = [next((s for s in steps if s not in doubt), None) for steps, doubt in zip(ordered, doubted)]
+    # a tier listed anywhere holds steps that may prove partial: it never outranks another
+    trusted = [None if tier.anywhere else next((s for s in steps if s not in doubt), None)
+               for tier, steps, doubt in zip(PRIORITY, ordered, doubted)]
     plan: List[Tuple[Tier, List[int]]] = []
     for i, (tier, steps) in enumerate(zip(PRIORITY, ordered)):
+        due = [s for s in steps if all(later is None or s >= later for later in trusted[i + 1:])]
         if tier.walk:
             plan.append((tier, steps))
-        elif steps and all(later is None or steps[0] >= later for later in trusted[i + 1:]):
+        elif tier.anywhere and due:
+            plan.append((tier, due))
+        elif steps and steps[0] in due:
             plan.append((tier, steps[:1]))
     return plan
 
 
 def _order(tier: Tier, views: Views, runs: Mapping[int, RunKey]) -> List[int]:
-    if tier.either:       # in one of the tier's sources on every rank
-        agreed = set.intersection(*(set().union(*(v[n] for n in tier.names)) for v in views))
+    if tier.anywhere:     # on some rank
+        agreed = set().union(*(set(v.get(n, {})) for v in views for n in tier.names))
+    elif tier.either:       # in one of the tier's sources on every rank
+        agreed = set.intersection(*(set().union(*(v.get(n, {}) for n in tier.names)) for v in views))
     else:                 # in one source on every rank
-        agreed = set().union(*(set.intersection(*(set(v[n]) for v in views)) for n in tier.names))
+        agreed = set().union(*(set.intersection(*(set(v.get(n, {})) for v in views)) for n in tier.names))
     return mf.newest_first(agreed, runs) if tier.walk else sorted(agreed, reverse=True)
 
 
 def _doubted(tier: Tier, views: Views) -> Set[int]:
     """The steps some rank holds with a verdict (tried last-resort only: never preferred over another tier)."""
-    return {s for v in views for n in tier.names for s, why in v[n].items() if why is not None}
+    return {s for v in views for n in tier.names for s, why in v.get(n, {}).items() if why is not None}
 
 
 def say_lost_memory(views: Views, ranks: Ranks) -> None:

@@ -1,15 +1,17 @@
 """Load: pick the newest state that is complete on every rank, verify it, fall back when damaged.
 
 Order:
-  1. every rank opens the five sources (sources.py) and lists what each holds for it: its complete
-     shared-memory snapshots, its replicas on peer nodes, its local tier copies, the job's committed steps
-     and the framework's own checkpoints;
+  1. every rank opens the six sources (sources.py) and lists what each holds for it: its complete
+     shared-memory snapshots, its replicas on peer nodes, its node's snapshots of another world size or
+     layout, its local tier copies, the job's committed steps and the framework's own checkpoints;
   2. all ranks exchange those listings (one all_gather of a mapping by source name); agree.py picks what
      every rank can read, in sources.PRIORITY:
   3. a memory snapshot at least as new as the newest committed checkpoint (and the local tier's) wins (it is
      faster); a rank whose node lost its memory (a replacement node) takes that step from a peer node's
      replica of it (engine/link/peers.py), pulled into its own slot first; a step counts as in memory when every
-     rank has it on its node or on a peer; then the local tier (agent/localtier.py: each rank's snapshot
+     rank has it on its node or on a peer; then a step of another world size or layout that the nodes'
+     memory holds whole (resharded.py: a job restarted on fewer nodes), for an adapter whose restore takes
+     it from memory; then the local tier (agent/localtier.py: each rank's snapshot
      on its node's disk) when its newest step every rank has is at least as new as the committed ones,
      each copy checked against its record;
   4. otherwise, newest committed step first (stored.py; the framework's own checkpoints, adopted.py, beside
@@ -19,7 +21,7 @@ Order:
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 from easyckpt.engine.link.peers import Remote
 from easyckpt.engine.load import agree
@@ -27,23 +29,34 @@ from easyckpt.engine.load.adopted import AdoptedSource
 from easyckpt.engine.load.memory import MemorySource
 from easyckpt.engine.load.peer import PeerSource
 from easyckpt.engine.load.reads import Needed
+from easyckpt.engine.load.resharded import ReshardSource
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, Source, Tier
 from easyckpt.engine.load.stored import StorageSource
 from easyckpt.engine.load.tier import TierSource
 
 
-def load_newest(ranks: Ranks, needed: Needed, remote: Optional[Remote] = None, layout: Optional[str] = None,
+class Layout(NamedTuple):
+    """The adapter's parallel layout now (FrameworkState.layout: None when the world size says it all), and whether
+    its restore takes a step of another world size or layout from memory (FrameworkState.reshards_in_memory)."""
+    now: Optional[str] = None
+    reshards: bool = False
+
+
+def load_newest(ranks: Ranks, needed: Needed, remote: Optional[Remote] = None, layout: Optional[Layout] = None,
                 on_rejected: Optional[Callable[[int, str], object]] = None) -> Optional[Loaded]:
     """The newest state every rank can restore, or None. ``remote``: this rank's replicas on peer nodes (None:
-    replicas are off). ``layout``: the adapter's parallel layout now (e.g. Megatron's TP/PP sizes); a snapshot
-    taken on another one is not used. ``on_rejected(step, why)``: called on rank 0 for each committed step
-    rejected as corrupt."""
+    replicas are off). ``layout``: the adapter's parallel layout now (e.g. Megatron's TP/PP sizes; a snapshot
+    taken on another one is not used by the memory and peer sources) and whether its restore takes a step of
+    another layout from memory (the resharded source). ``on_rejected(step, why)``: called on rank 0 for each
+    committed step rejected as corrupt."""
     # opened in this order, each saying what it passes over; the peers are asked before the first collective
-    memory = MemorySource(ranks, layout)
-    peer = PeerSource(ranks, remote, layout, memory.steps())
+    now, reshards = layout if layout is not None else Layout()
+    memory = MemorySource(ranks, now)
+    peer = PeerSource(ranks, remote, now, memory.steps())
     stored = StorageSource(ranks, needed, on_rejected)
-    opened: Dict[str, Source] = {s.name: s for s in (memory, peer, stored, AdoptedSource(ranks, needed),
-                                                      TierSource(ranks, layout))}
+    resharded = ReshardSource(ranks, needed if reshards and ranks.exchange is not None else None, now)
+    opened: Dict[str, Source] = {s.name: s for s in (memory, peer, resharded, stored, AdoptedSource(ranks, needed),
+                                                      TierSource(ranks, now))}
     mine = {name: source.steps() for name, source in opened.items()}
     views = ranks.gather(mine)
     agree.say_lost_memory(views, ranks)

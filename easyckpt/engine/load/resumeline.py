@@ -76,12 +76,14 @@ class ResumeLine:
         loaded = self.loaded
         where = _WHERE.get(loaded.source) or (f"storage ({loaded.path}, verified)" if loaded.source == "storage"
                                               else f"{loaded.path} ({loaded.source})")
+        if loaded.detail:
+            where = f"memory, {loaded.detail}"
         if loaded.from_peers and loaded.source != "peer":
             where += f"; rank(s) {list(loaded.from_peers)} from a peer node's memory (the replicas of their lost node)"
         size = human(loaded.nbytes) + (" on rank 0" if self.world_size > 1 else "")
         saved = saved_world_size(loaded)
         changed = ""
-        if saved is not None and saved != self.world_size:
+        if saved is not None and saved != self.world_size and not loaded.detail:
             changed = (f", converted from {saved} rank(s) to {self.world_size} {self.how} (the conversion included)"
                        if self.how else f", written by {saved} rank(s), loaded by {self.world_size}")
         return f"resumed step {loaded.step} from {where}: {size} in {self.seconds:.2f} s{changed}"

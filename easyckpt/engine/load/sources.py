@@ -3,10 +3,11 @@
 A source is one place that may hold a step of this job for this rank. The loader asks every source for its
 steps (``steps``), the ranks exchange those listings (one all_gather of a mapping keyed by source name),
 agree.py picks the steps every rank can try, in PRIORITY order, and each is read (``read``) until one is
-restored. The five sources, each in the module of its name:
+restored. The six sources, each in the module of its name:
 
     memory    memory.py   this node's complete snapshots in shared memory
     peer      peer.py     this rank's replicas on peer nodes, pulled into a slot of its own first
+    resharded resharded.py  a step of another world size or layout, whole across the nodes' memory
     local     tier.py     the local tier: each rank's snapshot on its node's disk (agent/localtier.py)
     storage   stored.py   this job's committed steps in the save dir, verified against their manifests
     adopted   adopted.py  the framework's own checkpoints (no manifest: adopt.py's rules)
@@ -44,7 +45,12 @@ class Loaded:
     manifest: Optional[Manifest] = None   # the committed step's manifest, or an adopted one's inventory
     from_peers: Tuple[int, ...] = ()            # the ranks that pulled the step from a peer's replica
     fetched: Fetched = field(default_factory=Fetched)   # from an object store: for the reader's copy (reads.py)
+    detail: str = ""          # how a resharded step was put together (resharded.py), for the resume line
+    moved: int = 0            # the bytes this rank received from other nodes' memory (resharded.py)
 
+
+# (destination -> payloads to send, source -> sizes to receive) -> what arrived by source: Group.exchange (seams.py)
+Exchange = Callable[[Dict[int, List[memoryview]], Dict[int, List[int]]], Dict[int, List[bytearray]]]
 
 # this rank's steps of this job in one source: step -> None (trusted), or why it is tried only as a last resort
 Listing = Dict[int, Optional[str]]
@@ -66,12 +72,15 @@ class Tier:
     names: Tuple[str, ...]
     either: bool     # a step counts when every rank lists it in one of the sources (else: every rank in one source)
     walk: bool       # every agreed step is tried, newest commit first (else: only its newest, when it is due)
+    anywhere: bool = False   # a step counts when some rank lists it (its read checks that it is whole); every such
+                             # step not older than the later tiers' newest is tried, and none holds an earlier tier back
 
 
 # The priority list. A tier's newest agreed step is tried when it is at least as new as every later tier's
 # newest trusted one (memory is faster than the disk, the disk than storage); the last tier is then walked.
 PRIORITY: Tuple[Tier, ...] = (
     Tier(("memory", "peer"), either=True, walk=False),
+    Tier(("resharded",), either=False, walk=False, anywhere=True),
     Tier(("local",), either=False, walk=False),
     Tier(("storage", "adopted"), either=False, walk=True),
 )
@@ -85,6 +94,7 @@ class Ranks:
     world_size: int
     log: AuditLog
     gather: Callable[[Any], List[Any]]     # this rank's object -> every rank's, in order (the engine's Group)
+    exchange: Optional[Exchange] = None    # point-to-point messages between ranks (the engine's Group.exchange)
 
     def say(self, text: str, event: str = "warning") -> None:
         """The audit log on every rank, the console once (rank 0): the ranks agree, so one line says it."""

@@ -1,0 +1,110 @@
+"""What this node's memory holds of a step written by another world size or layout: the complete snapshots of
+any rank of the job, in the node's own slots (ranks that ran here) and in its replica slots (ranks of other
+nodes, agent/replicas.py), each read and checked as every slot is (ipc/slotread.py).
+
+The memory-backed reshard (resharded.py) lists them on every rank, agrees on a step the nodes hold whole
+between them, and moves a slot between nodes as its bytes: ``slot_bytes`` reads them under the slot's seqlock
+with their checksum, ``read_moved`` checks them on arrival and decodes them like any slot.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from easyckpt.engine.save import snapshot
+from easyckpt.errors import BadSlotMeta, SlotNotComplete, UntrustedFileError
+from easyckpt.formats import manifest as mf
+from easyckpt.ipc import shm, slotread
+
+DIGEST_BYTES = len(mf.checksum(b"").encode())     # the checksum sent after a moved slot's bytes
+
+
+@dataclass(frozen=True)
+class Held:
+    """One complete snapshot of rank ``rank`` (of the run that wrote it) in this node's memory."""
+    path: str                      # its slot file on this node (shm.slot_path or shm.replica_path)
+    rank: int
+    replica: bool                  # a replica slot (another node's rank), else a slot of a rank that ran here
+    slot: int                      # 0 or 1
+    step: int
+    world_size: int
+    layout: Optional[str]
+    nbytes: int                    # what moving it to another node sends: header, tensors, metadata
+    capacity: int                  # the slot's size as its header says (the metadata's room included)
+    files: Tuple[Tuple[str, bool], ...]    # (relpath, persisted by this rank) of each of its files
+    info: Tuple[Tuple[str, Any], ...]      # the adapter's info, as the manifest would merge it
+
+
+def node_key() -> str:
+    """This node, as the ranks tell nodes apart: the host's name and boot, and the /dev/shm its slots live in
+    (ranks that share it see the same slots)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    st = os.stat(shm.SHM_DIR)
+    return f"{socket.gethostname()}/{boot}/{st.st_dev}:{st.st_ino}"
+
+
+def held_here(job_id: str, world_size: int, layout: Optional[str]) -> List[Held]:
+    """The complete snapshots of the job in this node's memory taken on another world size or layout (those of
+    this one are the memory and peer sources'). A slot that is not a regular file of this user is left out (the
+    memory source names it)."""
+    found = []
+    for seg in shm.list_segments(job_id):
+        try:
+            done = slotread.read_complete(seg.path)
+        except UntrustedFileError:
+            continue
+        if done is None:
+            continue
+        hdr, meta = done.header, done.meta
+        if hdr.world_size == world_size and (layout is None or meta.layout == layout):
+            continue
+        info = tuple(sorted((str(k), v) for k, v in meta.info.items()))
+        found.append(Held(seg.path, seg.rank, seg.replica, seg.slot, hdr.step, hdr.world_size, meta.layout,
+                          hdr.meta_offset + hdr.meta_len, hdr.meta_offset + hdr.meta_capacity, tuple((f.relpath, f.persist) for f in meta.files), info))
+    return found
+
+
+def slot_bytes(held: Held) -> bytearray:
+    """The slot's bytes (as far as its metadata) and then their checksum, read under its seqlock: SlotNotComplete
+    when it changed or no longer holds ``held.step``."""
+    slot = shm.Slot(held.path, writable=False, populate=True)
+    try:
+        done = slotread.check(slot, expect_step=held.step)
+        size = done.header.meta_offset + done.header.meta_len
+        if size != held.nbytes:
+            raise SlotNotComplete(f"{held.path} was rewritten since it was listed ({size} bytes, not {held.nbytes})")
+        assert slot.mm is not None
+        out = bytearray(size + DIGEST_BYTES)
+        out[:size] = slot.mm[:size]
+        slotread.ensure_unchanged(slot, done)
+        out[size:] = mf.checksum(memoryview(out)[:size]).encode()
+        return out
+    finally:
+        slot.close()
+
+
+def read_moved(data: bytearray, held: Held, what: str) -> Dict[str, Any]:
+    """``{relpath: tree}`` of a slot moved from another node (its bytes and checksum, from slot_bytes): checked
+    against the checksum, then as any slot (header, metadata, step), from a private file in /dev/shm removed at
+    once. ValueError when the bytes are not what was sent."""
+    body, digest = memoryview(data)[:-DIGEST_BYTES], bytes(data[-DIGEST_BYTES:]).decode("ascii", "replace")
+    if mf.checksum(body) != digest:
+        raise ValueError(f"{what}: the bytes that arrived do not match the sender's checksum")
+    fd, path = tempfile.mkstemp(dir=shm.SHM_DIR, prefix="easyckpt-moved-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+            f.truncate(max(held.capacity, len(body)))     # the metadata's room, unsent: a hole
+        try:
+            return snapshot.read_slot_file(path, held.step)
+        except (SlotNotComplete, BadSlotMeta) as exc:
+            raise ValueError(f"{what}: {exc}") from None
+    finally:
+        os.unlink(path)
