@@ -28,7 +28,8 @@ from easyckpt.engine.checkpointer import (
     DefaultCheckpointer,
     FrameworkState,
 )
-from easyckpt.engine.load.reads import as_reads
+from easyckpt.engine.load.dcp import data_file
+from easyckpt.engine.load.reads import Read, as_reads
 from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.save import estimate, rng
 from easyckpt.engine.save.snapshot import ShardSpec
@@ -95,11 +96,15 @@ class PytorchState(FrameworkState[Any]):
         model = estimate.tensor_bytes(_unwrap(self.model).state_dict())
         return model + (estimate.optimizer_bytes(self.optimizer) if self.optimizer is not None else 0)
 
-    def reshards_in_memory(self) -> bool:
-        """A whole model and optimizer (DDP or one process): restore takes them from any rank's snapshot files, so
-        a job restarted on another world size resumes from the nodes' memory. FSDP2's shards go through DCP's
-        resharding of a committed step."""
-        return not self.sharded
+    def needed_in_memory(self, manifest: Manifest) -> List[Read]:
+        """From the nodes' memory, on another world size: a whole model and optimizer (DDP, one process) as
+        ``needed`` reads them from storage; FSDP2's shards from every rank of the run that wrote them (its data
+        file and its memory-only rest), which DCP's planner reshards (dcpmemory.MemoryReader)."""
+        if not self.sharded:
+            return self.needed(manifest)
+        saved = manifest.world_size or 1
+        files = [Read(f) for q in range(saved) for f in (data_file(q), dtensor.LOCAL.format(q))]
+        return files + [Read(_rank_file(self.rank), optional=self.rank >= saved)]
 
     @as_reads
     def needed(self, manifest: Manifest) -> List[Tuple[str, bool]]:
@@ -120,7 +125,8 @@ class PytorchState(FrameworkState[Any]):
         trees = loaded.trees
         per_rank = trees.get(_rank_file(self.rank))
         if self.sharded:
-            # a snapshot in memory (path None) holds this rank's own shards; a committed step is read by DCP's reader
+            # from memory (path None): this rank's own shards, or every rank's of another world size (resharded.py);
+            # a committed step is read by DCP's reader
             self.ckpt.converting("by DCP's resharding")      # said only where the world size changed
             dtensor.restore(self.model, self.optimizer, trees, loaded.path, self.rank, self.ckpt.staging(loaded))
             if self.lr_scheduler is not None and per_rank is not None and "lr_scheduler" in per_rank:

@@ -450,6 +450,39 @@ def test_a_job_restarted_on_fewer_nodes_resumes_resharded_from_their_memory(tmp_
     assert_same_after(loss, resumed_from_storage(tmp_path_factory, 4, 3, step), step)
 
 
+def test_fsdp2_on_half_the_ranks_reshards_from_the_nodes_memory(tmp_path, cluster, tmp_path_factory):
+    """FSDP2 on 2 nodes × 2 ranks without replicas (replication_factor 1); every trainer is killed, the agents
+    live on, and the job restarts with one rank per node: data-parallel 4 -> 2. Each node holds only its own two
+    ranks' shards, so each new rank receives the other node's two slots over the process group, and DCP's
+    planner reshards the four ranks' chunks in memory (engine/load/dcpmemory.py). Nothing is read from storage,
+    and the losses equal those of a resume of the same step from storage (DCP's reader on the committed files)."""
+    common = ("--fsdp", *COMMON, "--replication-factor", "1")
+    c = cluster(2)
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    args = (*common, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
+    runs = c.launch(ckpt, 2, *args)
+    wait_for_iteration(loss, 13, runs[1].proc, TIMEOUT, rank=3)
+    for r in runs:
+        r.kill_trainers()
+    for r in runs:
+        r.wait_command(30)
+        assert len(r.agents()) == 1, f"node {r.node.index}'s agent did not survive: {said(runs)}"
+    again = c.relaunch(ckpt, 1, *args)
+    assert [p.wait(timeout=TIMEOUT) for p in again] == [0, 0], "\n".join(
+        c.log("relaunch", i).read_text()[-2500:] for i in range(2))
+    c.wait(runs, 60)
+    resumed = {starts(loss, r)[-1] for r in range(2)}
+    assert len(resumed) == 1, resumed
+    step = resumed.pop()
+    assert step % 10, f"step {step} is a storage step (storage interval 10): this proves nothing about memory"
+    loads = {e["rank"]: e for e in events(log) if e["event"] == "load" and e["step"] == step}
+    assert sorted(loads) == [0, 1] and {(e["source"], e["saved_world_size"]) for e in loads.values()} == \
+        {("resharded", 4)} and loads[0]["moved"] > 0 and loads[1]["moved"] > 0, loads
+    out = c.log("relaunch", 0).read_text()
+    assert f"resumed step {step} from memory, resharded 4 → 2 ranks: the slots of 2 nodes; " in out, out[-3000:]
+    assert_same_after(loss, resumed_from_storage(tmp_path_factory, 4, 2, step, common), step)
+
+
 @pytest.mark.slow
 def test_a_lost_node_that_does_not_come_back_resumes_the_smaller_job_from_memory(tmp_path, cluster,
                                                                                 tmp_path_factory):

@@ -70,12 +70,13 @@ class FrameworkState(Protocol[R]):
         same world size: a snapshot taken on another one is not used. None: the world size says it all."""
         return None
 
-    def reshards_in_memory(self) -> bool:
-        """Whether ``restore`` takes a step of another world size or layout from memory: ``loaded.path`` None and
-        ``loaded.trees`` the files ``needed`` named, whole, taken from the snapshots of the ranks that wrote them
-        (engine/load/resharded.py). False: such a step is restored from storage, read by the framework's own
-        resharding."""
-        return False
+    def needed_in_memory(self, manifest: Manifest) -> Optional[List[Read]]:
+        """The files ``restore`` reads of a step of another world size or layout taken from the memory of the
+        nodes (engine/load/resharded.py): ``manifest`` lists the files the step would have in storage, its
+        world size the one that wrote it; a rank's memory-only files (not persisted) may be named too. Each is
+        then in ``loaded.trees``, whole, with ``loaded.path`` None. None (the default): such a step is restored
+        from storage, through the framework's own resharding."""
+        return None
 
     def otherwise(self) -> Optional[str]:
         """Where the framework itself resumes from when this job has nothing in save_dir (Megatron's own loader
@@ -137,7 +138,7 @@ class Checkpointer:
         """Restore the newest complete state through ``state``; None (logged) when there is nothing."""
         # an adapter whose layout can change under the same world size (Megatron's TP/PP) says which it has
         started = time.monotonic()
-        loaded = self.engine.load(state.needed, Layout(state.layout(), state.reshards_in_memory()),
+        loaded = self.engine.load(state.needed, Layout(state.layout(), state.needed_in_memory),
                                   otherwise=state.otherwise())
         if loaded is None:
             self.engine.log.emit("load", step=0, rank=self.rank, source="none",

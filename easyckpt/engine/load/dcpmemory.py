@@ -5,6 +5,7 @@ never restores a DTensor model from memory should not pay at import."""
 from __future__ import annotations
 
 import io
+import re
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -23,23 +24,35 @@ from easyckpt.engine.load.dcp import data_file
 from easyckpt.errors import CheckpointError
 
 
+def _ranks_held(trees: Dict[str, Any], local: str, prefix: str) -> List[int]:
+    """The ranks whose LOCAL file (``local``, a format of the rank) is in ``trees``."""
+    pattern = re.compile(re.escape(prefix + local).replace(r"\{:05d\}", r"(\d{5})") + "$")
+    return sorted(int(m.group(1)) for m in map(pattern.match, trees) if m)
+
+
 class MemoryReader(StorageReader):
-    """DCP's StorageReader over this rank's memory snapshot: every item it held at the snapshot (what it
-    wrote and what it kept in LOCAL), the same layout as now."""
+    """DCP's StorageReader over memory snapshots: every item each snapshot in ``trees`` held (what its rank
+    wrote and what it kept in LOCAL). This rank's own snapshot: the same layout as now, nothing resharded. The
+    snapshots of every rank of a run of another world size (engine/load/resharded.py): the reader's metadata
+    lists every chunk they hold, and DCP's planner reshards from them as from a committed step."""
 
     def __init__(self, trees: Dict[str, Any], rank: int, local: str, prefix: str = ""):
         super().__init__()
-        mine = trees[prefix + local.format(rank)]
-        pools = {"d": trees[prefix + data_file(rank)], "l": mine["local"]}
         self.items: Dict[Tuple[str, Tuple[int, ...]], Any] = {}
         self.sizes: Dict[str, List[int]] = {}
-        for fqn, offsets, kind, pos, size in mine["index"]:
-            pool = pools.get(kind)
-            if pool is None or type(pos) is not int or not 0 <= pos < len(pool):
-                raise CheckpointError(f"the snapshot's index places {fqn} at {kind!r} {pos!r}, which it does not hold")
-            self.items[(fqn, tuple(offsets or ()))] = pool[pos]
-            if size is not None:
-                self.sizes[fqn] = size
+        held = _ranks_held(trees, local, prefix) or [rank]
+        for r in held:
+            mine = trees[prefix + local.format(r)]
+            pools = {"d": trees[prefix + data_file(r)], "l": mine["local"]}
+            for fqn, offsets, kind, pos, size in mine["index"]:
+                pool = pools.get(kind)
+                if pool is None or type(pos) is not int or not 0 <= pos < len(pool):
+                    raise CheckpointError(f"the snapshot's index places {fqn} at {kind!r} {pos!r}, which it does "
+                                          f"not hold")
+                # a chunk more than one rank held (a replicated one) is the same on each: the first serves
+                self.items.setdefault((fqn, tuple(offsets or ())), pool[pos])
+                if size is not None:
+                    self.sizes[fqn] = size
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass

@@ -21,7 +21,7 @@ Order:
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
 
 from easyckpt.engine.link.peers import Remote
 from easyckpt.engine.load import agree
@@ -33,13 +33,14 @@ from easyckpt.engine.load.resharded import ReshardSource
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, Source, Tier
 from easyckpt.engine.load.stored import StorageSource
 from easyckpt.engine.load.tier import TierSource
+from easyckpt.formats.manifest import Manifest
 
 
 class Layout(NamedTuple):
-    """The adapter's parallel layout now (FrameworkState.layout: None when the world size says it all), and whether
-    its restore takes a step of another world size or layout from memory (FrameworkState.reshards_in_memory)."""
+    """The adapter's parallel layout now (FrameworkState.layout: None when the world size says it all), and what its
+    restore reads of a step of another world size or layout from memory (FrameworkState.needed_in_memory)."""
     now: Optional[str] = None
-    reshards: bool = False
+    reshard: Optional[Callable[[Manifest], Optional[Sequence[Any]]]] = None
 
 
 def load_newest(ranks: Ranks, needed: Needed, remote: Optional[Remote] = None, layout: Optional[Layout] = None,
@@ -50,11 +51,11 @@ def load_newest(ranks: Ranks, needed: Needed, remote: Optional[Remote] = None, l
     another layout from memory (the resharded source). ``on_rejected(step, why)``: called on rank 0 for each
     committed step rejected as corrupt."""
     # opened in this order, each saying what it passes over; the peers are asked before the first collective
-    now, reshards = layout if layout is not None else Layout()
+    now, reshard = layout if layout is not None else Layout()
     memory = MemorySource(ranks, now)
     peer = PeerSource(ranks, remote, now, memory.steps())
     stored = StorageSource(ranks, needed, on_rejected)
-    resharded = ReshardSource(ranks, needed if reshards and ranks.exchange is not None else None, now)
+    resharded = ReshardSource(ranks, reshard if ranks.exchange is not None else None, now)
     opened: Dict[str, Source] = {s.name: s for s in (memory, peer, resharded, stored, AdoptedSource(ranks, needed),
                                                       TierSource(ranks, now))}
     mine = {name: source.steps() for name, source in opened.items()}

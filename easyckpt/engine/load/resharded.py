@@ -6,36 +6,39 @@ surviving nodes' memory: each is one old rank's shard of the old layout. Togethe
 would hold it, so the adapter's own ``needed`` (the same that reshards a committed step) says which files each
 rank reads, and those files are taken from the slots that hold them: from this node's memory, or sent by a
 node that holds them over the job's process group (Group.exchange), checksummed. Offered only to an adapter
-whose ``restore`` takes such files from memory (FrameworkState.reshards_in_memory); the others resume from
-storage as before.
+whose ``restore`` takes such files from memory (FrameworkState.needed_in_memory names them); the others
+resume from storage as before.
 
 Order of a read (every rank, together):
   1. every rank gathers (its node, what that node holds: held.py); reshardplan.whole picks the earlier run whose
      snapshots of the step the nodes hold whole, else the step is not used (said, and the next source serves);
-  2. each rank calls ``needed`` on that step's manifest (reshardplan.Whole.manifest) and gathers the old ranks
-     whose slots it reads; reshardplan.moves says which slot each rank sends to which;
+  2. each rank asks the adapter what it reads of that step's manifest (reshardplan.Whole.manifest;
+     FrameworkState.needed_in_memory) and gathers the old ranks whose slots it reads; reshardplan.moves says which slot each rank sends to which;
   3. slots go over (read under their seqlock with a checksum: held.slot_bytes), each rank decodes what it reads,
      and the ranks exchange one verdict each: every rank restores the step, or none does.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 from easyckpt.engine.load import held as heldmod
 from easyckpt.engine.load import reshardplan
-from easyckpt.engine.load.reads import Needed, reads
+from easyckpt.engine.load.reads import Read
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, by_rank
 from easyckpt.engine.save import estimate
 from easyckpt.engine.save.snapshot import read_slot_file
+from easyckpt.formats.manifest import Manifest
 from easyckpt.units import human
 
 
 class ReshardSource:
     name = "resharded"
 
-    def __init__(self, ranks: Ranks, needed: Optional[Needed], layout: Optional[str]):
-        """``needed``: the adapter's, or None when its restore cannot take a reshard from memory (nothing listed)."""
+    def __init__(self, ranks: Ranks, needed: Optional[Callable[[Manifest], Optional[Sequence[Any]]]],
+                 layout: Optional[str]):
+        """``needed``: the adapter's FrameworkState.needed_in_memory, or None when no exchange between ranks is
+        wired (nothing listed)."""
         self.ranks, self.needed = ranks, needed
         self.here = heldmod.node_key()
         self.held = heldmod.held_here(ranks.cfg.job_id, ranks.world_size, layout) if needed is not None else []
@@ -56,7 +59,7 @@ class ReshardSource:
         err: Optional[str] = None
         man = plan.manifest(ranks.cfg.job_id, ranks.cfg.naming.framework)
         try:
-            wanted = self._wanted(man)
+            wanted = self._wanted(man, plan)
         except ValueError as exc:        # the adapter cannot restore this step here
             wanted, err = set(), f"{type(exc).__name__}: {exc}"
         olds = reshardplan.olds_for(plan, wanted)
@@ -76,20 +79,23 @@ class ReshardSource:
             return None
         sent = sum(m.held.nbytes for m in moves)
         own, replicas = plan.nodes()
-        detail = (f"resharded {plan.world_size} → {ranks.world_size} ranks: the slots of {_n(own, 'node')} and "
-                  f"{_n(replicas, 'replica')} held by peers; {human(sent)} moved between nodes, 0 bytes read from "
-                  f"storage")
+        held_by = f" and {_n(replicas, 'replica')} held by peers" if replicas else ""
+        detail = (f"resharded {plan.world_size} → {ranks.world_size} ranks: the slots of {_n(own, 'node')}{held_by}; "
+                  f"{human(sent)} moved between nodes, 0 bytes read from storage")
         return Loaded(step, self.name, None, cast(Dict[str, Any], trees), estimate.tensor_bytes(trees),
                       time.perf_counter() - t0, man, detail=detail,
                       moved=sum(m.held.nbytes for m in moves if m.receiver == ranks.rank))
 
-    def _wanted(self, man: Any) -> Set[str]:
+    def _wanted(self, man: Manifest, plan: reshardplan.Whole) -> Set[str]:
         assert self.needed is not None
-        wanted = reads(self.needed, man)
-        absent = [w.relpath for w in wanted if not w.optional and w.relpath not in man.files]
+        asked = self.needed(man)
+        if asked is None:
+            raise ValueError("this adapter restores a step of another world size or layout from storage only")
+        wanted = [Read.of(w) for w in asked]
+        absent = [w.relpath for w in wanted if not w.optional and w.relpath not in plan.files]
         if absent:
-            raise ValueError(f"{', '.join(absent)} not in the step")
-        return {w.relpath for w in wanted if w.relpath in man.files}
+            raise ValueError(f"{', '.join(absent)} not in the snapshots")
+        return {w.relpath for w in wanted if w.relpath in plan.files}
 
     def _move(self, step: int, moves: List[reshardplan.Move]) -> Tuple[Dict[int, bytearray], Optional[str]]:
         """Send the slots this rank sends, receive those it reads: {old rank: bytes}. The sizes were gathered, so
@@ -126,7 +132,7 @@ class ReshardSource:
             held = reshardplan.local(plan, self.here, old)
             files = read_slot_file(held.path, step) if held is not None else \
                 heldmod.read_moved(moved[old], plan.holders[old][0][1], f"rank {old}'s slot of step {step}")
-            trees.update({rel: tree for rel, tree in files.items() if plan.owner.get(rel) == old and rel in wanted})
+            trees.update({rel: tree for rel, tree in files.items() if plan.files.get(rel) == old and rel in wanted})
         return trees
 
 

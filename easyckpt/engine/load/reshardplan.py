@@ -28,6 +28,7 @@ class Whole:
     layout: Optional[str]
     holders: Dict[int, List[Tuple[str, Held]]]      # that run's rank -> (node key, its slot there), own slots first
     owner: Dict[str, int]                           # each persisted file -> the rank whose slot holds it
+    files: Dict[str, int]        # those, and each memory-only file no other rank's slot names (a rank's own)
 
     def manifest(self, job_id: str, framework: str) -> Manifest:
         """The manifest this step would have in storage, as far as a restore's ``needed`` reads it: its files, the
@@ -64,7 +65,7 @@ def whole(step: int, views: Sequence[View]) -> Union[Whole, str]:
             missing.append(clash)
             continue
         ordered = {r: sorted(hs, key=lambda kh: (kh[1].replica, kh[0])) for r, hs in sorted(holders.items())}
-        return Whole(step, world, layout or None, ordered, owner)
+        return Whole(step, world, layout or None, ordered, owner, {**_memory_only(holders, owner), **owner})
     return "; ".join(missing) or "no node holds it"
 
 
@@ -86,6 +87,15 @@ def _owners(holders: Dict[int, List[Tuple[str, Held]]]) -> Tuple[Dict[str, int],
                 return {}, f"{rel} is persisted by both rank {owner[rel]} and rank {rank}: not one run's snapshot"
             owner[rel] = rank
     return owner, None
+
+
+def _memory_only(holders: Dict[int, List[Tuple[str, Held]]], owner: Dict[str, int]) -> Dict[str, int]:
+    """Files a rank keeps in memory only (not persisted) under a name no other rank's slot uses: its own."""
+    named: Dict[str, List[int]] = {}
+    for rank in sorted(holders):
+        for rel, _ in holders[rank][0][1].files:
+            named.setdefault(rel, []).append(rank)
+    return {rel: ranks[0] for rel, ranks in named.items() if len(ranks) == 1 and rel not in owner}
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,6 @@ def local(plan: Whole, here: str, old: int) -> Optional[Held]:
 
 
 def olds_for(plan: Whole, relpaths: Set[str]) -> List[int]:
-    """The old run's ranks whose slots hold ``relpaths`` (files no rank persisted are not there: the caller's
-    ``needed`` says whether that is allowed)."""
-    return sorted({plan.owner[rel] for rel in relpaths if rel in plan.owner})
+    """The old run's ranks whose slots hold ``relpaths`` (the caller's ``needed`` says whether one absent is
+    allowed)."""
+    return sorted({plan.files[rel] for rel in relpaths if rel in plan.files})
