@@ -115,3 +115,45 @@ def test_a_resharded_listing_never_holds_back_the_memory_of_this_world_size():
     rank holds is still tried first."""
     views = [listing(memory={12: None}, resharded={16: None}), listing(memory={12: None})]
     assert plan_of(views) == [("memory", [12]), ("resharded", [16]), ("storage", [])]
+
+
+# ---- a slot moved between nodes: its bytes checked on arrival (engine/load/held.py) ---------------------------
+
+def test_a_moved_slot_decodes_to_what_the_slot_held_and_a_changed_byte_is_refused(tmp_path, monkeypatch):
+    import pytest
+    import torch
+    from test_slot_format import JOB, write_slot
+
+    from easyckpt.engine.load import held as heldmod
+    from easyckpt.ipc import shm
+
+    d = tmp_path / "shm"
+    d.mkdir(mode=0o700)
+    monkeypatch.setattr(shm, "SHM_DIR", str(d))
+    write_slot(step=5)
+    [listed] = heldmod.held_here(JOB, world_size=1, layout=None)      # written by a run of 2 ranks
+    assert (listed.rank, listed.step, listed.world_size, listed.replica) == (0, 5, 2, False)
+    sent = heldmod.slot_bytes(listed)
+    trees = heldmod.read_moved(sent, listed, "rank 0's slot")
+    assert torch.equal(trees["model.safetensors"]["w"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert trees["model.safetensors"]["n"].tolist() == [7, 8]
+    for where in (shm.HEADER_BYTES + 3, len(sent) - heldmod.DIGEST_BYTES - 2):     # a tensor byte, the metadata
+        bad = bytearray(sent)
+        bad[where] ^= 0x40
+        with pytest.raises(ValueError, match="do not match the sender's checksum"):
+            heldmod.read_moved(bad, listed, "rank 0's slot")
+    assert heldmod.held_here(JOB, world_size=2, layout=None) == [], "a snapshot of this world size is memory's"
+    write_slot(step=7, generation=2)          # rewritten after it was listed: never sent as step 5
+    with pytest.raises(Exception, match="holds step 7, not step 5"):
+        heldmod.slot_bytes(listed)
+
+
+def test_thread_ranks_exchange_what_each_plan_says():
+    from easyckpt._testing.ranks import run_ranks
+
+    def body(g):
+        sends = {1: [memoryview(bytearray(b"from 0"))]} if g.rank == 0 else {}
+        sizes = {0: [6]} if g.rank == 1 else {}
+        return g.exchange(sends, sizes)
+
+    assert run_ranks(2, body) == [{}, {0: [bytearray(b"from 0")]}]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
+from easyckpt.engine.seams import Payload
+
 T = TypeVar("T")
 WAIT = 60.0      # seconds a rank waits for the others at a collective before it is an error
 
@@ -32,7 +34,7 @@ class ThreadGroup:
     def any_rank(self, flag: bool) -> bool:
         return any(self.all_gather(bool(flag)))
 
-    def exchange(self, sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) -> Dict[int, List[bytearray]]:
+    def exchange(self, sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) -> Dict[int, List[Payload]]:
         posted = self.all_gather({dst: [bytearray(p) for p in payloads] for dst, payloads in sends.items()})
         got = {src: posted[src].get(self.rank, []) for src in sizes}
         for src, lengths in sizes.items():

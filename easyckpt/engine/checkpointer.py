@@ -70,13 +70,12 @@ class FrameworkState(Protocol[R]):
         same world size: a snapshot taken on another one is not used. None: the world size says it all."""
         return None
 
-    def needed_in_memory(self, manifest: Manifest) -> Optional[List[Read]]:
-        """The files ``restore`` reads of a step of another world size or layout taken from the memory of the
-        nodes (engine/load/resharded.py): ``manifest`` lists the files the step would have in storage, its
-        world size the one that wrote it; a rank's memory-only files (not persisted) may be named too. Each is
-        then in ``loaded.trees``, whole, with ``loaded.path`` None. None (the default): such a step is restored
-        from storage, through the framework's own resharding."""
-        return None
+    # What ``restore`` reads of a step of another world size or layout taken from the nodes' memory
+    # (engine/load/resharded.py), given the manifest the step would have in storage (its world size the one that
+    # wrote it); a rank's memory-only files (not persisted) may be named too. Each is then in ``loaded.trees``,
+    # whole, with ``loaded.path`` None. None (the default): such a step is restored from storage, through the
+    # framework's own resharding. An adapter that can defines it as a method.
+    needed_in_memory: Optional[Callable[[Manifest], List[Read]]] = None
 
     def otherwise(self) -> Optional[str]:
         """Where the framework itself resumes from when this job has nothing in save_dir (Megatron's own loader

@@ -5,12 +5,13 @@ threads, so the engine's behaviours can be tested in one interpreter."""
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Protocol, Type, TypeVar
+from typing import Any, Dict, List, Optional, Protocol, Type, TypeVar, Union
 
 from easyckpt.formats.protocol import Message
 from easyckpt.formats.replies import Reply, StatusReply
 
 R = TypeVar("R")
+Payload = Union[bytearray, memoryview]      # bytes one rank sent another (Group.exchange), this process's own
 
 
 class AgentLink(Protocol):
@@ -52,7 +53,7 @@ class Group(Protocol):
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on some rank (this rank's own when no collective can run)."""
 
-    def exchange(self, sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) -> Dict[int, List[bytearray]]:
+    def exchange(self, sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) -> Dict[int, List[Payload]]:
         """Point-to-point messages, a collective of every rank: ``sends`` (destination rank -> its payloads, in
         order), ``sizes`` (source rank -> the byte sizes of what it sends this rank, in order, as every rank's plan
         says); returns what arrived, by source. An error (never a hang) when a rank is gone."""

@@ -23,7 +23,7 @@ import struct
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple, Union, cast
 
 from easyckpt.errors import ShmCapacityError, UntrustedFileError
 from easyckpt.formats import paths
@@ -215,10 +215,22 @@ class Slot:
             slot.mm[:_HDR.size] = _HDR.pack(MAGIC, VERSION, EMPTY, -1, 0, 0, 0, 0, 0, 0, os.getpid(), 0, 0)
         return slot
 
+    @classmethod
+    def of_bytes(cls, data: Union[bytearray, memoryview], size: int, name: str) -> "Slot":
+        """A read-only Slot over bytes this process holds alone (a slot moved from another node: nothing else
+        writes them, so its seqlock holds by construction). ``size``: the slot's size as its header says (the
+        bytes may end at its metadata, before the rest of the metadata's room)."""
+        slot = cls.__new__(cls)
+        slot.path, slot.writable, slot.fd, slot.inode = name, False, -1, 0
+        slot.size = max(size, len(data))
+        slot.mm = cast(Any, data)
+        return slot
+
     def close(self) -> None:
         if self.mm is not None:
             try:
-                self.mm.close()
+                if isinstance(self.mm, mmap.mmap):      # (bytes of our own, of_bytes: nothing to unmap)
+                    self.mm.close()
             except BufferError:
                 pass  # a tensor view still exports the buffer; the mapping dies with it
             self.mm = None
@@ -232,7 +244,7 @@ class Slot:
         """The header if it is COMPLETE and intact, else None (a torn or half-written slot)."""
         if self.mm is None or self.size < HEADER_BYTES:
             return None
-        raw = self.mm[:_HDR.size + 4]
+        raw = bytes(self.mm[:_HDR.size + 4])        # (a slice of an mmap is bytes already; of_bytes' may be a view)
         fields = _HDR.unpack_from(raw)
         if fields[0] != MAGIC or fields[1] != VERSION:
             return None
@@ -272,7 +284,7 @@ class Slot:
 
     def read_meta(self, hdr: Header) -> Optional[bytes]:
         assert self.mm is not None
-        meta = self.mm[hdr.meta_offset:hdr.meta_offset + hdr.meta_len]
+        meta = bytes(self.mm[hdr.meta_offset:hdr.meta_offset + hdr.meta_len])
         return meta if zlib.crc32(meta) == hdr.meta_crc else None
 
     # ---- agent-owned words ----------------------------------------------------------------

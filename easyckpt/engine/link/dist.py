@@ -8,6 +8,7 @@ from typing import Any, Dict, List
 import torch.distributed as dist
 
 from easyckpt.errors import EasyCkptError
+from easyckpt.engine.seams import Payload
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def any_rank(flag: bool, world_size: int) -> bool:
     return any(all_gather(bool(flag), world_size))
 
 
-def exchange(sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) -> Dict[int, List[bytearray]]:
+def exchange(sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) -> Dict[int, List[Payload]]:
     """Group.exchange over the job's process group: one batch of sends and receives, bounded by its timeout. On
     NCCL the bytes travel through this rank's GPU (NCCL moves nothing else); on gloo straight from memory."""
     import torch
@@ -65,7 +66,13 @@ def exchange(sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) ->
         ops.extend(dist.P2POp(dist.irecv, t, src, tag=tag) for tag, t in enumerate(arrived[src]) if t.numel())
     for req in (dist.batch_isend_irecv(ops) if ops else []):
         req.wait()
-    return {src: [bytearray(t.cpu().numpy().tobytes()) for t in got] for src, got in arrived.items()}
+    # the tensors' own memory, not a copy (on NCCL: the one copy back from the GPU)
+    return {src: [bytearray(0) if not t.numel() else _bytes_of(t.cpu()) for t in got] for src, got in arrived.items()}
+
+
+def _bytes_of(t: Any) -> Any:
+    """A writable buffer over a CPU uint8 tensor's memory, no copy (the array keeps the tensor alive)."""
+    return memoryview(t.numpy()).cast("B")
 
 
 class TorchGroup:
@@ -82,5 +89,5 @@ class TorchGroup:
     def any_rank(self, flag: bool) -> bool:
         return any_rank(flag, self.world_size)
 
-    def exchange(self, sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) -> Dict[int, List[bytearray]]:
+    def exchange(self, sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) -> Dict[int, List[Payload]]:
         return exchange(sends, sizes) if self.world_size > 1 else {}

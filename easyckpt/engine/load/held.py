@@ -4,17 +4,17 @@ nodes, agent/replicas.py), each read and checked as every slot is (ipc/slotread.
 
 The memory-backed reshard (resharded.py) lists them on every rank, agrees on a step the nodes hold whole
 between them, and moves a slot between nodes as its bytes: ``slot_bytes`` reads them under the slot's seqlock
-with their checksum, ``read_moved`` checks them on arrival and decodes them like any slot.
+with their checksum, ``read_moved`` checks them on arrival and decodes them like any slot, in place.
 """
 from __future__ import annotations
 
 import os
 import socket
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt.engine.save import snapshot
+from easyckpt.engine.seams import Payload
 from easyckpt.errors import BadSlotMeta, SlotNotComplete, UntrustedFileError
 from easyckpt.formats import manifest as mf
 from easyckpt.ipc import shm, slotread
@@ -90,21 +90,17 @@ def slot_bytes(held: Held) -> bytearray:
         slot.close()
 
 
-def read_moved(data: bytearray, held: Held, what: str) -> Dict[str, Any]:
+def read_moved(data: Payload, held: Held, what: str) -> Dict[str, Any]:
     """``{relpath: tree}`` of a slot moved from another node (its bytes and checksum, from slot_bytes): checked
-    against the checksum, then as any slot (header, metadata, step), from a private file in /dev/shm removed at
-    once. ValueError when the bytes are not what was sent."""
+    against the checksum, then as any slot (header, metadata, step); its tensors are views of ``data``, which this
+    process holds alone. ValueError when the bytes are not what was sent."""
     body, digest = memoryview(data)[:-DIGEST_BYTES], bytes(data[-DIGEST_BYTES:]).decode("ascii", "replace")
     if mf.checksum(body) != digest:
         raise ValueError(f"{what}: the bytes that arrived do not match the sender's checksum")
-    fd, path = tempfile.mkstemp(dir=shm.SHM_DIR, prefix="easyckpt-moved-")
+    slot = shm.Slot.of_bytes(data, held.capacity, what)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(body)
-            f.truncate(max(held.capacity, len(body)))     # the metadata's room, unsent: a hole
-        try:
-            return snapshot.read_slot_file(path, held.step)
-        except (SlotNotComplete, BadSlotMeta) as exc:
-            raise ValueError(f"{what}: {exc}") from None
+        return snapshot.read_slot(slot, held.step, copy=False)
+    except (SlotNotComplete, BadSlotMeta) as exc:
+        raise ValueError(f"{what}: {exc}") from None
     finally:
-        os.unlink(path)
+        slot.close()

@@ -40,7 +40,7 @@ class Layout(NamedTuple):
     """The adapter's parallel layout now (FrameworkState.layout: None when the world size says it all), and what its
     restore reads of a step of another world size or layout from memory (FrameworkState.needed_in_memory)."""
     now: Optional[str] = None
-    reshard: Optional[Callable[[Manifest], Optional[Sequence[Any]]]] = None
+    reshard: Optional[Callable[[Manifest], Sequence[Any]]] = None
 
 
 def load_newest(ranks: Ranks, needed: Needed, remote: Optional[Remote] = None, layout: Optional[Layout] = None,

@@ -28,6 +28,7 @@ from easyckpt.engine.load.reads import Read
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, by_rank
 from easyckpt.engine.save import estimate
 from easyckpt.engine.save.snapshot import read_slot_file
+from easyckpt.engine.seams import Payload
 from easyckpt.formats.manifest import Manifest
 from easyckpt.units import human
 
@@ -35,10 +36,9 @@ from easyckpt.units import human
 class ReshardSource:
     name = "resharded"
 
-    def __init__(self, ranks: Ranks, needed: Optional[Callable[[Manifest], Optional[Sequence[Any]]]],
-                 layout: Optional[str]):
-        """``needed``: the adapter's FrameworkState.needed_in_memory, or None when no exchange between ranks is
-        wired (nothing listed)."""
+    def __init__(self, ranks: Ranks, needed: Optional[Callable[[Manifest], Sequence[Any]]], layout: Optional[str]):
+        """``needed``: the adapter's FrameworkState.needed_in_memory; None (nothing listed) where it has none or no
+        exchange between ranks is wired."""
         self.ranks, self.needed = ranks, needed
         self.here = heldmod.node_key()
         self.held = heldmod.held_here(ranks.cfg.job_id, ranks.world_size, layout) if needed is not None else []
@@ -88,16 +88,13 @@ class ReshardSource:
 
     def _wanted(self, man: Manifest, plan: reshardplan.Whole) -> Set[str]:
         assert self.needed is not None
-        asked = self.needed(man)
-        if asked is None:
-            raise ValueError("this adapter restores a step of another world size or layout from storage only")
-        wanted = [Read.of(w) for w in asked]
+        wanted = [Read.of(w) for w in self.needed(man)]
         absent = [w.relpath for w in wanted if not w.optional and w.relpath not in plan.files]
         if absent:
             raise ValueError(f"{', '.join(absent)} not in the snapshots")
         return {w.relpath for w in wanted if w.relpath in plan.files}
 
-    def _move(self, step: int, moves: List[reshardplan.Move]) -> Tuple[Dict[int, bytearray], Optional[str]]:
+    def _move(self, step: int, moves: List[reshardplan.Move]) -> Tuple[Dict[int, Payload], Optional[str]]:
         """Send the slots this rank sends, receive those it reads: {old rank: bytes}. The sizes were gathered, so
         a sender whose slot changed meanwhile still sends that many bytes (zeros) and the receiver's checksum fails."""
         me = self.ranks.rank
@@ -114,18 +111,18 @@ class ReshardSource:
                 sends.setdefault(m.receiver, []).append(memoryview(data))
             if m.receiver == me:
                 sizes.setdefault(m.sender, []).append(m.held.nbytes + heldmod.DIGEST_BYTES)
-        if not sends and not sizes and not moves:
+        if not moves:        # (every rank has the same plan: all skip the exchange, or none does)
             return {}, None
         assert self.ranks.exchange is not None      # no source is opened without it (newest.py)
         arrived = self.ranks.exchange(sends, sizes)
         mine = [m for m in moves if m.receiver == me]
-        got: Dict[int, bytearray] = {}
+        got: Dict[int, Payload] = {}
         for sender in sorted({m.sender for m in mine}):
-            for m, data in zip([m for m in mine if m.sender == sender], arrived.get(sender, [])):
-                got[m.old] = data
+            for m, payload in zip([m for m in mine if m.sender == sender], arrived.get(sender, [])):
+                got[m.old] = payload
         return got, err
 
-    def _decode(self, step: int, plan: reshardplan.Whole, olds: List[int], moved: Dict[int, bytearray],
+    def _decode(self, step: int, plan: reshardplan.Whole, olds: List[int], moved: Dict[int, Payload],
                 wanted: Set[str]) -> Dict[str, Any]:
         trees: Dict[str, Any] = {}
         for old in olds:

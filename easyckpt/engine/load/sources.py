@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 from easyckpt import console
 from easyckpt.config import Config
 from easyckpt.engine.load.reads import Fetched
+from easyckpt.engine.seams import Payload
 from easyckpt.formats.manifest import Manifest
 from easyckpt.storage.auditlog import AuditLog
 
@@ -50,7 +51,7 @@ class Loaded:
 
 
 # (destination -> payloads to send, source -> sizes to receive) -> what arrived by source: Group.exchange (seams.py)
-Exchange = Callable[[Dict[int, List[memoryview]], Dict[int, List[int]]], Dict[int, List[bytearray]]]
+Exchange = Callable[[Dict[int, List[memoryview]], Dict[int, List[int]]], Dict[int, List[Payload]]]
 
 # this rank's steps of this job in one source: step -> None (trusted), or why it is tried only as a last resort
 Listing = Dict[int, Optional[str]]

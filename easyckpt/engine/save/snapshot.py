@@ -414,16 +414,24 @@ def read_slot_file(path: str, step: int, check: Optional[Callable[[memoryview], 
             assert slot.mm is not None      # a file of the record's size (listing checked it) is mapped
             with memoryview(slot.mm) as whole:      # released even when check raises: the slot closes below
                 check(whole)
-        done = slotread.check(slot, expect_step=step)
-        with warnings.catch_warnings():   # the mapping is read-only and we only read through it
-            warnings.simplefilter("ignore")
-            base = torch.frombuffer(slot.mm, dtype=torch.uint8)
-        trees = {}
-        for f in done.meta.files:
-            copies = [t.clone() for t in shardload.views(base, f.tensors)]
-            trees[f.relpath] = rebuild(f.skeleton, {t.key: c for t, c in zip(f.tensors, copies)})
-        del base
-        slotread.ensure_unchanged(slot, done)
-        return trees
+        return read_slot(slot, step)
     finally:
         slot.close()
+
+
+def read_slot(slot: shm.Slot, step: int, copy: bool = True) -> Dict[str, Any]:
+    """``{relpath: tree}`` of the open ``slot`` once it passed slotread.check for ``step``. ``copy``: the tensors are
+    copied out (a slot in shared memory, which its writer reuses); False: they are views of the slot's bytes (bytes
+    this process holds alone: shm.Slot.of_bytes)."""
+    done = slotread.check(slot, expect_step=step)
+    with warnings.catch_warnings():   # the mapping is read-only and we only read through it
+        warnings.simplefilter("ignore")
+        base = torch.frombuffer(slot.mm, dtype=torch.uint8)
+    trees = {}
+    for f in done.meta.files:
+        views = shardload.views(base, f.tensors)
+        copies = [t.clone() for t in views] if copy else views
+        trees[f.relpath] = rebuild(f.skeleton, {t.key: c for t, c in zip(f.tensors, copies)})
+    del base
+    slotread.ensure_unchanged(slot, done)
+    return trees
