@@ -6,11 +6,12 @@ one run.
 Each round runs both routes, in alternating order, on 4 simulated nodes × 1 rank (tests/nodes.py; DDP, the
 example's MLP: 216 bytes per unit of --hidden with AdamW), save_mem_interval=2, save_storage_interval=10:
 
-memory   replication_factor 2 (node i's replicas on node i + 1): node 3 is killed once it replicated step 12,
-         the job relaunched on nodes 0-2 (world size 4 -> 3) and resumes from memory (resharded.py)
-storage  replication_factor 1: node 3 is killed once step 10 is committed; its rank is then in no node's memory,
-         so the relaunched job resumes from the newest committed step, with the save dir's pages evicted from
-         the page cache first (a cold read, as on a restart that lands on other hosts)
+memory   replication_factor 2 (node i's replicas on node i + 1): node 3 is killed once it replicated step 12
+         and step 10 is committed, the job relaunched on nodes 0-2 (world size 4 -> 3) and resumes from memory
+         (resharded.py)
+storage  the same, but node 0's replicas of node 3's rank are deleted before the relaunch: that rank is then in
+         no node's memory, so the job resumes from the newest committed step, with the save dir's pages evicted
+         from the page cache first (a cold read, as on a restart that lands on other hosts)
 
 Per route: seconds from the relaunch until all three ranks trained a new iteration, the slowest rank's load
 (the audit log's ``load`` seconds), the bytes read from storage by all ranks, the bytes moved between nodes,
@@ -41,23 +42,22 @@ TIMEOUT = 300
 
 
 def one_route(route: str, hidden: int, work: Path) -> Dict[str, Any]:
-    factor = 2 if route == "memory" else 1
     d = work / route
     ckpt, loss, log = d / "ckpt", d / "loss", d / "audit.jsonl"
-    args = br.job_args(loss, log, hidden, iters=24, mem=2, storage=10, factor=factor, step_sleep=0.05)
+    args = br.job_args(loss, log, hidden, iters=24, mem=2, storage=10, factor=2, step_sleep=0.05)
     with br.cluster(4, d) as c:
         runs = c.launch(ckpt, 1, *args, tag="first")
         procs = [r.proc for r in runs]
         br.wait_until("iteration 14", lambda: last_iteration(loss, 3) >= 14, TIMEOUT, procs)
-        if route == "memory":
-            br.wait_until("a replica of step 12", lambda: (br.newest_replica(log, "node3") or 0) >= 12, TIMEOUT, procs)
-        else:
-            br.wait_until("step 10 committed", lambda: 10 in committed_steps(ckpt), TIMEOUT, procs)
+        br.wait_until("a replica of step 12", lambda: (br.newest_replica(log, "node3") or 0) >= 12, TIMEOUT, procs)
+        br.wait_until("step 10 committed", lambda: 10 in committed_steps(ckpt), TIMEOUT, procs)
         runs[3].kill()
         reached = last_iteration(loss, 3)
         for r in runs[:3]:
             assert r.wait_command(120) != 0, "the survivors' trainers should fail when node 3 is lost"
         if route == "storage":
+            gone = runs[0].enter(["sh", "-c", "rm -f /dev/shm/easyckpt-*-r00003-p*"], d / "forget.out")
+            assert gone.wait(timeout=30) == 0
             os.sync()
             evict(str(ckpt))
         cmds = c.train_cmds(ckpt, 1, *args, only=3)
