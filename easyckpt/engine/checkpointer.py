@@ -34,7 +34,9 @@ from typing import (
 from easyckpt.config import Config
 from easyckpt.engine import scratch
 from easyckpt.engine.load.dcp import Wanted
+from easyckpt.engine.load import render
 from easyckpt.engine.load.newest import Layout
+from easyckpt.engine.load.resharded import Route
 from easyckpt.engine.load.reads import Read
 from easyckpt.engine.load.resumeline import ResumeLine, missing_rng_words, saved_world_size
 from easyckpt.engine.load.sources import Loaded
@@ -137,15 +139,20 @@ class Checkpointer:
         """Restore the newest complete state through ``state``; None (logged) when there is nothing."""
         # an adapter whose layout can change under the same world size (Megatron's TP/PP) says which it has
         started = time.monotonic()
-        loaded = self.engine.load(state.needed, Layout(state.layout(), state.needed_in_memory),
-                                  otherwise=state.otherwise())
+        # a step of another world size from the nodes' memory: decoded where the adapter takes it so, else written
+        # out for its restore to read as a committed step (not for one whose framework loads after restore returns)
+        route = Route(state.needed_in_memory, None if state.loads_later() else state.needed)
+        loaded = self.engine.load(state.needed, Layout(state.layout(), route), otherwise=state.otherwise())
         if loaded is None:
             self.engine.log.emit("load", step=0, rank=self.rank, source="none",
                                  message="no checkpoint found: starting from scratch")
             restored = None
         else:
             self.resume = ResumeLine(loaded, self.world_size, started)
-            restored = state.restore(loaded)
+            try:
+                restored = state.restore(loaded)
+            finally:
+                self._rendered_done(loaded)
             self.resume.since_start()      # the engine's read and the adapter's restore (a conversion included)
             if not state.loads_later():
                 self.say_resumed()
@@ -155,6 +162,14 @@ class Checkpointer:
         if estimate is not None:
             self.engine.prepare(estimate)
         return restored
+
+    def _rendered_done(self, loaded: Loaded) -> None:
+        """A step written out of the nodes' memory for the restore (engine/load/render.py) is removed once every rank
+        of its node restored: all ranks meet first (a restore that raised on one rank fails the job anyway)."""
+        if loaded.source != "resharded" or loaded.path is None:
+            return
+        self.engine.group.all_gather(None)
+        render.remove(loaded.path, self.config.job_id)
 
     def converting(self, how: str) -> None:
         """The adapter converts the loaded step to this world size (``how``: "through DeepSpeed's universal

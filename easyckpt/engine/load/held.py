@@ -90,14 +90,20 @@ def slot_bytes(held: Held) -> bytearray:
         slot.close()
 
 
+def verified(data: Payload, what: str) -> memoryview:
+    """The slot's bytes of a move (slot_bytes' output as it arrived), checked against the checksum sent after them;
+    ValueError when they are not what was sent."""
+    body, digest = memoryview(data)[:-DIGEST_BYTES], bytes(data[-DIGEST_BYTES:]).decode("ascii", "replace")
+    if mf.checksum(body) != digest:
+        raise ValueError(f"{what}: the bytes that arrived do not match the sender's checksum")
+    return body
+
+
 def read_moved(data: Payload, held: Held, what: str) -> Dict[str, Any]:
     """``{relpath: tree}`` of a slot moved from another node (its bytes and checksum, from slot_bytes): checked
     against the checksum, then as any slot (header, metadata, step); its tensors are views of ``data``, which this
     process holds alone. ValueError when the bytes are not what was sent."""
-    body, digest = memoryview(data)[:-DIGEST_BYTES], bytes(data[-DIGEST_BYTES:]).decode("ascii", "replace")
-    if mf.checksum(body) != digest:
-        raise ValueError(f"{what}: the bytes that arrived do not match the sender's checksum")
-    slot = shm.Slot.of_bytes(data, held.capacity, what)
+    slot = shm.Slot.of_bytes(verified(data, what), held.capacity, what)
     try:
         return snapshot.read_slot(slot, held.step, copy=False)
     except (SlotNotComplete, BadSlotMeta) as exc:

@@ -21,7 +21,7 @@ Order:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, NamedTuple, Optional
 
 from easyckpt.engine.link.peers import Remote
 from easyckpt.engine.load import agree
@@ -29,18 +29,17 @@ from easyckpt.engine.load.adopted import AdoptedSource
 from easyckpt.engine.load.memory import MemorySource
 from easyckpt.engine.load.peer import PeerSource
 from easyckpt.engine.load.reads import Needed
-from easyckpt.engine.load.resharded import ReshardSource
+from easyckpt.engine.load.resharded import ReshardSource, Route
 from easyckpt.engine.load.sources import Listing, Loaded, Ranks, Source, Tier
 from easyckpt.engine.load.stored import StorageSource
 from easyckpt.engine.load.tier import TierSource
-from easyckpt.formats.manifest import Manifest
 
 
 class Layout(NamedTuple):
-    """The adapter's parallel layout now (FrameworkState.layout: None when the world size says it all), and what its
-    restore reads of a step of another world size or layout from memory (FrameworkState.needed_in_memory)."""
+    """The adapter's parallel layout now (FrameworkState.layout: None when the world size says it all), and how its
+    restore takes a step of another world size or layout from memory (resharded.Route)."""
     now: Optional[str] = None
-    reshard: Optional[Callable[[Manifest], Sequence[Any]]] = None
+    reshard: Route = Route()
 
 
 def load_newest(ranks: Ranks, needed: Needed, remote: Optional[Remote] = None, layout: Optional[Layout] = None,
@@ -55,7 +54,7 @@ def load_newest(ranks: Ranks, needed: Needed, remote: Optional[Remote] = None, l
     memory = MemorySource(ranks, now)
     peer = PeerSource(ranks, remote, now, memory.steps())
     stored = StorageSource(ranks, needed, on_rejected)
-    resharded = ReshardSource(ranks, reshard if ranks.exchange is not None else None, now)
+    resharded = ReshardSource(ranks, reshard, now)
     opened: Dict[str, Source] = {s.name: s for s in (memory, peer, resharded, stored, AdoptedSource(ranks, needed),
                                                       TierSource(ranks, now))}
     mine = {name: source.steps() for name, source in opened.items()}

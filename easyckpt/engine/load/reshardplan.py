@@ -34,11 +34,15 @@ class Whole:
         """The manifest this step would have in storage, as far as a restore's ``needed`` reads it: its files, the
         world size that wrote it, the adapters' info (rank 0's wins, as the commit merges it). No sizes or
         checksums: the bytes are checked as slots (their seqlock, the checksum of a move), not as files."""
+        files = {rel: mf.FileEntry(0) for rel in self.owner}
+        return mf.build(self.step, job_id, framework, self.world_size, files, self.info())
+
+    def info(self) -> Dict[str, object]:
+        """The adapters' info of the step, merged as the commit merges it: rank 0's wins."""
         info: Dict[str, object] = {}
         for rank in sorted(self.holders, reverse=True):
             info.update(dict(self.holders[rank][0][1].info))
-        files = {rel: mf.FileEntry(0) for rel in self.owner}
-        return mf.build(self.step, job_id, framework, self.world_size, files, info)
+        return info
 
     def nodes(self) -> Tuple[int, int]:
         """(nodes whose own slots serve, replicas that serve): for the console's line."""
