@@ -61,18 +61,23 @@ def exchange(sends: Dict[int, List[memoryview]], sizes: Dict[int, List[int]]) ->
                 # gloo reads the buffer in place; the payload outlives the batch (the caller holds it)
                 tensor = torch.frombuffer(data, dtype=torch.uint8)
                 ops.append(dist.P2POp(dist.isend, tensor.to(device) if device else tensor, dst, tag=tag))
+    landed: Dict[int, List[bytearray]] = {}
     for src, lengths in sorted(sizes.items()):
-        arrived[src] = [torch.empty(n, dtype=torch.uint8, device=device) for n in lengths]
+        # received into memory Python owns (a bytearray), which outlives any tensor made over it
+        landed[src] = [bytearray(n) for n in lengths]
+        arrived[src] = [torch.frombuffer(b, dtype=torch.uint8) if len(b) else torch.empty(0, dtype=torch.uint8)
+                        for b in landed[src]]
+        if device is not None:
+            arrived[src] = [t.to(device) for t in arrived[src]]
         ops.extend(dist.P2POp(dist.irecv, t, src, tag=tag) for tag, t in enumerate(arrived[src]) if t.numel())
     for req in (dist.batch_isend_irecv(ops) if ops else []):
         req.wait()
-    # the tensors' own memory, not a copy (on NCCL: the one copy back from the GPU)
-    return {src: [bytearray(0) if not t.numel() else _bytes_of(t.cpu()) for t in got] for src, got in arrived.items()}
-
-
-def _bytes_of(t: Any) -> Any:
-    """A writable buffer over a CPU uint8 tensor's memory, no copy (the array keeps the tensor alive)."""
-    return memoryview(t.numpy()).cast("B")
+    if device is not None:      # (NCCL: the one copy back from the GPU)
+        for src, got in arrived.items():
+            for b, t in zip(landed[src], got):
+                if len(b):
+                    torch.frombuffer(b, dtype=torch.uint8).copy_(t.cpu())
+    return {src: list(bufs) for src, bufs in landed.items()}
 
 
 class TorchGroup:

@@ -4,7 +4,7 @@ nodes, agent/replicas.py), each read and checked as every slot is (ipc/slotread.
 
 The memory-backed reshard (resharded.py) lists them on every rank, agrees on a step the nodes hold whole
 between them, and moves a slot between nodes as its bytes: ``slot_bytes`` reads them under the slot's seqlock
-with their checksum, ``read_moved`` checks them on arrival and decodes them like any slot, in place.
+with their checksum, ``read_moved`` checks them on arrival and decodes them like any slot.
 """
 from __future__ import annotations
 
@@ -101,11 +101,13 @@ def verified(data: Payload, what: str) -> memoryview:
 
 def read_moved(data: Payload, held: Held, what: str) -> Dict[str, Any]:
     """``{relpath: tree}`` of a slot moved from another node (its bytes and checksum, from slot_bytes): checked
-    against the checksum, then as any slot (header, metadata, step); its tensors are views of ``data``, which this
-    process holds alone. ValueError when the bytes are not what was sent."""
+    against the checksum, then as any slot (header, metadata, step), its tensors copied out. ValueError when the bytes
+    are not what was sent."""
     slot = shm.Slot.of_bytes(verified(data, what), held.capacity, what)
     try:
-        return snapshot.read_slot(slot, held.step, copy=False)
+        # copied out, as from a slot: FSDP2's restore from views of these bytes died of SIGSEGV on the simulated
+        # nodes (tests/test_many_nodes.py; the cause was not found), and a copy of one slot is cheap beside its move
+        return snapshot.read_slot(slot, held.step, copy=True)
     except (SlotNotComplete, BadSlotMeta) as exc:
         raise ValueError(f"{what}: {exc}") from None
     finally:
