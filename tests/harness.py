@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import zygote
 
@@ -439,6 +439,18 @@ def killed_then_resumed(first: Sequence[str], then: Sequence[str], save_dir: Pat
     if said is not None:
         said.append(done.stdout + done.stderr)
     return starts(loss)[-1]
+
+
+def killed_then_restarted(first: Sequence[str], then: Sequence[str], loss: Path, workdir: Path, kill_at: int,
+                          timeout: float = 300) -> Tuple[int, str]:
+    """Run ``first`` until its loss file shows ``kill_at``, kill -9 it, and run ``then`` (e.g. on another number of
+    ranks) to the end at once, while the agent still holds the killed run's snapshots. Returns the iteration
+    ``then`` resumed from and what it printed (stdout, then stderr)."""
+    proc = start(first, log=workdir / "first.out")
+    wait_for_iteration(loss, kill_at, proc, timeout)
+    kill_tree(proc)
+    done = run(then, timeout=timeout)
+    return starts(loss)[-1], done.stdout + done.stderr
 
 
 def worker_reference(uninterrupted: Callable[..., Any], nproc: int, *args: str) -> Dict[int, Dict[int, str]]:

@@ -149,7 +149,7 @@ def test_each_shard_format_is_named_in_one_module():
 
 
 def test_every_shard_format_has_its_three_halves():
-    from easyckpt.agent.stepwriter import WRITERS
+    from easyckpt.storage.nativefiles import WRITERS
     from easyckpt.engine.shards.codecs import DECODE, FLATTEN
     from easyckpt.formats.shardformat import ShardFormat
     from easyckpt.formats.slotmeta import SKELETON_CHECKS

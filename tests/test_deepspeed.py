@@ -8,6 +8,7 @@ easyckpt's loader. A ZeRO-3 checkpoint of 2 ranks resumes on 1 through the unive
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import random
 import re
 import signal
@@ -122,6 +123,36 @@ def test_zero3_saved_on_two_ranks_resumes_on_one_through_the_universal_checkpoin
     assert not list(ckpt.glob(".easyckpt-universal-*")), "the converted copy was not removed"
     wait_no_agent(ckpt)
 
+
+
+def test_zero3_restarted_on_fewer_ranks_reshards_from_memory_through_the_universal_checkpoint(tmp_path):
+    """ZeRO-3 on 4 ranks, killed while the agent keeps their snapshots, restarted on 3: the newest step whole in
+    memory is written out in this node's /dev/shm as storage would hold it (engine/load/render.py), and DeepSpeed's
+    universal checkpoint converts it as it converts a committed step; the copy is gone afterwards, and the losses
+    after it agree with a resume of the same step from storage."""
+    from harness import job_id, killed_then_restarted
+
+    common = ("--zero", "3", "--dropout", "0", "--global-batch", "12")
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    step, said = killed_then_restarted(ds(ckpt, loss, *common, "--step-sleep", "0.2", nproc=4, log=log),
+                                       ds(ckpt, loss, *common, nproc=3, log=log), loss, tmp_path, 8)
+    wait_no_agent(ckpt)
+    loads = {(e["rank"], e["source"], e.get("saved_world_size")) for e in events(log)
+             if e["event"] == "load" and e["step"] == step}
+    assert loads == {(r, "resharded", 4) for r in range(3)}, (loads, said[-3000:])
+    assert any(e["event"] == "convert" and e["step"] == step for e in events(log))
+    assert f"resumed step {step} from memory, resharded 4 → 3 ranks: the slots of 1 node; 0 B moved between " \
+           f"nodes, 0 bytes read from storage" in said, said[-3000:]
+    assert not list(Path("/dev/shm").glob(f"easyckpt-render-{job_id(ckpt)}-*")), "the written-out step was left"
+    ref = tmp_path / "ref"
+    first = script_cmd(TRAIN, 4, "--save-dir", str(ref / "ckpt"), "--iters", str(step), "--idle-timeout", "20",
+                       *common, torchrun=True)
+    run(first, timeout=300)
+    wait_no_agent(ref / "ckpt")
+    run(ds(ref / "ckpt", ref / "loss", *common, nproc=3), timeout=300)
+    wait_no_agent(ref / "ckpt")
+    for rank in range(3):
+        assert_losses_close(losses(loss, rank), losses(ref / "loss", rank), range(step + 1, ITERS + 1), rel=1e-6)
 
 
 def test_finalize_when_one_rank_skipped_the_last_snapshot_does_not_hang_in_zero3s_gather(tmp_path):

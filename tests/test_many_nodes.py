@@ -484,6 +484,37 @@ def test_fsdp2_on_half_the_ranks_reshards_from_the_nodes_memory(tmp_path, cluste
 
 
 @pytest.mark.slow
+def test_zero3_on_half_the_ranks_writes_the_step_out_of_the_nodes_memory_on_each_node(tmp_path, cluster):
+    """DeepSpeed ZeRO-3 on 2 nodes × 2 ranks without replicas; every trainer is killed, the agents live on, and the
+    job restarts with one rank per node (4 -> 2). Each node's first rank receives the other node's two slots and
+    writes the step out in its own /dev/shm (engine/load/render.py) for DeepSpeed's universal checkpoint; nothing of
+    the step is read from the save dir, and the resumed job trains to the end."""
+    from harness import ROOT
+    script = ROOT / "examples" / "deepspeed" / "train.py"
+    c = cluster(2)
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    args = ("--zero", "3", "--dropout", "0", "--global-batch", "12", "--iters", "16", "--replication-factor", "1",
+            "--loss-file", str(loss), "--log-file", str(log), "--idle-timeout", "60")
+    runs = [node.launch(cmd, c.log("run", node.index))
+            for node, cmd in zip(c.nodes, c.train_cmds(ckpt, 2, *args, "--step-sleep", "0.2", script=script))]
+    wait_for_iteration(loss, 8, runs[1].proc, TIMEOUT, rank=3)
+    for r in runs:
+        r.kill_trainers()
+    for r in runs:
+        r.wait_command(30)
+    again = [r.enter(cmd, c.log("relaunch", r.node.index))
+             for r, cmd in zip(runs, c.train_cmds(ckpt, 1, *args, script=script))]
+    assert [p.wait(timeout=TIMEOUT) for p in again] == [0, 0], "\n".join(
+        c.log("relaunch", i).read_text()[-2500:] for i in range(2))
+    c.wait(runs, 60)
+    step = starts(loss, 0)[-1]
+    loads = {e["rank"]: e for e in events(log) if e["event"] == "load" and e["step"] == step}
+    assert sorted(loads) == [0, 1] and {e["source"] for e in loads.values()} == {"resharded"}, loads
+    assert loads[0]["moved"] > 0 and loads[1]["moved"] > 0, loads
+    assert last_iteration(loss, 0) == 16
+
+
+@pytest.mark.slow
 def test_a_lost_node_that_does_not_come_back_resumes_the_smaller_job_from_memory(tmp_path, cluster,
                                                                                 tmp_path_factory):
     """Node 1 is lost for good; the job restarts on node 0 alone (world size 2 -> 1). Node 0's memory holds rank

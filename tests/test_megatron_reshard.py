@@ -163,3 +163,37 @@ def test_a_resume_on_another_layout_reads_only_the_items_it_needs_and_a_damaged_
     assert loads[-1]["step"] == 10 and loads[-1]["source"] == "storage", loads[-1]
     assert f"{damaged}: item" in out.stdout + out.stderr and "corrupted" in out.stdout + out.stderr
     wait_no_agent(ckpt)
+
+
+def test_a_job_restarted_on_half_the_ranks_reshards_from_memory_through_megatrons_reader(tmp_path):
+    """torch_dist with the distributed optimizer on 4 ranks, killed while the agent keeps their snapshots, restarted
+    on 2 (data-parallel 4 -> 2): the newest step whole in memory is written out in this node's /dev/shm as storage
+    would hold it (engine/load/render.py) and Megatron's own reader reshards it; nothing is read from the save dir's
+    steps and the copy is gone afterwards. The state right after the load equals that of a resume of the same step
+    from storage, tensor by tensor; the losses after it agree with that resume's to float rounding (REL: its step
+    was committed by a run's finalize, whose RNG state is not the killed run's mid-training snapshot's)."""
+    from harness import job_id, killed_then_restarted
+
+    common = ["--use-distributed-optimizer", "--global-batch-size", "8", "--iters", str(ITERS + 2)]
+    ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
+    mem, ref = tmp_path / "mem", tmp_path / "ref"
+    step, said = killed_then_restarted(
+        cmd(ckpt, mem, [], 4, *common, "--step-sleep", "0.3", "--ckpt-log", str(log)),
+        cmd(ckpt, mem, [], 2, *common, "--ckpt-log", str(log), "--dump-state", str(mem)), mem, tmp_path, 7)
+    wait_no_agent(ckpt)
+    loads = {(e["rank"], e["source"], e.get("saved_world_size")) for e in events(log)
+             if e["event"] == "load" and e["step"] == step}
+    assert loads == {(0, "resharded", 4), (1, "resharded", 4)}, (loads, said[-3000:])
+    assert f"resumed step {step} from memory, resharded 4 → 2 ranks: the slots of 1 node; 0 B moved between " \
+           f"nodes, 0 bytes read from storage" in said, said[-3000:]
+    assert not list(Path("/dev/shm").glob(f"easyckpt-render-{job_id(ckpt)}-*")), "the written-out step was left"
+    run(cmd(ref / "ckpt", ref, [], 4, *common[:-1], str(step)), timeout=400)
+    wait_no_agent(ref / "ckpt")
+    run(cmd(ref / "ckpt", ref, [], 2, *common, "--dump-state", str(ref)), timeout=400)
+    wait_no_agent(ref / "ckpt")
+    from_memory, from_storage = global_state(mem, "loaded"), global_state(ref, "loaded")
+    assert sorted(from_memory) == sorted(from_storage)
+    for key in from_memory:
+        assert torch.equal(from_memory[key], from_storage[key]), f"{key} differs from the resume from storage"
+    got, want = losses(mem), losses(ref)
+    assert_losses_close(got, want, range(step + 1, ITERS + 3), rel=REL)

@@ -11,7 +11,7 @@ import mmap
 
 import torch
 
-from easyckpt.agent.stepwriter import _write_torch
+from easyckpt.storage.nativefiles import _write_torch
 from easyckpt.engine.load.stepread import read_files
 from easyckpt.engine.shards.tree import flatten_pickled
 from easyckpt.formats import manifest as mf

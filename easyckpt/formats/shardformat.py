@@ -9,10 +9,10 @@
                  archive or bytes (Megatron's torch_dist layout)
 
 Each format has three halves, each a table keyed by this enum, in the process that runs it: the check of
-a slot's skeleton (formats/slotmeta.py, both processes), the agent's write (agent/stepwriter.py) and the
-trainer's flatten and decode (engine/shards/codecs.py, where torch is). tests/test_formats.py checks that every
-table has every member, so a new format is one member here plus its halves, and nothing else dispatches
-on a name.
+a slot's skeleton (formats/slotmeta.py, both processes), the write of its file (storage/nativefiles.py: the agent's
+persist, and a trainer writing a resharded step out of memory) and the trainer's flatten and decode
+(engine/shards/codecs.py, where torch is). tests/test_formats.py checks that every table has every member, so a
+new format is one member here plus its halves, and nothing else dispatches on a name.
 """
 from __future__ import annotations
 

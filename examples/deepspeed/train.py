@@ -42,6 +42,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--no-exit-on-sigterm", action="store_true",
                    help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     p.add_argument("--idle-timeout", type=float, default=60.0)
+    p.add_argument("--replication-factor", type=int, default=2,
+                   help="copies of each node's snapshot in other nodes' memory, its own included (1: none)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dump-weights", default=None,
                    help="after the last iteration, torch.save the full weights as the engine sees them (rank 0)")
@@ -95,7 +97,8 @@ def main() -> int:
     eds.initialize_easyckpt(args.save_dir, save_mem_interval=args.mem_interval,
                             save_storage_interval=args.storage_interval, max_ckpt_num=args.max_ckpt,
                             log_file_path=args.log_file, agent_idle_timeout=args.idle_timeout,
-                            exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm, local_dir=args.local_dir)
+                            exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm, local_dir=args.local_dir,
+                            replication_factor=args.replication_factor)
     t0 = time.perf_counter()
     path, client = eds.load_checkpoint(engine)
     load_s = time.perf_counter() - t0
