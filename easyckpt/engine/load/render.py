@@ -5,7 +5,8 @@ manifest, in a private directory in this node's /dev/shm. Nothing of it goes to 
 
 One rank per node writes it (the node's first rank in the load's gather): the ranks of a node share its memory,
 and a step written once per rank would take as many times the room. resharded.py gives the directory to every
-rank of the node; Checkpointer.load removes it once every rank restored (``remove``).
+rank of the node; Checkpointer.load removes it once every rank restored (``remove``), and the next load removes
+one that a load which died left behind (``remove_stale``).
 """
 from __future__ import annotations
 
@@ -74,6 +75,18 @@ def _files(slot: shm.Slot, step: int, directory: str) -> Dict[str, mf.FileEntry]
                 writer.close()
     slotread.ensure_unchanged(slot, done)
     return out
+
+
+def remove_stale(job_id: str) -> None:
+    """Remove what a load of this job that died wrote out here. Called as the sources open, before the load's first
+    gather: no rank of this load has written one yet."""
+    try:
+        names = os.listdir(shm.SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(f"{PREFIX}{job_id}-"):
+            remove(os.path.join(shm.SHM_DIR, name), job_id)
 
 
 def remove(directory: Optional[str], job_id: str) -> None:

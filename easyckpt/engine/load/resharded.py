@@ -55,6 +55,8 @@ class ReshardSource:
         self.here = heldmod.node_key()
         usable = (route.trees or route.render) is not None and ranks.exchange is not None
         self.held = heldmod.held_here(ranks.cfg.job_id, ranks.world_size, layout) if usable else []
+        if self.held and route.trees is None:
+            render.remove_stale(ranks.cfg.job_id)
 
     def steps(self) -> Listing:
         return {h.step: None for h in self.held}
