@@ -286,16 +286,16 @@ class Cluster:
         self._made.append(ns)
 
     def train_cmds(self, save_dir: Path, nproc: int, *args: str, only: Optional[int] = None,
-                   script: Optional[Path] = None) -> List[List[str]]:
-        """Per node, torchrun of tests/worker_pytorch.py (or ``script``, which takes --save-dir too) as one node of
-        ``len(nodes)`` (static rendezvous on node 0's address, a fresh port per launch); ``only``: a job of the
-        first ``only`` nodes alone (a job restarted on fewer nodes)."""
+                   script: Optional[Path] = None, save_flag: str = "--save-dir") -> List[List[str]]:
+        """Per node, torchrun of tests/worker_pytorch.py (or ``script``, given the save dir as ``save_flag``) as one
+        node of ``len(nodes)`` (static rendezvous on node 0's address, a fresh port per launch); ``only``: a job of
+        the first ``only`` nodes alone (a job restarted on fewer nodes)."""
         from harness import TRAIN
         port = next(_ports)
         used = self.nodes[:only] if only is not None else self.nodes
         return [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(used)}",
                  f"--node_rank={node.index}", f"--nproc_per_node={nproc}", f"--master_addr={self.nodes[0].addr}",
-                 f"--master_port={port}", str(script or TRAIN), "--save-dir", str(save_dir), *args] for node in used]
+                 f"--master_port={port}", str(script or TRAIN), save_flag, str(save_dir), *args] for node in used]
 
     def launch(self, save_dir: Path, nproc: int, *args: str, tag: str = "run",
                node_env: Optional[Dict[int, Dict[str, str]]] = None,

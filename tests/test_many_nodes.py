@@ -13,17 +13,19 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import nodes
 import pytest
 from harness import (
     TRAIN,
+    assert_losses_close,
     committed_steps,
     events,
     last_iteration,
     losses,
     run,
+    script_cmd,
     starts,
     train_cmd,
     wait_for_iteration,
@@ -275,6 +277,22 @@ def test_kill9_of_every_trainer_on_every_node_resumes_from_memory(tmp_path, clus
     assert_losses(loss, ref)
 
 
+def lose_the_last_node(c, ckpt: Path, loss: Path, log: Path, args: tuple):
+    """The job (one rank per node) runs until its last rank trained iteration 15; then its node is lost (killed:
+    trainers, agent, /dev/shm), once it has replicated step 12 or later, and the others' trainers fail on the broken
+    collective. (the runs, the newest step that node replicated, the last iteration its rank trained)"""
+    runs = c.launch(ckpt, 1, *args)
+    last = len(runs) - 1
+    wait_for_iteration(loss, 15, runs[last].proc, TIMEOUT, rank=last)
+    replicated = newest_replica(log, f"node{last}")
+    runs[last].kill()
+    reached = last_iteration(loss, last)
+    assert replicated is not None and replicated >= 12, f"node {last}'s snapshots were not replicated: {replicated}"
+    assert [r.wait_command(120) != 0 for r in runs[:last]] == [True] * last, \
+        f"the other nodes' trainers should fail when node {last} is lost: {said(runs[:last])}"
+    return runs, replicated, reached
+
+
 def test_a_lost_node_replaced_resumes_from_its_replica_in_a_peers_memory(tmp_path, cluster, tmp_path_factory):
     """Node 1 is lost (its namespace killed: trainers, agent and /dev/shm); node 0's trainer fails on the
     broken collective, its agent lives on, holding node 1's replica. A replacement node 1 (empty memory) and
@@ -285,13 +303,7 @@ def test_a_lost_node_replaced_resumes_from_its_replica_in_a_peers_memory(tmp_pat
     c = cluster(2)
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
     args = (*COMMON, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
-    runs = c.launch(ckpt, 1, *args)
-    wait_for_iteration(loss, 15, runs[1].proc, TIMEOUT, rank=1)
-    replicated = newest_replica(log, "node1")
-    runs[1].kill()
-    reached = last_iteration(loss, 1)
-    assert replicated is not None and replicated >= 12, f"node 1's snapshots were not replicated: {replicated}"
-    assert runs[0].wait_command(120) != 0, "node 0's trainer should fail when node 1 is lost"
+    runs, replicated, reached = lose_the_last_node(c, ckpt, loss, log, args)
     assert len(runs[0].agents()) == 1, "node 0's agent outlives its trainer"
     sent = [e for e in events(log) if e["event"] == "replica_sent" and e["host"] == "node1"]
     assert sent and {e["node"] for e in sent} == {0}, f"node 1 replicated to node 0: {sent}"
@@ -425,12 +437,7 @@ def test_a_job_restarted_on_fewer_nodes_resumes_resharded_from_their_memory(tmp_
     c = cluster(4)
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
     args = (*COMMON, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
-    runs = c.launch(ckpt, 1, *args)
-    wait_for_iteration(loss, 15, runs[3].proc, TIMEOUT, rank=3)
-    replicated = newest_replica(log, "node3")
-    runs[3].kill()
-    assert replicated is not None and replicated >= 12, f"node 3's snapshots were not replicated: {replicated}"
-    assert [runs[i].wait_command(120) != 0 for i in range(3)] == [True] * 3, said(runs[:3])
+    runs, replicated, _ = lose_the_last_node(c, ckpt, loss, log, args)
     cmds = c.train_cmds(ckpt, 1, *args, only=3)
     again = [runs[i].enter(cmds[i], c.log("fewer", i)) for i in range(3)]
     assert [p.wait(timeout=TIMEOUT) for p in again] == [0, 0, 0], "\n".join(
@@ -450,6 +457,32 @@ def test_a_job_restarted_on_fewer_nodes_resumes_resharded_from_their_memory(tmp_
     assert_same_after(loss, resumed_from_storage(tmp_path_factory, 4, 3, step), step)
 
 
+def halved(c, ckpt: Path, loss: Path, log: Path, args: tuple, kill_at: int, first: tuple = (), then: tuple = (),
+           **script) -> Tuple[int, Dict[int, dict]]:
+    """The job on 2 nodes × 2 ranks (``args``, and ``first``), every trainer killed once rank 3 trained ``kill_at``
+    while the agents live on, restarted with one rank per node (``args``, and ``then``), run to its end; each rank
+    must have resumed from memory, resharded, having received slots from the other node. (the step resumed, each
+    rank's load event). ``script``: train_cmds' (script, save_flag) for another training script."""
+    runs = [node.launch(cmd, c.log("run", node.index))
+            for node, cmd in zip(c.nodes, c.train_cmds(ckpt, 2, *args, *first, **script))]
+    wait_for_iteration(loss, kill_at, runs[1].proc, TIMEOUT, rank=3)
+    for r in runs:
+        r.kill_trainers()
+    for r in runs:
+        r.wait_command(30)
+        assert len(r.agents()) == 1, f"node {r.node.index}'s agent did not survive: {said(runs)}"
+    again = [r.enter(cmd, c.log("relaunch", r.node.index))
+             for r, cmd in zip(runs, c.train_cmds(ckpt, 1, *args, *then, **script))]
+    assert [p.wait(timeout=TIMEOUT) for p in again] == [0, 0], "\n".join(
+        c.log("relaunch", i).read_text()[-2500:] for i in range(2))
+    c.wait(runs, 60)
+    step = starts(loss, 0)[-1]
+    loads = {e["rank"]: e for e in events(log) if e["event"] == "load" and e["step"] == step}
+    assert sorted(loads) == [0, 1] and {(e["source"], e["saved_world_size"]) for e in loads.values()} == \
+        {("resharded", 4)} and loads[0]["moved"] > 0 and loads[1]["moved"] > 0, loads
+    return step, loads
+
+
 def test_fsdp2_on_half_the_ranks_reshards_from_the_nodes_memory(tmp_path, cluster, tmp_path_factory):
     """FSDP2 on 2 nodes × 2 ranks without replicas (replication_factor 1); every trainer is killed, the agents
     live on, and the job restarts with one rank per node: data-parallel 4 -> 2. Each node holds only its own two
@@ -459,25 +492,9 @@ def test_fsdp2_on_half_the_ranks_reshards_from_the_nodes_memory(tmp_path, cluste
     common = ("--fsdp", *COMMON, "--replication-factor", "1")
     c = cluster(2)
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
-    args = (*common, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
-    runs = c.launch(ckpt, 2, *args)
-    wait_for_iteration(loss, 13, runs[1].proc, TIMEOUT, rank=3)
-    for r in runs:
-        r.kill_trainers()
-    for r in runs:
-        r.wait_command(30)
-        assert len(r.agents()) == 1, f"node {r.node.index}'s agent did not survive: {said(runs)}"
-    again = c.relaunch(ckpt, 1, *args)
-    assert [p.wait(timeout=TIMEOUT) for p in again] == [0, 0], "\n".join(
-        c.log("relaunch", i).read_text()[-2500:] for i in range(2))
-    c.wait(runs, 60)
-    resumed = {starts(loss, r)[-1] for r in range(2)}
-    assert len(resumed) == 1, resumed
-    step = resumed.pop()
+    args = (*common, "--loss-file", str(loss), "--log-file", str(log), "--idle-timeout", "60")
+    step, _ = halved(c, ckpt, loss, log, args, 13, first=("--step-sleep", "0.05"))
     assert step % 10, f"step {step} is a storage step (storage interval 10): this proves nothing about memory"
-    loads = {e["rank"]: e for e in events(log) if e["event"] == "load" and e["step"] == step}
-    assert sorted(loads) == [0, 1] and {(e["source"], e["saved_world_size"]) for e in loads.values()} == \
-        {("resharded", 4)} and loads[0]["moved"] > 0 and loads[1]["moved"] > 0, loads
     out = c.log("relaunch", 0).read_text()
     assert f"resumed step {step} from memory, resharded 4 → 2 ranks: the slots of 2 nodes; " in out, out[-3000:]
     assert_same_after(loss, resumed_from_storage(tmp_path_factory, 4, 2, step, common), step)
@@ -488,30 +505,56 @@ def test_zero3_on_half_the_ranks_writes_the_step_out_of_the_nodes_memory_on_each
     """DeepSpeed ZeRO-3 on 2 nodes × 2 ranks without replicas; every trainer is killed, the agents live on, and the
     job restarts with one rank per node (4 -> 2). Each node's first rank receives the other node's two slots and
     writes the step out in its own /dev/shm (engine/load/render.py) for DeepSpeed's universal checkpoint; nothing of
-    the step is read from the save dir, and the resumed job trains to the end."""
+    the step is read from the save dir, and the losses after it agree with a resume of the same step from storage."""
     from harness import ROOT
     script = ROOT / "examples" / "deepspeed" / "train.py"
     c = cluster(2)
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
-    args = ("--zero", "3", "--dropout", "0", "--global-batch", "12", "--iters", "16", "--replication-factor", "1",
-            "--loss-file", str(loss), "--log-file", str(log), "--idle-timeout", "60")
-    runs = [node.launch(cmd, c.log("run", node.index))
-            for node, cmd in zip(c.nodes, c.train_cmds(ckpt, 2, *args, "--step-sleep", "0.2", script=script))]
-    wait_for_iteration(loss, 8, runs[1].proc, TIMEOUT, rank=3)
-    for r in runs:
-        r.kill_trainers()
-    for r in runs:
-        r.wait_command(30)
-    again = [r.enter(cmd, c.log("relaunch", r.node.index))
-             for r, cmd in zip(runs, c.train_cmds(ckpt, 1, *args, script=script))]
-    assert [p.wait(timeout=TIMEOUT) for p in again] == [0, 0], "\n".join(
-        c.log("relaunch", i).read_text()[-2500:] for i in range(2))
-    c.wait(runs, 60)
-    step = starts(loss, 0)[-1]
-    loads = {e["rank"]: e for e in events(log) if e["event"] == "load" and e["step"] == step}
-    assert sorted(loads) == [0, 1] and {e["source"] for e in loads.values()} == {"resharded"}, loads
-    assert loads[0]["moved"] > 0 and loads[1]["moved"] > 0, loads
+    train = ("--zero", "3", "--dropout", "0", "--global-batch", "12", "--iters", "16")
+    args = (*train, "--replication-factor", "1", "--loss-file", str(loss), "--log-file", str(log), "--idle-timeout",
+            "60")
+    step, _ = halved(c, ckpt, loss, log, args, 8, first=("--step-sleep", "0.2"), script=script)
     assert last_iteration(loss, 0) == 16
+    ref = tmp_path / "ref"
+    run(script_cmd(script, 4, "--save-dir", str(ref / "ckpt"), *train, "--iters", str(step), torchrun=True),
+        timeout=400)
+    wait_no_agent(ref / "ckpt")
+    run(script_cmd(script, 2, "--save-dir", str(ref / "ckpt"), *train, "--loss-file", str(ref / "loss"),
+                   torchrun=True), timeout=400)
+    wait_no_agent(ref / "ckpt")
+    for rank in (0, 1):
+        assert_losses_close(losses(loss, rank), losses(ref / "loss", rank), range(step + 1, 17), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_megatron_on_half_the_ranks_writes_the_step_out_of_the_nodes_memory_on_each_node(tmp_path, cluster):
+    """Megatron torch_dist with the distributed optimizer on 2 nodes × 2 ranks without replicas; every trainer is
+    killed, the agents live on, and the job restarts with one rank per node (data-parallel 4 -> 2). Each node's first
+    rank receives the other node's two slots and writes the step out in its own /dev/shm for Megatron's reader;
+    nothing is read from storage, and the state right after the load equals a resume of the same step from storage
+    (a run on one host), tensor by tensor."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
+    import torch
+    from harness import ROOT
+    from test_megatron_reshard import global_state
+    script = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
+    c = cluster(2)
+    ckpt, loss, log, dumps = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl", tmp_path / "mem"
+    common = ("--cpu", "--quiet", "--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--global-batch-size",
+              "8", "--save-storage-interval", "5", "--agent-idle-timeout", "60", "--replication-factor", "1")
+    args = (*common, "--iters", "12", "--loss-file", str(loss), "--ckpt-log", str(log))
+    step, _ = halved(c, ckpt, loss, log, args, 7, first=("--step-sleep", "0.3"), then=("--dump-state", str(dumps)),
+                     script=script, save_flag="--save")
+    ref = tmp_path / "ref"
+    run(script_cmd(script, 4, "--save", str(ref / "ckpt"), *common, "--iters", str(step), torchrun=True), timeout=400)
+    wait_no_agent(ref / "ckpt")
+    run(script_cmd(script, 2, "--save", str(ref / "ckpt"), *common, "--iters", "12", "--dump-state", str(ref / "d"),
+                   torchrun=True), timeout=400)
+    wait_no_agent(ref / "ckpt")
+    from_memory, from_storage = global_state(dumps, "loaded"), global_state(ref / "d", "loaded")
+    assert sorted(from_memory) == sorted(from_storage)
+    for key in from_memory:
+        assert torch.equal(from_memory[key], from_storage[key]), f"{key} differs from the resume from storage"
 
 
 @pytest.mark.slow
@@ -525,18 +568,13 @@ def test_a_lost_node_that_does_not_come_back_resumes_the_smaller_job_from_memory
     ckpt, loss, log, dumps = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl", tmp_path / "dumps"
     dumps.mkdir()
     args = (*COMMON, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.05", "--idle-timeout", "60")
-    runs = c.launch(ckpt, 1, *args, "--dump-dir", str(dumps))
-    wait_for_iteration(loss, 15, runs[1].proc, TIMEOUT, rank=1)
-    replicated = newest_replica(log, "node1")
-    runs[1].kill()
-    assert runs[0].wait_command(120) != 0
+    runs, replicated, _ = lose_the_last_node(c, ckpt, loss, log, (*args, "--dump-dir", str(dumps)))
     alone = c.train_cmds(ckpt, 1, *args, "--dump-loaded", str(tmp_path / "loaded.pt"), only=1)[0]
     again = runs[0].enter(alone, c.log("alone", 0))
     assert again.wait(timeout=TIMEOUT) == 0, c.log("alone", 0).read_text()[-3000:]
     c.wait([runs[0]], 60)
     step = starts(loss, 0)[-1]
-    assert replicated is not None and replicated <= step and step % 10 and last_iteration(loss, 0) == N, \
-        (replicated, starts(loss, 0))
+    assert replicated <= step and step % 10 and last_iteration(loss, 0) == N, (replicated, starts(loss, 0))
     loads = [(e["rank"], e["source"], e["moved"]) for e in events(log) if e["event"] == "load" and e["step"] == step]
     assert loads == [(0, "resharded", 0)], loads
     import torch

@@ -118,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ck.add_argument("--max-ckpt-num", type=int, default=3)
     ck.add_argument("--ckpt-log", default=None, help="easyckpt audit log (JSON lines)")
     ck.add_argument("--agent-idle-timeout", type=float, default=60.0)
+    ck.add_argument("--replication-factor", type=int, default=2,
+                    help="copies of each node's snapshot in other nodes' memory, its own included (1: none)")
     ck.add_argument("--no-exit-on-sigterm", action="store_true",
                     help="after the SIGTERM checkpoint, train on (default: exit, as before a maintenance)")
     ck.add_argument("--no-finalize", action="store_true", help="exit without finalize_easyckpt()")
@@ -495,7 +497,8 @@ def main(argv=None) -> int:
         easyckpt_megatron.initialize_easyckpt(args.save_mem_interval, args.save_storage_interval,
                                               args.max_ckpt_num, args.ckpt_log, save_dir=args.save, args=args,
                                               agent_idle_timeout=args.agent_idle_timeout, local_dir=args.local_dir,
-                                              exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm)
+                                              exit_after_ondemand_checkpoint=not args.no_exit_on_sigterm,
+                                              replication_factor=args.replication_factor)
         start_iteration, _ = easyckpt_megatron.load_checkpoint(model, optimizer, scheduler, concat=args.concat)
         if args.dump_state and start_iteration:
             dump_state(args.dump_state, "loaded", model, optimizer, args)

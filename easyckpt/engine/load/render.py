@@ -11,7 +11,6 @@ one that a load which died left behind (``remove_stale``).
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import tempfile
 from typing import Dict, Optional
@@ -51,7 +50,7 @@ def write(plan: Whole, here: str, moved: Dict[int, Payload], job_id: str, framew
         _storage.write_atomic(os.path.join(directory, mf.MANIFEST_NAME), man.to_bytes())
         return directory
     except BaseException:
-        shutil.rmtree(directory, ignore_errors=True)
+        _storage.delete(directory)
         raise
 
 
@@ -100,5 +99,5 @@ def remove(directory: Optional[str], job_id: str) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-        shutil.rmtree(directory, ignore_errors=True)
+        _storage.delete(directory)      # (another rank of the node may be removing it too: both end well)
 
