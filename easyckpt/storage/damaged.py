@@ -5,8 +5,8 @@
   read (``Storage.read_own``): one planted in a shared save dir would have this job delete its intact steps
   (docs/reliability.md promise 15).
 - Quarantine sets a committed step aside whole under a quarantine name (layout.quarantine_name): no loader,
-  retention or commit takes it any more, nothing in it changes; ``easyckpt ls`` lists it (docs/reliability.md
-  promise 12).
+  retention or commit takes it any more, nothing in it changes; ``easyckpt ls`` lists it
+  (docs/reliability.md promise 12).
 """
 from __future__ import annotations
 
