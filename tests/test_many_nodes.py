@@ -18,7 +18,6 @@ from typing import Dict, List, Tuple
 import nodes
 import pytest
 from harness import (
-    TRAIN,
     assert_losses_close,
     committed_steps,
     events,

@@ -16,7 +16,7 @@ def held(rank: int, step: int, replica: bool = False, world: int = 4, run: str =
          files: Optional[Sequence[Tuple[str, bool]]] = None) -> Held:
     if files is None:
         files = [("model.pt", rank == 0), ("optim.pt", rank == 0), (f"rank_{rank}.pt", True)]
-    return Held(f"/dev/shm/slot-{rank}-{int(replica)}", rank, replica, 0, step, world, None, 1000 + rank, 2000 + rank,
+    return Held(f"/dev/shm/slot-{rank}-{int(replica)}", rank, replica, step, world, None, 1000 + rank, 2000 + rank,
                 tuple(files), (("run_id", run), ("rank_said", rank)))
 
 
@@ -130,7 +130,10 @@ def test_a_moved_slot_decodes_to_what_the_slot_held_and_a_changed_byte_is_refuse
     d = tmp_path / "shm"
     d.mkdir(mode=0o700)
     monkeypatch.setattr(shm, "SHM_DIR", str(d))
-    write_slot(step=5)
+    path = write_slot(step=5)
+    # the same bytes under rank 1's name: its header says rank 0, so it is nobody's shard
+    import shutil
+    shutil.copy(path, shm.slot_path(JOB, 1, 0))
     [listed] = heldmod.held_here(JOB, world_size=1, layout=None)      # written by a run of 2 ranks
     assert (listed.rank, listed.step, listed.world_size, listed.replica) == (0, 5, 2, False)
     sent = heldmod.slot_bytes(listed)

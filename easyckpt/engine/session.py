@@ -240,7 +240,8 @@ class Engine:
         # logged: the audit shows the estimate next to the first snapshot's bytes
         self.log.emit("prepare", rank=self.rank, bytes=data_bytes, **({"skipped": skipped} if skipped else {}))
 
-    def load(self, needed: Needed, layout: Optional[Layout] = None, otherwise: Optional[str] = None) -> Optional[Loaded]:
+    def load(self, needed: Needed, layout: Optional[Layout] = None,
+             otherwise: Optional[str] = None) -> Optional[Loaded]:
         """The newest complete state this rank can restore, or None. ``otherwise``: where the framework itself
         resumes from when there is none (FrameworkState.otherwise), said instead of "from the beginning"."""
         self.settle()
@@ -250,8 +251,7 @@ class Engine:
         self.run_info["run_id"] = self.run_id = self.group.all_gather(self.run_id)[0]
         fresh: List[int] = []
         try:
-            ranks = Ranks(self.cfg, self.rank, self.world_size, self.log, self.group.all_gather,
-                          getattr(self.group, "exchange", None))
+            ranks = Ranks(self.cfg, self.rank, self.world_size, self.log, self.group.all_gather, self.group.exchange)
             loaded = load_newest(ranks, needed, remote=self.remote, layout=layout,
                                  on_rejected=lambda step, why: self.client.side(
                                      protocol.Damaged(step, why[:protocol.MAX_TEXT])))

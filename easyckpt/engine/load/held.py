@@ -28,7 +28,6 @@ class Held:
     path: str                      # its slot file on this node (shm.slot_path or shm.replica_path)
     rank: int
     replica: bool                  # a replica slot (another node's rank), else a slot of a rank that ran here
-    slot: int                      # 0 or 1
     step: int
     world_size: int
     layout: Optional[str]
@@ -53,7 +52,8 @@ def node_key() -> str:
 def held_here(job_id: str, world_size: int, layout: Optional[str]) -> List[Held]:
     """The complete snapshots of the job in this node's memory taken on another world size or layout (those of
     this one are the memory and peer sources'). A slot that is not a regular file of this user is left out (the
-    memory source names it)."""
+    memory source names it), and so is one whose header names another rank than its file name, or a rank outside
+    its world size: it is nobody's shard."""
     found = []
     for seg in shm.list_segments(job_id):
         try:
@@ -65,9 +65,12 @@ def held_here(job_id: str, world_size: int, layout: Optional[str]) -> List[Held]
         hdr, meta = done.header, done.meta
         if hdr.world_size == world_size and (layout is None or meta.layout == layout):
             continue
+        if hdr.rank != seg.rank or not 0 <= hdr.rank < hdr.world_size:
+            continue
         info = tuple(sorted((str(k), v) for k, v in meta.info.items()))
-        found.append(Held(seg.path, seg.rank, seg.replica, seg.slot, hdr.step, hdr.world_size, meta.layout,
-                          hdr.meta_offset + hdr.meta_len, hdr.meta_offset + hdr.meta_capacity, tuple((f.relpath, f.persist) for f in meta.files), info))
+        files = tuple((f.relpath, f.persist) for f in meta.files)
+        found.append(Held(seg.path, seg.rank, seg.replica, hdr.step, hdr.world_size, meta.layout,
+                          hdr.meta_offset + hdr.meta_len, hdr.meta_offset + hdr.meta_capacity, files, info))
     return found
 
 
@@ -107,7 +110,7 @@ def read_moved(data: Payload, held: Held, what: str) -> Dict[str, Any]:
     try:
         # copied out, as from a slot: FSDP2's restore from views of these bytes died of SIGSEGV on the simulated
         # nodes (tests/test_many_nodes.py; the cause was not found), and a copy of one slot is cheap beside its move
-        return snapshot.read_slot(slot, held.step, copy=True)
+        return snapshot.read_slot(slot, held.step)
     except (SlotNotComplete, BadSlotMeta) as exc:
         raise ValueError(f"{what}: {exc}") from None
     finally:

@@ -19,7 +19,6 @@ from easyckpt.engine.load import held as heldmod
 from easyckpt.engine.load.reshardplan import Whole, local
 from easyckpt.engine.seams import Payload
 from easyckpt.formats import manifest as mf
-from easyckpt.formats.manifest import Manifest
 from easyckpt.ipc import shm, slotread
 from easyckpt.storage import nativefiles, stepfiles
 from easyckpt.storage.posix import PosixStorage

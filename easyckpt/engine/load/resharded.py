@@ -71,7 +71,7 @@ class ReshardSource:
                       f"the next candidate serves")
             return None
         man = plan.manifest(ranks.cfg.job_id, ranks.cfg.naming.framework)
-        wanted, err = self._wanted(man, plan, views)
+        wanted, err = self._wanted(man, plan)
         olds = reshardplan.olds_for(plan, wanted) if self.route.trees else \
             (sorted(plan.holders) if ranks.rank == _leader(views, self.here) else [])
         moves = reshardplan.moves(plan, views, ranks.gather(olds))
@@ -99,7 +99,7 @@ class ReshardSource:
         out.moved, out.seconds = sum(m.held.nbytes for m in moves if m.receiver == ranks.rank), time.perf_counter() - t0
         return out
 
-    def _wanted(self, man: Manifest, plan: reshardplan.Whole, views: Any) -> Tuple[Set[str], Optional[str]]:
+    def _wanted(self, man: Manifest, plan: reshardplan.Whole) -> Tuple[Set[str], Optional[str]]:
         """The files this rank's trees route takes (none on the render route: its node writes them all)."""
         if self.route.trees is None:
             return set(), None

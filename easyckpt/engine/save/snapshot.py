@@ -419,18 +419,16 @@ def read_slot_file(path: str, step: int, check: Optional[Callable[[memoryview], 
         slot.close()
 
 
-def read_slot(slot: shm.Slot, step: int, copy: bool = True) -> Dict[str, Any]:
-    """``{relpath: tree}`` of the open ``slot`` once it passed slotread.check for ``step``. ``copy``: the tensors are
-    copied out (a slot in shared memory, which its writer reuses); False: they are views of the slot's bytes (bytes
-    this process holds alone: shm.Slot.of_bytes)."""
+def read_slot(slot: shm.Slot, step: int) -> Dict[str, Any]:
+    """``{relpath: tree}`` of the open ``slot`` once it passed slotread.check for ``step``, its tensors copied out (a
+    slot in shared memory is reused by its writer; a moved slot's bytes, shm.Slot.of_bytes, are let go)."""
     done = slotread.check(slot, expect_step=step)
     with warnings.catch_warnings():   # the mapping is read-only and we only read through it
         warnings.simplefilter("ignore")
         base = torch.frombuffer(slot.mm, dtype=torch.uint8)
     trees = {}
     for f in done.meta.files:
-        views = shardload.views(base, f.tensors)
-        copies = [t.clone() for t in views] if copy else views
+        copies = [t.clone() for t in shardload.views(base, f.tensors)]
         trees[f.relpath] = rebuild(f.skeleton, {t.key: c for t, c in zip(f.tensors, copies)})
     del base
     slotread.ensure_unchanged(slot, done)
