@@ -165,6 +165,9 @@ def test_a_resume_on_another_layout_reads_only_the_items_it_needs_and_a_damaged_
     wait_no_agent(ckpt)
 
 
+# slow tier: four ranks of a framework on the 2 cores, beside the default tier's other workers, pushed timing-bound
+# tests there past their limits (a restart slower than the agent's idle timeout)
+@pytest.mark.slow
 def test_a_job_restarted_on_half_the_ranks_reshards_from_memory_through_megatrons_reader(tmp_path):
     """torch_dist with the distributed optimizer on 4 ranks, killed while the agent keeps their snapshots, restarted
     on 2 (data-parallel 4 -> 2): the newest step whole in memory is written out in this node's /dev/shm as storage
