@@ -343,6 +343,12 @@ def events(log: Path) -> List[dict]:
     return [json.loads(l) for l in log.read_text().splitlines() if l.strip()] if log.exists() else []
 
 
+def growing_events(log: Path) -> List[dict]:
+    """events() of a log still being written: a last line not yet whole is left for the next read."""
+    lines = log.read_text().split("\n") if log.exists() else []
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
+
+
 def assert_prepared(log: Path, nproc: int, estimated: bool = True) -> None:
     """Each rank reserved its snapshot slots at its first load, for its adapter's estimate of the state
     (the "prepare" event), and its first snapshot then fitted them: the estimate covers that snapshot's
@@ -442,15 +448,33 @@ def killed_then_resumed(first: Sequence[str], then: Sequence[str], save_dir: Pat
 
 
 def killed_then_restarted(first: Sequence[str], then: Sequence[str], loss: Path, workdir: Path, kill_at: int,
-                          timeout: float = 300) -> Tuple[int, str]:
-    """Run ``first`` until its loss file shows ``kill_at``, kill -9 it, and run ``then`` (e.g. on another number of
-    ranks) to the end at once, while the agent still holds the killed run's snapshots. Returns the iteration
-    ``then`` resumed from and what it printed (stdout, then stderr)."""
+                          log: Path, nranks: int, timeout: float = 300) -> Tuple[int, str]:
+    """Run ``first`` (``nranks`` ranks, auditing to ``log``) until its loss file shows ``kill_at`` and every rank
+    logged a snapshot of that step or a later one, kill -9 it, and run ``then`` (e.g. on another number of ranks) to
+    the end at once, while the agent still holds the killed run's snapshots. Returns the iteration ``then`` resumed
+    from and what it printed (stdout, then stderr).
+
+    Why the wait for the snapshots: the loss is written before the step's snapshot, so a kill at the loss alone
+    lands in that snapshot's copy on some rank, and a rank whose other slot is held by a persist then has no whole
+    step in memory (found in CI on a loaded machine: the restart rightly resumed from storage)."""
     proc = start(first, log=workdir / "first.out")
     wait_for_iteration(loss, kill_at, proc, timeout)
+    deadline = time.monotonic() + timeout
+    while {e["rank"] for e in growing_events(log) if e["event"] == "snapshot" and e["step"] >= kill_at} \
+            != set(range(nranks)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"not every rank snapshotted step {kill_at} or later (exited: {proc.poll()}): "
+                                 f"{[e for e in growing_events(log) if e['event'] == 'snapshot'][-2 * nranks:]}")
+        time.sleep(0.01)
     kill_tree(proc)
     done = run(then, timeout=timeout)
     return starts(loss)[-1], done.stdout + done.stderr
+
+
+def why_not_memory(said: str, log: Path) -> List[str]:
+    """What a restart printed about memory, and the agent's idle exits: why a step did not come from memory."""
+    return [line for line in said.splitlines() if "memory" in line] + \
+        [e["message"] for e in events(log) if e["event"] == "idle_exit"]
 
 
 def worker_reference(uninterrupted: Callable[..., Any], nproc: int, *args: str) -> Dict[int, Dict[int, str]]:

@@ -175,18 +175,18 @@ def test_a_job_restarted_on_half_the_ranks_reshards_from_memory_through_megatron
     steps and the copy is gone afterwards. The state right after the load equals that of a resume of the same step
     from storage, tensor by tensor; the losses after it agree with that resume's to float rounding (REL: its step
     was committed by a run's finalize, whose RNG state is not the killed run's mid-training snapshot's)."""
-    from harness import job_id, killed_then_restarted
+    from harness import job_id, killed_then_restarted, why_not_memory
 
     common = ["--use-distributed-optimizer", "--global-batch-size", "8", "--iters", str(ITERS + 2)]
     ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
     mem, ref = tmp_path / "mem", tmp_path / "ref"
     step, said = killed_then_restarted(
-        cmd(ckpt, mem, [], 4, *common, "--step-sleep", "0.3", "--ckpt-log", str(log)),
-        cmd(ckpt, mem, [], 2, *common, "--ckpt-log", str(log), "--dump-state", str(mem)), mem, tmp_path, 7)
+        cmd(ckpt, mem, [], 4, *common, "--step-sleep", "0.3", "--ckpt-log", str(log), "--agent-idle-timeout", "120"),
+        cmd(ckpt, mem, [], 2, *common, "--ckpt-log", str(log), "--dump-state", str(mem)), mem, tmp_path, 7, log, 4)
     wait_no_agent(ckpt)
     loads = {(e["rank"], e["source"], e.get("saved_world_size")) for e in events(log)
              if e["event"] == "load" and e["step"] == step}
-    assert loads == {(0, "resharded", 4), (1, "resharded", 4)}, (loads, said[-3000:])
+    assert loads == {(0, "resharded", 4), (1, "resharded", 4)}, (loads, why_not_memory(said, log))
     assert f"resumed step {step} from memory, resharded 4 → 2 ranks: the slots of 1 node; 0 B moved between " \
            f"nodes, 0 bytes read from storage" in said, said[-3000:]
     assert not list(Path("/dev/shm").glob(f"easyckpt-render-{job_id(ckpt)}-*")), "the written-out step was left"

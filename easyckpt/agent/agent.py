@@ -338,6 +338,9 @@ class Agent:
                 self.server.disconnect(other_conn)
         if not self.server.trainers() and self.ever_connected:
             self.deleted.clear()
+            # the earlier trainers that died do not come back as such: the new ones decide when the job is done, so
+            # a restart on fewer ranks that finishes lets the agent leave (and free the earlier ranks' slots) at once
+            self.dead_ranks.clear()
             self.coordinator.new_trainers(msg.world_size)
             self._execute()    # cancel the earlier trainers' queued persists before any of the new ones'
         client.rank, client.pid = msg.rank, msg.pid
