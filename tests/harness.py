@@ -447,6 +447,18 @@ def killed_then_resumed(first: Sequence[str], then: Sequence[str], save_dir: Pat
     return starts(loss)[-1]
 
 
+def wait_for_snapshots(log: Path, step: int, nranks: int, proc: Any, timeout: float = TIMEOUT) -> None:
+    """Until every one of ``nranks`` ranks logged a snapshot of ``step`` or a later one in ``log`` (``proc``: a
+    Popen, or anything with its ``poll``, whose exit ends the wait)."""
+    deadline = time.monotonic() + timeout
+    while {e["rank"] for e in growing_events(log) if e["event"] == "snapshot" and e["step"] >= step} \
+            != set(range(nranks)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"not every rank snapshotted step {step} or later (exited: {proc.poll()}): "
+                                 f"{[e for e in growing_events(log) if e['event'] == 'snapshot'][-2 * nranks:]}")
+        time.sleep(0.01)
+
+
 def killed_then_restarted(first: Sequence[str], then: Sequence[str], loss: Path, workdir: Path, kill_at: int,
                           log: Path, nranks: int, timeout: float = 300) -> Tuple[int, str]:
     """Run ``first`` (``nranks`` ranks, auditing to ``log``) until its loss file shows ``kill_at`` and every rank
@@ -459,13 +471,7 @@ def killed_then_restarted(first: Sequence[str], then: Sequence[str], loss: Path,
     step in memory (found in CI on a loaded machine: the restart rightly resumed from storage)."""
     proc = start(first, log=workdir / "first.out")
     wait_for_iteration(loss, kill_at, proc, timeout)
-    deadline = time.monotonic() + timeout
-    while {e["rank"] for e in growing_events(log) if e["event"] == "snapshot" and e["step"] >= kill_at} \
-            != set(range(nranks)):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"not every rank snapshotted step {kill_at} or later (exited: {proc.poll()}): "
-                                 f"{[e for e in growing_events(log) if e['event'] == 'snapshot'][-2 * nranks:]}")
-        time.sleep(0.01)
+    wait_for_snapshots(log, kill_at, nranks, proc, timeout)
     kill_tree(proc)
     done = run(then, timeout=timeout)
     return starts(loss)[-1], done.stdout + done.stderr

@@ -8,7 +8,6 @@ easyckpt's loader. A ZeRO-3 checkpoint of 2 ranks resumes on 1 through the unive
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import random
 import re
 import signal
@@ -139,7 +138,7 @@ def test_zero3_restarted_on_fewer_ranks_reshards_from_memory_through_the_univers
     memory is written out in this node's /dev/shm as storage would hold it (engine/load/render.py), and DeepSpeed's
     universal checkpoint converts it as it converts a committed step; the copy is gone afterwards, and the losses
     after it agree with a resume of the same step from storage."""
-    from harness import job_id, killed_then_restarted, why_not_memory
+    from harness import SHM, job_id, killed_then_restarted, why_not_memory
 
     common = ("--zero", "3", "--dropout", "0", "--global-batch", "12")
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
@@ -150,10 +149,11 @@ def test_zero3_restarted_on_fewer_ranks_reshards_from_memory_through_the_univers
     loads = {(e["rank"], e["source"], e.get("saved_world_size")) for e in events(log)
              if e["event"] == "load" and e["step"] == step}
     assert loads == {(r, "resharded", 4) for r in range(3)}, (loads, why_not_memory(said, log))
-    assert any(e["event"] == "convert" and e["step"] == step for e in events(log))
+    into = [e["into"] for e in events(log) if e["event"] == "convert" and e["step"] == step]
+    assert into and all(v.startswith(f"{SHM}/easyckpt-render-") for v in into), into    # not the save dir
     assert f"resumed step {step} from memory, resharded 4 → 3 ranks: the slots of 1 node; 0 B moved between " \
            f"nodes, 0 bytes read from storage" in said, said[-3000:]
-    assert not list(Path("/dev/shm").glob(f"easyckpt-render-{job_id(ckpt)}-*")), "the written-out step was left"
+    assert not list(SHM.glob(f"easyckpt-render-{job_id(ckpt)}-*")), "the written-out step was left"
     ref = tmp_path / "ref"
     first = script_cmd(TRAIN, 4, "--save-dir", str(ref / "ckpt"), "--iters", str(step), "--idle-timeout", "20",
                        *common, torchrun=True)

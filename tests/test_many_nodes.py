@@ -28,6 +28,7 @@ from harness import (
     starts,
     train_cmd,
     wait_for_iteration,
+    wait_for_snapshots,
     wait_no_agent,
 )
 
@@ -465,6 +466,7 @@ def halved(c, ckpt: Path, loss: Path, log: Path, args: tuple, kill_at: int, firs
     runs = [node.launch(cmd, c.log("run", node.index))
             for node, cmd in zip(c.nodes, c.train_cmds(ckpt, 2, *args, *first, **script))]
     wait_for_iteration(loss, kill_at, runs[1].proc, TIMEOUT, rank=3)
+    wait_for_snapshots(log, kill_at, 4, runs[1].proc)    # (the loss is written before the step's snapshot)
     for r in runs:
         r.kill_trainers()
     for r in runs:
@@ -503,8 +505,9 @@ def test_fsdp2_on_half_the_ranks_reshards_from_the_nodes_memory(tmp_path, cluste
 def test_zero3_on_half_the_ranks_writes_the_step_out_of_the_nodes_memory_on_each_node(tmp_path, cluster):
     """DeepSpeed ZeRO-3 on 2 nodes × 2 ranks without replicas; every trainer is killed, the agents live on, and the
     job restarts with one rank per node (4 -> 2). Each node's first rank receives the other node's two slots and
-    writes the step out in its own /dev/shm (engine/load/render.py) for DeepSpeed's universal checkpoint; nothing of
-    the step is read from the save dir, and the losses after it agree with a resume of the same step from storage."""
+    writes the step out in its own /dev/shm (engine/load/render.py) and converts it to DeepSpeed's universal checkpoint
+    there too, beside it; nothing of the step goes to or comes from the save dir, and the losses after it agree with a
+    resume of the same step from storage."""
     from harness import ROOT
     script = ROOT / "examples" / "deepspeed" / "train.py"
     c = cluster(2)
@@ -514,6 +517,9 @@ def test_zero3_on_half_the_ranks_writes_the_step_out_of_the_nodes_memory_on_each
             "60")
     step, _ = halved(c, ckpt, loss, log, args, 8, first=("--step-sleep", "0.2"), script=script)
     assert last_iteration(loss, 0) == 16
+    into = {e["rank"]: e["into"] for e in events(log) if e["event"] == "convert" and e["step"] == step}
+    assert sorted(into) == [0, 1] and all(v.startswith("/dev/shm/") and os.path.basename(v).startswith(
+        "easyckpt-render-") for v in into.values()), into      # in each node's memory, not the save dir
     ref = tmp_path / "ref"
     run(script_cmd(script, 4, "--save-dir", str(ref / "ckpt"), *train, "--iters", str(step), torchrun=True),
         timeout=400)

@@ -175,7 +175,7 @@ def test_a_job_restarted_on_half_the_ranks_reshards_from_memory_through_megatron
     steps and the copy is gone afterwards. The state right after the load equals that of a resume of the same step
     from storage, tensor by tensor; the losses after it agree with that resume's to float rounding (REL: its step
     was committed by a run's finalize, whose RNG state is not the killed run's mid-training snapshot's)."""
-    from harness import job_id, killed_then_restarted, why_not_memory
+    from harness import SHM, job_id, killed_then_restarted, why_not_memory
 
     common = ["--use-distributed-optimizer", "--global-batch-size", "8", "--iters", str(ITERS + 2)]
     ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
@@ -189,7 +189,7 @@ def test_a_job_restarted_on_half_the_ranks_reshards_from_memory_through_megatron
     assert loads == {(0, "resharded", 4), (1, "resharded", 4)}, (loads, why_not_memory(said, log))
     assert f"resumed step {step} from memory, resharded 4 → 2 ranks: the slots of 1 node; 0 B moved between " \
            f"nodes, 0 bytes read from storage" in said, said[-3000:]
-    assert not list(Path("/dev/shm").glob(f"easyckpt-render-{job_id(ckpt)}-*")), "the written-out step was left"
+    assert not list(SHM.glob(f"easyckpt-render-{job_id(ckpt)}-*")), "the written-out step was left"
     run(cmd(ref / "ckpt", ref, [], 4, *common[:-1], str(step)), timeout=400)
     wait_no_agent(ref / "ckpt")
     run(cmd(ref / "ckpt", ref, [], 2, *common, "--dump-state", str(ref)), timeout=400)

@@ -4,7 +4,10 @@ manifest a restore's ``needed`` reads, and which slot each rank receives from wh
 simulated nodes with real torchrun jobs, is in tests/test_many_nodes.py."""
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import pytest
 
 from easyckpt.engine.load import agree, reshardplan
 from easyckpt.engine.load.held import Held
@@ -120,7 +123,6 @@ def test_a_resharded_listing_never_holds_back_the_memory_of_this_world_size():
 # ---- a slot moved between nodes: its bytes checked on arrival (engine/load/held.py) ---------------------------
 
 def test_a_moved_slot_decodes_to_what_the_slot_held_and_a_changed_byte_is_refused(tmp_path, monkeypatch):
-    import pytest
     import torch
     from test_slot_format import JOB, write_slot
 
@@ -160,3 +162,17 @@ def test_thread_ranks_exchange_what_each_plan_says():
         return g.exchange(sends, sizes)
 
     assert run_ranks(2, body) == [{}, {0: [bytearray(b"from 0")]}]
+
+
+def test_what_a_restore_writes_beside_a_written_out_step_stays_in_memory_and_is_known_as_ours():
+    """render.beside names a directory next to a step render.write made, in /dev/shm under the same prefix (so a
+    load that died leaves nothing remove_stale misses); a path of any other kind is refused."""
+    from easyckpt.engine.load import render
+    from easyckpt.ipc import shm
+    made = os.path.join(shm.SHM_DIR, f"{render.PREFIX}job1-abc")
+    assert render.beside(made, "universal") == made + "-universal"
+    for wrong in ("/tmp/easyckpt-render-job1-abc", os.path.join(shm.SHM_DIR, "other-job1-abc")):
+        with pytest.raises(ValueError, match="no step written out"):
+            render.beside(wrong, "universal")
+    with pytest.raises(ValueError):
+        render.beside(made, "../x")

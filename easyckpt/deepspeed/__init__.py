@@ -74,6 +74,9 @@ class DeepSpeedState(FrameworkState[Any]):
     client_state: Optional[Dict[str, Any]] = None
     load_kwargs: Optional[Dict[str, Any]] = None
     step: int = field(init=False, default=0)
+    # a step resharded from memory is written out, then its universal conversion stages a copy of its DeepSpeed files
+    # and writes the converted copy beside it, all in the node's /dev/shm (universal.where)
+    render_room = 3.0
 
     def __post_init__(self) -> None:
         # the step the verb was called at: a later collect (finalize, SIGTERM) saves it under that tag
@@ -103,7 +106,8 @@ class DeepSpeedState(FrameworkState[Any]):
         if same_layout(self.engine, loaded.manifest):    # a memory snapshot always has the current layout
             client_state = restore_native(self.engine, loaded.trees, tag, **kwargs)
         else:
-            ckpt.emit("convert", step=loaded.step, path=loaded.path,
+            work, converts = universal.where(ckpt.config, loaded, ckpt.rank)
+            ckpt.emit("convert", step=loaded.step, path=loaded.path, into=work,
                       message=f"data-parallel size {loaded.manifest.info.get('dp_world_size') if loaded.manifest else None} → "
                               f"{dp_size(self.engine)}: loading through DeepSpeed's universal checkpoint")
             ckpt.converting("through DeepSpeed's universal checkpoint")
@@ -113,8 +117,8 @@ class DeepSpeedState(FrameworkState[Any]):
             # DeepSpeed's converter opens paths: a step in an object store is read through a checked local copy
             with scratch.local_step(loaded.path, loaded.manifest,
                                     scratch.path(cfg.node_dir, "restore", cfg.job_id, ckpt.rank)) as step_dir:
-                client_state = restore_universal(self.engine, step_dir, tag, universal.work_dir(cfg),
-                                                 ckpt.rank, ckpt.world_size, **kwargs)
+                client_state = restore_universal(self.engine, step_dir, tag, work, converts, ckpt.world_size,
+                                                 **kwargs)
         per_rank = loaded.trees.get(_rng_file(ckpt.rank))
         if per_rank is not None:
             rng.restore(per_rank["rng"])

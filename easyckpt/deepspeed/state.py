@@ -215,11 +215,12 @@ class _Served:
         return self.path, self.files.load(self.path), None
 
 
-def restore_universal(engine: Any, tag_dir: str, tag: str, scratch: str, rank: int, world_size: int,
+def restore_universal(engine: Any, tag_dir: str, tag: str, scratch: str, converts: bool, world_size: int,
                       **load_kwargs: Any) -> Dict[str, Any]:
     """Resume on another data-parallel size: ``engine.load_checkpoint`` with ``load_universal`` from the
-    universal checkpoint converted from ``tag_dir`` (universal.py does the conversion and removes it)."""
-    with universal.converted(tag_dir, tag, scratch, rank, world_size) as converted:
+    universal checkpoint converted from ``tag_dir`` into ``scratch`` (universal.py does the conversion, on the rank
+    that ``converts``, and removes it)."""
+    with universal.converted(tag_dir, tag, scratch, converts, world_size) as converted:
         config = engine._config
         before = config.load_universal_checkpoint
         config.load_universal_checkpoint = True

@@ -4,6 +4,8 @@ Plain ZeRO refuses another data-parallel size; DeepSpeed's universal checkpoint 
 the committed step into a scratch directory under the save dir (only the files its manifest lists,
 verified and unpickled safely: DeepSpeed's converter would glob the directory and torch.load whatever it
 finds with weights_only=False), every rank loads from it, and rank 0 removes it once no rank reads it.
+A step resharded from the nodes' memory was written out in each node's /dev/shm (engine/load/render.py): there
+the node's first rank converts it beside it, for its node, and nothing goes to or comes from the save dir.
 The adapter only calls DeepSpeed's loader on the directory this module hands it.
 """
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import os
 import subprocess
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Tuple
 
 from easyckpt.config import Config
 from easyckpt.engine.link.dist import all_gather
+from easyckpt.engine.load import render
+from easyckpt.engine.load.sources import Loaded
 from easyckpt.engine.scratch import fresh, remove
 from easyckpt.engine.scratch import path as scratch_path
 from easyckpt.errors import CheckpointError
@@ -27,13 +31,22 @@ def work_dir(cfg: Config) -> str:
     return scratch_path(cfg.node_dir if cfg.in_store else cfg.save_dir, "universal", cfg.job_id)
 
 
+def where(cfg: Config, loaded: Loaded, rank: int) -> Tuple[str, bool]:
+    """Where ``loaded``'s converted copy goes, and whether this rank converts it: beside a step written out in this
+    node's memory, by the rank that wrote it (one per node); else the job's scratch directory, by rank 0."""
+    if loaded.source == "resharded" and loaded.path is not None:
+        return render.beside(loaded.path, "universal"), loaded.node_first
+    return work_dir(cfg), rank == 0
+
+
 @contextmanager
-def converted(tag_dir: str, tag: str, scratch: str, rank: int, world_size: int) -> Iterator[str]:
+def converted(tag_dir: str, tag: str, scratch: str, converts: bool, world_size: int) -> Iterator[str]:
     """``scratch`` holding ``tag`` as a universal checkpoint, converted from ``tag_dir`` (the directory
-    holding DeepSpeed's files of ``tag``) by rank 0; every rank enters and leaves together (collectives).
-    A conversion that fails raises CheckpointError on every rank."""
+    holding DeepSpeed's files of ``tag``) by the rank that ``converts`` (one per scratch: rank 0, or the first of
+    each node for a node's own scratch); every rank enters and leaves together (collectives). A conversion that
+    fails raises CheckpointError on every rank."""
     error = None
-    if rank == 0:
+    if converts:
         fresh(scratch)
         from easyckpt.deepspeed.convert import to_universal
         # the manifest sits in the step directory: tag_dir itself (plain engine), or its parent (the
@@ -51,5 +64,5 @@ def converted(tag_dir: str, tag: str, scratch: str, rank: int, world_size: int) 
         yield scratch
     finally:
         all_gather(None, world_size)          # nobody removes the copy while another rank still reads it
-        if rank == 0:
+        if converts:
             remove(scratch)

@@ -78,6 +78,11 @@ class FrameworkState(Protocol[R]):
     # whole, with ``loaded.path`` None. None (the default): such a step is restored from storage, through the
     # framework's own resharding. An adapter that can defines it as a method.
     needed_in_memory: Optional[Callable[[Manifest], List[Read]]] = None
+    # Otherwise such a step is written out in the node's /dev/shm for ``restore`` to read as a committed step
+    # (engine/load/render.py): the room that takes, in times the step's bytes, is there first or storage serves.
+    # More than 1 where the restore writes beside it (DeepSpeed's universal conversion: a copy of its input, then
+    # its output), into render.beside(loaded.path, ...).
+    render_room: float = 1.0
 
     def otherwise(self) -> Optional[str]:
         """Where the framework itself resumes from when this job has nothing in save_dir (Megatron's own loader
@@ -141,7 +146,7 @@ class Checkpointer:
         started = time.monotonic()
         # a step of another world size from the nodes' memory: decoded where the adapter takes it so, else written
         # out for its restore to read as a committed step (not for one whose framework loads after restore returns)
-        route = Route(state.needed_in_memory, None if state.loads_later() else state.needed)
+        route = Route(state.needed_in_memory, None if state.loads_later() else state.needed, state.render_room)
         loaded = self.engine.load(state.needed, Layout(state.layout(), route), otherwise=state.otherwise())
         if loaded is None:
             self.engine.log.emit("load", step=0, rank=self.rank, source="none",

@@ -410,7 +410,7 @@ class _Session(FrameworkState[Any]):
                                  message="data-parallel size changed: loading through DeepSpeed's universal checkpoint")
                 self.engine.converting("through DeepSpeed's universal checkpoint")
                 ds.restore_universal(ds_engine, os.path.join(str(self._local()), tag), tag,
-                                     universal.work_dir(self.engine.config), self.engine.rank,
+                                     universal.work_dir(self.engine.config), self.engine.rank == 0,
                                      self.engine.world_size, **kwargs)
         return load
 

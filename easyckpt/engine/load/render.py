@@ -27,12 +27,14 @@ PREFIX = "easyckpt-render-"       # + job id + "-": never an easyckpt segment's 
 _storage = PosixStorage()
 
 
-def write(plan: Whole, here: str, moved: Dict[int, Payload], job_id: str, framework: str) -> str:
+def write(plan: Whole, here: str, moved: Dict[int, Payload], job_id: str, framework: str, room: float = 1.0) -> str:
     """The directory holding step ``plan.step`` as storage would (its manifest last), written from this node's
-    slots and the slots ``moved`` here; removed again on any failure."""
-    need = sum(h.nbytes for hs in plan.holders.values() for _, h in hs[:1])
+    slots and the slots ``moved`` here; removed again on any failure. ``room``: what the restore takes in all, in
+    times the step's bytes (it writes beside the step: ``beside``), free first, else OSError."""
+    need = int(room * sum(h.nbytes for hs in plan.holders.values() for _, h in hs[:1]))
     if need > shm.free_bytes():
-        raise OSError(f"{shm.SHM_DIR} has {shm.free_bytes()} bytes free, writing the step out needs about {need}")
+        raise OSError(f"{shm.SHM_DIR} has {shm.free_bytes()} bytes free, writing the step out and restoring it "
+                      f"needs about {need}")
     directory = tempfile.mkdtemp(dir=shm.SHM_DIR, prefix=f"{PREFIX}{job_id}-")
     try:
         files: Dict[str, mf.FileEntry] = {}
@@ -73,6 +75,17 @@ def _files(slot: shm.Slot, step: int, directory: str) -> Dict[str, mf.FileEntry]
                 writer.close()
     slotread.ensure_unchanged(slot, done)
     return out
+
+
+def beside(directory: str, what: str) -> str:
+    """A directory next to the written-out step ``directory``, for what its restore writes (``what``: e.g.
+    "universal", DeepSpeed's converted copy): in this node's memory too, named so that ``remove_stale`` and
+    ``remove`` know it as ours. Its maker creates and removes it."""
+    name = os.path.basename(directory)
+    if os.path.dirname(directory) != shm.SHM_DIR.rstrip("/") or not name.startswith(PREFIX) or \
+            not what.isidentifier():
+        raise ValueError(f"{directory} is no step written out by render.write")
+    return f"{directory}-{what}"
 
 
 def remove_stale(job_id: str) -> None:

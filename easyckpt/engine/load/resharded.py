@@ -42,6 +42,7 @@ class Route(NamedTuple):
     (``trees``: FrameworkState.needed_in_memory), else a step directory read with ``needed`` (``render``)."""
     trees: Optional[Callable[[Manifest], Sequence[Any]]] = None
     render: Optional[Needed] = None
+    room: float = 1.0      # the /dev/shm the render route takes, in times the step's bytes (FrameworkState.render_room)
 
 
 class ReshardSource:
@@ -159,7 +160,7 @@ class ReshardSource:
         made, why = None, failed
         if ranks.rank == leader and failed is None:
             try:
-                made = render.write(plan, self.here, moved, cfg.job_id, cfg.naming.framework)
+                made = render.write(plan, self.here, moved, cfg.job_id, cfg.naming.framework, self.route.room)
             except Exception as exc:  # noqa: BLE001 - said by the verdict
                 why = f"writing the step out: {type(exc).__name__}: {exc}"
         self.rendered, why = ranks.gather((made, why))[leader]
@@ -169,7 +170,8 @@ class ReshardSource:
         trees, verdict, nbytes, man = read_step(self.rendered, self.route.render)
         if verdict is not None:
             raise ValueError(verdict.reason)
-        return Loaded(plan.step, self.name, self.rendered, cast(Dict[str, Any], trees), nbytes, 0.0, man)
+        return Loaded(plan.step, self.name, self.rendered, cast(Dict[str, Any], trees), nbytes, 0.0, man,
+                      node_first=ranks.rank == leader)
 
 def _leader(views: Any, here: str) -> int:
     """The first rank of this node in the gather: it writes the node's copy of a rendered step."""

@@ -48,6 +48,8 @@ class Loaded:
     fetched: Fetched = field(default_factory=Fetched)   # from an object store: for the reader's copy (reads.py)
     detail: str = ""          # how a resharded step was put together (resharded.py), for the resume line
     moved: int = 0            # the bytes this rank received from other nodes' memory (resharded.py)
+    node_first: bool = False  # a step written out in the node's memory (resharded.py): this rank wrote it, the one
+                              # rank of its node that writes beside it (render.beside)
 
 
 # (destination -> payloads to send, source -> sizes to receive) -> what arrived by source: Group.exchange (seams.py)
