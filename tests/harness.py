@@ -460,8 +460,9 @@ def wait_for_snapshots(log: Path, step: int, nranks: int, proc: Any, timeout: fl
 
 
 def killed_then_restarted(first: Sequence[str], then: Sequence[str], loss: Path, workdir: Path, kill_at: int,
-                          log: Path, nranks: int, timeout: float = 300) -> Tuple[int, str]:
-    """Run ``first`` (``nranks`` ranks, auditing to ``log``) until its loss file shows ``kill_at`` and every rank
+                          log: Path, nranks: int, timeout: float = 300, watch: int = 0) -> Tuple[int, str]:
+    """Run ``first`` (``nranks`` ranks, auditing to ``log``) until rank ``watch``'s loss file (the last pipeline
+    stage's, with pipeline parallelism) shows ``kill_at`` and every rank
     logged a snapshot of that step or a later one, kill -9 it, and run ``then`` (e.g. on another number of ranks) to
     the end at once, while the agent still holds the killed run's snapshots. Returns the iteration ``then`` resumed
     from and what it printed (stdout, then stderr).
@@ -470,7 +471,7 @@ def killed_then_restarted(first: Sequence[str], then: Sequence[str], loss: Path,
     lands in that snapshot's copy on some rank, and a rank whose other slot is held by a persist then has no whole
     step in memory (found in CI on a loaded machine: the restart rightly resumed from storage)."""
     proc = start(first, log=workdir / "first.out")
-    wait_for_iteration(loss, kill_at, proc, timeout)
+    wait_for_iteration(loss, kill_at, proc, timeout, rank=watch)
     wait_for_snapshots(log, kill_at, nranks, proc, timeout)
     kill_tree(proc)
     done = run(then, timeout=timeout)

@@ -92,7 +92,8 @@ def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_pat
     assert want and all(sorted(v) == list(range(1, ITERS + 1)) for v in want.values())
 
     ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
-    args = cmd(ckpt, loss, *extra, "--ckpt-log", str(log), "--step-sleep", "0.15")
+    # the killed run's agent keeps its snapshots 120 s: a restart on a loaded machine can take more than 20 s
+    args = cmd(ckpt, loss, *extra, "--ckpt-log", str(log), "--step-sleep", "0.15", "--agent-idle-timeout", "120")
     rnd = random.Random(SEED + len(name))
     kill_at, term_at = rnd.randint(3, 5), rnd.randint(7, 9)
     watch = int(sorted(want)[0][len("rank"):])     # with PP only the last stage writes losses

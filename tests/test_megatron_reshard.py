@@ -167,32 +167,46 @@ def test_a_resume_on_another_layout_reads_only_the_items_it_needs_and_a_damaged_
 
 # slow tier: four ranks of a framework on the 2 cores, beside the default tier's other workers, pushed timing-bound
 # tests there past their limits (a restart slower than the agent's idle timeout)
+# name: (killed run's layout, its ranks, restarted layout, its ranks, what the resume line says of the change)
+IN_MEMORY = {
+    "dp4-to-dp2": ([], 4, [], 2, "4 → 2 ranks"),
+    # the same world size on another layout: the memory source passes these snapshots over, the resharded one not
+    "tp2dp1-to-tp1dp2": (["--tp", "2"], 2, [], 2, "layout tp2.pp1.dp1.vp1.ep1 → tp1.pp1.dp2.vp1.ep1"),
+    "pp2-to-pp1": (["--pp", "2"], 2, [], 1, "2 → 1 ranks"),
+}
+
+
 @pytest.mark.slow
-def test_a_job_restarted_on_half_the_ranks_reshards_from_memory_through_megatrons_reader(tmp_path):
-    """torch_dist with the distributed optimizer on 4 ranks, killed while the agent keeps their snapshots, restarted
-    on 2 (data-parallel 4 -> 2): the newest step whole in memory is written out in this node's /dev/shm as storage
-    would hold it (engine/load/render.py) and Megatron's own reader reshards it; nothing is read from the save dir's
-    steps and the copy is gone afterwards. The state right after the load equals that of a resume of the same step
-    from storage, tensor by tensor; the losses after it agree with that resume's to float rounding (REL: its step
-    was committed by a run's finalize, whose RNG state is not the killed run's mid-training snapshot's)."""
+@pytest.mark.parametrize("change", sorted(IN_MEMORY))
+def test_a_job_restarted_on_another_layout_reshards_from_memory_through_megatrons_reader(tmp_path, change):
+    """torch_dist with the distributed optimizer, killed while the agent keeps its snapshots, restarted on another
+    layout (data-parallel 4 -> 2, TP 2 -> 1 on the same 2 ranks, PP 2 -> 1): the newest step whole in memory is
+    written out in this node's /dev/shm as storage would hold it (engine/load/render.py) and Megatron's own reader
+    reshards it; nothing is read from the save dir's steps and the copy is gone afterwards. The state right after
+    the load equals that of a resume of the same step from storage, tensor by tensor; the losses after it agree
+    with that resume's to float rounding (REL: its step was committed by a run's finalize, whose RNG state is not
+    the killed run's mid-training snapshot's)."""
     from harness import SHM, job_id, killed_then_restarted, why_not_memory
 
+    saved, n_saved, resumed, n_resumed, said_change = IN_MEMORY[change]
     common = ["--use-distributed-optimizer", "--global-batch-size", "8", "--iters", str(ITERS + 2)]
     ckpt, log = tmp_path / "ckpt", tmp_path / "audit.jsonl"
     mem, ref = tmp_path / "mem", tmp_path / "ref"
     step, said = killed_then_restarted(
-        cmd(ckpt, mem, [], 4, *common, "--step-sleep", "0.3", "--ckpt-log", str(log), "--agent-idle-timeout", "120"),
-        cmd(ckpt, mem, [], 2, *common, "--ckpt-log", str(log), "--dump-state", str(mem)), mem, tmp_path, 7, log, 4)
+        cmd(ckpt, mem, saved, n_saved, *common, "--step-sleep", "0.3", "--ckpt-log", str(log),
+            "--agent-idle-timeout", "120"),
+        cmd(ckpt, mem, resumed, n_resumed, *common, "--ckpt-log", str(log), "--dump-state", str(mem)), mem, tmp_path,
+        7, log, n_saved, watch=n_saved - 1 if "--pp" in saved else 0)     # (the last stage writes the losses)
     wait_no_agent(ckpt)
     loads = {(e["rank"], e["source"], e.get("saved_world_size")) for e in events(log)
              if e["event"] == "load" and e["step"] == step}
-    assert loads == {(0, "resharded", 4), (1, "resharded", 4)}, (loads, why_not_memory(said, log))
-    assert f"resumed step {step} from memory, resharded 4 → 2 ranks: the slots of 1 node; 0 B moved between " \
+    assert loads == {(r, "resharded", n_saved) for r in range(n_resumed)}, (loads, why_not_memory(said, log))
+    assert f"resumed step {step} from memory, resharded {said_change}: the slots of 1 node; 0 B moved between " \
            f"nodes, 0 bytes read from storage" in said, said[-3000:]
     assert not list(SHM.glob(f"easyckpt-render-{job_id(ckpt)}-*")), "the written-out step was left"
-    run(cmd(ref / "ckpt", ref, [], 4, *common[:-1], str(step)), timeout=400)
+    run(cmd(ref / "ckpt", ref, saved, n_saved, *common[:-1], str(step)), timeout=400)
     wait_no_agent(ref / "ckpt")
-    run(cmd(ref / "ckpt", ref, [], 2, *common, "--dump-state", str(ref)), timeout=400)
+    run(cmd(ref / "ckpt", ref, resumed, n_resumed, *common, "--dump-state", str(ref)), timeout=400)
     wait_no_agent(ref / "ckpt")
     from_memory, from_storage = global_state(mem, "loaded"), global_state(ref, "loaded")
     assert sorted(from_memory) == sorted(from_storage)

@@ -51,7 +51,7 @@ class ReshardSource:
     def __init__(self, ranks: Ranks, route: Route, layout: Optional[str]):
         """``route``: neither (nothing listed) where the adapter restores such a step from storage only, or no
         exchange between ranks is wired."""
-        self.ranks, self.route = ranks, route
+        self.ranks, self.route, self.now = ranks, route, layout
         self.rendered: Optional[str] = None       # the directory this node's step was written out to (render route)
         self.here = heldmod.node_key()
         usable = (route.trees or route.render) is not None and ranks.exchange is not None
@@ -94,7 +94,9 @@ class ReshardSource:
             return None
         own, replicas = plan.nodes()
         held_by = f" and {_n(replicas, 'replica')} held by peers" if replicas else ""
-        out.detail = (f"resharded {plan.world_size} → {ranks.world_size} ranks: the slots of {_n(own, 'node')}"
+        change = f"{plan.world_size} → {ranks.world_size} ranks" if plan.world_size != ranks.world_size else \
+            f"layout {plan.layout} → {self.now}"       # (the same world size: the layout is what changed)
+        out.detail = (f"resharded {change}: the slots of {_n(own, 'node')}"
                       f"{held_by}; {human(sum(m.held.nbytes for m in moves))} moved between nodes, 0 bytes read "
                       f"from storage")
         out.moved, out.seconds = sum(m.held.nbytes for m in moves if m.receiver == ranks.rank), time.perf_counter() - t0
