@@ -315,6 +315,28 @@ def test_zero2_saved_on_two_processes_resumes_on_one(tmp_path):
     wait_no_agent(out)
 
 
+@pytest.mark.slow     # (two Trainer runs beside the other workers, timed to be killed)
+def test_ddp_restarted_on_fewer_processes_resumes_resharded_from_memory(tmp_path):
+    """DDP on 2 processes, killed while the agent keeps their snapshots (120 s), restarted on 1: the newest step comes
+    from memory (source "resharded": the whole model and optimizer, decoded as from storage), nothing is read from
+    storage; without dropout the losses after it agree with an uninterrupted 1-process run's to rounding, as a
+    resume from storage on another world size does (test_zero2_saved_on_two_processes_resumes_on_one)."""
+    from harness import killed_then_restarted, why_not_memory
+
+    ref = reference(tmp_path, "--dropout", "0", nproc=1)
+    out, loss, log = tmp_path / "out", tmp_path / "loss", tmp_path / "audit.jsonl"
+    step, said = killed_then_restarted(
+        hf(out, loss, "--dropout", "0", "--step-sleep", "0.2", "--idle-timeout", "120", nproc=2, log=log),
+        hf(out, loss, "--dropout", "0", nproc=1, log=log), loss, tmp_path, 12, log, 2)
+    wait_no_agent(out)
+    loads = {(e["rank"], e["source"], e.get("saved_world_size")) for e in events(log)
+             if e["event"] == "load" and e["step"] == step}
+    assert loads == {(0, "resharded", 2)}, (loads, why_not_memory(said, log))
+    assert f"resumed step {step} from memory, resharded 2 → 1 ranks: the slots of 1 node; 0 B moved between nodes, " \
+           f"0 bytes read from storage" in said, said[-3000:]
+    assert_losses_close(losses(loss), ref, range(step + 1, STEPS + 1), rel=1e-4)
+
+
 def test_save_strategy_epoch_and_no_write_what_the_trainer_writes(tmp_path, single_reference):
     """64 samples in batches of 8: the Trainer saves at the end of each epoch (steps 8, 16, 24) with
     save_strategy='epoch', and never with 'no'."""
