@@ -67,12 +67,8 @@ class _Session(FrameworkState[Any]):
         self.peft = peftmodel.peft_model(trainer.model)
         self.peft_base = peftmodel.base_checksum(self.peft) if self.peft is not None else None
         self.static = self._static_files()
-        if not self.fsdp and not trainer.is_deepspeed_enabled:
-            # a step of another world size from the nodes' memory (engine/load/resharded.py): the whole model and
-            # optimizer (DDP, one process, a PEFT adapter) decoded as ``needed`` reads them from storage. FSDP's and
-            # DeepSpeed's readers open the step by path after restore returns (loads_later), when a step written
-            # out of memory for them is gone: such a step comes from storage for them
-            self.needed_in_memory = self.needed
+        if not self.fsdp and not trainer.is_deepspeed_enabled:     # (their readers open a path after restore)
+            self.needed_in_memory = self.needed     # another world size's step from memory, decoded (resharded.py)
 
     # ---- what goes into checkpoint-N --------------------------------------------------------------
 
