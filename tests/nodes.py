@@ -299,12 +299,12 @@ class Cluster:
 
     def launch(self, save_dir: Path, nproc: int, *args: str, tag: str = "run",
                node_env: Optional[Dict[int, Dict[str, str]]] = None,
-               node_args: Optional[Dict[int, Sequence[str]]] = None) -> List[NodeRun]:
+               node_args: Optional[Dict[int, Sequence[str]]] = None, script: Optional[Path] = None) -> List[NodeRun]:
         """The job on a fresh instance of every node: ``nproc`` ranks each, global rank = node × nproc +
-        local rank; ``node_env`` / ``node_args``: what only node i gets."""
+        local rank; ``node_env`` / ``node_args``: what only node i gets; ``script``: train_cmds'."""
         return [node.launch([*cmd, *(node_args or {}).get(node.index, ())], self.log(tag, node.index),
                             (node_env or {}).get(node.index))
-                for node, cmd in zip(self.nodes, self.train_cmds(save_dir, nproc, *args))]
+                for node, cmd in zip(self.nodes, self.train_cmds(save_dir, nproc, *args, script=script))]
 
     def relaunch(self, save_dir: Path, nproc: int, *args: str, tag: str = "relaunch") -> List[subprocess.Popen]:
         """The job restarted on the nodes' current lives (their agents and /dev/shm as they are)."""

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import nodes
 import pytest
@@ -277,11 +277,12 @@ def test_kill9_of_every_trainer_on_every_node_resumes_from_memory(tmp_path, clus
     assert_losses(loss, ref)
 
 
-def lose_the_last_node(c, ckpt: Path, loss: Path, log: Path, args: tuple):
-    """The job (one rank per node) runs until its last rank trained iteration 15; then its node is lost (killed:
-    trainers, agent, /dev/shm), once it has replicated step 12 or later, and the others' trainers fail on the broken
-    collective. (the runs, the newest step that node replicated, the last iteration its rank trained)"""
-    runs = c.launch(ckpt, 1, *args)
+def lose_the_last_node(c, ckpt: Path, loss: Path, log: Path, args: tuple, script: Optional[Path] = None):
+    """The job (one rank per node; ``script``: train_cmds') runs until its last rank trained iteration 15; then its
+    node is lost (killed: trainers, agent, /dev/shm), once it has replicated step 12 or later, and the others'
+    trainers fail on the broken collective. (the runs, the newest step that node replicated, the last iteration its
+    rank trained)"""
+    runs = c.launch(ckpt, 1, *args, script=script)
     last = len(runs) - 1
     wait_for_iteration(loss, 15, runs[last].proc, TIMEOUT, rank=last)
     replicated = newest_replica(log, f"node{last}")
@@ -529,6 +530,44 @@ def test_zero3_on_half_the_ranks_writes_the_step_out_of_the_nodes_memory_on_each
     wait_no_agent(ref / "ckpt")
     for rank in (0, 1):
         assert_losses_close(losses(loss, rank), losses(ref / "loss", rank), range(step + 1, 17), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_zero3_restarted_on_fewer_nodes_resumes_resharded_from_their_memory_and_replicas(tmp_path, cluster):
+    """DeepSpeed ZeRO-3 on 4 nodes × 1 rank (node i's replicas on node i + 1): node 3 is lost and the job restarts on
+    nodes 0-2, world size 4 -> 3. Rank 3's slot comes from node 0's replica; each node receives the slots it lacks,
+    writes the step out and converts it to DeepSpeed's universal checkpoint in its own /dev/shm. Nothing is read from
+    storage, and the losses after it agree with a resume of the same step from storage (4 -> 3 ranks on one host)."""
+    from harness import ROOT
+    script = ROOT / "examples" / "deepspeed" / "train.py"
+    c = cluster(4)
+    ckpt, loss, log = tmp_path / "ckpt", tmp_path / "loss", tmp_path / "audit.jsonl"
+    train = ("--zero", "3", "--dropout", "0", "--global-batch", "12", "--storage-interval", "10", "--iters", "20")
+    args = (*train, "--loss-file", str(loss), "--log-file", str(log), "--step-sleep", "0.1", "--idle-timeout", "120")
+    runs, replicated, _ = lose_the_last_node(c, ckpt, loss, log, args, script=script)
+    cmds = c.train_cmds(ckpt, 1, *args, only=3, script=script)
+    again = [runs[i].enter(cmds[i], c.log("fewer", i)) for i in range(3)]
+    assert [p.wait(timeout=TIMEOUT) for p in again] == [0, 0, 0], "\n".join(
+        c.log("fewer", i).read_text()[-2500:] for i in range(3))
+    c.wait(runs[:3], 60)
+    step = starts(loss, 0)[-1]
+    assert replicated <= step and step % 10, f"replicated {replicated}, resumed at {step} (storage interval 10)"
+    loads = {e["rank"]: e for e in events(log) if e["event"] == "load" and e["step"] == step}
+    assert sorted(loads) == [0, 1, 2] and {(e["source"], e["saved_world_size"]) for e in loads.values()} == \
+        {("resharded", 4)} and all(e["moved"] > 0 for e in loads.values()), loads
+    into = {e["rank"]: e["into"] for e in events(log) if e["event"] == "convert" and e["step"] == step}
+    assert sorted(into) == [0, 1, 2] and all(v.startswith("/dev/shm/") for v in into.values()), into
+    out = c.log("fewer", 0).read_text()
+    assert f"resumed step {step} from memory, resharded 4 → 3 ranks: the slots of 3 nodes and 1 replica held by " \
+           f"peers; " in out and ", 0 bytes read from storage" in out, out[-3000:]
+    ref = tmp_path / "ref"
+    run(script_cmd(script, 4, "--save-dir", str(ref / "ckpt"), *train[:-1], str(step), torchrun=True), timeout=400)
+    wait_no_agent(ref / "ckpt")
+    run(script_cmd(script, 3, "--save-dir", str(ref / "ckpt"), *train, "--loss-file", str(ref / "loss"),
+                   torchrun=True), timeout=400)
+    wait_no_agent(ref / "ckpt")
+    for rank in range(3):
+        assert_losses_close(losses(loss, rank), losses(ref / "loss", rank), range(step + 1, 21), rel=1e-6)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ SUMMARY = re.compile(r"run summary: newest committed step (\d+); (\d+) snapshots
 
 def test_the_summary_line_and_checkpoint_metrics_agree_with_the_audit_log(tmp_path):
     save, out = tmp_path / "save", tmp_path / "metrics.json"
-    proc = run([sys.executable, str(LOOP), "--dir", str(save), "--steps", "40", "--sleep", "0.005",
+    proc = run([sys.executable, str(LOOP), "--dir", str(save), "--steps", "40", "--sleep", "0.05",
                 "--storage-interval", "10", "--metrics", str(out), "--out", str(tmp_path / "began.json")])
     wait_no_agent(save)
     said = SUMMARY.findall(proc.stdout + proc.stderr)

@@ -388,7 +388,8 @@ def test_two_jobs_on_one_prefix_the_second_is_refused_naming_the_first(bucket, t
     on the same prefix stops at initialisation naming it, writes nothing, and runs once the first is done."""
     store, top = bucket
     url = f"{top}/run"
-    first = start(_cmd(url, tmp_path / "a", 1, "--iters", "40", "--job-name", "first", "--step-sleep", "0.2",
+    # the first runs 18 s: the second's start (a fresh Python, torch, the store) took longer than 8 s at a load of 6
+    first = start(_cmd(url, tmp_path / "a", 1, "--iters", "60", "--job-name", "first", "--step-sleep", "0.3",
                        "--loss-file", str(tmp_path / "a-loss")), log=tmp_path / "a.out")
     try:
         wait_for_iteration(tmp_path / "a-loss", 3, first)
