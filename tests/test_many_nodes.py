@@ -519,7 +519,7 @@ def test_zero3_on_half_the_ranks_writes_the_step_out_of_the_nodes_memory_on_each
     step, _ = halved(c, ckpt, loss, log, args, 8, first=("--step-sleep", "0.2"), script=script)
     assert last_iteration(loss, 0) == 16
     into = {e["rank"]: e["into"] for e in events(log) if e["event"] == "convert" and e["step"] == step}
-    assert sorted(into) == [0, 1] and all(v.startswith("/dev/shm/") and os.path.basename(v).startswith(
+    assert sorted(into) == [0, 1] and all(v.startswith("/dev/shm/") and os.path.basename(os.path.dirname(v)).startswith(
         "easyckpt-render-") for v in into.values()), into      # in each node's memory, not the save dir
     ref = tmp_path / "ref"
     run(script_cmd(script, 4, "--save-dir", str(ref / "ckpt"), *train, "--iters", str(step), torchrun=True),

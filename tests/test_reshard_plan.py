@@ -165,12 +165,12 @@ def test_thread_ranks_exchange_what_each_plan_says():
 
 
 def test_what_a_restore_writes_beside_a_written_out_step_stays_in_memory_and_is_known_as_ours():
-    """render.beside names a directory next to a step render.write made, in /dev/shm under the same prefix (so a
-    load that died leaves nothing remove_stale misses); a path of any other kind is refused."""
+    """render.beside names a directory inside a step render.write made (private to us, removed with it, so a load
+    that died leaves nothing remove_stale misses); a path of any other kind is refused."""
     from easyckpt.engine.load import render
     from easyckpt.ipc import shm
     made = os.path.join(shm.SHM_DIR, f"{render.PREFIX}job1-abc")
-    assert render.beside(made, "universal") == made + "-universal"
+    assert render.beside(made, "universal") == os.path.join(made, ".universal")
     for wrong in ("/tmp/easyckpt-render-job1-abc", os.path.join(shm.SHM_DIR, "other-job1-abc")):
         with pytest.raises(ValueError, match="no step written out"):
             render.beside(wrong, "universal")

@@ -4,8 +4,8 @@ Plain ZeRO refuses another data-parallel size; DeepSpeed's universal checkpoint 
 the committed step into a scratch directory under the save dir (only the files its manifest lists,
 verified and unpickled safely: DeepSpeed's converter would glob the directory and torch.load whatever it
 finds with weights_only=False), every rank loads from it, and rank 0 removes it once no rank reads it.
-A step resharded from the nodes' memory was written out in each node's /dev/shm (engine/load/render.py): there
-the node's first rank converts it beside it, for its node, and nothing goes to or comes from the save dir.
+A step resharded from the nodes' memory was written out in each node's /dev/shm (engine/load/render.py): the node's
+first rank converts it inside that private directory, for its node; nothing goes to or comes from the save dir.
 The adapter only calls DeepSpeed's loader on the directory this module hands it.
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ PREFIX = "easyckpt-render-"       # + job id + "-": never an easyckpt segment's 
 _storage = PosixStorage()
 
 
-def write(plan: Whole, here: str, moved: Dict[int, Payload], job_id: str, framework: str, room: float = 1.0) -> str:
+def write(plan: Whole, here: str, moved: Dict[int, Payload], job_id: str, framework: str, room: float) -> str:
     """The directory holding step ``plan.step`` as storage would (its manifest last), written from this node's
     slots and the slots ``moved`` here; removed again on any failure. ``room``: what the restore takes in all, in
     times the step's bytes (it writes beside the step: ``beside``), free first, else OSError."""
@@ -78,14 +78,14 @@ def _files(slot: shm.Slot, step: int, directory: str) -> Dict[str, mf.FileEntry]
 
 
 def beside(directory: str, what: str) -> str:
-    """A directory next to the written-out step ``directory``, for what its restore writes (``what``: e.g.
-    "universal", DeepSpeed's converted copy): in this node's memory too, named so that ``remove_stale`` and
-    ``remove`` know it as ours. Its maker creates and removes it."""
-    name = os.path.basename(directory)
-    if os.path.dirname(directory) != shm.SHM_DIR.rstrip("/") or not name.startswith(PREFIX) or \
-            not what.isidentifier():
+    """A directory for what the restore of the written-out step ``directory`` writes (``what``: e.g. "universal",
+    DeepSpeed's converted copy): inside that private directory (mkdtemp's, mode 0700), so no other user can plant
+    anything at its name in the shared /dev/shm, and ``remove`` takes it with the step. The manifest does not list
+    it: nothing reads it as part of the step. Its maker creates and removes it."""
+    if os.path.dirname(directory) != shm.SHM_DIR.rstrip("/") or \
+            not os.path.basename(directory).startswith(PREFIX) or not what.isidentifier():
         raise ValueError(f"{directory} is no step written out by render.write")
-    return f"{directory}-{what}"
+    return os.path.join(directory, f".{what}")
 
 
 def remove_stale(job_id: str) -> None:
