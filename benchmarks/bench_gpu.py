@@ -51,6 +51,7 @@ from easyckpt.pytorch import PytorchState  # noqa: E402
 
 TRACE = False
 SYNC_BY_STREAM = False
+LOSS_PINNED = False
 HERE = Path(__file__).resolve().parent
 # (name, interval, overlap): overlap None for a peer's mode (its name says which)
 Mode = Tuple[str, Optional[int], Optional[bool]]
@@ -153,6 +154,7 @@ def run_mode(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, ste
     host_save: List[float] = []
     host_item: List[float] = []
     marks: List[Tuple[object, object, object]] = []
+    pinned_loss = torch.empty((), pin_memory=True)
     try:
         for step in range(1, warm + steps + 1):
             if step == warm + 1:
@@ -180,6 +182,10 @@ def run_mode(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, ste
             h = time.perf_counter()
             if SYNC_BY_STREAM:
                 torch.cuda.current_stream().synchronize()      # the same wait without a device-to-host copy
+            elif LOSS_PINNED:       # the loss read through a page-locked buffer: an asynchronous copy, then a wait
+                pinned_loss.copy_(loss.detach(), non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+                pinned_loss.item()
             else:
                 loss.item()
             host_item.append(time.perf_counter() - h)
@@ -302,11 +308,13 @@ def main() -> int:
     p.add_argument("--modes", help="only these of easyckpt's modes (none is always run), e.g. overlap/1")
     p.add_argument("--sync-by-stream", action="store_true",
                    help="wait for the training stream instead of loss.item() (no device-to-host copy of the loss)")
+    p.add_argument("--loss-pinned", action="store_true",
+                   help="read the loss through a page-locked buffer (an asynchronous copy) instead of loss.item()")
     p.add_argument("--piece-mb", type=int, help="the background copy's piece size (default 64)")
     p.add_argument("--in-flight", type=int, help="the background copy's pieces in flight (default 2)")
     args = p.parse_args()
-    global TRACE, SYNC_BY_STREAM
-    TRACE, SYNC_BY_STREAM = args.trace, args.sync_by_stream
+    global TRACE, SYNC_BY_STREAM, LOSS_PINNED
+    TRACE, SYNC_BY_STREAM, LOSS_PINNED = args.trace, args.sync_by_stream, args.loss_pinned
     from easyckpt.engine.save import background
     if args.piece_mb:
         background.PIECE_BYTES = args.piece_mb << 20

@@ -14,6 +14,7 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 nvidia-smi -L; nproc; "$py" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
+timeout 60 "$py" benchmarks/gpu_copy_probe.py 2>&1 | tee "$out/copy_probe.txt"
 dl=()
 [ -n "${DLROVER_SITE:-}" ] && dl=(--dlrover "$(cd "$DLROVER_SITE" && pwd)" --dlrover-timeout 120)
 timeout 300 "$py" benchmarks/bench_gpu.py --gb 4 --steps 15 --rounds 2 --trace --peers "${dl[@]}" \
