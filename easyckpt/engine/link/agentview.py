@@ -6,7 +6,8 @@ manifest of S under S's final name); that is the one fact waited on. The agent's
 step will never commit (failed_steps, so the wait ends at once) and the figures of the console line."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Set
+import threading
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from easyckpt import console
 from easyckpt.config import Config
@@ -32,6 +33,9 @@ class AgentView:
         self.reports = StatusReports(rank, cfg.naming, log)
         self._next_status = 0.0        # rank 0 asks the agent for new commits now and then
         self._quiet_until, self._silent, self._silent_said = 0.0, 0, False   # an agent that stopped answering
+        # a status question asked on a thread of its own (thread, its number, the box its answer lands in)
+        self._asking: Optional[Tuple[threading.Thread, int, List[Optional[StatusReply]]]] = None
+        self._asks, self._synced = 0, 0     # questions asked; the last asked before a status() of this thread
         # told of each persist handed to the agent and each status reply (engine/link/metrics.py: the run's figures)
         self.on_requested: List[Callable[[int], None]] = []
         self.on_status: List[Callable[[StatusReply], None]] = []
@@ -53,7 +57,12 @@ class AgentView:
         hung) is asked at most STATUS_WAIT once every STATUS_BACKOFF seconds, and the console says so once."""
         if self.clock.monotonic() < self._quiet_until:
             return None
+        self._synced = self._asks      # an answer to a question asked before this one is older: dropped
         got = self.link.status(STATUS_WAIT)
+        self._received(got)
+        return got
+
+    def _received(self, got: Optional[StatusReply]) -> None:
         pid = self.link.agent_pid
         if got is None and pid is not None and shm.pid_alive(pid):
             self._quiet_until = self.clock.monotonic() + STATUS_BACKOFF
@@ -74,7 +83,32 @@ class AgentView:
             for fn in self.on_status:
                 fn(got)
         self._next_status = self.clock.monotonic() + STATUS_EVERY
-        return got
+
+    def _ask_in_background(self) -> None:
+        """Ask for the status on a thread of its own; the training thread takes the answer in at a later
+        poll (_take_answer). The round trip waits for the agent's loop, which may be committing a step (fsyncs):
+        3.6 ms a question on 2 cores, asked at each persist of a loop that persists ten times a second, was 3 %
+        of its 20 ms step (benchmarks/bench_overhead.py pt10). One question at a time, bounded by STATUS_WAIT."""
+        if self._asking is not None or self.clock.monotonic() < self._quiet_until:
+            return
+        self._asks += 1
+        box: List[Optional[StatusReply]] = []
+        thread = threading.Thread(target=lambda: box.append(self.link.status(STATUS_WAIT)), daemon=True,
+                                  name="easyckpt-status")
+        self._asking = (thread, self._asks, box)
+        self._next_status = self.clock.monotonic() + STATUS_EVERY
+        thread.start()
+
+    def _take_answer(self) -> None:
+        """The background question's answer, once it is in: handled as status() handles its own."""
+        asking = self._asking
+        if asking is None or asking[0].is_alive():
+            return
+        self._asking = None
+        thread, ask, box = asking
+        thread.join()
+        if ask > self._synced and box:
+            self._received(box[0])
 
     def failed_steps(self) -> Dict[int, str]:
         """Steps the agent could not persist or commit, with why (from its status)."""
@@ -90,12 +124,19 @@ class AgentView:
             if self.reports.waiting(step):
                 self.clock.sleep(0.02)
 
+    def after_request(self) -> None:
+        """After a persist was handed to the agent: ask for its news (a commit, a step it failed, a notice),
+        without waiting for the answer."""
+        self._take_answer()
+        self._ask_in_background()
+
     def poll(self, newest_requested: Optional[int]) -> None:
-        """One socket round trip every STATUS_EVERY at most, and only while a commit is awaited: training pays
-        nothing else for the "committed" line."""
+        """Take in the answer to a question asked earlier; ask again every STATUS_EVERY at most, and only while a
+        commit is awaited: training pays nothing else for the "committed" line, and never waits for it."""
+        self._take_answer()
         if (newest_requested is not None and self.reports.waiting(newest_requested)
                 and self.clock.monotonic() >= self._next_status):
-            self.status()
+            self._ask_in_background()
 
     def wait_committed(self, step: int, timeout: float, agent_died: Callable[[], None]) -> None:
         """Block until ``step`` (already handed to the agent) is committed, or raise after ``timeout``; a

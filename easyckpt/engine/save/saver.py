@@ -41,6 +41,8 @@ class AgentView(Protocol):
 
     def status(self) -> Optional[StatusReply]: ...
 
+    def after_request(self) -> None: ...
+
 
 class Saver:
     def __init__(self, cfg: Config, rank: int, snapshotter: Snapshotter, log: AuditLog, clock: Clock,
@@ -152,4 +154,4 @@ class Saver:
             self.view.requested(result.step)
         except AgentError as exc:   # never take training down for a failed persist (docs/reliability.md promise 2)
             self.log.emit("error", step=result.step, rank=self.rank, message=str(exc))
-        self.view.status()
+        self.view.after_request()
