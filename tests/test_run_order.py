@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Optional
 
@@ -195,3 +196,59 @@ def test_a_commit_deleted_before_the_trainer_saw_it_ends_the_wait_at_once_naming
     with pytest.raises(AgentError, match="step 80 was committed, then deleted: retention deleted it"):
         view.wait_committed(80, 600.0, agent_died=lambda: None)
     assert clock.now < 1.0, f"the wait went on for {clock.now:.1f} s"
+
+
+class _SlowLink:
+    """An AgentLink whose agent answers each status question only once the test lets it (``answer``)."""
+    agent_pid = None
+
+    def __init__(self):
+        self.asked, self.go = 0, threading.Event()
+        self.replies = []
+
+    def status(self, timeout):
+        self.asked += 1
+        reply = StatusReply(commits=[(5 * self.asked, 1, 0.1)])
+        if not self.go.wait(timeout=30):
+            return None
+        return reply
+
+    def alive(self):
+        return True
+
+
+def test_the_status_after_a_persist_request_is_asked_without_the_training_thread_waiting(tmp_path):
+    """After a persist request the agent's status is asked on a thread of its own: the training thread goes on
+    while the agent's loop is busy (it waited 3.6 ms a request at pt10), takes the answer in at a later poll, and
+    asks again only once that answer is in; an answer older than a status() the training thread asked itself is
+    dropped."""
+    cfg = Config(save_dir=str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt").mkdir()
+    link, clock = _SlowLink(), _Clock()
+    view = AgentView(cfg, 0, 1, link, SaveDir.of(cfg), AuditLog(None, "rank0"), clock)
+    seen = []
+    view.on_status.append(lambda reply: seen.append([c[0] for c in reply.commits]))
+    view.requested(5)
+    t0 = time.monotonic()
+    view.after_request()                 # the agent does not answer yet
+    clock.now += 1.0
+    view.poll(5)                         # nothing in yet, and no second question while one is out
+    assert time.monotonic() - t0 < 1.0 and seen == []
+    deadline = time.monotonic() + 10
+    while link.asked < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert link.asked == 1
+    link.go.set()
+    while view._asking is not None and view._asking[0].is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    view.poll(5)                         # the answer is taken in on this (the training) thread
+    assert seen == [[5]]
+    # a question out, then a status() of the training thread's own: the older answer is dropped when it lands
+    link.go.clear()
+    clock.now += 1.0
+    view.after_request()
+    link.go.set()
+    assert view.status() is not None
+    view._asking[0].join(timeout=10)
+    view.poll(5)
+    assert len(seen) == 2, seen
