@@ -293,6 +293,24 @@ def run_dlrover(args: argparse.Namespace) -> Optional[Dict[str, Dict[str, float]
     return None
 
 
+def _feed_when_ready(background: Any) -> None:
+    """An experiment for issue 50's item 7, in the benchmark only: the background copy's thread waits on the host
+    for this step's kernels (an event) before its first copy call, instead of inside that call (on the H200 of
+    2026-11-28 a copy call into the registered slot returned only once its stream could run it). With
+    --in-flight 0 every copy call is then made while the side stream is idle."""
+    plain_init, plain_run = background._PacedDeviceCopy.__init__, background._PacedDeviceCopy.run
+
+    def init(self: Any, pairs: Any) -> None:
+        plain_init(self, pairs)
+        self.ready = torch.cuda.Event(blocking=True)
+        self.ready.record(torch.cuda.current_stream(self.device))
+
+    def run(self: Any) -> None:
+        self.ready.synchronize()
+        plain_run(self)
+    background._PacedDeviceCopy.__init__, background._PacedDeviceCopy.run = init, run
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", default="1,4")
@@ -310,6 +328,8 @@ def main() -> int:
                    help="wait for the training stream instead of loss.item() (no device-to-host copy of the loss)")
     p.add_argument("--loss-pinned", action="store_true",
                    help="read the loss through a page-locked buffer (an asynchronous copy) instead of loss.item()")
+    p.add_argument("--feed-when-ready", action="store_true",
+                   help="the feeding thread waits for the step's kernels before its first copy call (an experiment)")
     p.add_argument("--piece-mb", type=int, help="the background copy's piece size (default 64)")
     p.add_argument("--in-flight", type=int, help="the background copy's pieces in flight (default 2)")
     args = p.parse_args()
@@ -318,8 +338,10 @@ def main() -> int:
     from easyckpt.engine.save import background
     if args.piece_mb:
         background.PIECE_BYTES = args.piece_mb << 20
-    if args.in_flight:
+    if args.in_flight is not None:      # 0: each piece's copy call made once the piece before it has ended
         background.IN_FLIGHT = args.in_flight
+    if args.feed_when_ready:
+        _feed_when_ready(background)
     if not torch.cuda.is_available():
         print("no GPU: this benchmark measures device-to-host snapshots (benchmarks/bench_checkpoint.py is the CPU one)")
         return 2

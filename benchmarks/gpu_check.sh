@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of one lent device session, as one command (they must fit one call: at most 9 minutes on an
-# H100/H200): the machine, the overhead benchmark against torch DCP and DLRover on the same device, then the
-# CUDA tests. Run from the repository root on the GPU machine; output under $OUT (or ./gpu-out).
+# H100/H200): the machine, the device-to-host copy probe (gpu_copy_probe.py), the overlapped copy as shipped and
+# fed only while its stream is idle, the overhead benchmark against torch DCP and DLRover on the same device, then
+# the CUDA tests. Run from the repository root on the GPU machine; output under $OUT (or ./gpu-out).
 #
 #   DLROVER_SITE=.dlsite bash benchmarks/gpu_check.sh
 #
@@ -15,9 +16,15 @@ py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 nvidia-smi -L; nproc; "$py" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 timeout 60 "$py" benchmarks/gpu_copy_probe.py 2>&1 | tee "$out/copy_probe.txt"
+# issue 50 item 7: the overlapped copy as shipped, then fed only when its stream is idle (bench_gpu.py's experiment)
+for v in "" "--feed-when-ready --in-flight 0"; do
+    echo "=== overlap/1 ${v:-as shipped}" | tee -a "$out/variants.txt"
+    timeout 60 "$py" benchmarks/bench_gpu.py --gb 4 --steps 10 --rounds 1 --trace --modes overlap/1 $v 2>&1 \
+        | grep -E 'GPU:|host time|overlap/1 ' | tee -a "$out/variants.txt"
+done
 dl=()
 [ -n "${DLROVER_SITE:-}" ] && dl=(--dlrover "$(cd "$DLROVER_SITE" && pwd)" --dlrover-timeout 120)
-timeout 300 "$py" benchmarks/bench_gpu.py --gb 4 --steps 15 --rounds 2 --trace --peers "${dl[@]}" \
+timeout 300 "$py" benchmarks/bench_gpu.py --gb 4 --steps 15 --rounds 1 --trace --peers "${dl[@]}" \
     --out "$out/gpu.json" 2>&1 | tee "$out/bench.txt"
 echo "bench_gpu: exit ${PIPESTATUS[0]}"
 timeout 250 "$py" -m pytest -q -rs -n 3 --dist load -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -25 \
