@@ -204,7 +204,6 @@ class _SlowLink:
 
     def __init__(self):
         self.asked, self.go = 0, threading.Event()
-        self.replies = []
 
     def status(self, timeout):
         self.asked += 1
