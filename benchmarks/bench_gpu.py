@@ -154,7 +154,7 @@ def run_mode(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, ste
     host_save: List[float] = []
     host_item: List[float] = []
     marks: List[Tuple[object, object, object]] = []
-    pinned_loss = torch.empty((), pin_memory=True)
+    pinned_loss = torch.empty((), pin_memory=True) if LOSS_PINNED else torch.empty(())
     try:
         for step in range(1, warm + steps + 1):
             if step == warm + 1:

@@ -54,6 +54,8 @@ def registered(kind: str, flags: int) -> Tuple[torch.Tensor, Callable[[], None]]
     host.fill_(1)      # touched, as a slot is before its first snapshot
     err = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), PIECE, flags))
     if err:
+        if path:
+            os.unlink(path)
         raise RuntimeError(f"cudaHostRegister error {err}")
 
     def release() -> None:
@@ -120,7 +122,8 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     src = torch.randint(0, 255, (PIECE,), dtype=torch.uint8, device="cuda")
     kinds: List[Tuple[str, Callable[[], Tuple[torch.Tensor, Callable[[], None]]]]] = [
-        ("torch pinned (cudaHostAlloc)", lambda: (torch.empty(PIECE, dtype=torch.uint8, pin_memory=True), lambda: None)),
+        ("torch pinned (cudaHostAlloc)",
+         lambda: (torch.empty(PIECE, dtype=torch.uint8, pin_memory=True), lambda: None)),
         ("pageable", lambda: (torch.empty(PIECE, dtype=torch.uint8).fill_(1), lambda: None)),
         ("anonymous mapping, registered 0", lambda: registered("anon", 0)),
         ("/dev/shm file mapping, registered 0 (the slots)", lambda: registered("shm", 0)),
@@ -129,15 +132,23 @@ def main() -> int:
     for name, make in kinds:
         try:
             dst, release = make()
+        except Exception as exc:      # noqa: BLE001 - a probe: say what failed and go on
+            print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        try:
             copy_call(dst, src, True, 10)      # warm
             dep = copy_call(dst, src, True, args.busy_ms)
             ind = copy_call(dst, src, False, args.busy_ms)
             item = while_item(dst, src, args.busy_ms)
             print(f"{name}:\n  after the busy stream: call {dep[0]:.1f} ms, then wait {dep[1]:.1f} ms\n"
                   f"  on a free stream:      call {ind[0]:.1f} ms, then wait {ind[1]:.1f} ms\n  {item}", flush=True)
-            release()
         except Exception as exc:      # noqa: BLE001 - a probe: say what failed and go on
             print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
+        finally:
+            try:
+                torch.cuda.synchronize()      # no copy into it still queued
+            finally:
+                release()      # the /dev/shm file and its registration go whatever happened
     return 0
 
 

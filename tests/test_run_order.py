@@ -228,11 +228,12 @@ def test_the_status_after_a_persist_request_is_asked_without_the_training_thread
     seen = []
     view.on_status.append(lambda reply: seen.append([c[0] for c in reply.commits]))
     view.requested(5)
-    t0 = time.monotonic()
-    view.after_request()                 # the agent does not answer yet
+    view.after_request()                 # returns while the agent has not answered (it cannot before go is set)
+    asking = view._asking
+    assert asking is not None and asking[0].is_alive() and not link.go.is_set()
     clock.now += 1.0
     view.poll(5)                         # nothing in yet, and no second question while one is out
-    assert time.monotonic() - t0 < 1.0 and seen == []
+    assert seen == [] and view._asking is asking
     deadline = time.monotonic() + 10
     while link.asked < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
