@@ -19,6 +19,8 @@ from easyckpt.formats import paths
 from easyckpt.storage import logcap
 
 WARNINGS = ("warning", "skip")
+# made once (json.dumps with an option builds one per call): a line is written at every snapshot
+_LINE = json.JSONEncoder(default=str)
 
 
 class AuditLog:
@@ -56,7 +58,7 @@ class AuditLog:
     def record(self, event: str, **fields: Any) -> None:
         record = {"time": round(time.time(), 6), "event": event, "source": self.source,
                   "host": socket.gethostname(), "pid": os.getpid(), **fields}
-        line = json.dumps(record, default=str)
+        line = _LINE.encode(record)
         console.audit_logger.debug("%s", line)
         for listener in self.listeners:
             try:

@@ -63,6 +63,7 @@ class _Layout:
     files: List[Dict[str, Any]]   # relpath, persist, start, end, tensors[(key, dtype, shape, begin, end)]
     data_bytes: int
     json: bytes
+    order: List[List[int]]        # per file, its tensors' indices in the order they are laid out (_order_of)
 
 
 @dataclass
@@ -75,29 +76,35 @@ class SnapshotResult:
 
 
 def _build_layout(signature: Tuple, flat: List[Tuple[str, bool, str, List[Tuple[str, torch.Tensor]]]]) -> _Layout:
-    files, pos = [], 0
+    files, pos, order = [], 0, []
     for relpath, persist, fmt, tensors in flat:
         pos += -pos % _ALIGN
         start = pos
         entries = []
-        for key, t in _order(tensors):
+        order.append(_order_of(tensors))
+        for key, t in (tensors[i] for i in order[-1]):
             n = t.numel() * t.element_size()
             entries.append((key, dtype_name(t.dtype), list(t.shape), shm.HEADER_BYTES + pos,
                             shm.HEADER_BYTES + pos + n))
             pos += n
         files.append({"relpath": relpath, "persist": persist, "fmt": fmt, "start": shm.HEADER_BYTES + start,
                       "end": shm.HEADER_BYTES + pos, "tensors": entries})
-    return _Layout(signature, files, pos, json.dumps(files, separators=(",", ":")).encode())
+    return _Layout(signature, files, pos, json.dumps(files, separators=(",", ":")).encode(), order)
 
 
-def _order(tensors: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
+def _order_of(tensors: List[Tuple[str, torch.Tensor]]) -> List[int]:
     """Biggest element size first: every tensor then starts at a multiple of its own item size while
-    staying back to back (safetensors rejects gaps); same dtypes together, for a stable order."""
-    return sorted(tensors, key=lambda kt: (-kt[1].element_size(), str(kt[1].dtype)))
+    staying back to back (safetensors rejects gaps); same dtypes together, for a stable order. Kept with the
+    layout: the next snapshots of the same signature take it from there instead of sorting again."""
+    return sorted(range(len(tensors)), key=lambda i: (-tensors[i][1].element_size(), str(tensors[i][1].dtype)))
+
+
+# made once: json.dumps with any option builds a new encoder at each call (a few us of every snapshot)
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 def encode_meta(layout: _Layout, step: int, skeletons: Dict[str, Any], info: Dict[str, Any]) -> bytes:
-    tail = json.dumps({"step": step, "skeletons": skeletons, "info": info}, separators=(",", ":"))
+    tail = _COMPACT.encode({"step": step, "skeletons": skeletons, "info": info})
     return b'{"files":' + layout.json + b"," + tail[1:].encode()
 
 
@@ -308,8 +315,8 @@ class Snapshotter:
         if self.layout is None or self.layout.signature != signature:
             self.layout = _build_layout(signature, flat)
             self._views = [None, None]
-        for _, _, _, tensors in flat:
-            srcs.extend(t for _, t in _order(tensors))
+        for (_, _, _, tensors), order in zip(flat, self.layout.order):
+            srcs.extend(tensors[i][1] for i in order)
         meta = encode_meta(self.layout, step, skeletons, info or {})
         self.skipped = None
         if not self._ensure_slots(len(meta), persist):

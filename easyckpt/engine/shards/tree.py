@@ -53,18 +53,23 @@ def flatten(tree: Any) -> Tuple[Any, Tensors]:
     def walk(obj: Any, path: Path) -> Any:
         kind = type(obj)
         # the common nodes of a state dict first, by exact type (subclasses take the checks below)
-        if kind is dict and all(type(k) is str and not k.startswith("__") for k in obj):
-            return {k: walk(v, (k, path)) for k, v in obj.items()}
+        if kind is dict:
+            if all(type(k) is str and not k.startswith("__") for k in obj):
+                return {k: walk(v, (k, path)) for k, v in obj.items()}
+            return keyed(obj, path)       # an optimizer's state, by parameter index
         if kind is int or kind is float or kind in _PLAIN:
             return obj
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided:
                 raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {_joined(path)}; "
                                 f"convert it to a dense tensor")
-            tensors.append((key_for(path), obj.detach()))
+            # a state dict's tensors are detached already; detaching each again cost a few us per tensor
+            tensors.append((key_for(path), obj.detach() if obj.requires_grad else obj))
             return {"__t": tensors[-1][0]}
         if kind is list:
             return [walk(v, (str(i), path)) for i, v in enumerate(obj)]
+        if kind is tuple:       # (an optimizer's betas)
+            return {"__tuple": [walk(v, (str(i), path)) for i, v in enumerate(obj)]}
         return other(obj, path)
 
     def other(obj: Any, path: Path) -> Any:
@@ -93,9 +98,12 @@ def flatten(tree: Any) -> Tuple[Any, Tensors]:
         if isinstance(obj, dict):
             if all(isinstance(k, str) and not k.startswith("__") for k in obj):
                 return {k: walk(v, (k, path)) for k, v in obj.items()}
-            return {"__dict": [[walk(k, ("key", path)), walk(v, (str(k), path))] for k, v in obj.items()]}
+            return keyed(obj, path)
         raise TypeError(f"easyckpt cannot save a {type(obj).__name__} at '{_joined(path) or '<root>'}': "
                         f"only tensors, numbers, strings, lists, tuples and dicts are stored (no pickling)")
+
+    def keyed(obj: Dict[Any, Any], path: Path) -> Any:
+        return {"__dict": [[walk(k, ("key", path)), walk(v, (str(k), path))] for k, v in obj.items()]}
 
     return walk(tree, None), tensors
 
