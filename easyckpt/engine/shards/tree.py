@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -42,21 +42,23 @@ def flatten(tree: Any) -> Tuple[Any, Tensors]:
     tensors: Tensors = []
     used: set = set()
 
-    def key_for(path: Path) -> str:
+    def add(path: Path, tensor: torch.Tensor) -> str:
+        """Keep ``tensor`` under a key made of its path, unique in this tree."""
         key = _joined(path) or "_"
         base, n = key, 1
         while key in used:
             key, n = f"{base}#{n}", n + 1
         used.add(key)
+        tensors.append((key, tensor))
         return key
 
     def walk(obj: Any, path: Path) -> Any:
         kind = type(obj)
-        # the common nodes of a state dict first, by exact type (subclasses take the checks below)
+        # the common nodes of a state dict first, by exact type (subclasses take the checks in _other)
         if kind is dict:
             if all(type(k) is str and not k.startswith("__") for k in obj):
                 return {k: walk(v, (k, path)) for k, v in obj.items()}
-            return keyed(obj, path)       # an optimizer's state, by parameter index
+            return _keyed(obj, path, walk)       # an optimizer's state, by parameter index
         if kind is int or kind is float or kind in _PLAIN:
             return obj
         if isinstance(obj, torch.Tensor):
@@ -64,48 +66,51 @@ def flatten(tree: Any) -> Tuple[Any, Tensors]:
                 raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {_joined(path)}; "
                                 f"convert it to a dense tensor")
             # a state dict's tensors are detached already; detaching each again cost a few us per tensor
-            tensors.append((key_for(path), obj.detach() if obj.requires_grad else obj))
-            return {"__t": tensors[-1][0]}
+            return {"__t": add(path, obj.detach() if obj.requires_grad else obj)}
         if kind is list:
             return [walk(v, (str(i), path)) for i, v in enumerate(obj)]
         if kind is tuple:       # (an optimizer's betas)
             return {"__tuple": [walk(v, (str(i), path)) for i, v in enumerate(obj)]}
-        return other(obj, path)
-
-    def other(obj: Any, path: Path) -> Any:
-        if np is not None and isinstance(obj, np.ndarray):
-            key = key_for(path)
-            tensors.append((key, torch.from_numpy(np.ascontiguousarray(obj))))
-            return {"__np": key}
-        if obj is None or isinstance(obj, (bool, str)):
-            return obj
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
-            return float(obj)
-        if np is not None and isinstance(obj, np.generic):
-            return walk(obj.item(), path)
-        if isinstance(obj, torch.Size):
-            return {"__size": list(obj)}
-        if isinstance(obj, torch.dtype):
-            return {"__dtype": str(obj).replace("torch.", "")}
-        if isinstance(obj, bytes):
-            return {"__bytes": base64.b64encode(obj).decode()}
-        if isinstance(obj, tuple):
-            return {"__tuple": [walk(v, (str(i), path)) for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [walk(v, (str(i), path)) for i, v in enumerate(obj)]
-        if isinstance(obj, dict):
-            if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-                return {k: walk(v, (k, path)) for k, v in obj.items()}
-            return keyed(obj, path)
-        raise TypeError(f"easyckpt cannot save a {type(obj).__name__} at '{_joined(path) or '<root>'}': "
-                        f"only tensors, numbers, strings, lists, tuples and dicts are stored (no pickling)")
-
-    def keyed(obj: Dict[Any, Any], path: Path) -> Any:
-        return {"__dict": [[walk(k, ("key", path)), walk(v, (str(k), path))] for k, v in obj.items()]}
+        return _other(obj, path, walk, add)
 
     return walk(tree, None), tensors
+
+
+def _other(obj: Any, path: Path, walk: Callable[[Any, Path], Any],
+           add: Callable[[Path, torch.Tensor], str]) -> Any:
+    """The nodes flatten's walk does not take by their exact type: subclasses, numpy values, sizes, dtypes,
+    bytes; anything else is refused."""
+    if np is not None and isinstance(obj, np.ndarray):
+        return {"__np": add(path, torch.from_numpy(np.ascontiguousarray(obj)))}
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj)
+    if np is not None and isinstance(obj, np.generic):
+        return walk(obj.item(), path)
+    if isinstance(obj, torch.Size):
+        return {"__size": list(obj)}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype": str(obj).replace("torch.", "")}
+    if isinstance(obj, bytes):
+        return {"__bytes": base64.b64encode(obj).decode()}
+    if isinstance(obj, tuple):
+        return {"__tuple": [walk(v, (str(i), path)) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [walk(v, (str(i), path)) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: walk(v, (k, path)) for k, v in obj.items()}
+        return _keyed(obj, path, walk)
+    raise TypeError(f"easyckpt cannot save a {type(obj).__name__} at '{_joined(path) or '<root>'}': "
+                    f"only tensors, numbers, strings, lists, tuples and dicts are stored (no pickling)")
+
+
+def _keyed(obj: Dict[Any, Any], path: Path, walk: Callable[[Any, Path], Any]) -> Any:
+    """A dict whose keys are not all plain strings, as its (key, value) pairs."""
+    return {"__dict": [[walk(k, ("key", path)), walk(v, (str(k), path))] for k, v in obj.items()]}
 
 
 def unflatten(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:
