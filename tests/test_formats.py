@@ -197,28 +197,6 @@ def test_rng_state_is_kept_as_tensors_and_the_tuple_form_of_earlier_snapshots_st
     assert [random.random() for _ in range(3)] == expected
 
 
-def test_numpy_rng_state_read_again_only_when_it_moved_equals_numpys_own_at_every_turn():
-    """rng.capture takes numpy's state from the last call when the generator's words did not move (get_state
-    builds its tuple in 30-90 us). Each turn that can change the state, among them the one the words do not show
-    (legacy randn using up its cached Gaussian), must still give exactly what np.random.get_state() gives."""
-    import numpy as np
-
-    from easyckpt.engine.save import rng
-
-    def same() -> bool:
-        ours, theirs = rng.capture()["numpy"], np.random.get_state()
-        return ours[0] == theirs[0] and np.array_equal(ours[1], theirs[1]) and tuple(ours[2:]) == tuple(theirs[2:])
-    np.random.seed(11)
-    turns = [lambda: None, np.random.rand, np.random.randn, np.random.randn, lambda: np.random.seed(11),
-             np.random.randn, lambda: np.random.set_state(np.random.get_state()), np.random.randn,
-             lambda: np.random.randint(0, 9, size=700)]
-    for turn in turns:
-        turn()
-        assert same()
-        assert same()        # asked twice without a move: the state kept from the first
-    assert rng._numpy_raw_ok     # numpy's layout was the one the shortcut reads
-
-
 def test_flatten_skeletons_of_an_optimizer_state_are_those_of_the_general_walk():
     """The walk's shortcuts (dicts keyed by parameter index, plain tuples, tensors that need no detach) give the
     skeleton the general path gives: a subclass of dict and of tuple takes the general path."""
