@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 
+import pytest
 import torch
 
 from easyckpt.storage.nativefiles import _write_torch
@@ -109,3 +110,45 @@ def test_items_that_disagree_with_the_pickle_are_refused(tmp_path):
     assert "the pickle says" in read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason
     man2 = with_items(man2, items[1:])       # no head
     assert "do not begin with the file's head" in read_files(str(step2), man2, [(REL, False, pick_model_a)], None)[1].reason
+
+
+def test_the_shard_pickle_is_torch_saves_own_and_each_loaded_tensor_has_hooks_of_its_own():
+    """flatten_pickled lets the C pickler walk the tree (it runs at every snapshot of a Megatron, DeepSpeed or HF
+    Trainer shard): for tensors of distinct shapes its data.pkl is byte for byte the one torch.save writes;
+    a tensor met twice is one storage record, as in torch.save; tensors inside other objects (an argparse
+    Namespace) are storage records too, never pickled by value; an OrderedDict's attributes (a state dict's
+    _metadata) are kept; every loaded tensor gets its own hooks dict."""
+    import argparse
+    import base64
+    import collections
+    import io
+    import zipfile
+
+    from easyckpt.engine.shards.tree import unflatten_pickled
+
+    plain = {"a": torch.arange(12, dtype=torch.float32).view(3, 4), "b": torch.ones(5, dtype=torch.bfloat16),
+             "step": 3, "lr": 1e-3, "betas": (0.9, 0.999), "flags": [True, None, "x"]}
+    skeleton, tensors = flatten_pickled(plain)
+    buf = io.BytesIO()
+    torch.save(plain, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        torch_pkl = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    assert base64.b64decode(skeleton["__torchzip"]) == torch_pkl
+    assert [k for k, _ in tensors] == skeleton["storages"]
+    assert tensors[0][1] is plain["a"] and tensors[1][1] is plain["b"]      # no copy, no detach needed
+
+    shared = torch.randn(2, 2)
+    sd = collections.OrderedDict(w=torch.zeros(3), v=torch.zeros(3))
+    sd._metadata = {"": {"version": 1}}          # what nn.Module.state_dict puts on its OrderedDict
+    tree = {"args": argparse.Namespace(hidden=4, t=torch.full((2,), 7.0)), "x": shared, "y": [shared], "sd": sd}
+    skeleton, tensors = flatten_pickled(tree)
+    assert len(tensors) == 4            # shared once, the Namespace's tensor, the two of the state dict
+    back = unflatten_pickled(skeleton, dict(tensors))
+    assert back["y"][0] is back["x"] and torch.equal(back["x"], shared)
+    assert torch.equal(back["args"].t, tree["args"].t) and back["args"].hidden == 4
+    assert back["sd"]._metadata == {"": {"version": 1}} and list(back["sd"]) == ["w", "v"]
+    hooks = [back["sd"]["w"]._backward_hooks, back["sd"]["v"]._backward_hooks, back["x"]._backward_hooks]
+    assert all(h == collections.OrderedDict() for h in hooks) and len({id(h) for h in hooks}) == 3
+
+    with pytest.raises(TypeError, match="sparse"):
+        flatten_pickled({"s": torch.eye(3).to_sparse()})

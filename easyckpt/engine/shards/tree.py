@@ -8,8 +8,10 @@ with the path that holds it, instead of silently pickling code into a checkpoint
 from __future__ import annotations
 
 import base64
+import collections
 import functools
 import io
+import pickle
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -168,7 +170,10 @@ def _storage_type(dtype: torch.dtype) -> Any:
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
 
+@functools.lru_cache(maxsize=4096)
 def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The stride of a contiguous tensor of ``shape``; one tuple per shape, so that the pickle of a tensor of a
+    shape seen before refers back to it (a memo entry) instead of writing it again."""
     stride, acc = [], 1
     for n in reversed(shape):
         stride.append(acc)
@@ -176,64 +181,64 @@ def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def flatten_pickled(tree: Any) -> Tuple[Any, Tensors]:
-    """Skeleton {TORCHZIP: data.pkl (base64), "storages": [tensor key of storage record i, ...]}.
-    Tensors the walk cannot reach (inside other objects) are refused with their type, so that nothing
-    is pickled by value."""
-    import collections
-    import io
-    import pickle
+@functools.lru_cache(maxsize=4096)
+def _shape(shape: torch.Size) -> Tuple[int, ...]:
+    return tuple(shape)
 
-    tensors: Tensors = []
-    refs: Dict[int, _StorageRef] = {}
 
-    def walk(obj: Any, path: str) -> Any:
+_ORDERED_DICT = (collections.OrderedDict, ())
+
+
+class _EmptyHooks:
+    """A tensor's (empty) backward hooks, as torch.save writes them: an OrderedDict of its own per tensor (one
+    shared dict would be every loaded tensor's hooks), reduced directly rather than through OrderedDict's own
+    __reduce__ (which asks copyreg for the class's slots at every call)."""
+    __slots__ = ()
+
+
+class _ShardPickler(pickle.Pickler):
+    """torch.save's pickle of a tree whose tensors' bytes are kept apart: ``tensors`` gets each tensor met, in
+    the order of its storage record."""
+
+    def __init__(self, file: Any, protocol: int):
+        super().__init__(file, protocol=protocol)
+        self.tensors: Tensors = []
+
+    def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided:
-                raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {path or '<root>'}")
-            t = obj.detach()
-            ref = _StorageRef(len(tensors), t.dtype, t.numel())
-            tensors.append((f"{path}#{len(tensors)}", t))
-            refs[id(ref)] = ref
-            return _TensorStandIn(ref, tuple(t.shape))
-        if isinstance(obj, dict):
-            return type(obj)((k, walk(v, f"{path}/{k}")) for k, v in obj.items()) if type(obj) is not dict \
-                else {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
-        # a torch.Size stays one: DeepSpeed's zero_to_fp32 calls .numel() on the saved param_shapes
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields") and not isinstance(obj, torch.Size):
-            return tuple(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
-        return obj
+                raise TypeError(f"easyckpt cannot save a {obj.layout} tensor in a torch.save shard; "
+                                f"convert it to a dense tensor")
+            ref = _StorageRef(len(self.tensors), obj.dtype, obj.numel())
+            self.tensors.append((f"#{ref.index}", obj.detach() if obj.requires_grad else obj))
+            shape = _shape(obj.shape)
+            return (torch._utils._rebuild_tensor_v2, (ref, 0, shape, _contiguous_stride(shape), False, _EmptyHooks()))
+        if type(obj) is _EmptyHooks:
+            return _ORDERED_DICT
+        return NotImplemented
 
-    stand_in = walk(tree, "")
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is _StorageRef:
+            return ("storage", _storage_type(obj.dtype), str(obj.index), "cpu", obj.numel)
+        return None
 
-    class _Pickler(pickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            if isinstance(obj, _TensorStandIn):
-                return (torch._utils._rebuild_tensor_v2,
-                        (obj.ref, 0, obj.shape, _contiguous_stride(obj.shape), False, collections.OrderedDict()))
-            if isinstance(obj, torch.Tensor):
-                raise TypeError(f"easyckpt cannot save a tensor held inside a {type(obj).__name__} object "
-                                f"of a torch.save shard; keep tensors in dicts, lists and tuples")
-            return NotImplemented
 
-        def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, _StorageRef):
-                return ("storage", _storage_type(obj.dtype), str(obj.index), "cpu", obj.numel)
-            return None
+def flatten_pickled(tree: Any) -> Tuple[Any, Tensors]:
+    """Skeleton {TORCHZIP: data.pkl (base64), "storages": [tensor key of storage record i, ...]}: ``tree``
+    pickled as torch.save pickles it, each tensor a persistent reference to storage record i (its bytes come
+    from the slot, never from the pickle).
 
+    The C pickler walks the tree itself and calls back only for objects that are not plain containers or
+    scalars: a tensor becomes the next storage record wherever it sits (in a dict, a list, an argparse
+    Namespace), everything else pickles as torch.save pickles it. A tensor object that occurs twice is one
+    record, as in torch.save. This runs at every snapshot of a torch-format shard: a walk in Python that
+    built a stand-in tree first cost as much again as the pickle."""
     buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(stand_in)   # protocol 2: what torch.save writes
+    pickler = _ShardPickler(buf, protocol=2)    # protocol 2: what torch.save writes
+    pickler.dump(tree)
+    tensors = pickler.tensors
     skeleton = {TORCHZIP: base64.b64encode(buf.getvalue()).decode(), "storages": [k for k, _ in tensors]}
     return skeleton, tensors
-
-
-class _TensorStandIn:
-    __slots__ = ("ref", "shape")
-
-    def __init__(self, ref: _StorageRef, shape: Tuple[int, ...]):
-        self.ref, self.shape = ref, shape
 
 
 def is_pickled(skeleton: Any) -> bool:
