@@ -10,7 +10,10 @@ overlapped copy (a thread per snapshot). It prints the medians, the
 goal (a snapshot of a state <= 1 MB costs the training thread <= 0.2 ms) with PASS/MISS, and a breakdown of
 one snapshot by part, from timing each part alone on the same objects (collect: the state dicts and the RNG
 state; flatten: the trees into a skeleton and tensors; meta: the slot's JSON; copy: the tensors into the
-slot; the rest: slot choice, header, the audit log's line, the persist bookkeeping).
+slot; the rest: slot choice, header, the audit log's line, the persist bookkeeping). Last, the part that the
+torch-format shards of Megatron, DeepSpeed and the HF Trainer pay instead of flatten (tree.flatten_pickled: the
+shard pickled as torch.save pickles it), timed on the same optimizer state and on an RNG state like the Trainer's
+rng_state.pth (Python's 625-number state, numpy's, torch's).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import easyckpt.pytorch as ep  # noqa: E402
 from easyckpt.engine.save import rng  # noqa: E402
 from easyckpt.engine.save.background import copy_all  # noqa: E402
 from easyckpt.engine.save.snapshot import encode_meta  # noqa: E402
-from easyckpt.engine.shards.tree import flatten  # noqa: E402
+from easyckpt.engine.shards.tree import flatten, flatten_pickled  # noqa: E402
 
 GOAL = 0.2e-3
 
@@ -88,9 +91,13 @@ def main() -> None:
     rest = snapshot - sum(parts.values())
     for name, seconds in list(parts.items()) + [("the rest", rest)]:
         print(f"  {name:28s} {seconds * 1e6:7.1f} us  {seconds / snapshot:6.1%}")
+    pickled = torch_shard(opt, args.calls)
+    print("torch-format shard (Megatron, DeepSpeed, HF Trainer layouts), flatten_pickled: "
+          + ", ".join(f"{name} {seconds * 1e6:.1f} us" for name, seconds in pickled.items()))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"bytes": nbytes, "snapshot": snapshot, "plain": plain, "parts": parts}, f, indent=1)
+            json.dump({"bytes": nbytes, "snapshot": snapshot, "plain": plain, "parts": parts, "pickled": pickled},
+                      f, indent=1)
 
 
 def breakdown(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: object, n: int) -> Dict[str, float]:
@@ -110,6 +117,17 @@ def breakdown(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: object
                                                      {}), n),
         "copy into the slot": timed(lambda: copy_all(dsts, srcs), n),
     }
+
+
+def torch_shard(opt: torch.optim.Optimizer, n: int) -> Dict[str, float]:
+    """flatten_pickled's cost (medians) on the optimizer's state and on an RNG state like rng_state.pth."""
+    import random
+
+    import numpy as np
+    rng_state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    state = opt.state_dict()
+    return {"optimizer": timed(lambda: flatten_pickled(state), n),
+            "rng_state": timed(lambda: flatten_pickled(rng_state), n)}
 
 
 if __name__ == "__main__":

@@ -142,7 +142,9 @@ def test_the_shard_pickle_is_torch_saves_own_and_each_loaded_tensor_has_hooks_of
     sd._metadata = {"": {"version": 1}}          # what nn.Module.state_dict puts on its OrderedDict
     tree = {"args": argparse.Namespace(hidden=4, t=torch.full((2,), 7.0)), "x": shared, "y": [shared], "sd": sd}
     skeleton, tensors = flatten_pickled(tree)
-    assert len(tensors) == 4            # shared once, the Namespace's tensor, the two of the state dict
+    # named by where each sits (the manifest's items are named so): shared once, by its first place; the
+    # Namespace's tensor has no path through dicts and lists, only its record number
+    assert [k for k, _ in tensors] == ["#0", "/x#1", "/sd/w#2", "/sd/v#3"]
     back = unflatten_pickled(skeleton, dict(tensors))
     assert back["y"][0] is back["x"] and torch.equal(back["x"], shared)
     assert torch.equal(back["args"].t, tree["args"].t) and back["args"].hidden == 4

@@ -200,9 +200,10 @@ class _ShardPickler(pickle.Pickler):
     """torch.save's pickle of a tree whose tensors' bytes are kept apart: ``tensors`` gets each tensor met, in
     the order of its storage record."""
 
-    def __init__(self, file: Any, protocol: int):
+    def __init__(self, file: Any, protocol: int, paths: Dict[int, str]):
         super().__init__(file, protocol=protocol)
         self.tensors: Tensors = []
+        self.paths = paths
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -210,7 +211,8 @@ class _ShardPickler(pickle.Pickler):
                 raise TypeError(f"easyckpt cannot save a {obj.layout} tensor in a torch.save shard; "
                                 f"convert it to a dense tensor")
             ref = _StorageRef(len(self.tensors), obj.dtype, obj.numel())
-            self.tensors.append((f"#{ref.index}", obj.detach() if obj.requires_grad else obj))
+            self.tensors.append((f"{self.paths.get(id(obj), '')}#{ref.index}",
+                                 obj.detach() if obj.requires_grad else obj))
             shape = _shape(obj.shape)
             return (torch._utils._rebuild_tensor_v2, (ref, 0, shape, _contiguous_stride(shape), False, _EmptyHooks()))
         if type(obj) is _EmptyHooks:
@@ -223,6 +225,31 @@ class _ShardPickler(pickle.Pickler):
         return None
 
 
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _tensor_paths(tree: Any) -> Dict[int, str]:
+    """Where each tensor reachable through dicts, lists and tuples sits ("/optimizer/state/0/exp_avg"; the first
+    place of one met twice), by the tensor's id: its storage record's name in the slot and in the manifest's items,
+    so that a damaged item is named by what it holds. Sequences of scalars (Python's RNG state, 625 ints) are passed
+    over whole; a tensor inside another object gets no path."""
+    found: Dict[int, str] = {}
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                if type(v) not in _SCALARS:
+                    walk(v, f"{path}/{k}")
+        elif isinstance(obj, torch.Tensor):
+            found.setdefault(id(obj), path)
+        elif isinstance(obj, (list, tuple)) and not _SCALARS.issuperset(map(type, obj)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}/{i}")
+
+    walk(tree, "")
+    return found
+
+
 def flatten_pickled(tree: Any) -> Tuple[Any, Tensors]:
     """Skeleton {TORCHZIP: data.pkl (base64), "storages": [tensor key of storage record i, ...]}: ``tree``
     pickled as torch.save pickles it, each tensor a persistent reference to storage record i (its bytes come
@@ -232,9 +259,10 @@ def flatten_pickled(tree: Any) -> Tuple[Any, Tensors]:
     scalars: a tensor becomes the next storage record wherever it sits (in a dict, a list, an argparse
     Namespace), everything else pickles as torch.save pickles it. A tensor object that occurs twice is one
     record, as in torch.save. This runs at every snapshot of a torch-format shard: a walk in Python that
-    built a stand-in tree first cost as much again as the pickle."""
+    built a stand-in tree first cost as much again as the pickle; what is walked in Python now is only the
+    way to each tensor, for its name (_tensor_paths)."""
     buf = io.BytesIO()
-    pickler = _ShardPickler(buf, protocol=2)    # protocol 2: what torch.save writes
+    pickler = _ShardPickler(buf, protocol=2, paths=_tensor_paths(tree))    # protocol 2: what torch.save writes
     pickler.dump(tree)
     tensors = pickler.tensors
     skeleton = {TORCHZIP: base64.b64encode(buf.getvalue()).decode(), "storages": [k for k, _ in tensors]}
