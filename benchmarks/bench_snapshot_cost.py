@@ -11,7 +11,7 @@ goal (a snapshot of a state <= 1 MB costs the training thread <= 0.2 ms) with PA
 one snapshot by part, from timing each part alone on the same objects (collect: the state dicts and the RNG
 state; flatten: the trees into a skeleton and tensors; meta: the slot's JSON; copy: the tensors into the
 slot; the rest: slot choice, header, the audit log's line, the persist bookkeeping). Last, the part that the
-torch-format shards of Megatron, DeepSpeed and the HF Trainer pay instead of flatten (tree.flatten_pickled: the
+torch-format shards of Megatron, DeepSpeed and the HF Trainer pay instead of flatten (torchpickle.flatten_pickled: the
 shard pickled as torch.save pickles it), timed on the same optimizer state and on an RNG state like the Trainer's
 rng_state.pth (Python's 625-number state, numpy's, torch's).
 """
@@ -35,7 +35,8 @@ import easyckpt.pytorch as ep  # noqa: E402
 from easyckpt.engine.save import rng  # noqa: E402
 from easyckpt.engine.save.background import copy_all  # noqa: E402
 from easyckpt.engine.save.snapshot import encode_meta  # noqa: E402
-from easyckpt.engine.shards.tree import flatten, flatten_pickled  # noqa: E402
+from easyckpt.engine.shards.torchpickle import flatten_pickled  # noqa: E402
+from easyckpt.engine.shards.tree import flatten  # noqa: E402
 
 GOAL = 0.2e-3
 

@@ -14,7 +14,7 @@ import torch
 from easyckpt.agent.stepwriter import persist_slot
 from easyckpt.engine.load.stepread import read_step
 from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter, read_snapshot
-from easyckpt.engine.shards.tree import safe_torch_load
+from easyckpt.engine.shards.safeload import safe_torch_load
 from easyckpt.formats.manifest import MANIFEST_NAME, build
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.ipc import shm

@@ -14,7 +14,7 @@ import torch
 
 from easyckpt.storage.nativefiles import _write_torch
 from easyckpt.engine.load.stepread import read_files
-from easyckpt.engine.shards.tree import flatten_pickled
+from easyckpt.engine.shards.torchpickle import flatten_pickled
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.formats.slotmeta import SlotFile, TensorSpan
@@ -124,7 +124,7 @@ def test_the_shard_pickle_is_torch_saves_own_and_each_loaded_tensor_has_hooks_of
     import io
     import zipfile
 
-    from easyckpt.engine.shards.tree import unflatten_pickled
+    from easyckpt.engine.shards.torchpickle import unflatten_pickled
 
     plain = {"a": torch.arange(12, dtype=torch.float32).view(3, 4), "b": torch.ones(5, dtype=torch.bfloat16),
              "step": 3, "lr": 1e-3, "betas": (0.9, 0.999), "flags": [True, None, "x"]}

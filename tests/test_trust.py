@@ -296,7 +296,7 @@ def test_a_malicious_object_in_a_torch_shard_runs_neither_in_the_agent_nor_on_lo
 
     from easyckpt.agent.stepwriter import persist_slot
     from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter, read_snapshot
-    from easyckpt.engine.shards.tree import safe_torch_load
+    from easyckpt.engine.shards.safeload import safe_torch_load
     from easyckpt.ipc import shm
 
     marker = tmp_path / "pwned"

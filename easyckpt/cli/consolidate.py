@@ -51,7 +51,7 @@ import torch
 
 from easyckpt.cli import outputs
 from easyckpt.cli.outputs import ProgressFactory
-from easyckpt.engine.shards.tree import safe_torch_load
+from easyckpt.engine.shards.safeload import safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import DS_MODEL_STATES, DS_OPTIM_STATES
@@ -293,7 +293,7 @@ class _ListedGlob:
 
 def _native_shapes(tree: Any) -> Any:
     """DeepSpeed stores parameter shapes as torch.Size and its ZeRO-3 merge calls ``.numel()`` on them.
-    Checkpoints written before engine/shards/tree.py kept torch.Size through shared memory hold plain tuples
+    Checkpoints written before engine/shards/torchpickle.py kept torch.Size through shared memory hold plain tuples
     there; give them back their type so that those convert too (newer ones already have it)."""
     if not isinstance(tree, dict):
         return tree

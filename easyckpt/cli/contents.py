@@ -151,7 +151,7 @@ def _safetensors_tensors(step_dir: str, rel: str) -> Iterator[Tuple[str, str, Li
 def _torch_tensors(step_dir: str, rel: str, args: Dict[str, Any], metadata: Dict[str, Any]):
     import torch
 
-    from easyckpt.engine.shards.tree import safe_torch_load
+    from easyckpt.engine.shards.safeload import safe_torch_load
     tree = safe_torch_load(bytes(stepfiles.read_entry(step_dir, rel)))
     found = [(key, str(t.dtype).replace("torch.", ""), list(t.shape), t.numel() * t.element_size())
              for key, t in _walk(tree, "") if isinstance(t, torch.Tensor)]

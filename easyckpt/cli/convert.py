@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from easyckpt.engine.shards.tree import safe_torch_load
+from easyckpt.engine.shards.safeload import safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import manifest as mf
 from easyckpt.formats.layout import NAMINGS

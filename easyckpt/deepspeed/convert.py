@@ -18,7 +18,7 @@ from typing import Any, List
 
 import torch
 
-from easyckpt.engine.shards.tree import safe_torch_load
+from easyckpt.engine.shards.safeload import safe_torch_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.layout import DS_MODEL_STATES, DS_OPTIM_STATES
 from easyckpt.storage import stepfiles

@@ -1,7 +1,7 @@
 """Assemble a torch.save file (a zip archive of stored records) from bytes: the agent's side of a
 framework-native shard, without torch and without unpickling.
 
-The trainer pickles the shard's tree itself (tree.flatten_pickled: ``data.pkl`` with storage record i
+The trainer pickles the shard's tree itself (torchpickle.flatten_pickled: ``data.pkl`` with storage record i
 as a persistent reference); the agent writes that pickle and the tensor bytes straight from the slot
 as the records torch.save writes, in its order:
 

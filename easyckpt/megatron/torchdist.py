@@ -43,7 +43,8 @@ from easyckpt.engine.load.dcp import (
 from easyckpt.engine.load.dcp import metadata as dcp_metadata
 from easyckpt.engine.save.snapshot import ShardSpec
 from easyckpt.engine.scratch import Stage
-from easyckpt.engine.shards.tree import dcp_item_size, safe_torch_load
+from easyckpt.engine.shards.safeload import safe_torch_load
+from easyckpt.engine.shards.tree import dcp_item_size
 from easyckpt.errors import CheckpointError
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from easyckpt.engine.shards.tree import _weights_only_load
+from easyckpt.engine.shards.safeload import weights_only_load
 from easyckpt.errors import CheckpointError
 from easyckpt.formats import torchzip
 from easyckpt.formats.manifest import Item, Manifest
@@ -49,7 +49,7 @@ def read(step_dir: str, rel: str, manifest: Manifest, pick: Pick, trees: Dict[st
             index[us._cdata] = i
             return torch.storage.TypedStorage(wrap_storage=us, dtype=dtype, _internal=True)
 
-        tree = _weights_only_load(io.BytesIO(pkl), meta)
+        tree = weights_only_load(io.BytesIO(pkl), meta)
         wanted = sorted({index[t.untyped_storage()._cdata] for path, t in _tensors(tree, ())
                          if pick(path, tree, trees)})
     except CheckpointError as exc:
@@ -69,7 +69,7 @@ def read(step_dir: str, rel: str, manifest: Manifest, pick: Pick, trees: Dict[st
         return torch.storage.TypedStorage(wrap_storage=us, dtype=dtype, _internal=True)
 
     try:
-        return _weights_only_load(io.BytesIO(pkl), storage), None, nbytes
+        return weights_only_load(io.BytesIO(pkl), storage), None, nbytes
     except (CheckpointError, pickle.UnpicklingError, EOFError) as exc:
         return None, str(exc), nbytes
 

@@ -6,15 +6,9 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Tuple
 
 from easyckpt.engine.shards import shardload
-from easyckpt.engine.shards.tree import (
-    Tensors,
-    flatten,
-    flatten_dcp,
-    flatten_pickled,
-    flatten_raw,
-    safe_torch_load,
-    unflatten,
-)
+from easyckpt.engine.shards.safeload import safe_torch_load
+from easyckpt.engine.shards.torchpickle import flatten_pickled
+from easyckpt.engine.shards.tree import Tensors, flatten, flatten_dcp, flatten_raw, unflatten
 from easyckpt.formats.shardformat import ShardFormat
 
 Flatten = Callable[[Any], Tuple[Any, Tensors]]
