@@ -97,7 +97,8 @@ def _tensor_paths(tree: Any) -> Dict[int, str]:
     """Where each tensor reachable through dicts, lists and tuples sits ("/optimizer/state/0/exp_avg"; the first
     place of one met twice), by the tensor's id: its storage record's name in the slot and in the manifest's items,
     so that a damaged item is named by what it holds. Sequences of scalars (Python's RNG state, 625 ints) are passed
-    over whole; a tensor inside another object gets no path."""
+    over whole; a tensor inside another object gets no path. (load/torchparts.py walks a loaded tree the same way
+    with tuple paths for its picker; shared, the tuples and joins cost this snapshot-time walk 8-13 % more.)"""
     found: Dict[int, str] = {}
 
     def walk(obj: Any, path: str) -> None:
