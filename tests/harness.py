@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import hangs
 import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,8 @@ TIMEOUT = 120
 
 def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     e = dict(os.environ)
-    e.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    # PYTHONFAULTHANDLER: a process that hangs past a test's timeout writes its stacks (tests/hangs.py)
+    e.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "EASYCKPT_FAULTS",
               "EASYCKPT_FAULT_AFTER", "EASYCKPT_FAULT_ONCE_DIR"):
         e.pop(k, None)
@@ -119,14 +121,49 @@ def forkable(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None) -> 
 def run(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, timeout: float = TIMEOUT,
         check: bool = True) -> subprocess.CompletedProcess:
     modules = forkable(cmd, extra_env)
-    if modules is not None:
-        proc = zygote.run(cmd, modules, env(extra_env), timeout)
-    else:
-        proc = subprocess.run(list(cmd), env=env(extra_env), capture_output=True, text=True, timeout=timeout)
+    aborted = hangs.Aborted(cmd, _jobs_of(cmd))
+    try:
+        if modules is not None:
+            proc = zygote.run(cmd, modules, env(extra_env), timeout, aborted.abort)
+        else:
+            proc = _exec_run(cmd, env(extra_env), timeout, aborted)
+    except subprocess.TimeoutExpired as e:
+        aborted.clean()
+        # what the processes said before they were killed, their stacks last: the only clue to where they hung
+        said = [t.decode(errors="replace") if isinstance(t, bytes) else (t or "") for t in (e.output, e.stderr)]
+        raise AssertionError(f"{cmd} did not end within {timeout}s; its threads' stacks (SIGABRT) are at the end"
+                             f"\nstdout:\n{said[0][-4000:]}\nstderr:\n{said[1][-24000:]}"
+                             f"{hangs.agent_logs(cmd)}") from e
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                              f"stderr:\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _jobs_of(cmd: Sequence[str]) -> List[str]:
+    """The job id of the save dir ``cmd`` names (``--save-dir``, ``--job-name``), if it names one."""
+    args = list(map(str, cmd))
+    named = {k: args[i + 1] for i, k in enumerate(args[:-1]) if k in ("--save-dir", "--job-name")}
+    return [job_id(named["--save-dir"], named.get("--job-name"))] if "--save-dir" in named else []
+
+
+def _exec_run(cmd: Sequence[str], environ: Dict[str, str], timeout: float, aborted: hangs.Aborted
+              ) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output=True, text=True, timeout=timeout), but on timeout the process tree is
+    asked for its stacks (tests/hangs.py) before it is killed."""
+    with subprocess.Popen(list(cmd), env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            aborted.abort(proc.pid)
+            try:
+                out, err = proc.communicate(timeout=zygote.SETTLE)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def start(cmd: Sequence[str], extra_env: Optional[Dict[str, str]] = None, log: Optional[Path] = None) -> Any:

@@ -189,3 +189,35 @@ def test_a_fork_server_refuses_a_bad_request_and_a_child_that_cannot_start_exits
     pid, status = _raw(path, json.dumps({**good, "cwd": str(tmp_path / "gone")}).encode())
     assert int(pid) > 0 and status == "127", (pid, status)      # the child said why and exited, never served
     assert zygote.run(_single(tmp_path), ["torch"], harness.env(), timeout=60).returncode == 0
+
+
+
+def test_a_run_past_its_timeout_fails_with_every_process_stack_and_leaves_no_shared_memory(tmp_path):
+    """A test's process that hangs is killed at its timeout, and CI keeps only pytest's output: the failure
+    says where each process waited (tests/hangs.py). Two ranks sleep in their third step; their node agent (a
+    process of its own session) reports too, in its log; and the slots it can no longer release are unlinked
+    (the shm_clean fixture checks /dev/shm)."""
+    loss = tmp_path / "loss"
+    cmd = harness.train_cmd(tmp_path / "ckpt", 2, "--iters", "4", "--loss-file", str(loss), "--step-sleep", "600")
+    assert harness.forkable(cmd) is not None
+    with pytest.raises(AssertionError) as failed:
+        run(cmd, timeout=45)
+    said = str(failed.value)
+    assert "did not end within 45s" in said
+    started = tmp_path / "loss.rank0"
+    if started.exists() and "# start" in started.read_text():   # it had loaded, through its agent: asked too
+        assert "easyckpt/agent/agent.py\", line" in said, said[-3000:]
+    assert said.count("examples/pytorch/train.py\", line") >= 2, said[-3000:]      # both ranks' stacks
+
+
+def test_an_execd_run_past_its_timeout_fails_with_its_stacks(tmp_path):
+    """The same for a command the fork server does not start (harness._exec_run)."""
+    script = tmp_path / "hang.py"
+    script.write_text("import threading, time\n"
+                      "threading.Thread(target=time.sleep, args=(600,), name='waiter').start()\n"
+                      "def waits_here():\n    time.sleep(600)\nwaits_here()\n")
+    cmd = [sys.executable, str(script)]
+    assert harness.forkable(cmd) is None
+    with pytest.raises(AssertionError) as failed:
+        run(cmd, timeout=5)
+    assert "line 4 in waits_here" in str(failed.value), str(failed.value)

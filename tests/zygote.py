@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import faulthandler
 import importlib
 import json
 import os
@@ -36,10 +37,11 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 _HEADER = struct.Struct("!Q")
+SETTLE = 3.0        # seconds run() reads on after on_timeout: stacks asked for by a signal come at once
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -105,6 +107,10 @@ def _child(req: dict, fds: List[int], inherited: List[int]) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()       # as an interpreter started with it: stacks on SIGABRT (tests/hangs.py)
+    else:
+        faulthandler.disable()
     script = req["argv"][1]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
@@ -320,10 +326,11 @@ def popen(cmd: Sequence[str], modules: Sequence[str], env: Dict[str, str], stdin
     return Forked(list(map(str, cmd)), conn)
 
 
-def run(cmd: Sequence[str], modules: Sequence[str], env: Dict[str, str], timeout: float
-        ) -> subprocess.CompletedProcess:
+def run(cmd: Sequence[str], modules: Sequence[str], env: Dict[str, str], timeout: float,
+        on_timeout: Optional[Callable[[int], None]] = None) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout), forked: on timeout the
-    child is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
+    child is killed and subprocess.TimeoutExpired raised (with what it wrote), as subprocess.run does.
+    ``on_timeout(pid)`` is called first (tests/hangs.py), and the output read for SETTLE seconds more."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     with open(os.devnull, "rb") as null:
@@ -334,23 +341,35 @@ def run(cmd: Sequence[str], modules: Sequence[str], env: Dict[str, str], timeout
             os.close(err_w)
     deadline = time.monotonic() + timeout
     chunks: Dict[int, List[bytes]] = {out_r: [], err_r: []}
+    timed_out = ended = False
     try:
         with selectors.DefaultSelector() as sel:
             for fd in chunks:
                 sel.register(fd, selectors.EVENT_READ)
             while sel.get_map():
                 left = deadline - time.monotonic()
+                if left <= 0 and not timed_out and on_timeout is not None:
+                    timed_out = True
+                    on_timeout(proc.pid)
+                    deadline = time.monotonic() + SETTLE
+                    continue
                 if left <= 0:
-                    proc.kill()
-                    proc.wait(timeout=30)
-                    raise subprocess.TimeoutExpired(proc.args, timeout)
+                    break
                 for key, _ in sel.select(left):
                     data = os.read(key.fd, 65536)
                     if data:
                         chunks[key.fd].append(data)
                     else:
                         sel.unregister(key.fd)
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            else:
+                ended = not timed_out       # its streams closed before any timeout
+        if ended:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        else:
+            proc.kill()
+            proc.wait(timeout=30)
+            said = [b"".join(chunks[fd]) for fd in (out_r, err_r)]
+            raise subprocess.TimeoutExpired(proc.args, timeout, output=said[0], stderr=said[1])
     finally:
         os.close(out_r)
         os.close(err_r)
