@@ -199,3 +199,18 @@ def test_snapshots_as_far_apart_as_the_persists_are_the_persists_alone_and_the_b
     assert c.bound == 4                               # a persisted step is a snapshot too
     assert "snapshots every 5 steps (the storage persists alone, save_storage_interval=5)" in c.words()
     assert "a crash loses at most 4 steps" in c.words()
+
+
+def test_a_cadence_decided_while_the_machine_was_disturbed_is_corrected_at_the_next_agreements():
+    """Measured while something else held the cores, a snapshot looked free (every step slow alike): every
+    step is snapshotted. When the steps show the true cost, the next agreements (twice as far apart each
+    time, not RESTATE_SECONDS apart at once: 1024 steps of these) space the snapshots out."""
+    b = SnapshotBudget(floor=1, budget=0.02)
+    step = 1
+    while b.phase is not Phase.STEADY:
+        train([b], 1, step=0.02, costs=[0.0], start=step)
+        step += 1
+    assert b.every == 1 and step < 200, step                 # decided at 144 (warm at 2 s, then measured)
+    taken = train([b], 600 - step, step=0.01, costs=[0.005], start=step)
+    assert b.every == 25, b.every                           # 5 ms of a 10 ms step within 2 %
+    assert [s for s in taken if s > 525] == [550, 575]
