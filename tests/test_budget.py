@@ -204,7 +204,8 @@ def test_snapshots_as_far_apart_as_the_persists_are_the_persists_alone_and_the_b
 def test_a_cadence_decided_while_the_machine_was_disturbed_is_corrected_at_the_next_agreements():
     """Measured while something else held the cores, a snapshot looked free (every step slow alike): every
     step is snapshotted. When the steps show the true cost, the next agreements (twice as far apart each
-    time, not RESTATE_SECONDS apart at once: 1024 steps of these) space the snapshots out."""
+    time while every opportunity is taken, not RESTATE_SECONDS apart at once: 1024 steps of these) space the
+    snapshots out."""
     b = SnapshotBudget(floor=1, budget=0.02)
     step = 1
     while b.phase is not Phase.STEADY:

@@ -13,7 +13,7 @@ cost / (every x step) <= max_overhead. A crash then loses at most ``every - 1`` 
 
 Every rank must snapshot the same steps (a resume from memory needs one step that every rank holds), so the
 phases and ``every`` change only at agreement steps, the same on every rank (multiples of ``spacing``: 16
-steps until the cadence is decided, then doubling up to as many as take about RESTATE_SECONDS, agreed too);
+steps until the cadence is decided, then as many as take about RESTATE_SECONDS, agreed too);
 there the ranks gather their figures and the costliest rank's wish wins. Between them each rank decides
 alone, from the step number only.
 
@@ -56,8 +56,9 @@ class Phase(enum.Enum):
 
 
 # the steps the ranks agree at: every FIRST_SPACING steps until the cadence is decided (measuring starts soon
-# after WARMUP_SECONDS), then twice as far apart at each agreement up to the power of two of steps nearest
-# RESTATE_SECONDS, within MAX_SPACING (each agreement is a collective: about a millisecond)
+# after WARMUP_SECONDS), then every power of two of steps nearest RESTATE_SECONDS, within MAX_SPACING (each
+# agreement is a collective: about a millisecond); twice as far apart at each agreement up to that while the
+# snapshots are taken on every opportunity
 FIRST_SPACING = 16
 RESTATE_SECONDS = 30.0
 MAX_SPACING = 1024
@@ -217,9 +218,12 @@ class SnapshotBudget:
         slowest = max(v[3] for v in votes)
         if slowest > 0:
             near = 2 ** round(math.log2(max(1.0, RESTATE_SECONDS / slowest)))
-            # doubling towards it: a first cadence decided while the machine was disturbed is looked at again
-            # within a few hundred steps, not held for RESTATE_SECONDS (it was: a snapshot every step at x1.6)
-            self.spacing = min(MAX_SPACING, max(FIRST_SPACING, near), 2 * self.spacing)
+            target = min(MAX_SPACING, max(FIRST_SPACING, near))
+            # a snapshot on every opportunity costs the most if the figures lied (measured while the machine was
+            # disturbed, it kept a snapshot every step at x1.6 for RESTATE_SECONDS): then the spacing doubles
+            # towards the target, and the cadence is looked at again within a few hundred steps. Once spaced
+            # out, not sooner: each look may raise ``every`` at once, and noise near a boundary would ratchet it
+            self.spacing = min(target, 2 * self.spacing) if self.every == self.floor else target
         said = self._said
         say = changed and ((said is None and self.every > self.floor) or
                            (said is not None and (self.every >= RELAX * said or RELAX * self.every <= said)))
