@@ -466,3 +466,41 @@ def test_the_line_reader_splits_lines_and_refuses_an_endless_one():
                                                                             b'{"op": "bye", "rank": 0}']
     with pytest.raises(protocol.BadMessage, match="a line longer than"):
         list(reader.feed(b"x" * (protocol.MAX_LINE + 1)))
+
+
+def test_the_commit_a_persist_completes_runs_before_the_next_queued_persist_even_when_the_loop_is_slow():
+    """The persist worker's hand-off (agent/persister.py): after a persist, the worker waits until the loop acted
+    on its result, so the commit that result completes runs before the next step's persist already queued. The
+    loop here takes 0.3 s to come round (a busy agent under load); without the hand-off the worker went straight
+    on to step 10's persist, and an agent killed during it lost step 5's commit (tests/test_faults.py)."""
+    import threading
+    import time
+
+    from easyckpt.agent.persister import Persister
+
+    ran: List[str] = []
+    started = threading.Event()
+
+    def run(job):
+        ran.append(f"{type(job).__name__} {job.step}")
+        started.set()
+        return Result(job)
+
+    worker = Persister(run, threaded=True)
+    worker.submit(PersistJob(5, 0, 0, 1))
+    worker.submit(PersistJob(10, 0, 1, 2))
+    assert started.wait(10)
+    results: List[Result] = []
+    deadline = time.monotonic() + 10
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.3)                       # the loop comes round late
+        results = worker.results()
+    assert [r.job.step for r in results] == [5]
+    worker.submit(CommitJob(5, 1))            # what the coordinator decides on step 5's result
+    worker.acted()
+    deadline = time.monotonic() + 10
+    while len(ran) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        worker.results()
+        worker.acted()
+    assert ran == ["PersistJob 5", "CommitJob 5", "PersistJob 10"]

@@ -164,6 +164,7 @@ class Agent:
             self.coordinator.on_result(result)
         self.coordinator.tick()
         self._execute()
+        self.persister.acted()      # the commits those results complete are queued: the worker may go on
         for path in self.dirwatch.replaced():
             self._dir_replaced(path)
         if self._serve_grace() or self._should_exit():

@@ -14,7 +14,11 @@ state the loop reads, and the loop's state is never touched here. Order of the w
 Jobs run one at a time. Commits, abandons, drops and damaged marks run before queued persists (in the
 order they were submitted): a commit then follows its step's last shard at once, as it would if it
 were part of that persist, instead of waiting behind the next step's shards. A result wakes the loop
-through a pipe, so it acts on it without waiting for its poll timeout.
+through a pipe, so it acts on it without waiting for its poll timeout. After a persist the worker waits
+(HANDOFF_WAIT at most) until the loop has acted on its result: the commit that result completes is
+submitted then, and runs first. Without that wait the next step's persist, already queued, started at
+once: a commit waited behind a whole persist, and an agent killed meanwhile lost it (step 5 persisted,
+never committed, a loader found step 0; tests/test_faults.py, under load).
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from easyckpt.agent.stepwriter import persist_slot
 from easyckpt.ipc import priority
 from easyckpt.storage.auditlog import AuditLog
 
+HANDOFF_WAIT = 1.0      # seconds the worker waits after a persist for the loop to act on its result
 ABANDON_WHY = "its trainers died before every rank's shard of this step was written; a restarted job redoes it"
 
 
@@ -56,6 +61,8 @@ class Worker(Protocol):
 
     def results(self) -> List[Result]: ...
 
+    def acted(self) -> None: ...
+
 
 class Persister:
     """The job queue and the thread that serves it. ``threaded=False`` (an agent run in a test's process):
@@ -67,6 +74,9 @@ class Persister:
         self._urgent: Deque[Job] = collections.deque()     # commit, abandon, drop, damaged
         self._persists: Deque[PersistJob] = collections.deque()
         self._results: Mailbox[Result] = Mailbox()
+        self._threaded = threaded
+        # persist results handed to the loop, taken in by it, and acted on (its turn ended): the hand-off
+        self._put = self._taken = self._acted = 0
         if threaded:
             threading.Thread(target=self._serve, daemon=True, name="easyckpt-persist").start()
 
@@ -76,7 +86,7 @@ class Persister:
                 self._persists.append(job)
             else:
                 self._urgent.append(job)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def cancel(self, drop: Callable[[PersistJob], bool]) -> List[PersistJob]:
         """Take the queued (not started) persists that ``drop`` selects off the queue; returns them."""
@@ -95,7 +105,15 @@ class Persister:
 
     def results(self) -> List[Result]:
         """Every result that came in since the last call, in the order the jobs finished."""
+        with self._cond:
+            self._taken = self._put        # counted once in the mailbox: every one of these is taken now
         return self._results.take()
+
+    def acted(self) -> None:
+        """The loop acted on the results it took (its turn's jobs submitted): the worker may go on."""
+        with self._cond:
+            self._acted = self._taken
+            self._cond.notify_all()
 
     def drain(self) -> int:
         """Run every queued job now on this thread (threaded=False); how many ran."""
@@ -121,6 +139,13 @@ class Persister:
         except Exception as exc:  # noqa: BLE001 - reported, never fatal to the agent
             result = Result(job, f"{type(exc).__name__}: {exc}")
         self._results.put(result)
+        if not (self._threaded and isinstance(job, PersistJob)):
+            return
+        with self._cond:
+            self._put += 1
+            seq = self._put
+            # until the loop acted on it, or a job it submitted (the commit) is there to run first
+            self._cond.wait_for(lambda: self._acted >= seq or bool(self._urgent), timeout=HANDOFF_WAIT)
 
     def _serve(self) -> None:
         # the persist (kernel copies, checksums) yields the CPU to the trainers when both want it, and
