@@ -29,6 +29,7 @@ from typing import (
 import torch
 
 from easyckpt import _faults as faults
+from easyckpt.engine.save import copythreads
 from easyckpt.errors import TornSnapshot
 
 
@@ -177,11 +178,10 @@ class PendingSnapshot(Generic[R]):
             self._device = _PacedDeviceCopy([(d, s) for d, s in pairs if s.is_cuda])
             pairs = [(d, s) for d, s in pairs if not s.is_cuda]
         self._host_pairs = bool(pairs)
-        # not a daemon: the interpreter joins it at exit, so a trainer that ends (or dies of an exception)
-        # right after maybe_save still completes the snapshot, and no copy is cut off inside torch
-        # (a daemon thread stopped inside a C++ frame at shutdown aborts the process)
-        self._thread = threading.Thread(target=self._run, args=(pairs,), name="easyckpt-snapshot", daemon=False)
-        self._thread.start()
+        # on the process's copy thread, which the interpreter lets finish at exit: a trainer that ends (or dies
+        # of an exception) right after maybe_save still completes the snapshot, and no copy is cut off inside
+        # torch (a daemon thread stopped inside a C++ frame at shutdown aborts the process)
+        self._future = copythreads.start("snapshot", lambda: self._run(pairs))
 
     def _run(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         t = time.perf_counter()
@@ -189,12 +189,11 @@ class PendingSnapshot(Generic[R]):
             faults.inject("trainer.background_copy", self.rank)
             feeder = None
             if self._device is not None:     # fed beside the host copies: the DMA and the memmove overlap
-                feeder = threading.Thread(target=self._device.run, name="easyckpt-snapshot-d2h", daemon=False)
-                feeder.start()
+                feeder = copythreads.start("snapshot-d2h", self._device.run)
             for d, s in pairs:
                 _copy_single_threaded(d, s)
             if feeder is not None:
-                feeder.join()
+                feeder.result()
                 if self._device is not None and self._device.error is not None:
                     raise self._device.error
             self.copy_seconds = time.perf_counter() - t
@@ -230,7 +229,7 @@ class PendingSnapshot(Generic[R]):
             t = time.perf_counter()
             self._done.wait()
             self.waited += time.perf_counter() - t
-        self._thread.join()
+        self._future.result()
         if self.error is None:
             try:
                 # a change whose version bump came after the thread's check: the training thread has
