@@ -9,6 +9,7 @@ processes had mapped.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -40,17 +41,22 @@ def descendants(pid: int) -> List[int]:
     return tree
 
 
-def _agents_named(cmd: Sequence[str]) -> List[int]:
-    paths = [a.encode() for a in map(str, cmd) if a.startswith("/") and not a.endswith(".py")]
+def agents_naming(names: Sequence[str]) -> List[int]:
+    """The node agents whose command line (their configuration, JSON) holds any of ``names``."""
+    wanted = [json.dumps(n)[1:-1].encode() for n in names]
     pids = []
     for entry in os.listdir("/proc"):
         try:
             line = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
         except OSError:
             continue
-        if b"easyckpt.agent" in line and any(p in line for p in paths):
+        if b"easyckpt.agent" in line and any(w in line for w in wanted):
             pids.append(int(entry))
     return pids
+
+
+def _agents_named(cmd: Sequence[str]) -> List[int]:
+    return agents_naming([a for a in map(str, cmd) if a.startswith("/") and not a.endswith(".py")])
 
 
 class Aborted:

@@ -352,16 +352,7 @@ def _agent_pids(log: Path, jid: str) -> List[int]:
 
 def _agents_of(save_dir: str) -> List[int]:
     """The agent processes whose configuration (their command line) names ``save_dir``."""
-    named = json.dumps(save_dir)[1:-1].encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
-        except OSError:
-            continue
-        if b"easyckpt.agent" in cmd and named in cmd:
-            pids.append(int(entry))
-    return pids
+    return hangs.agents_naming([save_dir])
 
 
 def _running(pid: int) -> bool:
