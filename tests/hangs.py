@@ -56,7 +56,9 @@ def agents_naming(names: Sequence[str]) -> List[int]:
 
 
 def _agents_named(cmd: Sequence[str]) -> List[int]:
-    return agents_naming([a for a in map(str, cmd) if a.startswith("/") and not a.endswith(".py")])
+    # the paths of ``cmd`` that are not files (its save dir): the interpreter's path is in every agent's
+    # command line, and would name the agents of every other test running beside this one
+    return agents_naming([a for a in map(str, cmd) if a.startswith("/") and not os.path.isfile(a)])
 
 
 class Aborted:
@@ -76,7 +78,7 @@ class Aborted:
             try:
                 with open(f"/proc/{p}/maps") as f:
                     self.shm |= {line.split(None, 5)[5].strip() for line in f
-                                 if line.count(" ") >= 5 and " /dev/shm/easyckpt-" in line}
+                                 if line.count(" ") >= 5 and f" {SHM}/easyckpt-" in line}
             except OSError:
                 pass
         # one at a time, the launcher last: stacks written at once to one pipe would interleave

@@ -191,7 +191,6 @@ def test_a_fork_server_refuses_a_bad_request_and_a_child_that_cannot_start_exits
     assert zygote.run(_single(tmp_path), ["torch"], harness.env(), timeout=60).returncode == 0
 
 
-
 def test_a_run_past_its_timeout_fails_with_every_process_stack_and_leaves_no_shared_memory(tmp_path):
     """A test's process that hangs is killed at its timeout, and CI keeps only pytest's output: the failure
     says where each process waited (tests/hangs.py). Two ranks sleep in their third step; their node agent (a

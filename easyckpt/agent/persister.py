@@ -86,7 +86,7 @@ class Persister:
                 self._persists.append(job)
             else:
                 self._urgent.append(job)
-            self._cond.notify_all()
+            self._cond.notify()
 
     def cancel(self, drop: Callable[[PersistJob], bool]) -> List[PersistJob]:
         """Take the queued (not started) persists that ``drop`` selects off the queue; returns them."""
@@ -113,7 +113,7 @@ class Persister:
         """The loop acted on the results it took (its turn's jobs submitted): the worker may go on."""
         with self._cond:
             self._acted = self._taken
-            self._cond.notify_all()
+            self._cond.notify()
 
     def drain(self) -> int:
         """Run every queued job now on this thread (threaded=False); how many ran."""
@@ -144,8 +144,8 @@ class Persister:
         with self._cond:
             self._put += 1
             seq = self._put
-            # until the loop acted on it, or a job it submitted (the commit) is there to run first
-            self._cond.wait_for(lambda: self._acted >= seq or bool(self._urgent), timeout=HANDOFF_WAIT)
+            # until the loop acted on it: the commit it completes is queued then
+            self._cond.wait_for(lambda: self._acted >= seq, timeout=HANDOFF_WAIT)
 
     def _serve(self) -> None:
         # the persist (kernel copies, checksums) yields the CPU to the trainers when both want it, and

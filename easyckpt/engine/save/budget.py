@@ -13,9 +13,9 @@ cost / (every x step) <= max_overhead. A crash then loses at most ``every - 1`` 
 
 Every rank must snapshot the same steps (a resume from memory needs one step that every rank holds), so the
 phases and ``every`` change only at agreement steps, the same on every rank (multiples of ``spacing``: 16
-steps until the cadence is decided, then as many as take about RESTATE_SECONDS, agreed too);
-there the ranks gather their figures and the costliest rank's wish wins. Between them each rank decides
-alone, from the step number only.
+steps until the cadence is decided, then as many as take about RESTATE_SECONDS, agreed too); there the
+ranks gather their figures and the costliest rank's wish wins. Between them each rank decides alone, from
+the step number only.
 
     WARMUP   a snapshot at every opportunity (save_mem_interval), as without a budget, until every rank has
              trained WARMUP_SECONDS: the first steps (allocator, caches, the slots' first touch) cost what

@@ -26,8 +26,7 @@ def _forked() -> None:
     _lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
+os.register_at_fork(after_in_child=_forked)
 
 
 def start(kind: str, work: Callable[[], None]) -> "Future[None]":
