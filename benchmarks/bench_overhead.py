@@ -218,6 +218,7 @@ def one_pair(regime: str, index: int, workdir: str) -> Dict[str, Any]:
            "ratio": _per_step(runs["easyckpt"]["began"], first) / base,
            "whole_run_ratio": runs["easyckpt"]["wall"] / runs["none"]["wall"],
            "every": every, "bound": cadence["last"]["bound"] if cadence else 0,
+           "persist_every": cadence["last"].get("persist_every") if cadence else None,
            "said_cost": cadence["last"]["cost"] if cadence else None,
            "said_per_step": cadence["last"]["per_step"] if cadence else None}
     for peer in ("dcp", "dlrover"):
@@ -249,6 +250,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{regime} pair {i + 1}: step {row['step_none'] * 1e3:.2f} ms, easyckpt x{row['ratio']:.3f} "
                       f"(whole run x{row['whole_run_ratio']:.3f}), every {row['every']} (bound {row['bound']}), "
+                      f"persists every {row['persist_every']}, "
                       f"said {1e3 * (row['said_per_step'] or 0):.3f} ms/step"
                       + "".join(f", {peer} every {row['every']} x{row[f'{peer}_ratio']:.3f}"
                                 for peer in ("dcp", "dlrover") if f"{peer}_ratio" in row), flush=True)

@@ -36,6 +36,7 @@ from easyckpt.storage.posix import probe_writable
 
 DEFAULT_LOG_NAME = "easyckpt.log"
 NO_VALID_CHECKPOINT = ("error", "start_fresh")
+DEFAULT_STORAGE_INTERVAL = 5     # the persists' spacing where save_storage_interval is unset, before any pacing
 
 
 def log_setting(value: Any) -> Union[str, bool, None]:
@@ -111,7 +112,10 @@ class Config:
 
     save_dir: str
     save_mem_interval: int = 1
-    save_storage_interval: int = 5
+    # every how many iterations the newest snapshot is persisted too; None (unset): every 5 (rounded up to a
+    # multiple of save_mem_interval), further apart when the agent's writing costs the loop more than half of
+    # max_overhead (engine/save/persistpace.py); a number: exactly that, never skipped
+    save_storage_interval: Optional[int] = None
     max_ckpt_num: Optional[int] = 5
     # the audit log (every snapshot, persist, commit, load and delete): None = SAVE_DIR/easyckpt.log,
     # a path = there, False = off (the data-safety record is on unless asked otherwise)
@@ -247,10 +251,19 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def storage_interval(cfg: Config) -> int:
+    """Every how many iterations the storage persists start: save_storage_interval, or where it is unset the
+    budget's starting spacing (5, rounded up to a multiple of save_mem_interval)."""
+    if cfg.save_storage_interval is not None:
+        return cfg.save_storage_interval
+    mem = cfg.save_mem_interval if isinstance(cfg.save_mem_interval, int) and cfg.save_mem_interval > 0 else 1
+    return mem * -(-DEFAULT_STORAGE_INTERVAL // mem)
+
+
 def check_values(cfg: Config) -> None:
     """validate() without the file system: the types and ranges of every setting but save_dir."""
     mem = _positive_int("save_mem_interval", cfg.save_mem_interval)
-    sto = _positive_int("save_storage_interval", cfg.save_storage_interval)
+    sto = _positive_int("save_storage_interval", storage_interval(cfg))
     if sto % mem:
         lower, upper = (sto // mem) * mem, (sto // mem + 1) * mem
         hint = f"{lower} or {upper}" if lower else f"{upper}"

@@ -21,7 +21,7 @@ import secrets
 from typing import Any, Dict, List, Optional, Sequence
 
 from easyckpt import console
-from easyckpt.config import Config, validate
+from easyckpt.config import Config, storage_interval, validate
 from easyckpt.engine.link import metrics, peers, runlog
 from easyckpt.engine.link.agentview import AgentView
 from easyckpt.engine.link.client import AgentClient
@@ -32,6 +32,7 @@ from easyckpt.engine.load.newest import Layout, load_newest
 from easyckpt.engine.load.reads import Needed
 from easyckpt.engine.load.sources import Loaded, Ranks
 from easyckpt.engine.save.budget import SnapshotBudget, agree_ranks, record_last
+from easyckpt.engine.save.persistpace import PersistPace
 from easyckpt.engine.save.saver import Collect, Info, Saver
 from easyckpt.engine.save.snapshot import SnapshotResult, Snapshotter
 from easyckpt.engine.seams import AgentLink, Clock, Group, SystemClock
@@ -78,7 +79,14 @@ class Engine:
         self.run_id = secrets.token_hex(8)
         self.run_info: Dict[str, Any] = {"run": self.run_started, "run_id": self.run_id}   # in every snapshot's info
         self.progress = runlog.LastStep(self.rank)
-        self.budget = SnapshotBudget(cfg.save_mem_interval, cfg.max_overhead)   # within max_overhead of step time
+        self.storage_every = storage_interval(cfg)
+        # the persists' spacing is the budget's only where the user left it unset (persistpace.py)
+        pace = (PersistPace(cfg.save_mem_interval, self.storage_every, cfg.max_overhead,
+                            lambda: self.view.reports.persist_seconds)
+                if cfg.save_storage_interval is None and cfg.max_overhead is not None else None)
+        if pace is not None:
+            self.view.on_requested.append(lambda step: pace.requested(step, self.clock.monotonic()))
+        self.budget = SnapshotBudget(cfg.save_mem_interval, cfg.max_overhead, pace=pace)   # within max_overhead
         self.saver = Saver(cfg, self.rank, self.snapshotter, self.log, self.clock, self.view, self.budget,
                            introduce=self._introduce, run=self.run_info)
         self.metrics = metrics.RunMetrics(self.rank, self.log, self.view, self.budget, self.clock)
@@ -110,9 +118,11 @@ class Engine:
         if step % self.cfg.save_mem_interval:
             return None
         # the persists this call decides are snapshots too (the loss bound); a framework's own are not known
-        budget.persist_every = self.cfg.save_storage_interval if persist is None else None
+        every = budget.pace.every if budget.pace is not None else self.storage_every
+        budget.persist_every = every if persist is None else None
         if persist is None:
-            persist = step % self.cfg.save_storage_interval == 0
+            persist = step % every == 0
+            self.saver.skips.storage = every          # what a skip's warning names
         # the budget may space out snapshots that only go to memory; a persist is never skipped for it
         if not persist and not budget.due(step):
             return None

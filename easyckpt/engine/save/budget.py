@@ -25,6 +25,10 @@ the step number only.
     STEADY   every ``every`` steps; when that is every step, one in PROBE_EVERY is skipped so that the plain
              step is still measured (the loss bound is then one step, said so)
 
+The storage persists are paced too, when the user left ``save_storage_interval`` unset: what the agent's writing
+costs the loop is measured on the plain steps that run beside it, and their spacing is agreed at the same steps
+(persistpace.py).
+
 ``max_overhead=None``: no budget; a snapshot on every opportunity, exactly as asked, and the steps are still
 measured for the accounting where plain ones exist (save_mem_interval > 1).
 """
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from typing import Deque, Optional, Sequence, Tuple
 
 from easyckpt import console
+from easyckpt.engine.save.persistpace import PERSIST_SHARE, PersistPace
 from easyckpt.engine.seams import Group
 from easyckpt.storage.auditlog import AuditLog
 
@@ -65,8 +70,9 @@ MAX_SPACING = 1024
 
 
 # one rank's figures at an agreement step: (warmed up, the ``every`` it wants or 0 when it cannot say yet,
-# cost of a snapshot in seconds, plain step in seconds); plain values, for the ranks' all_gather
-Vote = Tuple[bool, int, float, float]
+# cost of a snapshot in seconds, plain step in seconds, the persists' spacing it wants or 0); plain values, for
+# the ranks' all_gather
+Vote = Tuple[bool, int, float, float, int]
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,7 @@ class Cadence:
     probing: bool          # one snapshot in PROBE_EVERY is skipped to keep measuring
     rate: float = 0.0      # snapshots per step since the last agreement, persists included (0: not counted yet)
     persist_every: Optional[int] = None    # steps between storage persists, each also a snapshot (None: not known)
+    persist_paced: bool = False            # that spacing is the budget's (save_storage_interval unset)
 
     @property
     def bound(self) -> int:
@@ -101,7 +108,7 @@ class Cadence:
     def to_info(self) -> dict:
         return {"every": self.every, "cost": round(self.cost, 6), "step_seconds": round(self.step, 6),
                 "per_step": round(self.per_step, 6), "overhead": round(self.overhead, 5), "bound": self.bound,
-                "budget": self.budget}
+                "budget": self.budget, "persist_every": self.persist_every}
 
     def words(self) -> str:
         """The console's line: what a snapshot costs and what a crash can lose."""
@@ -111,19 +118,25 @@ class Cadence:
                 f"({self.overhead:.1%} of step time; max_overhead={self.budget:g})" if self.budget is not None
                 else f"each costs {self.cost * 1e3:.2f} ms of a {self.step * 1e3:.2f} ms step")
         probe = f" (one in {PROBE_EVERY} is skipped to keep measuring)" if self.probing else ""
+        store = (f"save_storage_interval unset, {self.persist_every} now" if self.persist_paced
+                 else f"save_storage_interval={self.persist_every}")
         if self.persist_every and self.every % self.persist_every == 0 and self.every > 1:
-            steps, probe = (f"every {self.persist_every} steps", f" (the storage persists alone, "
-                                                                 f"save_storage_interval={self.persist_every})")
-        return f"snapshots {steps}{probe}: {cost}; a crash loses at most {lose}"
+            steps, probe = (f"every {self.persist_every} steps", f" (the storage persists alone, {store})")
+        paced = (f"; storage persists every {self.persist_every} steps, spaced so that the agent's writing costs "
+                 f"at most {self.budget * PERSIST_SHARE:.1%} of step time ({store})"
+                 if self.persist_paced and self.budget is not None else "")
+        return f"snapshots {steps}{probe}: {cost}; a crash loses at most {lose}{paced}"
 
 
 class SnapshotBudget:
     """The cadence of one rank's memory snapshots; see the module docstring."""
 
-    def __init__(self, floor: int, budget: Optional[float], persist_every: Optional[int] = None):
+    def __init__(self, floor: int, budget: Optional[float], persist_every: Optional[int] = None,
+                 pace: Optional[PersistPace] = None):
         """``persist_every``: the steps between the storage persists ``maybe_save`` takes by itself (each is
-        also a snapshot, never skipped); None when the framework decides them."""
-        self.floor, self.budget, self.persist_every = floor, budget, persist_every
+        also a snapshot, never skipped); None when the framework decides them. ``pace``: their spacing when the
+        budget decides it (save_storage_interval unset)."""
+        self.floor, self.budget, self.persist_every, self.pace = floor, budget, persist_every, pace
         self.phase = Phase.WARMUP if budget is not None else Phase.STEADY
         self.every = floor
         self.first: Optional[int] = None           # the first step this process saved at
@@ -138,6 +151,7 @@ class SnapshotBudget:
         self._sums = [0.0, 0, 0.0, 0]              # since the last agreement: steps after a snapshot (seconds,
         #                                            count), after none (seconds, count): the stopwatch's means
         self._said: Optional[int] = None           # the ``every`` rank 0's console last said
+        self._said_persist: Optional[int] = None   # and the persists' spacing
         self._info: Optional[dict] = None
         self.spacing = FIRST_SPACING               # steps between agreements (agreed: the same on every rank)
 
@@ -149,6 +163,8 @@ class SnapshotBudget:
             self.first, self._started = step, now
         elif self._last is not None and now > self._last:
             (self.snap if self._after_snapshot else self.plain).append(now - self._last)
+            if self.pace is not None and not self._after_snapshot:
+                self.pace.plain(now, now - self._last)
             i = 0 if self._after_snapshot else 2
             self._sums[i] += now - self._last
             self._sums[i + 1] += 1
@@ -186,7 +202,8 @@ class SnapshotBudget:
         cost, step = self.measured()
         want = self._wanted(cost, step) if (self.phase is not Phase.WARMUP and cost is not None
                                             and step is not None) else 0
-        return warm, want, cost or 0.0, step or 0.0
+        persist = self.pace.want(self._now) if self.pace is not None and self.phase is not Phase.WARMUP else 0
+        return warm, want, cost or 0.0, step or 0.0, persist
 
     def agree(self, votes: Sequence[Vote]) -> Tuple[Optional[Cadence], bool]:
         """Apply every rank's figures: (the cadence from now on, whether rank 0's console says it); no cadence
@@ -196,6 +213,11 @@ class SnapshotBudget:
         self._steps = self._taken = 0
         self._sums = [0.0, 0, 0.0, 0]
         self._info = None
+        if self.pace is not None:
+            if self.phase is not Phase.WARMUP:
+                self.pace.agree([int(v[4]) if len(v) > 4 else 0 for v in votes])
+            if self.persist_every is not None:      # None: the framework decides the persists (maybe_save)
+                self.persist_every = self.pace.every
         if self.phase is Phase.WARMUP:
             if all(v[0] for v in votes):
                 self.phase = Phase.MEASURE
@@ -223,12 +245,20 @@ class SnapshotBudget:
             # disturbed, it kept a snapshot every step at x1.6 for RESTATE_SECONDS): then the spacing doubles
             # towards the target, and the cadence is looked at again within a few hundred steps. Once spaced
             # out, not sooner: each look may raise ``every`` at once, and noise near a boundary would ratchet it
-            self.spacing = min(target, 2 * self.spacing) if self.every == self.floor else target
+            # so too while the persists' spacing is being found (each look doubles it at most)
+            unsettled = self.every == self.floor or (self.pace is not None and self.pace.unsettled)
+            self.spacing = min(target, 2 * self.spacing) if unsettled else target
         said = self._said
         say = changed and ((said is None and self.every > self.floor) or
                            (said is not None and (self.every >= RELAX * said or RELAX * self.every <= said)))
         if say:
             self._said = self.every
+        # the persists' spacing is said when the budget first takes it RELAX times past its floor, then again
+        # when it changes that much (it may have changed while the snapshots' cadence was still being measured)
+        pace = self.pace
+        if pace is not None and ((pace.floor if self._said_persist is None else self._said_persist) * RELAX
+                                 <= pace.every or pace.every * RELAX <= (self._said_persist or 0)):
+            say, self._said_persist = True, pace.every
         return self._cadence(costliest[2], costliest[3]), say
 
     # ---- figures -------------------------------------------------------------------------------
@@ -257,7 +287,8 @@ class SnapshotBudget:
             return None
         cost, step = max(0.0, snap / snaps - plain / plains), plain / plains
         probing = self.every == 1
-        return Cadence(self.every, cost, step, self.budget, probing, self._taken / self._steps, self.persist_every)
+        return Cadence(self.every, cost, step, self.budget, probing, self._taken / self._steps, self.persist_every,
+                       self.paced)
 
     def info(self) -> dict:
         """cadence().to_info(), recomputed every INFO_EVERY steps only (each snapshot records it; the medians
@@ -266,9 +297,15 @@ class SnapshotBudget:
             self._info = self.cadence().to_info()
         return self._info
 
+    @property
+    def paced(self) -> bool:
+        """Whether the persists' spacing is the budget's (persistpace.py), not the user's or the framework's."""
+        return self.pace is not None and self.persist_every is not None
+
     def _cadence(self, cost: float, step: float) -> Cadence:
         probing = self.budget is not None and self.phase is Phase.STEADY and self.every == 1
-        return Cadence(self.every, cost, step, self.budget, probing, self.rate, self.persist_every)
+        return Cadence(self.every, cost, step, self.budget, probing, self.rate, self.persist_every,
+                       self.paced)
 
     def _wanted(self, cost: float, step: float) -> int:
         assert self.budget is not None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, Optional, Protocol, Sequence
 
-from easyckpt.config import Config
+from easyckpt.config import Config, storage_interval
 from easyckpt.engine.save.budget import SnapshotBudget
 from easyckpt.engine.save.overlap import OptimizerWatch, auto_overlap
 from easyckpt.engine.save.skips import SkipEpisodes
@@ -55,7 +55,7 @@ class Saver:
         self.last: Optional[SnapshotResult] = None
         self.last_persisted_step: Optional[int] = None
         self.last_complete_step: Optional[int] = None   # newest snapshot a crash would resume from
-        self.skips = SkipEpisodes(rank, cfg.save_mem_interval, cfg.save_storage_interval, log)
+        self.skips = SkipEpisodes(rank, cfg.save_mem_interval, storage_interval(cfg), log)
         # overlap (overlap.py): a snapshot whose optimizer-owned tensors are still being copied
         self.pending: Optional[PendingSnapshot] = None
         self._pending_persist = False
@@ -103,7 +103,7 @@ class Saver:
             why = self.snapshotter.skipped or (
                 f"the easyckpt agent (pid {pid}) is stopped and holds both snapshot slots" if pid and shm.pid_stopped(pid)
                 else f"both snapshot slots are still being persisted (storage is slower than "
-                     f"save_storage_interval={self.cfg.save_storage_interval})")
+                     f"save_storage_interval={self.skips.storage})")
             self.skips.skipped(step, behind, why, self.clock.monotonic())   # said once an episode (skips.py)
             return None
         self._done(result, persist)

@@ -1,0 +1,156 @@
+"""How often the storage persists run when the user left ``save_storage_interval`` unset (None): every
+``config.storage_interval`` steps (5, as before this existed), and further apart when the agent's writing costs the training loop
+more than its share of the budget (``Config.max_overhead`` x PERSIST_SHARE). An interval the user set, or a
+framework's own save points, are kept exactly: a persist asked for is never skipped for the budget.
+
+A persist's cost is not on the step that asks for it. The agent (another process) writes the snapshot while
+training goes on, and the loop pays in the steps that run beside the write: the cores, the memory bus, and on a
+VM the host serving the disk writes on the vCPUs' time (writing pt10's 14.7 MB every 50 ms cost that loop
+x1.46 with no easyckpt code in its process: benchmarks/bench_disk_share.py). So, from the step times the
+snapshot budget already takes (plain steps only: a snapshot's own cost is its budget's):
+
+    busy     from each persist's start, its request or the end of the write before it (the agent writes one
+             after the other), for the seconds the agent took to write it (its status says them once the step
+             commits; the median of those known stands in for one not known yet)
+    duty     the share of the time the agent was busy
+    cost     duty x (median plain step while busy - median plain step while not), per step
+
+and the persists are spaced so that cost <= share x step: a write's seconds do not change with the spacing, so
+the duty, and the cost, fall as the spacing grows. When nearly no plain step ran beside no write (the agent
+persists back to back) the cost cannot be measured: the spacing grows at each agreement until it can, at least
+doubling, as far as would leave the agent idle half the time. More
+steps between persists only past RAISE times as many, fewer only when the budget allows RELAX times as many; never further apart than MAX_SECONDS of
+training (a node lost loses at most that from storage; its memory and peers' replicas are not affected).
+The spacing is agreed at the snapshot budget's agreement steps (budget.py), so every rank persists the same steps.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+PERSIST_SHARE = 0.5        # of max_overhead, for the agent's writing; the snapshots have their own budget
+SATURATED = 0.5            # duty at or above which, without plain steps beside no write, the spacing doubles
+MIN_SAMPLES = 15           # plain steps of each kind the cost is measured on
+MAX_SECONDS = 600.0        # of training between persists at most
+RELAX = 2                  # fewer steps between persists only when the budget allows this many times more
+RAISE = 1.25               # more only past this many times (a few percent of noise would move them at every look)
+KEEP_REQUESTS = 4096       # requests and plain steps kept until a decision (memory bounded)
+KEEP_STEPS = 16384
+
+
+class PersistPace:
+    """One rank's view of what the storage persists cost its loop, and the spacing agreed; see the module
+    docstring. ``floor``: the spacing they start at, a multiple of ``save_mem_interval`` (only memory snapshots
+    can be persisted). ``written``: the seconds the agent took to write recent persisted steps, by step
+    (AgentView's reports; read, never asked)."""
+
+    def __init__(self, save_mem_interval: int, floor: int, budget: float, written: Callable[[], Dict[int, float]]):
+        self.mem, self.floor = save_mem_interval, floor
+        self.share = budget * PERSIST_SHARE
+        self.every = self.floor
+        # the spacing is not found yet, or the last agreement changed it: the snapshot budget's agreements come
+        # twice as far apart each time (budget.py), not RESTATE_SECONDS apart at once
+        self.unsettled = True
+        self._found = False
+        self._written = written
+        self._asked: List[Tuple[int, float]] = []   # (step, when its persist was requested), recent ones
+        self._plain: List[Tuple[float, float]] = []  # (when it ended, seconds) of plain steps since the last change
+        self._since: Optional[float] = None         # when the samples began
+
+    def requested(self, step: int, now: float) -> None:
+        self._asked.append((step, now))
+        del self._asked[:-KEEP_REQUESTS]
+
+    def plain(self, end: float, seconds: float) -> None:
+        if len(self._plain) >= KEEP_STEPS:
+            self._restart()
+        if self._since is None:
+            self._since = end - seconds
+        self._plain.append((end, seconds))
+
+    def _restart(self) -> None:
+        """Measure afresh; the two newest requests stay (their writes may still be running)."""
+        self._plain, self._since = [], None
+        del self._asked[:-2]
+
+    # ---- agreement steps -----------------------------------------------------------------------
+
+    def want(self, now: float) -> int:
+        """The spacing this rank's figures ask for: measured, or negative where only guessed (the agent
+        persisting back to back); 0 when they cannot say yet."""
+        measured = self.measured(now)
+        if measured is None:
+            return 0
+        duty, write, busy, free = measured
+        if len(free) < MIN_SAMPLES:
+            if duty < SATURATED or len(busy) < MIN_SAMPLES:
+                return 0
+            # far enough apart that the agent would be idle half the time, at least twice as far
+            step = statistics.median(busy)
+            return -self._fit(max(2 * self.every, math.ceil(write / (SATURATED * step))), step)
+        step = statistics.median(free)
+        if len(busy) >= MIN_SAMPLES:
+            cost = duty * max(0.0, statistics.median(busy) - step)
+        elif duty < self.share:
+            # too few steps ran beside a write to measure them (short writes): even slowing those by a whole step,
+            # more than any measured (x1.46 at pt10 on 2 vCPUs), the writes cost less than their share
+            cost = duty * step
+        else:
+            return 0
+        return self._fit(math.ceil(self.every * cost / (self.share * step) - 1e-9), step)
+
+    def agree(self, wants: Sequence[int]) -> bool:
+        """Apply every rank's wish (the largest wins); True when the spacing changed. Every rank decides alike
+        from the same wishes, ``unsettled`` too: it sets when the ranks agree next (budget.py)."""
+        want = max((abs(w) for w in wants), default=0)
+        changed = bool(want) and (want >= self.every * RAISE or want * RELAX <= self.every)
+        # found once a look measured the cost (not the guess for a saturated agent, not "cannot say yet")
+        self._found = self._found or any(w > 0 for w in wants)
+        if changed:
+            self.every = want
+        if want:                         # decided on these samples: the next decision measures afresh
+            self._restart()
+        self.unsettled = changed or not self._found
+        return changed
+
+    def measured(self, now: float) -> Optional[Tuple[float, float, List[float], List[float]]]:
+        """(duty, a write's typical seconds, plain steps beside a write, plain steps beside none) since the
+        samples began; None before any write's seconds are known."""
+        since = self._since
+        known = self._written()
+        # a duty needs the samples to span whole spacings: at least two persists asked since they began
+        if since is None or now <= since or not known or sum(at >= since for _, at in self._asked) < 2:
+            return None
+        typical = statistics.median(known.values())
+        spans = _serial([(at, known.get(step, typical)) for step, at in self._asked])
+        busy_time = sum(max(0.0, min(b, now) - max(a, since)) for a, b in spans)
+        starts = [a for a, _ in spans]
+        busy: List[float] = []
+        free: List[float] = []
+        for end, seconds in self._plain:
+            mid = end - seconds / 2
+            i = bisect.bisect_right(starts, mid) - 1
+            (busy if i >= 0 and mid < spans[i][1] else free).append(seconds)
+        return busy_time / (now - since), typical, busy, free
+
+    def _fit(self, steps: int, step: Optional[float] = None) -> int:
+        """``steps`` as a spacing: a multiple of the floor (so of save_mem_interval; persisted steps stay 5, 10,
+        ... 1760, 3520), at most MAX_SECONDS of training (when the step time is known)."""
+        every = self.floor * max(1, math.ceil(steps / self.floor))
+        if step:
+            every = min(every, self.floor * max(1, int(MAX_SECONDS / step / self.floor)))
+        return every
+
+
+def _serial(writes: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The agent's busy spans from (requested at, write seconds): it writes one persist after the other, so a
+    request that finds it busy starts when the previous write ends; touching spans are joined."""
+    out: List[Tuple[float, float]] = []
+    for at, seconds in sorted(writes):
+        if out and at <= out[-1][1]:
+            out[-1] = (out[-1][0], out[-1][1] + seconds)
+        else:
+            out.append((at, at + seconds))
+    return out

@@ -1,0 +1,130 @@
+"""The storage persists' pacing (engine/save/persistpace.py) under the snapshot budget, in process: a training
+loop's steps fed to the budget, and an agent that writes each persisted step for a known time, one after the
+other, while the steps that run beside a write take longer by a known share. What the pacing reads of the agent is
+what a trainer reads: when each persist was requested, and the seconds each write took once its step committed.
+The explicit interval and the Config's unset one are checked on the real Engine's settings."""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import pytest
+
+from easyckpt.config import Config, storage_interval
+from easyckpt.engine.save import persistpace as pp
+from easyckpt.engine.save.budget import SnapshotBudget
+from easyckpt.errors import ConfigError
+
+
+class Loop:
+    """One rank's loop and its node's agent. A plain step takes ``step`` s, ``slower`` times more while the
+    agent writes; a snapshot adds ``snap`` s; each persist's write takes ``write`` s, started when the agent is
+    free (one request waits while it writes; with both slots held the snapshot is skipped, as the Snapshotter
+    does), and its seconds are known to the trainer once it ended."""
+
+    def __init__(self, step: float, slower: float, write: float, snap: float = 0.0005, budget: float = 0.02):
+        self.step, self.slower, self.write, self.snap = step, slower, write, snap
+        self.done: Dict[int, Tuple[float, float]] = {}            # step -> (write ended, seconds)
+        self.pace = pp.PersistPace(1, 5, budget, self.written)
+        self.budget = SnapshotBudget(1, budget, pace=self.pace)
+        self.now, self.agent_free, self.persisted = 0.0, 0.0, []  # type: float, float, List[int]
+        self.busy = 0.0                                            # seconds of steps the writes slowed
+
+    def written(self) -> Dict[int, float]:
+        return {s: secs for s, (end, secs) in self.done.items() if end <= self.now}
+
+    def run(self, steps: int, start: int = 1) -> None:
+        b = self.budget
+        for s in range(start, start + steps):
+            b.tick(s, self.now)
+            if b.agreement_due(s):
+                b.agree([b.vote()])
+            every = self.pace.every
+            b.persist_every = every
+            persist = s % every == 0
+            took = persist or b.due(s)
+            if took:
+                b.took()
+            if persist and self.agent_free - self.now > self.write:
+                persist = took = False                    # both slots held by persists: the snapshot is skipped
+            if persist:
+                self.persisted.append(s)
+                self.pace.requested(s, self.now)
+                begin = max(self.now, self.agent_free)
+                self.agent_free = begin + self.write
+                self.done[s] = (self.agent_free, self.write)
+            mid = self.now + self.step / 2
+            writing = any(end - secs <= mid < end for end, secs in self.done.values())
+            extra = self.step * self.slower if writing else 0.0
+            self.busy += extra
+            self.now += self.step + extra + (self.snap if took else 0.0)
+
+
+def test_writes_that_slow_the_loop_are_spaced_out_until_their_cost_is_within_half_the_budget():
+    """0.4 s writes against 10 ms steps, each step beside one 40 % slower: every 5 steps the agent writes back to
+    back (x1.4). The spacing grows until steps without a write are seen, then is set from the measured cost:
+    0.4 s of writing may slow the loop 1 % (half of max_overhead=0.02) when it comes every 16 s or more."""
+    loop = Loop(step=0.01, slower=0.4, write=0.4)
+    loop.run(400)
+    assert loop.pace.every > 5                                   # guessed from the write's seconds while saturated
+    loop.run(12000, start=401)
+    every = loop.pace.every
+    assert 1200 <= every <= 3600, every                          # 16 s of 10 ms steps, give or take the noise
+    # over the last stretch, what the writes cost the loop per step, as a stopwatch would see it
+    before_busy, before = loop.busy, loop.now
+    loop.run(4 * every, start=12401)
+    assert (loop.busy - before_busy) / (loop.now - before) <= 0.02
+    assert all(s % 5 == 0 for s in loop.persisted)
+    c, every = loop.budget.cadence(), loop.pace.every
+    assert c.persist_every == every and c.persist_paced
+    assert f"storage persists every {every} steps" in c.words() and "save_storage_interval unset" in c.words()
+
+
+def test_writes_the_loop_does_not_feel_stay_every_5_steps():
+    """On a machine with cores to spare, a step beside a write takes no longer: the persists stay where they
+    start (the old default), whatever the agent's duty."""
+    loop = Loop(step=0.01, slower=0.0, write=0.02)
+    loop.run(6000)
+    assert loop.pace.every == 5
+    assert loop.persisted == list(range(5, 6001, 5))
+
+
+def test_the_spacing_comes_back_when_the_writes_get_cheap():
+    loop = Loop(step=0.01, slower=0.4, write=0.2)
+    loop.run(8000)
+    far = loop.pace.every
+    assert far >= 100
+    loop.write, loop.slower = 0.002, 0.05                        # a faster disk, say, or the other job gone
+    loop.run(40000, start=8001)
+    assert loop.pace.every * pp.RELAX <= far, (far, loop.pace.every)
+
+
+def test_never_further_apart_than_max_seconds_of_training():
+    loop = Loop(step=0.01, slower=1.0, write=30.0)               # 30 s writes doubling a step: 2 persists an hour
+    loop.run(200000)
+    assert loop.pace.every * 0.01 <= pp.MAX_SECONDS
+
+
+def test_without_a_known_write_the_pacing_has_no_opinion():
+    pace = pp.PersistPace(1, 5, 0.02, dict)
+    for i in range(100):
+        pace.plain(i * 0.01 + 0.01, 0.01)
+    assert pace.want(1.0) == 0
+    assert not pace.agree([0]) and pace.every == 5
+
+
+def test_the_ranks_persist_alike_the_slowest_rank_decides():
+    """Every rank must persist the same steps: the largest wish wins, on every rank."""
+    a, b = (pp.PersistPace(2, 6, 0.02, dict) for _ in range(2))
+    for pace in (a, b):
+        assert pace.agree([0, 24, 12])
+        assert pace.every == 24
+
+
+def test_a_set_interval_is_kept_and_an_unset_one_starts_at_5_rounded_to_the_memory_interval():
+    assert storage_interval(Config(save_dir="/x")) == 5
+    assert storage_interval(Config(save_dir="/x", save_mem_interval=2)) == 6
+    assert storage_interval(Config(save_dir="/x", save_mem_interval=2, save_storage_interval=4)) == 4
+    from easyckpt.config import check_values
+    check_values(Config(save_dir="/x", save_mem_interval=2))       # 5 was refused here before: not a multiple
+    with pytest.raises(ConfigError, match="not a multiple"):
+        check_values(Config(save_dir="/x", save_mem_interval=2, save_storage_interval=5))
