@@ -36,7 +36,15 @@ from easyckpt.storage.posix import probe_writable
 
 DEFAULT_LOG_NAME = "easyckpt.log"
 NO_VALID_CHECKPOINT = ("error", "start_fresh")
-DEFAULT_STORAGE_INTERVAL = 5     # the persists' spacing where save_storage_interval is unset, before any pacing
+
+
+class UnsetInterval(int):
+    """save_storage_interval's default: 5 wherever a number is read (signatures show it, comparisons see it), and
+    the mark that the user did not choose it. Left so, the budget may space the persists further apart
+    (engine/save/persistpace.py); a number the user gives, 5 included, is kept exactly."""
+
+
+STORAGE_DEFAULT = UnsetInterval(5)
 
 
 def log_setting(value: Any) -> Union[str, bool, None]:
@@ -112,10 +120,10 @@ class Config:
 
     save_dir: str
     save_mem_interval: int = 1
-    # every how many iterations the newest snapshot is persisted too; None (unset): every 5 (rounded up to a
-    # multiple of save_mem_interval), further apart when the agent's writing costs the loop more than half of
-    # max_overhead (engine/save/persistpace.py); a number: exactly that, never skipped
-    save_storage_interval: Optional[int] = None
+    # every how many iterations the newest snapshot is persisted too: a number given is kept exactly, never
+    # skipped. Left at its default, 5 (rounded up to a multiple of save_mem_interval), spaced further apart while
+    # the agent's writing costs the loop more than half of max_overhead (engine/save/persistpace.py)
+    save_storage_interval: int = STORAGE_DEFAULT
     max_ckpt_num: Optional[int] = 5
     # the audit log (every snapshot, persist, commit, load and delete): None = SAVE_DIR/easyckpt.log,
     # a path = there, False = off (the data-safety record is on unless asked otherwise)
@@ -251,13 +259,18 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def storage_unset(cfg: Config) -> bool:
+    """Whether save_storage_interval was left at its default (the budget may then pace the persists)."""
+    return isinstance(cfg.save_storage_interval, UnsetInterval)
+
+
 def storage_interval(cfg: Config) -> int:
-    """Every how many iterations the storage persists start: save_storage_interval, or where it is unset the
-    budget's starting spacing (5, rounded up to a multiple of save_mem_interval)."""
-    if cfg.save_storage_interval is not None:
+    """Every how many iterations the storage persists start: save_storage_interval as given, or where it was left
+    at its default 5, rounded up to a multiple of save_mem_interval (5 is not one of 2: only snapshots persist)."""
+    if not storage_unset(cfg):
         return cfg.save_storage_interval
     mem = cfg.save_mem_interval if isinstance(cfg.save_mem_interval, int) and cfg.save_mem_interval > 0 else 1
-    return mem * -(-DEFAULT_STORAGE_INTERVAL // mem)
+    return mem * -(-int(cfg.save_storage_interval) // mem)
 
 
 def check_values(cfg: Config) -> None:

@@ -23,7 +23,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from easyckpt import dtensor
-from easyckpt.config import NAMINGS, Config, adapter_config
+from easyckpt.config import NAMINGS, STORAGE_DEFAULT, Config, adapter_config
 from easyckpt.engine.checkpointer import (
     Checkpointer,
     DefaultCheckpointer,
@@ -162,7 +162,7 @@ class PytorchState(FrameworkState[Any]):
 
 
 def initialize_easyckpt(save_dir: Union[str, Config, None] = None, save_mem_interval: int = 1,
-                        save_storage_interval: Optional[int] = None, max_ckpt_num: Optional[int] = 5,
+                        save_storage_interval: int = STORAGE_DEFAULT, max_ckpt_num: Optional[int] = 5,
                         log_file_path: Union[str, bool, None] = None, *, config: Optional[Config] = None,
                         **advanced: Any) -> None:
     """Validate the settings and attach to this node's agent (starting it on the first local rank).

@@ -2,14 +2,14 @@
 loop's steps fed to the budget, and an agent that writes each persisted step for a known time, one after the
 other, while the steps that run beside a write take longer by a known share. What the pacing reads of the agent is
 what a trainer reads: when each persist was requested, and the seconds each write took once its step committed.
-The explicit interval and the Config's unset one are checked on the real Engine's settings."""
+A given interval and the default one are told apart in the Config."""
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
 import pytest
 
-from easyckpt.config import Config, storage_interval
+from easyckpt.config import Config, check_values, storage_interval, storage_unset
 from easyckpt.engine.save import persistpace as pp
 from easyckpt.engine.save.budget import SnapshotBudget
 from easyckpt.errors import ConfigError
@@ -76,7 +76,17 @@ def test_writes_that_slow_the_loop_are_spaced_out_until_their_cost_is_within_hal
     assert all(s % 5 == 0 for s in loop.persisted)
     c, every = loop.budget.cadence(), loop.pace.every
     assert c.persist_every == every and c.persist_paced
-    assert f"storage persists every {every} steps" in c.words() and "save_storage_interval unset" in c.words()
+    assert f"storage persists every {every} steps" in c.words()
+    assert "save_storage_interval left at its default" in c.words()
+
+
+def test_with_a_snapshot_every_step_the_steps_after_one_measure_the_writes():
+    """A cheap snapshot (1 % of the step) is taken every step; the only plain steps are the budget's probes, one in
+    16. The steps after a snapshot, beside a write and beside none, measure what the writes cost."""
+    loop = Loop(step=0.01, slower=0.4, write=0.4, snap=0.0001)
+    loop.run(12000)
+    assert loop.budget.every == 1
+    assert 1200 <= loop.pace.every <= 3600, loop.pace.every
 
 
 def test_writes_the_loop_does_not_feel_stay_every_5_steps():
@@ -107,7 +117,7 @@ def test_never_further_apart_than_max_seconds_of_training():
 def test_without_a_known_write_the_pacing_has_no_opinion():
     pace = pp.PersistPace(1, 5, 0.02, dict)
     for i in range(100):
-        pace.plain(i * 0.01 + 0.01, 0.01)
+        pace.step(i * 0.01 + 0.01, 0.01, i % 2 == 0)
     assert pace.want(1.0) == 0
     assert not pace.agree([0]) and pace.every == 5
 
@@ -120,11 +130,12 @@ def test_the_ranks_persist_alike_the_slowest_rank_decides():
         assert pace.every == 24
 
 
-def test_a_set_interval_is_kept_and_an_unset_one_starts_at_5_rounded_to_the_memory_interval():
+def test_a_given_interval_is_kept_and_the_default_one_starts_at_5_rounded_to_the_memory_interval():
+    assert storage_unset(Config(save_dir="/x")) and Config(save_dir="/x").save_storage_interval == 5
+    assert not storage_unset(Config(save_dir="/x", save_storage_interval=5))     # 5 given: kept exactly
     assert storage_interval(Config(save_dir="/x")) == 5
     assert storage_interval(Config(save_dir="/x", save_mem_interval=2)) == 6
     assert storage_interval(Config(save_dir="/x", save_mem_interval=2, save_storage_interval=4)) == 4
-    from easyckpt.config import check_values
     check_values(Config(save_dir="/x", save_mem_interval=2))       # 5 was refused here before: not a multiple
     with pytest.raises(ConfigError, match="not a multiple"):
         check_values(Config(save_dir="/x", save_mem_interval=2, save_storage_interval=5))

@@ -337,20 +337,26 @@ def test_a_rank_that_cannot_ask_its_agent_for_replicas_resumes_without_them(caps
     assert Remote(Odd(), RANK).steps() == [(4, 2, 0)]
 
 
+def _taken(warm: Warm, path: str) -> shm.Slot:
+    """The mapping one transfer used (and let go of): Warm keeps it for the next."""
+    with warm.use(path, writable=False) as slot:
+        return slot
+
+
 def test_kept_mappings_follow_their_file_and_let_go_of_an_unlinked_one(cfg, shm_dir):
-    """peerserve.Warm: a slot sent again reuses its mapping; a grown or recreated slot gets a new one; a slot
+    """warmslots.Warm: a slot sent again reuses its mapping; a grown or recreated slot gets a new one; a slot
     its trainer unlinked (bye) is unmapped at the sender's next look, so its memory is freed."""
     job, warm = cfg.job_id, Warm()
     try:
         path = write_slot(job, step=4, slot=0, generation=1)
-        first = warm.open(path, writable=False)
-        assert warm.open(path, writable=False) is first
+        first = _taken(warm, path)
+        assert _taken(warm, path) is first
         shm.Slot.create_or_grow(path, first.size + (1 << 20)).close()
-        grown = warm.open(path, writable=False)
+        grown = _taken(warm, path)
         assert grown is not first and grown.size == first.size + (1 << 20) and first.mm is None
         os.unlink(path)
         write_slot(job, step=6, slot=0, generation=2)
-        again = warm.open(path, writable=False)
+        again = _taken(warm, path)
         assert again is not grown and grown.mm is None
         os.unlink(path)
         warm.drop_gone()

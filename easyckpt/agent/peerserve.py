@@ -13,14 +13,15 @@ and the setting that lowers it, and keeps what it holds.
 """
 from __future__ import annotations
 
-import os
+import contextlib
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Tuple
 
 from easyckpt.agent import slots
 from easyckpt.agent.peerrefusals import PeerRefusals
+from easyckpt.agent.warmslots import Warm
 from easyckpt.errors import (
     BadMessage,
     BadSlotMeta,
@@ -59,45 +60,6 @@ class _Handshake:
     addr: str
     pool: str
     evicted: bool = False     # cut off to make room: counted once, when it was cut
-
-
-class Warm:
-    """Slots kept mapped between transfers, their pages populated once: a slot sent (or received) every few
-    steps then costs the copy alone. A mapping is checked against the file at every use (same inode, same
-    size: a slot recreated or grown gets a new one), and ``drop_gone`` lets go of slots whose file is gone (a
-    trainer's unlink at bye must free the memory)."""
-
-    def __init__(self) -> None:
-        self._slots: Dict[str, shm.Slot] = {}
-        self._lock = threading.Lock()
-
-    def open(self, path: str, writable: bool) -> shm.Slot:
-        st = os.stat(path, follow_symlinks=False)
-        with self._lock:
-            slot = self._slots.get(path)
-            if slot is not None and (slot.inode, slot.size) == (st.st_ino, st.st_size) and (slot.writable or not writable):
-                return slot
-            if slot is not None:
-                slot.close()
-            slot = self._slots[path] = shm.Slot(path, writable, populate=True)
-            return slot
-
-    def drop_gone(self) -> None:
-        with self._lock:
-            for path, slot in list(self._slots.items()):
-                try:
-                    same = os.stat(path, follow_symlinks=False).st_ino == slot.inode
-                except FileNotFoundError:
-                    same = False
-                if not same:
-                    slot.close()
-                    del self._slots[path]
-
-    def close(self) -> None:
-        with self._lock:
-            for slot in self._slots.values():
-                slot.close()
-            self._slots.clear()
 
 
 class PeerServer:
@@ -247,9 +209,9 @@ class PeerServer:
         rank, step = req["rank"], req["step"]
         for path, done in zip(self._paths(rank), self._held(rank)):
             if done is not None and done.step == step:
-                slot = self.warm.open(path, writable=False)
-                done = slotread.check(slot, expect_step=step)
-                _send(conn, slot, done, peerwire.Pacer(0), head=True)   # recovery: training is not running
+                with self.warm.use(path, writable=False) as slot:
+                    done = slotread.check(slot, expect_step=step)
+                    _send(conn, slot, done, peerwire.Pacer(0), head=True)   # recovery: training is not running
                 return
         raise PeerError(f"this node holds no replica of rank {rank} at step {step}")
 
@@ -258,8 +220,8 @@ def send_slot(conn: Conn, job_id: str, rank: int, index: int, generation: int, p
               warm: Warm) -> int:
     """Put one of this node's slots to the peer at ``conn`` (pinned meanwhile); the bytes sent (0 when
     the peer already holds that step)."""
-    with slots.reserved(job_id, rank, index, generation, release=False) as path:
-        slot = warm.open(path, writable=False)
+    with slots.reserved(job_id, rank, index, generation, release=False) as path, \
+            warm.use(path, writable=False) as slot:
         done = slotread.check(slot, expect_generation=generation)
         return _send(conn, slot, done, pacer, head=False)
 
@@ -309,8 +271,7 @@ def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Mappi
     index = min((0, 1), key=lambda i: held_steps[i])
     generation = max(slots.generation_of(p) for p in paths) + 1
     shm.Slot.create_or_grow(paths[index], shm.slot_size(data_len, meta_len), touch=False).close()
-    slot = warm.open(paths[index], writable=True) if warm else shm.Slot(paths[index], writable=True, populate=True)
-    try:
+    with _mapped(paths[index], warm) as slot:
         assert slot.mm is not None
         slot.begin_write(generation)
         if ask:
@@ -331,7 +292,18 @@ def receive_slot(conn: Conn, paths: List[str], rank: int, step: int, head: Mappi
         except (SlotNotComplete, BadSlotMeta):
             slot.begin_write(generation + 1)      # a copy no reader may take: unpublished again
             raise
-    finally:
-        if warm is None:
-            slot.close()
     return index, data_len + meta_len
+
+
+@contextlib.contextmanager
+def _mapped(path: str, warm: Optional[Warm]) -> Iterator[shm.Slot]:
+    """A slot mapped writable for one receive: held from ``warm`` (kept mapped after), or mapped for it alone."""
+    if warm is not None:
+        with warm.use(path, writable=True) as slot:
+            yield slot
+        return
+    slot = shm.Slot(path, writable=True, populate=True)
+    try:
+        yield slot
+    finally:
+        slot.close()

@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from easyckpt.agent import slots
 from easyckpt.agent.cadence import Cadence
 from easyckpt.agent.mailbox import Mailbox
-from easyckpt.agent.peerserve import PeerServer, Warm, receive_slot, send_slot
+from easyckpt.agent.peerserve import PeerServer, receive_slot, send_slot
+from easyckpt.agent.warmslots import Warm
 from easyckpt.agent.warnings import Warnings
 from easyckpt.config import Config
 from easyckpt.errors import (

@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
-from easyckpt.config import NAMINGS, Config, adapter_config
+from easyckpt.config import NAMINGS, STORAGE_DEFAULT, Config, adapter_config
 from easyckpt.deepspeed import cpu, universal
 from easyckpt.deepspeed.state import (
     UNIVERSAL_INFO,
@@ -127,7 +127,7 @@ class DeepSpeedState(FrameworkState[Any]):
 
 
 def initialize_easyckpt(save_dir: Union[str, Config, None] = None, save_mem_interval: int = 1,
-                        save_storage_interval: Optional[int] = None, max_ckpt_num: Optional[int] = 5,
+                        save_storage_interval: int = STORAGE_DEFAULT, max_ckpt_num: Optional[int] = 5,
                         log_file_path: Union[str, bool, None] = None, *, config: Optional[Config] = None,
                         **advanced: Any) -> None:
     """Validate the settings and attach to this node's agent; call after ``deepspeed.initialize``.

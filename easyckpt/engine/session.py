@@ -21,7 +21,7 @@ import secrets
 from typing import Any, Dict, List, Optional, Sequence
 
 from easyckpt import console
-from easyckpt.config import Config, storage_interval, validate
+from easyckpt.config import Config, storage_interval, storage_unset, validate
 from easyckpt.engine.link import metrics, peers, runlog
 from easyckpt.engine.link.agentview import AgentView
 from easyckpt.engine.link.client import AgentClient
@@ -80,10 +80,10 @@ class Engine:
         self.run_info: Dict[str, Any] = {"run": self.run_started, "run_id": self.run_id}   # in every snapshot's info
         self.progress = runlog.LastStep(self.rank)
         self.storage_every = storage_interval(cfg)
-        # the persists' spacing is the budget's only where the user left it unset (persistpace.py)
+        # the persists' spacing is the budget's only where the user left it at its default (persistpace.py)
         pace = (PersistPace(cfg.save_mem_interval, self.storage_every, cfg.max_overhead,
                             lambda: self.view.reports.persist_seconds)
-                if cfg.save_storage_interval is None and cfg.max_overhead is not None else None)
+                if storage_unset(cfg) and cfg.max_overhead is not None else None)
         if pace is not None:
             self.view.on_requested.append(lambda step: pace.requested(step, self.clock.monotonic()))
         self.budget = SnapshotBudget(cfg.save_mem_interval, cfg.max_overhead, pace=pace)   # within max_overhead

@@ -40,7 +40,7 @@ from typing import (
 import torch
 
 from easyckpt import console
-from easyckpt.config import Config, adapter_config
+from easyckpt.config import STORAGE_DEFAULT, Config, adapter_config
 from easyckpt.engine.checkpointer import DefaultCheckpointer, FrameworkState
 from easyckpt.engine.load.reads import as_reads
 from easyckpt.engine.load.sources import Loaded
@@ -193,7 +193,7 @@ class MegatronState(FrameworkState[Any]):
         return iteration, saved.get("num_floating_point_operations_so_far", 0) or 0
 
 
-def initialize_easyckpt(save_mem_interval: Union[int, Config] = 1, save_storage_interval: Optional[int] = None,
+def initialize_easyckpt(save_mem_interval: Union[int, Config] = 1, save_storage_interval: int = STORAGE_DEFAULT,
                         max_ckpt_num: Optional[int] = 5, log_file_path: Union[str, bool, None] = None, *,
                         save_dir: Optional[str] = None, args: Optional[argparse.Namespace] = None,
                         config: Optional[Config] = None, ckpt_format: Optional[str] = None, **advanced: Any) -> None:

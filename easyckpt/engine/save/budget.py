@@ -25,7 +25,7 @@ the step number only.
     STEADY   every ``every`` steps; when that is every step, one in PROBE_EVERY is skipped so that the plain
              step is still measured (the loss bound is then one step, said so)
 
-The storage persists are paced too, when the user left ``save_storage_interval`` unset: what the agent's writing
+The storage persists are paced too, when the user left ``save_storage_interval`` at its default: what the agent's writing
 costs the loop is measured on the plain steps that run beside it, and their spacing is agreed at the same steps
 (persistpace.py).
 
@@ -86,7 +86,7 @@ class Cadence:
     probing: bool          # one snapshot in PROBE_EVERY is skipped to keep measuring
     rate: float = 0.0      # snapshots per step since the last agreement, persists included (0: not counted yet)
     persist_every: Optional[int] = None    # steps between storage persists, each also a snapshot (None: not known)
-    persist_paced: bool = False            # that spacing is the budget's (save_storage_interval unset)
+    persist_paced: bool = False            # that spacing is the budget's (save_storage_interval left at its default)
 
     @property
     def bound(self) -> int:
@@ -118,7 +118,7 @@ class Cadence:
                 f"({self.overhead:.1%} of step time; max_overhead={self.budget:g})" if self.budget is not None
                 else f"each costs {self.cost * 1e3:.2f} ms of a {self.step * 1e3:.2f} ms step")
         probe = f" (one in {PROBE_EVERY} is skipped to keep measuring)" if self.probing else ""
-        store = (f"save_storage_interval unset, {self.persist_every} now" if self.persist_paced
+        store = (f"save_storage_interval left at its default: {self.persist_every} now" if self.persist_paced
                  else f"save_storage_interval={self.persist_every}")
         if self.persist_every and self.every % self.persist_every == 0 and self.every > 1:
             steps, probe = (f"every {self.persist_every} steps", f" (the storage persists alone, {store})")
@@ -135,7 +135,7 @@ class SnapshotBudget:
                  pace: Optional[PersistPace] = None):
         """``persist_every``: the steps between the storage persists ``maybe_save`` takes by itself (each is
         also a snapshot, never skipped); None when the framework decides them. ``pace``: their spacing when the
-        budget decides it (save_storage_interval unset)."""
+        budget decides it (save_storage_interval left at its default)."""
         self.floor, self.budget, self.persist_every, self.pace = floor, budget, persist_every, pace
         self.phase = Phase.WARMUP if budget is not None else Phase.STEADY
         self.every = floor
@@ -163,8 +163,8 @@ class SnapshotBudget:
             self.first, self._started = step, now
         elif self._last is not None and now > self._last:
             (self.snap if self._after_snapshot else self.plain).append(now - self._last)
-            if self.pace is not None and not self._after_snapshot:
-                self.pace.plain(now, now - self._last)
+            if self.pace is not None:
+                self.pace.step(now, now - self._last, self._after_snapshot)
             i = 0 if self._after_snapshot else 2
             self._sums[i] += now - self._last
             self._sums[i + 1] += 1

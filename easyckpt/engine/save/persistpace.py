@@ -1,4 +1,4 @@
-"""How often the storage persists run when the user left ``save_storage_interval`` unset (None): every
+"""How often the storage persists run when the user left ``save_storage_interval`` at its default: every
 ``config.storage_interval`` steps (5, as before this existed), and further apart when the agent's writing costs the training loop
 more than its share of the budget (``Config.max_overhead`` x PERSIST_SHARE). An interval the user set, or a
 framework's own save points, are kept exactly: a persist asked for is never skipped for the budget.
@@ -7,15 +7,17 @@ A persist's cost is not on the step that asks for it. The agent (another process
 training goes on, and the loop pays in the steps that run beside the write: the cores, the memory bus, and on a
 VM the host serving the disk writes on the vCPUs' time (writing pt10's 14.7 MB every 50 ms cost that loop
 x1.46 with no easyckpt code in its process: benchmarks/bench_disk_share.py). So, from the step times the
-snapshot budget already takes (plain steps only: a snapshot's own cost is its budget's):
+snapshot budget already takes:
 
     busy     from each persist's start, its request or the end of the write before it (the agent writes one
              after the other), for the seconds the agent took to write it (its status says them once the step
              commits; the median of those known stands in for one not known yet)
     duty     the share of the time the agent was busy
-    cost     duty x (median plain step while busy - median plain step while not), per step
+    cost     duty x (median step while busy / median step while not - 1), a share of the step time
 
-and the persists are spaced so that cost <= share x step: a write's seconds do not change with the spacing, so
+(the steps after a snapshot compared among themselves, the others among themselves: with a snapshot every step,
+as where it is cheap, the plain ones are only the budget's probes) and the persists are spaced so that
+cost <= share: a write's seconds do not change with the spacing, so
 the duty, and the cost, fall as the spacing grows. When nearly no plain step ran beside no write (the agent
 persists back to back) the cost cannot be measured: the spacing grows at each agreement until it can, at least
 doubling, as far as would leave the agent idle half the time. More
@@ -39,6 +41,8 @@ RAISE = 1.25               # more only past this many times (a few percent of no
 KEEP_REQUESTS = 4096       # requests and plain steps kept until a decision (memory bounded)
 KEEP_STEPS = 16384
 
+Kinds = Tuple[List[float], List[float]]     # step seconds: (without a snapshot, after one)
+
 
 class PersistPace:
     """One rank's view of what the storage persists cost its loop, and the spacing agreed; see the module
@@ -56,23 +60,25 @@ class PersistPace:
         self._found = False
         self._written = written
         self._asked: List[Tuple[int, float]] = []   # (step, when its persist was requested), recent ones
-        self._plain: List[Tuple[float, float]] = []  # (when it ended, seconds) of plain steps since the last change
+        # (when it ended, seconds, whether a snapshot began it) of the steps since the samples began
+        self._steps: List[Tuple[float, float, bool]] = []
         self._since: Optional[float] = None         # when the samples began
 
     def requested(self, step: int, now: float) -> None:
         self._asked.append((step, now))
         del self._asked[:-KEEP_REQUESTS]
 
-    def plain(self, end: float, seconds: float) -> None:
-        if len(self._plain) >= KEEP_STEPS:
+    def step(self, end: float, seconds: float, snapshot: bool) -> None:
+        """A step ended at ``end`` after ``seconds``; ``snapshot``: it began with one."""
+        if len(self._steps) >= KEEP_STEPS:
             self._restart()
         if self._since is None:
             self._since = end - seconds
-        self._plain.append((end, seconds))
+        self._steps.append((end, seconds, snapshot))
 
     def _restart(self) -> None:
         """Measure afresh; the two newest requests stay (their writes may still be running)."""
-        self._plain, self._since = [], None
+        self._steps, self._since = [], None
         del self._asked[:-2]
 
     # ---- agreement steps -----------------------------------------------------------------------
@@ -84,22 +90,26 @@ class PersistPace:
         if measured is None:
             return 0
         duty, write, busy, free = measured
-        if len(free) < MIN_SAMPLES:
-            if duty < SATURATED or len(busy) < MIN_SAMPLES:
+        every_busy, every_free = busy[0] + busy[1], free[0] + free[1]
+        kinds = [k for k in (0, 1) if len(busy[k]) >= MIN_SAMPLES and len(free[k]) >= MIN_SAMPLES]
+        if kinds:
+            # how much longer a step beside a write takes, each kind against its own, weighted by their numbers
+            slower = sum(len(busy[k]) * (statistics.median(busy[k]) / statistics.median(free[k]) - 1)
+                         for k in kinds) / sum(len(busy[k]) for k in kinds)
+            share = duty * max(0.0, slower)
+        elif len(every_free) < MIN_SAMPLES:
+            if duty < SATURATED or len(every_busy) < MIN_SAMPLES:
                 return 0
             # far enough apart that the agent would be idle half the time, at least twice as far
-            step = statistics.median(busy)
+            step = statistics.median(every_busy)
             return -self._fit(max(2 * self.every, math.ceil(write / (SATURATED * step))), step)
-        step = statistics.median(free)
-        if len(busy) >= MIN_SAMPLES:
-            cost = duty * max(0.0, statistics.median(busy) - step)
         elif duty < self.share:
             # too few steps ran beside a write to measure them (short writes): even slowing those by a whole step,
             # more than any measured (x1.46 at pt10 on 2 vCPUs), the writes cost less than their share
-            cost = duty * step
+            share = duty
         else:
             return 0
-        return self._fit(math.ceil(self.every * cost / (self.share * step) - 1e-9), step)
+        return self._fit(math.ceil(self.every * share / self.share - 1e-9), statistics.median(every_free))
 
     def agree(self, wants: Sequence[int]) -> bool:
         """Apply every rank's wish (the largest wins); True when the spacing changed. Every rank decides alike
@@ -115,9 +125,9 @@ class PersistPace:
         self.unsettled = changed or not self._found
         return changed
 
-    def measured(self, now: float) -> Optional[Tuple[float, float, List[float], List[float]]]:
-        """(duty, a write's typical seconds, plain steps beside a write, plain steps beside none) since the
-        samples began; None before any write's seconds are known."""
+    def measured(self, now: float) -> Optional[Tuple[float, float, Kinds, Kinds]]:
+        """(duty, a write's typical seconds, the steps beside a write, the steps beside none) since the samples
+        began, each as (steps without a snapshot, steps after one); None before any write's seconds are known."""
         since = self._since
         known = self._written()
         # a duty needs the samples to span whole spacings: at least two persists asked since they began
@@ -127,12 +137,12 @@ class PersistPace:
         spans = _serial([(at, known.get(step, typical)) for step, at in self._asked])
         busy_time = sum(max(0.0, min(b, now) - max(a, since)) for a, b in spans)
         starts = [a for a, _ in spans]
-        busy: List[float] = []
-        free: List[float] = []
-        for end, seconds in self._plain:
+        busy: Kinds = ([], [])
+        free: Kinds = ([], [])
+        for end, seconds, snapshot in self._steps:
             mid = end - seconds / 2
             i = bisect.bisect_right(starts, mid) - 1
-            (busy if i >= 0 and mid < spans[i][1] else free).append(seconds)
+            (busy if i >= 0 and mid < spans[i][1] else free)[snapshot].append(seconds)
         return busy_time / (now - since), typical, busy, free
 
     def _fit(self, steps: int, step: Optional[float] = None) -> int:
