@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("--sleep", type=float, required=True, help="seconds each step sleeps")
     p.add_argument("--max-overhead", type=float, default=None)
     p.add_argument("--out", required=True, help="a JSON list of when each step began (seconds)")
-    p.add_argument("--storage-interval", type=int, default=10 ** 6)
+    p.add_argument("--storage-interval", type=int, default=10 ** 6, help="0: save_storage_interval left at its default")
     p.add_argument("--metrics", default=None,
                    help="a JSON list of easyckpt.checkpoint_metrics() every 10 steps, then after finalize")
     args = p.parse_args()
@@ -29,7 +29,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), 1e-3)
     x = torch.randn(8, 64)
     if args.dir:
-        ep.initialize_easyckpt(args.dir, save_storage_interval=args.storage_interval, max_overhead=args.max_overhead)
+        given = {"save_storage_interval": args.storage_interval} if args.storage_interval else {}
+        ep.initialize_easyckpt(args.dir, max_overhead=args.max_overhead, **given)
         ep.load_checkpoint(model, opt)
     began, figures = [], []
     for step in range(1, args.steps + 1):

@@ -1,13 +1,19 @@
-"""The storage persists' pacing (engine/save/persistpace.py) under the snapshot budget, in process: a training
+"""The storage persists' pacing (engine/save/persistpace.py) under the snapshot budget. In process: a training
 loop's steps fed to the budget, and an agent that writes each persisted step for a known time, one after the
 other, while the steps that run beside a write take longer by a known share. What the pacing reads of the agent is
 what a trainer reads: when each persist was requested, and the seconds each write took once its step committed.
-A given interval and the default one are told apart in the Config."""
+A given interval and the default one are told apart in the Config. In real processes: a training loop
+and its node agent, whose every write is slowed by a fault (a slow store)."""
 from __future__ import annotations
 
+import re
+import sys
+from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
+
+import harness
 
 from easyckpt.config import Config, check_values, storage_interval, storage_unset
 from easyckpt.engine.save import persistpace as pp
@@ -139,3 +145,45 @@ def test_a_given_interval_is_kept_and_the_default_one_starts_at_5_rounded_to_the
     check_values(Config(save_dir="/x", save_mem_interval=2))       # 5 was refused here before: not a multiple
     with pytest.raises(ConfigError, match="not a multiple"):
         check_values(Config(save_dir="/x", save_mem_interval=2, save_storage_interval=5))
+
+
+LOOP = Path(__file__).resolve().parent / "budget_loop.py"
+
+
+def _persisted(save: Path) -> Tuple[List[int], List[dict]]:
+    events = harness.events(save / "easyckpt.log")
+    return ([e["step"] for e in events if e["event"] == "persist"],
+            [e for e in events if e["event"] == "budget" and not e.get("last")])
+
+
+@pytest.mark.parametrize("given", [None, 5])
+def test_a_store_slower_than_the_persists_spaces_the_default_ones_and_keeps_a_given_interval(tmp_path, given):
+    """10 ms steps; every persist takes the agent 0.3 s more (agent.persist_file=sleep:0.3), so persisting every
+    5 steps (50 ms) it could never keep up. Left at its default, the persists are spaced out until the agent is
+    idle half the time at least (0.3 s of writing every 0.6 s of training: 60 steps or more), said on rank 0's
+    console; given as 5, every 5th step is handed to the agent to the end, as asked (the agent persists what
+    its slots still hold)."""
+    save = tmp_path / "ckpt"
+    cmd = [sys.executable, str(LOOP), "--steps", "900", "--sleep", "0.01", "--dir", str(save), "--max-overhead",
+           "0.02", "--storage-interval", str(given or 0), "--out", str(tmp_path / "began.json")]
+    out = harness.run(cmd, {"EASYCKPT_FAULTS": "agent.persist_file=sleep:0.3"}, timeout=240)
+    persisted, agreed = _persisted(save)
+    assert agreed, "no agreement on a cadence was recorded"
+    spacing = [e["persist_every"] for e in agreed]
+    if given:
+        assert set(spacing) == {5} and not any(e["persist_paced"] for e in agreed)
+        assert all(s % 5 == 0 for s in persisted)
+        return
+    assert all(e["persist_paced"] for e in agreed)
+    assert persisted[0] == 5 and spacing[-1] >= 60, (persisted[:5], spacing)   # from every 5 steps to far apart
+    # the persists handed over since the spacing last changed are on it (every rank agreed on the same steps); it
+    # may have changed before the first agreement recorded (the one that decided the snapshots' cadence)
+    changed = [i for i in range(1, len(spacing)) if spacing[i] != spacing[i - 1]]
+    since = agreed[changed[-1] if changed else 0]["step"]
+    late = [s for s in persisted if since < s < 900]      # (900: the last step, persisted at finalize)
+    assert late and all(s % spacing[-1] == 0 for s in late), (spacing, late)
+    said = re.findall(r"storage persists every (\d+) steps", out.stdout + out.stderr)
+    assert said and int(said[-1]) >= 60, said
+    status = harness.run([sys.executable, "-m", "easyckpt.cli", "status", str(save)], timeout=60)
+    assert re.search(r"persists   every \d+ step\(s\) \(save_storage_interval left at its default", status.stdout), \
+        status.stdout

@@ -109,6 +109,10 @@ def _budget(info: Any) -> Optional[Dict[str, Any]]:
         return None
     budget = got.get("budget")
     numbers["budget"] = budget if isinstance(budget, (int, float)) and not isinstance(budget, bool) else None
+    persist = got.get("persist_every")
+    numbers["persist_every"] = persist if isinstance(persist, int) and not isinstance(persist, bool) and \
+        0 < persist < 1e12 else None
+    numbers["persist_paced"] = got.get("persist_paced") is True
     return numbers
 
 
@@ -125,6 +129,10 @@ def _say_cadence(snapshots: List[Dict[str, Any]], newest: Optional[Dict[str, Any
                 else "cost not measured yet")
     say(f"snapshots  every {int(got['every'])} step(s) ({limit}): {measured}; a crash loses at most "
         f"{int(got['bound'])} step(s)")
+    if got.get("persist_every"):
+        how = ("save_storage_interval left at its default: spaced so that the agent's writing stays within half "
+               "of max_overhead" if got.get("persist_paced") else "save_storage_interval")
+        say(f"persists   every {got['persist_every']} step(s) ({how})")
 
 
 def _say_replicas(rep: Optional[ReplicaStatus]) -> None:

@@ -108,7 +108,7 @@ class Cadence:
     def to_info(self) -> dict:
         return {"every": self.every, "cost": round(self.cost, 6), "step_seconds": round(self.step, 6),
                 "per_step": round(self.per_step, 6), "overhead": round(self.overhead, 5), "bound": self.bound,
-                "budget": self.budget, "persist_every": self.persist_every}
+                "budget": self.budget, "persist_every": self.persist_every, "persist_paced": self.persist_paced}
 
     def words(self) -> str:
         """The console's line: what a snapshot costs and what a crash can lose."""

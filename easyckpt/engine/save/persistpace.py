@@ -17,12 +17,14 @@ snapshot budget already takes:
 
 (the steps after a snapshot compared among themselves, the others among themselves: with a snapshot every step,
 as where it is cheap, the plain ones are only the budget's probes) and the persists are spaced so that
-cost <= share: a write's seconds do not change with the spacing, so
-the duty, and the cost, fall as the spacing grows. When nearly no plain step ran beside no write (the agent
-persists back to back) the cost cannot be measured: the spacing grows at each agreement until it can, at least
-doubling, as far as would leave the agent idle half the time. More
-steps between persists only past RAISE times as many, fewer only when the budget allows RELAX times as many; never further apart than MAX_SECONDS of
-training (a node lost loses at most that from storage; its memory and peers' replicas are not affected).
+cost <= share: a write's seconds do not change with the spacing, so the duty, and the cost, fall as the spacing
+grows. When nearly no step ran beside no write (the agent persists back to back) the cost cannot be measured: the
+spacing grows at each agreement until it can, at least doubling, as far as would leave the agent idle half the
+time. More steps between persists only past RAISE times as many; fewer only when the budget allows RELAX times as
+many, and never so few that the agent would write more than half the time (a write that costs the loop nothing,
+to a slow store, would otherwise swing the spacing between back to back and far apart); never further apart than
+MAX_SECONDS of training (a node lost loses at most that from storage; its memory and peers' replicas are not
+affected).
 The spacing is agreed at the snapshot budget's agreement steps (budget.py), so every rank persists the same steps.
 """
 from __future__ import annotations
@@ -109,7 +111,11 @@ class PersistPace:
             share = duty
         else:
             return 0
-        return self._fit(math.ceil(self.every * share / self.share - 1e-9), statistics.median(every_free))
+        step = statistics.median(every_free)
+        # never so close that the agent would be busy more than half the time: persisting back to back it keeps
+        # up no better, while the snapshots whose slots it holds are skipped (and a look then measures nothing)
+        least = math.ceil(write / (SATURATED * step))
+        return self._fit(max(least, math.ceil(self.every * share / self.share - 1e-9)), step)
 
     def agree(self, wants: Sequence[int]) -> bool:
         """Apply every rank's wish (the largest wins); True when the spacing changed. Every rank decides alike
