@@ -35,12 +35,12 @@ import statistics
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 PERSIST_SHARE = 0.5        # of max_overhead, for the agent's writing; the snapshots have their own budget
-SATURATED = 0.5            # duty at or above which, without plain steps beside no write, the spacing doubles
-MIN_SAMPLES = 15           # plain steps of each kind the cost is measured on
+SATURATED = 0.5            # duty at or above which, with no steps beside no write, the spacing grows; at most this
+MIN_SAMPLES = 15           # steps of each kind the cost is measured on
 MAX_SECONDS = 600.0        # of training between persists at most
 RELAX = 2                  # fewer steps between persists only when the budget allows this many times more
 RAISE = 1.25               # more only past this many times (a few percent of noise would move them at every look)
-KEEP_REQUESTS = 4096       # requests and plain steps kept until a decision (memory bounded)
+KEEP_REQUESTS = 4096       # requests and steps kept until a decision (memory bounded)
 KEEP_STEPS = 16384
 
 Kinds = Tuple[List[float], List[float]]     # step seconds: (without a snapshot, after one)
