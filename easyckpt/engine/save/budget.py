@@ -25,9 +25,9 @@ the step number only.
     STEADY   every ``every`` steps; when that is every step, one in PROBE_EVERY is skipped so that the plain
              step is still measured (the loss bound is then one step, said so)
 
-The storage persists are paced too, when the user left ``save_storage_interval`` at its default: what the agent's writing
-costs the loop is measured on the plain steps that run beside it, and their spacing is agreed at the same steps
-(persistpace.py).
+The storage persists are paced too, when the user left ``save_storage_interval`` at its default: what the
+agent's writing costs the loop is measured on the steps that run beside it, and their spacing is agreed at the
+same steps (persistpace.py).
 
 ``max_overhead=None``: no budget; a snapshot on every opportunity, exactly as asked, and the steps are still
 measured for the accounting where plain ones exist (save_mem_interval > 1).
