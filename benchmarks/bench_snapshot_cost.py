@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import easyckpt.pytorch as ep  # noqa: E402
 from easyckpt.engine.save import rng  # noqa: E402
 from easyckpt.engine.save.background import copy_all  # noqa: E402
-from easyckpt.engine.save.snapshot import encode_meta  # noqa: E402
+from easyckpt.engine.save.metajson import encode_meta  # noqa: E402
 from easyckpt.engine.shards.torchpickle import flatten_pickled  # noqa: E402
 from easyckpt.engine.shards.tree import flatten  # noqa: E402
 
@@ -109,13 +109,14 @@ def breakdown(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: object
     flat = [flatten(t) for t in trees]
     srcs = [t for _, ts in flat for _, t in ts]
     dsts = [torch.empty_like(t) for t in srcs]      # the same copies into warm memory of the same sizes
+    skeletons = {str(i): f[0] for i, f in enumerate(flat)}
+    kept: dict = {}         # as the snapshots keep it: each skeleton's JSON while it does not change
     return {
         "collect: model.state_dict": timed(model.state_dict, n),
         "collect: optimizer": timed(opt.state_dict, n),
         "collect: RNG state": timed(rng.capture, n),
         "flatten (skeleton, tensors)": timed(lambda: [flatten(t) for t in trees], n),
-        "meta (slot JSON)": timed(lambda: encode_meta(snap.layout, 1, {str(i): f[0] for i, f in enumerate(flat)},
-                                                     {}), n),
+        "meta (slot JSON)": timed(lambda: encode_meta(snap.layout.json, 1, skeletons, {}, kept), n),
         "copy into the slot": timed(lambda: copy_all(dsts, srcs), n),
     }
 

@@ -31,6 +31,8 @@ class ShardFormat(str, enum.Enum):
     @classmethod
     def parse(cls, value: object) -> "ShardFormat":
         """The member a wire or file value names; ValueError (naming the choices) for anything else."""
+        if type(value) is cls:      # a member already (every shard of every snapshot): no search
+            return value
         if isinstance(value, str):
             for member in cls:
                 if member.value == value:

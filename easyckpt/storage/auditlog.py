@@ -29,6 +29,8 @@ class AuditLog:
         self.source = source
         self._fd: Optional[int] = None
         self._cap_said = False
+        # the node's name, asked once per log: a system call at every line otherwise (a line per snapshot)
+        self.host = socket.gethostname()
         # called with each event as written (engine/link/metrics.py counts snapshots and skips from them)
         self.listeners: List[Callable[[str, Dict[str, Any]], None]] = []
         if path:
@@ -57,7 +59,7 @@ class AuditLog:
 
     def record(self, event: str, **fields: Any) -> None:
         record = {"time": round(time.time(), 6), "event": event, "source": self.source,
-                  "host": socket.gethostname(), "pid": os.getpid(), **fields}
+                  "host": self.host, "pid": os.getpid(), **fields}
         line = _LINE.encode(record)
         console.audit_logger.debug("%s", line)
         for listener in self.listeners:

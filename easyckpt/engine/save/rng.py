@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -21,15 +21,28 @@ def capture() -> Dict[str, Any]:
                              "torch": torch.get_rng_state()}
     if np is not None:
         state["numpy"] = np.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():       # (is_available first cost each snapshot a few us; initialized implies it)
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _int64(words: Any) -> torch.Tensor:
+# the words of the last capture and their tensor: a loop that draws no Python random numbers between two
+# snapshots (most) gets the same tensor back, which the snapshot copies like any other, for a tuple comparison
+# (4 us) instead of a conversion (24 us). Never changed in place: the snapshot only reads it.
+_last: Tuple[Any, Any] = ((), None)
+
+
+def _int64(words: Tuple[int, ...]) -> torch.Tensor:
+    global _last
+    kept_words, kept = _last
+    if kept is not None and words == kept_words:
+        return kept
     if np is None:
-        return torch.tensor(words, dtype=torch.int64)
-    return torch.from_numpy(np.fromiter(words, dtype=np.int64, count=len(words)))   # a third of torch.tensor's
+        tensor = torch.tensor(words, dtype=torch.int64)
+    else:
+        tensor = torch.from_numpy(np.fromiter(words, dtype=np.int64, count=len(words)))   # a third of torch.tensor's
+    _last = (words, tensor)
+    return tensor
 
 
 def restore(state: Dict[str, Any]) -> None:

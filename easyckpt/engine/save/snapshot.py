@@ -31,6 +31,7 @@ import torch
 from easyckpt import _faults as faults
 from easyckpt.engine.save import pinned
 from easyckpt.engine.save.background import PendingSnapshot, copy_all
+from easyckpt.engine.save.metajson import SkeletonCache, encode_meta
 from easyckpt.engine.shards import shardload
 from easyckpt.engine.shards.codecs import FLATTEN
 from easyckpt.engine.shards.tree import Tensors, rebuild
@@ -99,15 +100,6 @@ def _order_of(tensors: List[Tuple[str, torch.Tensor]]) -> List[int]:
     return sorted(range(len(tensors)), key=lambda i: (-tensors[i][1].element_size(), str(tensors[i][1].dtype)))
 
 
-# made once: json.dumps with any option builds a new encoder at each call (a few us of every snapshot)
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
-
-
-def encode_meta(layout: _Layout, step: int, skeletons: Dict[str, Any], info: Dict[str, Any]) -> bytes:
-    tail = _COMPACT.encode({"step": step, "skeletons": skeletons, "info": info})
-    return b'{"files":' + layout.json + b"," + tail[1:].encode()
-
-
 class Snapshotter:
     def __init__(self, job_id: str, rank: int, world_size: int, replica_copies: int = 0):
         """``replica_copies``: how many other nodes' snapshots this node holds (peer replicas): their
@@ -120,6 +112,7 @@ class Snapshotter:
         self.layout: Optional[_Layout] = None
         self._views: List[Optional[List[torch.Tensor]]] = [None, None]
         self.generation = 0
+        self._meta_cache: SkeletonCache = {}    # encode_meta's
         self._preparing: Optional[List[threading.Thread]] = None    # the slots' preparation (prepare())
         self._prepared: List[Optional[shm.Slot]] = [None, None]
         self._ready = [threading.Event(), threading.Event()]    # set when the thread is done with slot i
@@ -311,13 +304,13 @@ class Snapshotter:
             skeleton, tensors = FLATTEN[fmt](spec.tree)
             skeletons[spec.relpath] = skeleton
             flat.append((spec.relpath, spec.persist, fmt.value, tensors))
-        signature = tuple((rp, p, f, tuple((k, t.dtype, tuple(t.shape)) for k, t in ts)) for rp, p, f, ts in flat)
+        signature = tuple([(rp, p, f, tuple([(k, t.dtype, t.shape) for k, t in ts])) for rp, p, f, ts in flat])
         if self.layout is None or self.layout.signature != signature:
             self.layout = _build_layout(signature, flat)
             self._views = [None, None]
         for (_, _, _, tensors), order in zip(flat, self.layout.order):
             srcs.extend(tensors[i][1] for i in order)
-        meta = encode_meta(self.layout, step, skeletons, info or {})
+        meta = encode_meta(self.layout.json, step, skeletons, info or {}, self._meta_cache)
         self.skipped = None
         if not self._ensure_slots(len(meta), persist):
             return None

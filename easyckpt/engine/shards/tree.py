@@ -23,18 +23,14 @@ except ImportError:  # numpy is optional for the engine
 Tensors = List[Tuple[str, torch.Tensor]]
 
 
-# a node's path in the tree as (name, parent path): made per node without copying a list; joined only for
-# a tensor's key or an error (the walk runs at every snapshot: its per-node cost is the snapshot's fixed cost)
-Path = Optional[Tuple[str, Any]]
-_PLAIN = (bool, str, type(None))
+# a node's path in the tree as the names from the root, each followed by "/" ("" at the root): one concatenation
+# per node; a tensor's key is its path without the last "/" (the walk runs at every snapshot: its per-node cost is
+# the snapshot's fixed cost; a linked (name, parent) pair joined per tensor cost a third of an optimizer's walk)
+Path = str
 
 
 def _joined(path: Path) -> str:
-    names: List[str] = []
-    while path is not None:
-        names.append(path[0])
-        path = path[1]
-    return "/".join(reversed(names))
+    return path[:-1]
 
 
 def flatten(tree: Any) -> Tuple[Any, Tensors]:
@@ -55,24 +51,46 @@ def flatten(tree: Any) -> Tuple[Any, Tensors]:
         kind = type(obj)
         # the common nodes of a state dict first, by exact type (subclasses take the checks in _other)
         if kind is dict:
-            if all(type(k) is str and not k.startswith("__") for k in obj):
-                return {k: walk(v, (k, path)) for k, v in obj.items()}
+            if _plain_keys(obj):
+                return {k: walk(v, path + k + "/") for k, v in obj.items()}
             return _keyed(obj, path, walk)       # an optimizer's state, by parameter index
-        if kind is int or kind is float or kind in _PLAIN:
+        if kind in _SCALARS:
             return obj
-        if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided:
-                raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {_joined(path)}; "
-                                f"convert it to a dense tensor")
-            # a state dict's tensors are detached already; detaching each again cost a few us per tensor
-            return {"__t": add(path, obj.detach() if obj.requires_grad else obj)}
-        if kind is list:
-            return [walk(v, (str(i), path)) for i, v in enumerate(obj)]
-        if kind is tuple:       # (an optimizer's betas)
-            return {"__tuple": [walk(v, (str(i), path)) for i, v in enumerate(obj)]}
-        return _other(obj, path, walk, add)
+        if kind is not _TENSOR and not isinstance(obj, _TENSOR):
+            return _rest(obj, path, walk, add)
+        if obj.layout is not _STRIDED:
+            raise TypeError(f"easyckpt cannot save the {obj.layout} tensor at {_joined(path)}; "
+                            f"convert it to a dense tensor")
+        # a state dict's tensors are detached already; detaching each again cost a few us per tensor
+        return {"__t": add(path, obj.detach() if obj.requires_grad else obj)}
 
-    return walk(tree, None), tensors
+    return walk(tree, ""), tensors
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+_TENSOR, _STRIDED = torch.Tensor, torch.strided
+
+
+def _plain_keys(obj: Dict[Any, Any]) -> bool:
+    """Every key a str, none starting with "__" (flatten's tags): the keys joined and searched in C, not
+    checked one by one in Python (in a dict of an optimizer's hyperparameters that was a third of the walk)."""
+    try:
+        joined = "\0".join(obj)
+    except TypeError:          # a key that is not a str
+        return False
+    if not joined.startswith("__") and "\0__" not in joined:
+        return True
+    return not any(k.startswith("__") for k in obj)     # (or a key holding NUL and "__")
+
+
+def _rest(obj: Any, path: Path, walk: Callable[[Any, Path], Any], add: Callable[[Path, torch.Tensor], str]) -> Any:
+    """flatten's nodes after dicts, numbers, plain values and tensors."""
+    kind = type(obj)
+    if kind is list:
+        return [walk(v, path + str(i) + "/") for i, v in enumerate(obj)]
+    if kind is tuple:       # (an optimizer's betas)
+        return {"__tuple": [walk(v, path + str(i) + "/") for i, v in enumerate(obj)]}
+    return _other(obj, path, walk, add)
 
 
 def _other(obj: Any, path: Path, walk: Callable[[Any, Path], Any],
@@ -96,12 +114,12 @@ def _other(obj: Any, path: Path, walk: Callable[[Any, Path], Any],
     if isinstance(obj, bytes):
         return {"__bytes": base64.b64encode(obj).decode()}
     if isinstance(obj, tuple):
-        return {"__tuple": [walk(v, (str(i), path)) for i, v in enumerate(obj)]}
+        return {"__tuple": [walk(v, path + str(i) + "/") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [walk(v, (str(i), path)) for i, v in enumerate(obj)]
+        return [walk(v, path + str(i) + "/") for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: walk(v, (k, path)) for k, v in obj.items()}
+            return {k: walk(v, path + k + "/") for k, v in obj.items()}
         return _keyed(obj, path, walk)
     raise TypeError(f"easyckpt cannot save a {type(obj).__name__} at '{_joined(path) or '<root>'}': "
                     f"only tensors, numbers, strings, lists, tuples and dicts are stored (no pickling)")
@@ -109,7 +127,7 @@ def _other(obj: Any, path: Path, walk: Callable[[Any, Path], Any],
 
 def _keyed(obj: Dict[Any, Any], path: Path, walk: Callable[[Any, Path], Any]) -> Any:
     """A dict whose keys are not all plain strings, as its (key, value) pairs."""
-    return {"__dict": [[walk(k, ("key", path)), walk(v, (str(k), path))] for k, v in obj.items()]}
+    return {"__dict": [[walk(k, path + "key/"), walk(v, path + str(k) + "/")] for k, v in obj.items()]}
 
 
 def unflatten(skeleton: Any, tensors: Dict[str, torch.Tensor]) -> Any:

@@ -1,0 +1,45 @@
+"""The JSON metadata of a snapshot slot (formats/slotmeta.py reads it back), written at every snapshot.
+
+Its cost is part of every snapshot's fixed cost, so what does not change from one snapshot to the next (a
+shard's skeleton: the model's never changes, an optimizer's changes with its learning rate) is encoded once.
+"""
+from __future__ import annotations
+
+import json
+import marshal
+from typing import Any, Dict, Optional, Tuple
+
+# made once: json.dumps with any option builds a new encoder at each call (a few us of every snapshot)
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+# relpath -> (marshal of the skeleton, its JSON): see _skeleton_json
+SkeletonCache = Dict[str, Tuple[bytes, str]]
+
+
+def encode_meta(layout_json: bytes, step: int, skeletons: Dict[str, Any], info: Dict[str, Any],
+                cache: Optional[SkeletonCache] = None) -> bytes:
+    """The slot's metadata: ``{"files": layout_json, "step", "skeletons", "info"}``. ``cache``: each shard's skeleton
+    JSON kept from the snapshot before while the skeleton is the same (a model's never changes; an optimizer's
+    changes with its learning rate)."""
+    shards = ",".join(_COMPACT.encode(relpath) + ":" + _skeleton_json(relpath, skeleton, cache)
+                      for relpath, skeleton in skeletons.items())
+    tail = f'"step":{int(step)},"skeletons":{{{shards}}},"info":{_COMPACT.encode(info)}}}'
+    return b'{"files":' + layout_json + b"," + tail.encode()
+
+
+def _skeleton_json(relpath: str, skeleton: Any, cache: Optional[SkeletonCache]) -> str:
+    """JSON of one skeleton, from ``cache`` when its marshal is the one kept. Marshal, not ``==``: it is many
+    times cheaper than the JSON of the floats an optimizer holds, and it tells 1, 1.0 and True apart, which
+    ``==`` does not (version 2: no back-references, so the same skeleton always gives the same bytes)."""
+    if cache is None:
+        return _COMPACT.encode(skeleton)
+    try:
+        key = marshal.dumps(skeleton, 2)
+    except ValueError:           # a str or int subclass among the leaves: encoded each time
+        return _COMPACT.encode(skeleton)
+    kept = cache.get(relpath)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    text = _COMPACT.encode(skeleton)
+    cache[relpath] = (key, text)
+    return text
