@@ -9,7 +9,7 @@ calls on a step that takes no snapshot (the call's own cost, paid every step); `
 overlapped copy (a thread per snapshot). It prints the medians, the
 goal (a snapshot of a state <= 1 MB costs the training thread <= 0.2 ms) with PASS/MISS, and a breakdown of
 one snapshot by part, from timing each part alone on the same objects (collect: the state dicts and the RNG
-state; flatten: the trees into a skeleton and tensors; meta: the slot's JSON; copy: the tensors into the
+state; flatten: the trees into a skeleton and tensors, through each shape's plan; meta: the slot's JSON; copy: the tensors into the
 slot; the rest: slot choice, header, the audit log's line, the persist bookkeeping). Last, the part that the
 torch-format shards of Megatron, DeepSpeed and the HF Trainer pay instead of flatten (torchpickle.flatten_pickled: the
 shard pickled as torch.save pickles it), timed on the same optimizer state and on an RNG state like the Trainer's
@@ -37,6 +37,7 @@ from easyckpt.engine.save.background import copy_all  # noqa: E402
 from easyckpt.engine.save.metajson import encode_meta  # noqa: E402
 from easyckpt.engine.shards.torchpickle import flatten_pickled  # noqa: E402
 from easyckpt.engine.shards.tree import flatten  # noqa: E402
+from easyckpt.engine.shards.treeplan import Flattener  # noqa: E402
 
 GOAL = 0.2e-3
 
@@ -110,12 +111,15 @@ def breakdown(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: object
     srcs = [t for _, ts in flat for _, t in ts]
     dsts = [torch.empty_like(t) for t in srcs]      # the same copies into warm memory of the same sizes
     skeletons = {str(i): f[0] for i, f in enumerate(flat)}
+    plans = Flattener()         # as the snapshots flatten: through the plan of each tree's shape (treeplan.py)
+    for i, t in enumerate(trees):
+        plans.flatten(str(i), t)
     kept: dict = {}         # as the snapshots keep it: each skeleton's JSON while it does not change
     return {
         "collect: model.state_dict": timed(model.state_dict, n),
         "collect: optimizer": timed(opt.state_dict, n),
         "collect: RNG state": timed(rng.capture, n),
-        "flatten (skeleton, tensors)": timed(lambda: [flatten(t) for t in trees], n),
+        "flatten (each shape's plan)": timed(lambda: [plans.flatten(str(i), t) for i, t in enumerate(trees)], n),
         "meta (slot JSON)": timed(lambda: encode_meta(snap.layout.json, 1, skeletons, {}, kept), n),
         "copy into the slot": timed(lambda: copy_all(dsts, srcs), n),
     }

@@ -83,3 +83,114 @@ def test_one_copy_call_copies_every_kind_of_host_tensor():
     dsts = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
     copy_all(dsts, srcs)
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+# ---- treeplan: a shard's walk written out for its shape ------------------------------------------------------
+
+def _same_as_walk(plan, tree):
+    from easyckpt.engine.shards.tree import flatten
+    got = plan.run(tree)
+    skeleton, tensors = flatten(tree)
+    assert got is not None
+    assert json.dumps(got[0]) == json.dumps(skeleton) and got[0] == skeleton
+    assert [k for k, _ in got[1]] == [k for k, _ in tensors]
+    for (_, a), (_, b) in zip(got[1], tensors):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr() and not a.requires_grad
+
+
+def _tree(lr=0.1, step=3, scale=1.0):
+    import collections
+
+    import numpy as np
+    w = torch.nn.Parameter(torch.full((2, 3), scale))
+    return {"model": collections.OrderedDict(w=w, b=torch.zeros(3)),
+            "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.ones(2) * scale}},
+                          "param_groups": [{"lr": lr, "betas": (0.9, 0.999), "amsgrad": False, "fused": None,
+                                            "params": [0], "name": "g"}]},
+            "rng": {"numpy": ("MT19937", np.arange(4, dtype=np.uint32), step, 0, 0.0)},
+            "nested": [[1, [2.5, None]], ()], "iteration": step, "": {"a/b": torch.ones(1)}, "a": {"b": torch.ones(1)}}
+
+
+def test_a_plan_gives_what_the_walk_gives_for_every_tree_of_the_same_shape():
+    from easyckpt.engine.shards.tree import flatten
+    from easyckpt.engine.shards.treeplan import FlatPlan
+    first = _tree()
+    plan = FlatPlan.make(first, flatten(first)[1])
+    assert plan is not None
+    for tree in (first, _tree(lr=0.05, step=4, scale=2.0), _tree(lr=1, step=5), _tree(lr=True), _tree(lr=-0.0),
+                 _tree(lr=float("inf"))):
+        _same_as_walk(plan, tree)      # values (and their types) are read, not kept
+
+
+def test_a_plan_answers_none_for_any_other_shape():
+    import collections
+
+    from easyckpt.engine.shards.tree import flatten
+    from easyckpt.engine.shards.treeplan import FlatPlan
+    first = _tree()
+    plan = FlatPlan.make(first, flatten(first)[1])
+
+    def changed(edit):
+        tree = _tree()
+        edit(tree)
+        return tree
+    others = [
+        lambda t: t.update(extra=1),                                        # a key more
+        lambda t: t.pop("iteration"),                                       # a key less
+        lambda t: t.update(iteration=t.pop("iteration")),                   # the same keys, another order
+        lambda t: t["optimizer"].update(state={True: t["optimizer"]["state"][0]}),   # 0 -> True: equal, not same
+        lambda t: t["optimizer"].update(state={0.0: t["optimizer"]["state"][0]}),
+        lambda t: t["nested"][0].append(3),                                 # a list longer
+        lambda t: t["optimizer"]["param_groups"][0].update(betas=[0.9, 0.999]),     # tuple -> list
+        lambda t: t.update(model=dict(t["model"])),                         # OrderedDict -> dict
+        lambda t: t.update(iteration=torch.tensor(3)),                      # a number -> a tensor
+        lambda t: t["model"].update(w=1.0),                                 # a tensor -> a number
+        lambda t: t.update(iteration=collections.Counter()),                # a dict subclass
+        lambda t: t["model"].update(b=torch.zeros(3).to_sparse()),          # not strided
+    ]
+    for i, edit in enumerate(others):
+        tree = changed(edit)
+        assert plan.run(tree) is None, i
+        try:
+            skeleton, tensors = flatten(tree)
+        except TypeError:                  # (the sparse tensor: the walk refuses it as well)
+            continue
+        again = FlatPlan.make(tree, tensors)
+        if again is not None:
+            _same_as_walk(again, tree)
+
+
+def test_no_plan_for_nodes_only_the_walk_takes():
+    import enum
+
+    import numpy as np
+
+    from easyckpt.engine.shards.tree import flatten
+    from easyckpt.engine.shards.treeplan import FlatPlan
+
+    class Name(str):
+        pass
+
+    class Level(enum.IntEnum):
+        LOW = 1
+    subclass = np.arange(3).view(type("Array", (np.ndarray,), {}))
+    for odd in (torch.Size([2]), torch.float16, b"x", np.float32(1.5), {Name("k"): 1}, Level.LOW, {(1, 2): 3},
+                subclass):
+        tree = {"a": odd, "t": torch.ones(1)}
+        assert FlatPlan.make(tree, flatten(tree)[1]) is None, odd
+
+
+def test_a_shard_whose_shape_keeps_changing_stops_getting_new_plans():
+    from easyckpt.engine.shards.tree import flatten
+    from easyckpt.engine.shards.treeplan import Flattener
+    flattener = Flattener()
+    history: list = []
+    for step in range(40):
+        history.append(step)                               # a list in the shard grows every step
+        tree = {"history": list(history), "t": torch.ones(1)}
+        assert flattener.flatten("s", tree)[0] == flatten(tree)[0]
+    assert flattener._makes["s"] == Flattener.EAGER_MAKES
+    steady = {"t": torch.ones(1), "n": 1}
+    for step in range(Flattener.SERVED_BEFORE_REMAKE + 3):
+        flattener.flatten("u", dict(steady, n=step))
+    assert flattener._makes["u"] == 1 and flattener._served["u"] == Flattener.SERVED_BEFORE_REMAKE + 2

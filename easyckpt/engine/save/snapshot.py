@@ -35,6 +35,7 @@ from easyckpt.engine.save.metajson import SkeletonCache, encode_meta
 from easyckpt.engine.shards import shardload
 from easyckpt.engine.shards.codecs import FLATTEN
 from easyckpt.engine.shards.tree import Tensors, rebuild
+from easyckpt.engine.shards.treeplan import Flattener
 from easyckpt.errors import EasyCkptError, ShmCapacityError
 from easyckpt.formats.shardfile import dtype_name
 from easyckpt.formats.shardformat import ShardFormat
@@ -113,6 +114,7 @@ class Snapshotter:
         self._views: List[Optional[List[torch.Tensor]]] = [None, None]
         self.generation = 0
         self._meta_cache: SkeletonCache = {}    # encode_meta's
+        self._flattener = Flattener()           # each shard's walk written out for its shape (treeplan.py)
         self._preparing: Optional[List[threading.Thread]] = None    # the slots' preparation (prepare())
         self._prepared: List[Optional[shm.Slot]] = [None, None]
         self._ready = [threading.Event(), threading.Event()]    # set when the thread is done with slot i
@@ -301,7 +303,8 @@ class Snapshotter:
         srcs: List[torch.Tensor] = []
         for spec in shards:
             fmt = ShardFormat.parse(spec.fmt)
-            skeleton, tensors = FLATTEN[fmt](spec.tree)
+            skeleton, tensors = self._flattener.flatten(spec.relpath, spec.tree) if fmt is ShardFormat.SAFETENSORS \
+                else FLATTEN[fmt](spec.tree)
             skeletons[spec.relpath] = skeleton
             flat.append((spec.relpath, spec.persist, fmt.value, tensors))
         signature = tuple([(rp, p, f, tuple([(k, t.dtype, t.shape) for k, t in ts])) for rp, p, f, ts in flat])
