@@ -14,6 +14,7 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 # relpath -> (marshal of the skeleton, its JSON): see _skeleton_json
 SkeletonCache = Dict[str, Tuple[bytes, str]]
+_INFO = "\0info"
 
 
 def encode_meta(layout_json: bytes, step: int, skeletons: Dict[str, Any], info: Dict[str, Any],
@@ -23,12 +24,13 @@ def encode_meta(layout_json: bytes, step: int, skeletons: Dict[str, Any], info: 
     changes with its learning rate)."""
     shards = ",".join(_COMPACT.encode(relpath) + ":" + _skeleton_json(relpath, skeleton, cache)
                       for relpath, skeleton in skeletons.items())
-    tail = f'"step":{int(step)},"skeletons":{{{shards}}},"info":{_COMPACT.encode(info)}}}'
+    # the info (the run's, the budget's) changes seldom too; NUL is in no relpath, so its entry is its own
+    tail = f'"step":{int(step)},"skeletons":{{{shards}}},"info":{_skeleton_json(_INFO, info, cache)}}}'
     return b'{"files":' + layout_json + b"," + tail.encode()
 
 
 def _skeleton_json(relpath: str, skeleton: Any, cache: Optional[SkeletonCache]) -> str:
-    """JSON of one skeleton, from ``cache`` when its marshal is the one kept. Marshal, not ``==``: it is many
+    """JSON of one skeleton (or the info), from ``cache`` when its marshal is the one kept. Marshal, not ``==``: it is many
     times cheaper than the JSON of the floats an optimizer holds, and it tells 1, 1.0 and True apart, which
     ``==`` does not (version 2: no back-references, so the same skeleton always gives the same bytes)."""
     if cache is None:
