@@ -28,6 +28,7 @@ except ImportError:  # numpy is optional for the engine
     np = None  # type: ignore[assignment]
 
 _SCALARS = frozenset({int, float, bool, str, type(None)})
+_KEYS = frozenset({int, bool, str, type(None)})
 _DICTS = (dict, collections.OrderedDict)        # (a module's state_dict is an OrderedDict)
 MAX_NODES = 4096        # a bigger tree gets no plan: making its code would cost more than many walks
 MAX_DEPTH = 40          # (the skeleton is one nested expression)
@@ -127,7 +128,8 @@ class _Writer:
 
     def _dict(self, var: str, node: Any, depth: int) -> str:
         keys = tuple(node)
-        if any(type(k) not in _SCALARS for k in keys):
+        # (a float key neither: 0.0 and -0.0 are the same key of the same type, written differently)
+        if any(type(k) not in _KEYS for k in keys):
             raise _GiveUp("a key that is not a plain value")
         plain = all(type(k) is str and not k.startswith("__") for k in keys)
         self.types.append(type(node))
