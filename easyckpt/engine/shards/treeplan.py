@@ -66,7 +66,7 @@ class FlatPlan:
         try:
             got = self._run(tree)
         except (KeyError, IndexError, TypeError, AttributeError):
-            return None             # (a key gone since the check cannot be, but nothing here may raise)
+            return None             # (the checks come before each read, so this is a safety net only)
         if got is None:
             return None
         return got[1], list(zip(self.keys, got[0]))
