@@ -70,7 +70,7 @@ from common import (  # noqa: E402
 import easyckpt  # noqa: E402
 from easyckpt.config import Config  # noqa: E402
 from easyckpt.engine.load.stepread import read_step  # noqa: E402
-from easyckpt.engine.save.overlap import auto_overlap  # noqa: E402
+from easyckpt.engine.save.overlap import OVERLAP_MIN_BYTES, auto_overlap  # noqa: E402
 from easyckpt.engine.save.snapshot import ShardSpec  # noqa: E402
 from easyckpt.engine.session import Engine  # noqa: E402
 
@@ -318,8 +318,10 @@ def measure_size(gb: float, args: argparse.Namespace, work: str) -> Dict[str, An
                 runs[mode].append(training_loop(gb, mode, work))
                 gc.collect()
         r["loop"] = {mode: _merge_rounds(runs[mode], runs["none"]) for mode in modes}
-        # what snapshot_overlap=None (the default) picks for this loop on this machine
-        r["loop"]["auto_overlap"], r["loop"]["auto_reason"] = auto_overlap(torch.optim.SGD([torch.zeros(1)]), 1)
+        # what snapshot_overlap=None (the default) picks for this loop on this machine (its state is far above
+        # OVERLAP_MIN_BYTES: asked of an optimizer that holds that much)
+        r["loop"]["auto_overlap"], r["loop"]["auto_reason"] = auto_overlap(
+            torch.optim.SGD([torch.zeros(OVERLAP_MIN_BYTES // 4)]), 1)
     r["ratios"] = ratios(r)
     return r
 

@@ -25,7 +25,13 @@ from harness import (
 )
 from safetensors.torch import load_file
 
-from easyckpt.engine.save.overlap import OptimizerWatch
+from easyckpt.engine.save.overlap import (
+    OVERLAP_MIN_BYTES,
+    OptimizerWatch,
+    auto_overlap,
+    owned_bytes,
+    torch_optimizers,
+)
 from easyckpt.engine.save.snapshot import (
     PendingSnapshot,
     ShardSpec,
@@ -36,6 +42,7 @@ from easyckpt.engine.shards.shardload import decode
 from easyckpt.engine.shards.tree import rebuild
 from easyckpt.ipc import shm
 from easyckpt.storage.stepfiles import read_entry
+from easyckpt.units import human
 
 SLOW_COPY = {"EASYCKPT_FAULTS": "trainer.background_copy=sleep:0.3"}
 
@@ -130,12 +137,45 @@ def test_only_optimizer_owned_tensors_are_deferred():
 
 def test_auto_overlap_only_when_a_core_is_free(tmp_path):
     """snapshot_overlap=None: on a CPU box whose cores all compute, the copy stays synchronous (a copy
-    thread would compete with the training for cores); the decision and its reason are in the audit log."""
+    thread would compete with the training for cores); with a core free, it stays synchronous too for a state as
+    small as this worker's (below OVERLAP_MIN_BYTES, the handover costs more than the copy); the decision and
+    its reason are in the audit log. test_auto_overlap_by_size takes the other branches in process."""
     log = tmp_path / "audit.log"
     run(train_cmd(tmp_path / "ckpt", 2, "--iters", "2", "--log-file", str(log)))
     wait_no_agent(tmp_path / "ckpt")
-    expected = len(os.sched_getaffinity(0)) > 2      # 2 ranks x OMP_NUM_THREADS=1 compute
+    free_core = len(os.sched_getaffinity(0)) > 2      # 2 ranks x OMP_NUM_THREADS=1 compute
     decided = [e for e in events(log) if e["event"] == "overlap"]
-    assert len(decided) == 2 and all(e["on"] == expected and "cores" in e["message"] for e in decided), decided
+    assert len(decided) == 2 and all(not e["on"] and "cores" in e["message"] for e in decided), decided
+    assert all(("the optimizer's tensors hold" in e["message"]) == free_core for e in decided), decided
     snaps = [e for e in events(log) if e["event"] == "snapshot"]
-    assert snaps and all(("background_seconds" in e) == expected for e in snaps)
+    assert snaps and all("background_seconds" not in e for e in snaps)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: one computing, one free for the copy")
+def test_auto_overlap_by_size():
+    """auto_overlap with a core free: on for optimizer-owned host tensors of OVERLAP_MIN_BYTES or more (counted
+    once per storage, parameters and state), off below, with the size in the reason; off whatever the size when
+    the ranks' threads take every core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cores = len(os.sched_getaffinity(0))
+        floats = OVERLAP_MIN_BYTES // 4
+        big = torch.optim.SGD([torch.nn.Parameter(torch.zeros(floats))])
+        assert owned_bytes(list(torch_optimizers(big))) == OVERLAP_MIN_BYTES
+        assert auto_overlap(big, 1) == (True, f"{cores} cores, the training computes on 1")
+        on, why = auto_overlap(big, cores)
+        assert not on and "all computing" in why
+        # just below: the parameter and a state tensor of half its size each, seen through a wrapper
+        half = torch.nn.Parameter(torch.zeros(floats // 2 - 1))
+        small = torch.optim.AdamW([half])
+        small.state[half]["exp_avg"] = torch.zeros(floats // 2)
+        small.state[half]["alias"] = half.data          # the parameter's storage again: counted once
+        assert owned_bytes(list(torch_optimizers(small))) == OVERLAP_MIN_BYTES - 4
+
+        class Wrapper:
+            optimizer = small
+        on, why = auto_overlap(Wrapper(), 1)
+        assert not on and f"the optimizer's tensors hold {human(OVERLAP_MIN_BYTES - 4)}, under" in why, why
+    finally:
+        torch.set_num_threads(threads)
