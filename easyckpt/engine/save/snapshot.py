@@ -317,7 +317,8 @@ class Snapshotter:
         self.skipped = None
         if not self._ensure_slots(len(meta), persist):
             return None
-        if any(s.is_cuda for s in srcs):
+        # (no tensor is on a GPU before CUDA is initialized: one call instead of a question per tensor)
+        if torch.cuda.is_initialized() and any(s.is_cuda for s in srcs):
             self._pin_slots()
         i = self._pick_slot()
         if i is None:
