@@ -158,11 +158,9 @@ def in_place(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: Any, sa
     # (instance attributes and module names the snapshot looks up at each call: put back below)
     wrapped = [(ep.PytorchState, "collect"), (rng, "capture"), (snap._flattener, "flatten"),
                (snapshot_module, "encode_meta"), (snap, "_pick_slot"), (snapshot_module, "copy_all"),
-               (saver, "_done")]
+               (saver, "_done"), (shm.Slot, "publish")]
     names = ["collect (RNG included)", "  of it the RNG state", "flatten (3 shards)", "meta (slot JSON)",
-             "slot choice", "copy into the slot", "audit line, figures"]
-    wrapped.append((shm.Slot, "publish"))
-    names.append("publish (header, JSON)")
+             "slot choice", "copy into the slot", "audit line, figures", "publish (header, JSON)"]
     # what each owner held itself (None: an instance's method, found on its class: the wrapper is deleted after)
     kept = [(owner, attr, vars(owner).get(attr)) for owner, attr in wrapped]
     for (owner, attr), name in zip(wrapped, names):

@@ -59,8 +59,7 @@ class AuditLog:
 
     def record(self, event: str, **fields: Any) -> None:
         record = {"time": round(time.time(), 6), "event": event, "source": self.source,
-                  "host": self.host, "pid": os.getpid()}
-        record.update(fields)
+                  "host": self.host, "pid": os.getpid(), **fields}
         line = _LINE.encode(record)
         console.audit_logger.debug("%s", line)
         for listener in self.listeners:

@@ -98,8 +98,8 @@ def auto_overlap(optimizer: Any, ranks_on_node: int) -> Tuple[bool, str]:
     held = owned_bytes(optimizers)
     if held < OVERLAP_MIN_BYTES:
         return False, (f"{cores} cores, the training computes on {busy}, but the optimizer's tensors hold "
-                       f"{human(held)}, under {human(OVERLAP_MIN_BYTES)}: handing their copy to a thread costs the step more than copying them, "
-                       f"so it stays synchronous")
+                       f"{human(held)}, under {human(OVERLAP_MIN_BYTES)}: handing their copy to a thread costs the "
+                       f"step more than copying them, so it stays synchronous")
     return True, f"{cores} cores, the training computes on {busy}"
 
 
