@@ -8,13 +8,18 @@ from typing import TYPE_CHECKING, Any, Dict
 import numpy as np
 import torch
 
+from easyckpt.engine.save import rngmemory
+
 if TYPE_CHECKING:
     from transformers import TrainingArguments
 
 
 def states(args: "TrainingArguments") -> Dict[str, Any]:
     """The Trainer's rng_state file content (see Trainer._save_rng_state)."""
-    out: Dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+    # (the same tuples as random.getstate() and np.random.get_state(), read from the generators' memory: 50 us less
+    # a snapshot, engine/save/rngmemory.py)
+    out: Dict[str, Any] = {"python": rngmemory.PYTHON.getstate(),
+                           "numpy": rngmemory.NUMPY.read() or np.random.get_state(),
                            "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
         out["cuda"] = (torch.cuda.random.get_rng_state_all() if args.parallel_mode.value == "distributed"
