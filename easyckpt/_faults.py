@@ -17,6 +17,18 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 _counts: Dict[str, int] = {}
+# inject runs at every snapshot: ``"EASYCKPT_FAULTS" in os.environ`` raises and catches two KeyErrors when the name
+# is absent (6 us of a 0.27 ms snapshot); os.environ's own dict of encoded names answers the same in 50 ns, and
+# sees what setenv (monkeypatch's too) puts there
+_ENV_DATA = getattr(os.environ, "_data", None)
+_KEY = os.environ.encodekey("EASYCKPT_FAULTS") if isinstance(_ENV_DATA, dict) else None  # type: ignore[attr-defined]
+
+
+def _set() -> bool:
+    """Whether EASYCKPT_FAULTS is in the environment."""
+    if _KEY is not None:
+        return _KEY in _ENV_DATA      # type: ignore[operator]
+    return "EASYCKPT_FAULTS" in os.environ
 
 
 def _parse() -> List[Tuple[str, Optional[int], str]]:
@@ -40,11 +52,11 @@ def _skips(point: str) -> int:
 def armed(point: str) -> bool:
     """Whether the environment names ``point``: code that must wait for something only so that a fault can fire
     there asks first, and does not wait otherwise."""
-    return "EASYCKPT_FAULTS" in os.environ and any(name == point for name, _, _ in _parse())
+    return _set() and any(name == point for name, _, _ in _parse())
 
 
 def inject(point: str, rank: Optional[int] = None) -> None:
-    if "EASYCKPT_FAULTS" not in os.environ:
+    if not _set():
         return
     for name, want_rank, action in _parse():
         if name != point or (want_rank is not None and want_rank != rank):

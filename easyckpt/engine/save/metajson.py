@@ -5,6 +5,7 @@ shard's skeleton: the model's never changes, an optimizer's changes with its lea
 """
 from __future__ import annotations
 
+import functools
 import json
 import marshal
 from typing import Any, Dict, Optional, Tuple
@@ -22,11 +23,17 @@ def encode_meta(layout_json: bytes, step: int, skeletons: Dict[str, Any], info: 
     """The slot's metadata: ``{"files": layout_json, "step", "skeletons", "info"}``. ``cache``: each shard's skeleton
     JSON kept from the snapshot before while the skeleton is the same (a model's never changes; an optimizer's
     changes with its learning rate)."""
-    shards = ",".join(_COMPACT.encode(relpath) + ":" + _skeleton_json(relpath, skeleton, cache)
+    shards = ",".join(_name_json(relpath) + ":" + _skeleton_json(relpath, skeleton, cache)
                       for relpath, skeleton in skeletons.items())
     # the info (the run's, the budget's) changes seldom too; NUL is in no relpath, so its entry is its own
     tail = f'"step":{int(step)},"skeletons":{{{shards}}},"info":{_skeleton_json(_INFO, info, cache)}}}'
     return b'{"files":' + layout_json + b"," + tail.encode()
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_json(relpath: str) -> str:
+    """``relpath`` as a JSON string: the same few at every snapshot."""
+    return _COMPACT.encode(relpath)
 
 
 def _skeleton_json(relpath: str, skeleton: Any, cache: Optional[SkeletonCache]) -> str:

@@ -41,6 +41,8 @@ class PythonState:
     def __init__(self) -> None:
         self.usable: Optional[bool] = None      # None: not proven yet
         self._kept: Tuple[bytes, Tuple[int, ...]] = (b"", ())
+        self._inst: Any = None          # the generator read, and a ctypes view of its state's bytes
+        self._view: Any = None
 
     def read(self) -> Optional[Tuple[int, bytes, Any]]:
         """``(version, raw, gauss_next)`` of the module's generator, None where the bytes cannot be read."""
@@ -50,7 +52,9 @@ class PythonState:
         if _HEAD + STATE_BYTES > type(inst).__basicsize__:
             self.usable = False
             return None
-        raw = ctypes.string_at(id(inst) + _HEAD, STATE_BYTES)
+        if inst is not self._inst:       # (a view of its bytes, kept with it: string_at costs 1 us a call)
+            self._inst, self._view = inst, (ctypes.c_char * STATE_BYTES).from_address(id(inst) + _HEAD)
+        raw = self._view.raw
         if self.usable is None:
             self.usable = words(raw) == random.getstate()[1]
             if not self.usable:
@@ -85,8 +89,12 @@ class NumpyState:
     def __init__(self) -> None:
         self.usable: Optional[bool] = None      # None: not proven yet
         self._flag_at, self._gap = 0, 0         # has_gauss (int32) in the RandomState; gauss (double) _gap after
-        self._bitgen: Any = None                # the bit generator whose state address is kept
-        self._address = 0
+        # the RandomState and bit generator read, and ctypes views of their bytes (kept with them: string_at
+        # costs 1 us a call)
+        self._rs: Any = None
+        self._bitgen: Any = None
+        self._words: Any = None
+        self._gauss: Any = None
         self._kept: Tuple[bytes, Any] = (b"", None)
 
     def read(self) -> Optional[Tuple[str, Any, int, int, float]]:
@@ -95,9 +103,10 @@ class NumpyState:
         if self.usable is False or not isinstance(rs, np.random.RandomState) \
                 or not isinstance(rs._bit_generator, np.random.MT19937):
             return None              # np.random.set_bit_generator(another kind): numpy's own call serves
-        if rs._bit_generator is not self._bitgen:
-            self._bitgen = rs._bit_generator
-            self._address = int(self._bitgen.ctypes.state_address)
+        if rs._bit_generator is not self._bitgen or rs is not self._rs:
+            self._bitgen, self._rs = rs._bit_generator, rs
+            self._words = (ctypes.c_char * STATE_BYTES).from_address(int(self._bitgen.ctypes.state_address))
+            self._gauss = None
         if self.usable is None:
             self.usable = self._prove(rs)
             if not self.usable:
@@ -105,7 +114,9 @@ class NumpyState:
         return self._state(rs)
 
     def _state(self, rs: Any) -> Tuple[str, Any, int, int, float]:
-        raw = ctypes.string_at(self._address, STATE_BYTES) + ctypes.string_at(id(rs) + self._flag_at, self._gap + 8)
+        if self._gauss is None:
+            self._gauss = (ctypes.c_char * (self._gap + 8)).from_address(id(rs) + self._flag_at)
+        raw = self._words.raw + self._gauss.raw
         kept_raw, kept = self._kept
         if raw == kept_raw:
             return kept
@@ -125,6 +136,7 @@ class NumpyState:
             if found is None:
                 return False
             self._flag_at, self._gap = found
+            self._gauss = None
             for probe in (before[:3] + (1, 0.123), before):
                 rs.set_state(probe)
                 self._kept = (b"", None)
