@@ -21,7 +21,7 @@ _counts: Dict[str, int] = {}
 # is absent (6 us of a 0.27 ms snapshot); os.environ's own dict of encoded names answers the same in 50 ns, and
 # sees what setenv (monkeypatch's too) puts there
 _ENV_DATA = getattr(os.environ, "_data", None)
-_KEY = os.environ.encodekey("EASYCKPT_FAULTS") if isinstance(_ENV_DATA, dict) else None  # type: ignore[attr-defined]
+_KEY = os.environ.encodekey("EASYCKPT_FAULTS") if isinstance(_ENV_DATA, dict) else None
 
 
 def _set() -> bool:

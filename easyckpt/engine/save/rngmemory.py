@@ -59,7 +59,7 @@ class PythonState:
             self.usable = words(raw) == random.getstate()[1]
             if not self.usable:
                 return None
-        return inst.VERSION, raw, inst.gauss_next  # type: ignore[attr-defined]
+        return inst.VERSION, raw, inst.gauss_next  # type: ignore[union-attr]
 
     def getstate(self) -> Tuple[int, Tuple[int, ...], Any]:
         """``random.getstate()``, its numbers kept from the last call while nothing was drawn since."""
