@@ -107,11 +107,14 @@ class NumpyState:
             self._bitgen, self._rs = rs._bit_generator, rs
             self._words = (ctypes.c_char * STATE_BYTES).from_address(int(self._bitgen.ctypes.state_address))
             self._gauss = None
-        if self.usable is None:
-            self.usable = self._prove(rs)
-            if not self.usable:
-                return None
-        return self._state(rs)
+        # under the bit generator's lock, which numpy's draws take: another thread's draw is never read half
+        # done, nor (while proving) drawn from the marked states
+        with self._bitgen.lock:
+            if self.usable is None:
+                self.usable = self._prove(rs)
+                if not self.usable:
+                    return None
+            return self._state(rs)
 
     def _state(self, rs: Any) -> Tuple[str, Any, int, int, float]:
         if self._gauss is None:
