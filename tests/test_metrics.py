@@ -85,11 +85,12 @@ def test_the_trainers_log_history_carries_the_figures_in_both_forms(tmp_path, fo
     # checkpoint-5 (save_steps=5) committed during the run: seen by the logs that follow, as the audit log says
     commit5 = next(e["time"] for e in log if e["event"] == "commit" and e["step"] == 5)
     later = [h for h in history if "easyckpt/committed_step" in h]
-    # step 12 is logged after step 11's snapshot: a second before it leaves rank 0 four status questions to hear
-    # of the commit, unless the agent stopped answering (then rank 0 asks no more for 10 s: agentview.py)
-    snap11 = next(e["time"] for e in log if e["event"] == "snapshot" and e.get("step") == 11)
+    # step 12 is logged after the snapshots of the steps before it: a second between the commit and the last of
+    # them leaves rank 0 four status questions to hear of it, unless the agent stopped answering (then rank 0 asks
+    # no more for 10 s: agentview.py)
+    before12 = max(e["time"] for e in log if e["event"] == "snapshot" and e.get("step", 99) < 12)
     silent = any(e["event"] == "warning" and "did not answer" in e.get("message", "") for e in log)
-    assert later or silent or snap11 < commit5 + 1.0, (commit5, snap11)
+    assert later or silent or before12 < commit5 + 1.0, (commit5, before12)
     assert all(h["easyckpt/committed_step"] in (5, 10) and h["easyckpt/committed_step"] < h["step"]
                for h in later)
     assert all(h["easyckpt/bytes_written"] > 0 for h in later)
