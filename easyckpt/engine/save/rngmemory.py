@@ -99,7 +99,9 @@ class NumpyState:
 
     def read(self) -> Optional[Tuple[str, Any, int, int, float]]:
         """``np.random.get_state()``'s tuple, None where the bytes cannot be read (the caller asks numpy)."""
-        rs = getattr(np.random.get_state, "__self__", None) if np is not None else None
+        if np is None:
+            return None
+        rs = getattr(np.random.get_state, "__self__", None)
         if self.usable is False or not isinstance(rs, np.random.RandomState) \
                 or not isinstance(rs._bit_generator, np.random.MT19937):
             return None              # np.random.set_bit_generator(another kind): numpy's own call serves
