@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 def states(args: "TrainingArguments") -> Dict[str, Any]:
     """The Trainer's rng_state file content (see Trainer._save_rng_state)."""
-    # (the same tuples as random.getstate() and np.random.get_state(), read from the generators' memory: 50 us less
-    # a snapshot, engine/save/rngmemory.py)
+    # (the same tuples as random.getstate() and np.random.get_state(), read from the generators' memory: about
+    # 45 us less a snapshot, engine/save/rngmemory.py)
     out: Dict[str, Any] = {"python": rngmemory.PYTHON.getstate(),
                            "numpy": rngmemory.NUMPY.read() or np.random.get_state(),
                            "cpu": torch.random.get_rng_state()}

@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover
 
 def capture() -> Dict[str, Any]:
     """The RNG states of this process, as restore() takes them. Python's and numpy's are read from the generators'
-    memory where that works (rngmemory.py: 2 us instead of 50), else through their public calls."""
+    memory where that works (rngmemory.py: 3 us instead of 50), else through their public calls."""
     state: Dict[str, Any] = {"python": _python(), "torch": torch.get_rng_state()}
     if np is not None:
         state["numpy"] = rngmemory.NUMPY.read() or np.random.get_state()
