@@ -124,3 +124,41 @@ def test_status_reports_say_each_commit_once_and_ignore_what_is_malformed(tmp_pa
     other.requested(10)
     other.take(status_from_wire({"commits": [[10, 1536, 0.25]], "failed_steps": {"9": "disk full"}}))
     assert capsys.readouterr().err == "" and not other.waiting(10)
+
+
+def test_skip_episodes_are_said_at_most_once_a_minute_and_the_quiet_ones_counted(tmp_path, capsys):
+    """A store slower than the persists (the default save_storage_interval before the budget spaces them out)
+    skips in episode after episode: the first is said (two lines), those that begin within QUIET_SECONDS of its
+    end go to the audit log alone, and the next one said counts them. Every skip is in the audit log."""
+    import json
+
+    from easyckpt.engine.save.skips import QUIET_SECONDS, SkipEpisodes
+    console.install(0)
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(str(path), "rank0")
+    episodes = SkipEpisodes(0, 1, 5, log)
+    now = 100.0
+
+    def episode(first: int, skips: int) -> None:
+        nonlocal now
+        for k in range(skips):
+            episodes.skipped(first + k, 2 + k, "both snapshot slots are still being persisted", now)
+            now += 0.01
+        episodes.resumed(first + skips, now, lambda: {})
+        now += 0.05
+
+    episode(10, 3)
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 2 and "snapshot of step 10 skipped" in said[0] and "resumed at step 13: 3 skipped" in said[1]
+    episode(20, 2)
+    episode(30, 4)
+    assert capsys.readouterr().err == ""          # within a minute of the last one said
+    now += QUIET_SECONDS
+    episode(40, 1)
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 2 and "snapshot of step 40 skipped" in said[0], said
+    assert "(2 more episode(s), 6 skip(s) in all, since the last one said are in the audit log alone)" in said[0]
+    log.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "skip"] == [10, 11, 12, 20, 21, 30, 31, 32, 33, 40]
+    assert [r["skipped"] for r in records if r["event"] == "skips_ended"] == [3, 2, 4, 1]

@@ -11,6 +11,12 @@ Every skip, within the bound or not, is in the audit log as it happens (a "skip"
 Each rank says its own episodes: the loss bound is per rank (docs/reliability.md promise 10), ranks on other
 nodes are served by other agents and storage paths, and merging them would add a collective to a training step.
 So a slow store costs each rank two lines an episode, not one a step.
+
+And two lines a minute at most: an episode that begins within QUIET_SECONDS of the end of one said on the console
+goes to the audit log alone, and the next episode said counts those in its first line. Under the default
+``save_storage_interval`` a loop of 10 ms steps persisted every 5 steps until the budget had measured how far
+apart the persists must be (persistpace.py): a few seconds of episodes that said about twenty lines before the
+budget's own line said the cadence.
 """
 from __future__ import annotations
 
@@ -29,12 +35,19 @@ class _Episode:
     started: float               # monotonic seconds then
     skipped: int = 0             # snapshots skipped since (the first included)
     worst: int = 0               # the most iterations a crash would have lost meanwhile
+    said: bool = True            # on the console (False: within QUIET_SECONDS of the last one said)
+
+
+# seconds after an episode said on the console during which the next ones go to the audit log alone
+QUIET_SECONDS = 60.0
 
 
 class SkipEpisodes:
     def __init__(self, rank: int, save_mem_interval: int, save_storage_interval: int, log: AuditLog):
         self.rank, self.mem, self.storage, self.log = rank, save_mem_interval, save_storage_interval, log
         self.episode: Optional[_Episode] = None
+        self._quiet_until = float("-inf")
+        self._unsaid = [0, 0]        # episodes, and their skips, not said since the last one said
 
     def skipped(self, step: int, behind: int, why: str, now: float) -> None:
         """Snapshot ``step`` was skipped for ``why``; the newest kept one is ``behind`` iterations back."""
@@ -49,9 +62,18 @@ class SkipEpisodes:
         # on the console once an episode, and only when the loss bound does not hold: a skip that leaves the
         # newest snapshot within save_mem_interval risks nothing
         if episode is None and over:
-            self.episode = _Episode(step, step - behind, now, 1, behind)
-            self.log.emit("skip", step=step, rank=self.rank, behind=behind,
-                          message=f"{message}; further skips go to the audit log until snapshots resume")
+            said = now >= self._quiet_until
+            self.episode = _Episode(step, step - behind, now, 1, behind, said)
+            if said:
+                episodes, skips = self._unsaid
+                self._unsaid = [0, 0]
+                earlier = (f" ({episodes} more episode(s), {skips} skip(s) in all, since the last one said are in the "
+                           f"audit log alone)") if episodes else ""
+                self.log.emit("skip", step=step, rank=self.rank, behind=behind,
+                              message=f"{message}; further skips go to the audit log until snapshots "
+                                      f"resume{earlier}")
+            else:
+                self.log.record("skip", step=step, rank=self.rank, behind=behind, message=message)
         else:
             self.log.record("skip", step=step, rank=self.rank, behind=behind, message=message)
 
@@ -73,4 +95,9 @@ class SkipEpisodes:
                    f"training per save_storage_interval={self.storage}{known}")
         self.log.record("skips_ended", step=step, rank=self.rank, first=episode.first, skipped=episode.skipped,
                         worst=episode.worst, message=message)
-        console.warning(message)    # where its episode's warning was said: on this rank, whichever it is
+        if episode.said:
+            console.warning(message)    # where its episode's warning was said: on this rank, whichever it is
+            self._quiet_until = now + QUIET_SECONDS
+        else:
+            self._unsaid[0] += 1
+            self._unsaid[1] += episode.skipped
