@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import easyckpt.pytorch as ep  # noqa: E402
 from easyckpt.engine.save import rng  # noqa: E402
 from easyckpt.engine.save.background import copy_all  # noqa: E402
-from easyckpt.engine.save.metajson import encode_meta  # noqa: E402
+from easyckpt.engine.save.metajson import KeptJson, encode_meta  # noqa: E402
 from easyckpt.engine.shards.torchpickle import flatten_pickled  # noqa: E402
 from easyckpt.engine.shards.tree import flatten  # noqa: E402
 from easyckpt.engine.shards.treeplan import Flattener  # noqa: E402
@@ -129,7 +129,7 @@ def breakdown(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: object
     plans = Flattener()         # as the snapshots flatten: through the plan of each tree's shape (treeplan.py)
     for i, t in enumerate(trees):
         plans.flatten(str(i), t)
-    kept: dict = {}         # as the snapshots keep it: each skeleton's JSON while it does not change
+    kept = KeptJson()       # as the snapshots keep it: each skeleton's JSON while it does not change
     return {
         "collect: model.state_dict": timed(model.state_dict, n),
         "collect: optimizer": timed(opt.state_dict, n),

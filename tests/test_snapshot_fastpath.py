@@ -30,6 +30,25 @@ def test_a_kept_skeleton_json_is_used_only_for_the_same_skeleton_types_included(
     assert set(cache) == {"a.safetensors", "b", "\0info"}       # (the info is kept the same way)
 
 
+def test_a_small_skeleton_holding_an_int_is_kept_entry_by_entry_and_gives_the_same_json():
+    """The snapshotter's cache (KeptJson): the rank state's iteration changes at every snapshot, the rest does not;
+    its entries are kept one by one, and the text is exactly the whole skeleton's JSON, whatever the entries
+    hold (1, 1.0, True, -0.0, a big int, NaN, non-ASCII keys); keys that keep changing do not grow it forever."""
+    from easyckpt.engine.save.metajson import KeptJson
+    cache = KeptJson()
+    rng = {"python": {"version": 3, "state": {"__t": "rng/python/state"}, "gauss": None}, "torch": {"__t": "rng/torch"}}
+    for it, extra in enumerate([None, 1, 1.0, True, -0.0, 0.0, 2 ** 70, float("nan"), {"é": [1, "ü"]}, "1"]):
+        skeletons = {"rank.safetensors": {"iteration": it, "rng": rng, "extra": extra}}
+        text = encode_meta(b"[]", 3, skeletons, {"x": 1}, cache)
+        assert text == encode_meta(b"[]", 3, skeletons, {"x": 1}), extra
+        got = json.loads(text)["skeletons"]["rank.safetensors"]
+        assert got["iteration"] == it and type(got["extra"]) is type(extra) and got["rng"] == rng
+    assert "rank.safetensors\0rng" in cache.entries and "rank.safetensors" not in cache
+    for i in range(1000):            # a new key at every snapshot
+        encode_meta(b"[]", 3, {"r": {f"k{i}": {"v": "x"}, "n": i}}, {}, cache)
+    assert len(cache.entries) <= 256
+
+
 def test_a_skeleton_marshal_cannot_hold_is_encoded_each_time():
     class Name(str):
         pass

@@ -31,7 +31,7 @@ import torch
 from easyckpt import _faults as faults
 from easyckpt.engine.save import pinned
 from easyckpt.engine.save.background import PendingSnapshot, copy_all
-from easyckpt.engine.save.metajson import SkeletonCache, encode_meta
+from easyckpt.engine.save.metajson import KeptJson, encode_meta
 from easyckpt.engine.shards import shardload
 from easyckpt.engine.shards.codecs import FLATTEN
 from easyckpt.engine.shards.tree import Tensors, rebuild
@@ -113,7 +113,7 @@ class Snapshotter:
         self.layout: Optional[_Layout] = None
         self._views: List[Optional[List[torch.Tensor]]] = [None, None]
         self.generation = 0
-        self._meta_cache: SkeletonCache = {}    # encode_meta's
+        self._meta_cache = KeptJson()           # encode_meta's
         self._flattener = Flattener()           # each shard's walk written out for its shape (treeplan.py)
         self._preparing: Optional[List[threading.Thread]] = None    # the slots' preparation (prepare())
         self._prepared: List[Optional[shm.Slot]] = [None, None]
