@@ -9,28 +9,44 @@ Regimes (the step times are this machine's; the sizes are fixed):
   hf10     the HF Trainer, a tiny GPT-2, about 10 ms steps (TrainerWrapper, default settings)
   loop074  bench_checkpoint.py's loop: 0.25 GB of state, about 0.74 s steps (save_storage_interval=10)
 
-Per pair it starts the loop twice, once without checkpoints and once with easyckpt, in alternating order, and
-then, in the plain PyTorch regimes, with torch DCP's ``async_save`` and with DLRover's flash checkpoint (to
+Per pair it starts the loop twice, once without checkpoints and once with easyckpt, in alternating order (with
+the control, twice more without), and then, in the plain PyTorch regimes, with torch DCP's ``async_save`` and with DLRover's flash checkpoint (to
 memory; launched by its own ``dlrover-run`` from .venv-dlrover, benchmarks/setup_dlrover.sh) every k steps, k
 the number of steps between easyckpt's snapshots in that pair (the same loss bound). Neither peer persists
 more than that, while easyckpt also persists every save_storage_interval steps as its defaults say
 (DLRover's disk saves every 5 steps of 10 ms held its loop for minutes): the comparison is tilted against
 easyckpt. The step time is the mean over the steady part of the run (from the step
 easyckpt's snapshot budget decided its cadence, the same steps in every run of the pair); the whole run's
-time is printed too. It prints each regime's median ratio over the pairs with PASS/MISS against the
-goal (<= 1.03), the loss bound easyckpt reached and the peers' ratios, and writes the figures as JSON (--out).
+time is printed too.
+
+``--control`` (on by default; ``--no-control``): each pair also compares a run without checkpoints with another
+(A/A), measured the same way: how far apart two runs of the same loop land on this machine, printed beside
+easyckpt's ratio. On the 2-core test VM two identical HF Trainer runs taking turns landed ×0.97–1.14 apart.
+
+``--interleave S`` (0, the default: one run after the other): the two runs compared start together and take
+turns on the machine, S seconds each: the one not running is stopped (SIGSTOP to it and every process under it,
+easyckpt's agent included, SIGCONT at its turn), and each run's step time counts only the time it ran. On a
+shared VM the same loop's speed drifts by 20 % within minutes (its CPU seconds for the same 1,600 steps: 49 s in
+one run, 60 s in the next), which runs one after the other measure as much as easyckpt; turns put both runs
+through the same drift. Not the default: the pauses are in the step times easyckpt's budget measures, and with
+turns of 1 s it chose snapshots every step in one pair and every 48 steps in another (14-23 without turns), so
+the system measured was not the one a user runs. Nor do turns remove each process's own speed: two identical
+runs taking turns still landed up to 14 % apart. With turns each peer runs in turns with a run without
+checkpoints of its own, at easyckpt's interval. The audit log is searched for waits on the agent that timed out
+(a pause may stop a wait), and the pair says how many.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -44,6 +60,7 @@ REGIMES: Dict[str, Dict[str, Any]] = {
     "loop074": {"width": 2048, "layers": 5, "batch": 2048, "steps": 80, "storage": 10},
 }
 RUN_TIMEOUT = 900
+AGAIN = "none-again"     # the control: a second run without checkpoints, compared with the first (A/A)
 sys.path.insert(0, HERE)
 import bench_peer  # noqa: E402  (DLRover's leftovers, found and removed as bench_peer does)
 DLROVER_PYTHON = os.path.join(ROOT, ".venv-dlrover", "bin", "python")
@@ -158,8 +175,9 @@ def worker_hf(mode: str, every: int, save_dir: str) -> List[float]:
 
 def worker(args: argparse.Namespace) -> None:
     save_dir = args.save_dir
-    began = (worker_hf(args.mode, args.every, save_dir) if args.regime == "hf10"
-             else worker_plain(args.regime, args.mode, args.every, save_dir))
+    mode = "none" if args.mode == AGAIN else args.mode
+    began = (worker_hf(mode, args.every, save_dir) if args.regime == "hf10"
+             else worker_plain(args.regime, mode, args.every, save_dir))
     with open(args.out, "w") as f:
         json.dump(began, f)
 
@@ -174,56 +192,169 @@ def _cadence(save_dir: str) -> Optional[Dict[str, Any]]:
     return {"first": found[0]["step"], "last": found[-1]} if found else None
 
 
-def launch(regime: str, mode: str, every: int, workdir: str) -> Dict[str, Any]:
+def _command(regime: str, mode: str, every: int, workdir: str) -> Tuple[List[str], str, str]:
+    """(the worker's command line, its save dir, where it writes its step times)."""
     save_dir = tempfile.mkdtemp(dir=workdir)
-    out = os.path.join(workdir, f"{mode}.json")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    out = os.path.join(save_dir, "began.json")
     cmd = [sys.executable, __file__]
     if mode == "dlrover":      # its own launcher, from its own venv
         cmd = [DLROVER_PYTHON, os.path.join(HERE, "dlrover_launch.py"), "--standalone", "--nproc_per_node=1",
                __file__]
+    return cmd + ["--worker", "--regime", regime, "--mode", mode, "--every", str(every), "--save-dir", save_dir,
+                  "--out", out], save_dir, out
+
+
+def _env() -> Dict[str, str]:
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+
+
+def _result(mode: str, save_dir: str, out: str, wall: float, windows: Optional[List[Tuple[float, float]]] = None
+            ) -> Dict[str, Any]:
+    with open(out) as f:
+        began = json.load(f)
+    return {"began": began, "wall": wall, "windows": windows,
+            "cadence": _cadence(save_dir) if mode == "easyckpt" else None,
+            "timed_out_waits": _timed_out_waits(save_dir) if mode == "easyckpt" else None}
+
+
+def launch(regime: str, mode: str, every: int, workdir: str) -> Dict[str, Any]:
+    cmd, save_dir, out = _command(regime, mode, every, workdir)
     before = bench_peer._dlrover_leftovers() if mode == "dlrover" else None
     t = time.perf_counter()
     try:
-        subprocess.run(cmd + ["--worker", "--regime", regime, "--mode", mode, "--every", str(every),
-                              "--save-dir", save_dir, "--out", out], env=env, check=True, timeout=RUN_TIMEOUT,
+        subprocess.run(cmd, env=_env(), check=True, timeout=RUN_TIMEOUT,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     finally:
         if before is not None:      # DLRover's own segments and directories, left behind after its run
             bench_peer._clean(before)
-    wall = time.perf_counter() - t
-    with open(out) as f:
-        began = json.load(f)
-    return {"began": began, "wall": wall, "cadence": _cadence(save_dir) if mode == "easyckpt" else None}
+    return _result(mode, save_dir, out, time.perf_counter() - t)
 
 
-def _per_step(began: List[float], first: int) -> float:
+def _descendants(pid: int) -> List[int]:
+    """``pid`` and every process under it (easyckpt's agent runs in a session of its own, but is its child)."""
+    children: Dict[int, List[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def _signal_tree(pid: int, sig: int) -> None:
+    for p in _descendants(pid):
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def interleaved(regime: str, modes: List[str], every: int, workdir: str, turn: float) -> Dict[str, Dict[str, Any]]:
+    """Run ``modes`` at once, taking turns of ``turn`` seconds (the others stopped); each run's result with the
+    windows of time it ran."""
+    before = bench_peer._dlrover_leftovers() if "dlrover" in modes else None
+    specs = [_command(regime, mode, every, workdir) for mode in modes]
+    procs = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True) for cmd, _, _ in specs]
+    for p in procs[1:]:
+        _signal_tree(p.pid, signal.SIGSTOP)
+    windows: List[List[Tuple[float, float]]] = [[] for _ in procs]
+    deadline = time.monotonic() + RUN_TIMEOUT * len(procs)
+    current, opened = 0, time.perf_counter()
+    try:
+        while True:
+            end = time.perf_counter() + turn
+            while procs[current].poll() is None and time.perf_counter() < end:
+                time.sleep(0.005)
+            alive = [i for i, p in enumerate(procs) if p.poll() is None]
+            if procs[current].poll() is None and len(alive) > 1:
+                _signal_tree(procs[current].pid, signal.SIGSTOP)
+            windows[current].append((opened, time.perf_counter()))
+            if not alive:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{regime} {modes}: still running after {RUN_TIMEOUT * len(procs)} s")
+            current = next((i for i in alive if i > current), alive[0])
+            opened = time.perf_counter()
+            _signal_tree(procs[current].pid, signal.SIGCONT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _signal_tree(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait()
+        if before is not None:
+            bench_peer._clean(before)
+    for mode, p in zip(modes, procs):
+        if p.returncode:
+            raise subprocess.CalledProcessError(p.returncode, f"{regime} {mode} worker")
+    return {mode: _result(mode, save_dir, out, sum(b - a for a, b in w), w)
+            for mode, (_, save_dir, out), w in zip(modes, specs, windows)}
+
+
+def _timed_out_waits(save_dir: str) -> int:
+    """Warnings of the run's audit log about the agent not answering in time (a turn may stop a wait)."""
+    path = os.path.join(save_dir, "easyckpt.log")
+    if not os.path.exists(path):
+        return 0
+    return sum(1 for line in open(path) if '"warning"' in line and ("did not answer" in line or
+                                                                    "not answering" in line))
+
+
+def _per_step(run: Dict[str, Any], first: int) -> float:
+    """Seconds per step from step ``first`` to the end, counting only the time the run ran (its windows, when it
+    took turns)."""
+    began = run["began"]
     first = min(first, len(began) - 2)
-    return (began[-1] - began[first]) / (len(began) - 1 - first)
+    start, end = began[first], began[-1]
+    windows = run.get("windows")
+    ran = end - start if windows is None else sum(max(0.0, min(b, end) - max(a, start)) for a, b in windows)
+    return ran / (len(began) - 1 - first)
 
 
-def one_pair(regime: str, index: int, workdir: str) -> Dict[str, Any]:
+def one_pair(regime: str, index: int, workdir: str, turn: float, control: bool) -> Dict[str, Any]:
     order = ["none", "easyckpt"] if index % 2 == 0 else ["easyckpt", "none"]
-    runs = {mode: launch(regime, mode, 1, workdir) for mode in order}
+    if turn > 0:
+        runs = interleaved(regime, order, 1, workdir, turn)
+    else:
+        runs = {mode: launch(regime, mode, 1, workdir) for mode in order}
     cadence = runs["easyckpt"]["cadence"]
     every = cadence["last"]["every"] if cadence else 1
-    plain = regime != "hf10"
-    runs["dcp"] = launch(regime, "dcp", every, workdir) if plain else None
-    runs["dlrover"] = launch(regime, "dlrover", every, workdir) if plain and os.path.exists(DLROVER_PYTHON) \
-        else None
     # the steady part: from the step the cadence was first decided (by then both runs are warm)
     first = cadence["first"] if cadence else len(runs["none"]["began"]) // 2
-    base = _per_step(runs["none"]["began"], first)
-    row = {"order": order, "steady_from": first, "step_none": base,
-           "ratio": _per_step(runs["easyckpt"]["began"], first) / base,
+    base = _per_step(runs["none"], first)
+    row = {"order": order, "turn": turn, "steady_from": first, "step_none": base,
+           "ratio": _per_step(runs["easyckpt"], first) / base,
            "whole_run_ratio": runs["easyckpt"]["wall"] / runs["none"]["wall"],
            "every": every, "bound": cadence["last"]["bound"] if cadence else 0,
            "persist_every": cadence["last"].get("persist_every") if cadence else None,
            "said_cost": cadence["last"]["cost"] if cadence else None,
-           "said_per_step": cadence["last"]["per_step"] if cadence else None}
-    for peer in ("dcp", "dlrover"):
-        if runs[peer] is not None:
-            row[f"{peer}_ratio"] = _per_step(runs[peer]["began"], first) / base
+           "said_per_step": cadence["last"]["per_step"] if cadence else None,
+           "timed_out_waits": runs["easyckpt"]["timed_out_waits"]}
+    if control:
+        pair = [AGAIN, "none"] if index % 2 == 0 else ["none", AGAIN]
+        got = interleaved(regime, pair, 1, workdir, turn) if turn > 0 else \
+            {mode: launch(regime, mode, 1, workdir) for mode in pair}
+        row["control_ratio"] = _per_step(got[AGAIN], first) / _per_step(got["none"], first)
+    for peer in ("dcp", "dlrover") if regime != "hf10" else ():
+        if peer == "dlrover" and not os.path.exists(DLROVER_PYTHON):
+            continue
+        try:
+            if turn > 0:         # against a run without checkpoints of its own, in turns with it
+                got = interleaved(regime, ["none", peer], every, workdir, turn)
+                row[f"{peer}_ratio"] = _per_step(got[peer], first) / _per_step(got["none"], first)
+            else:
+                row[f"{peer}_ratio"] = _per_step(launch(regime, peer, every, workdir), first) / base
+        except (subprocess.SubprocessError, OSError) as exc:     # said, and the pair goes on without it
+            row[f"{peer}_failed"] = str(exc)
     return row
 
 
@@ -232,6 +363,10 @@ def main() -> None:
     p.add_argument("--regimes", default="pt10,pt100,hf10,loop074")
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
+    p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                   help="an A/A pair (no checkpoints in either run) per pair: the machine's own spread")
+    p.add_argument("--interleave", type=float, default=0.0, metavar="S",
+                   help="the runs compared take turns of S seconds (0, the default: one after the other)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--regime", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -246,16 +381,26 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-overhead-") as workdir:
             rows = []
             for i in range(args.pairs):
-                row = one_pair(regime, i, workdir)
+                row = one_pair(regime, i, workdir, args.interleave, args.control)
                 rows.append(row)
                 print(f"{regime} pair {i + 1}: step {row['step_none'] * 1e3:.2f} ms, easyckpt x{row['ratio']:.3f} "
                       f"(whole run x{row['whole_run_ratio']:.3f}), every {row['every']} (bound {row['bound']}), "
                       f"persists every {row['persist_every']}, "
-                      f"said {1e3 * (row['said_per_step'] or 0):.3f} ms/step"
+                      + (f"said {1e3 * (row['said_per_step'] or 0):.3f} ms/step" if not args.interleave else
+                         "said (not comparable: the turns' pauses are in its step times)")
+                      + (f", A/A x{row['control_ratio']:.3f}" if "control_ratio" in row else "")
                       + "".join(f", {peer} every {row['every']} x{row[f'{peer}_ratio']:.3f}"
-                                for peer in ("dcp", "dlrover") if f"{peer}_ratio" in row), flush=True)
+                                for peer in ("dcp", "dlrover") if f"{peer}_ratio" in row)
+                      + "".join(f", {peer} FAILED ({row[f'{peer}_failed']})"
+                                for peer in ("dcp", "dlrover") if f"{peer}_failed" in row)
+                      + (f", {row['timed_out_waits']} wait(s) on the agent timed out"
+                         if row["timed_out_waits"] else ""), flush=True)
         results[regime] = {"pairs": rows, "median_ratio": statistics.median(r["ratio"] for r in rows),
                            "bounds": [r["bound"] for r in rows]}
+        controls = [r["control_ratio"] for r in rows if "control_ratio" in r]
+        if controls:
+            results[regime]["control"] = {"median": statistics.median(controls), "min": min(controls),
+                                          "max": max(controls)}
         for peer in ("dcp", "dlrover"):
             got = [r[f"{peer}_ratio"] for r in rows if f"{peer}_ratio" in r]
             results[regime][f"median_{peer}_ratio"] = statistics.median(got) if got else None
@@ -272,6 +417,10 @@ def main() -> None:
         beats = "-" if not compared else "PASS" if all(res["median_ratio"] <= v for v in compared) else "MISS"
         print(f"{regime:8s} {step:9.2f}  {res['median_ratio']:13.3f}  {verdict:12s}  {str(res['bounds']):18s}  "
               f"{shown[0]:14s}  {shown[1]:13s}  {beats}")
+        if "control" in res:
+            c = res["control"]
+            print(f"{'':8s} A/A (no checkpoints in either run): median x{c['median']:.3f}, x{c['min']:.3f}-"
+                  f"{c['max']:.3f}: ratios this far from 1 are the machine's, not easyckpt's")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
