@@ -15,8 +15,8 @@ So a slow store costs each rank two lines an episode, not one a step.
 And two lines a minute at most: an episode that begins within QUIET_SECONDS of the end of one said on the console
 goes to the audit log alone, and the next episode said counts those in its first line. Under the default
 ``save_storage_interval`` a loop of 10 ms steps persisted every 5 steps until the budget had measured how far
-apart the persists must be (persistpace.py): a few seconds of episodes that said about twenty lines before the
-budget's own line said the cadence.
+apart the persists must be (persistpace.py): its first seconds said 18 to 30 lines (9 to 15 episodes, three
+runs) before the budget's own line said the cadence.
 """
 from __future__ import annotations
 
