@@ -7,9 +7,43 @@ does not wait for that same job to come back (docs/reliability.md promise 6). Ot
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Protocol
+import os
+import re
+import time
+from typing import Any, Dict, List, Protocol
 
 from easyckpt.ipc import agentsocket, jobkey, shm
+
+LEFTOVER_SECONDS = float(os.environ.get("EASYCKPT_SHM_LEFTOVER_SECONDS", "60"))
+
+
+def is_leftover(path: str, job_alive: bool, quiet_seconds: float = LEFTOVER_SECONDS) -> bool:
+    """A segment of a job whose agent is gone, whose writer is dead, untouched for a while (a slot
+    being set up by a trainer whose agent is still starting must survive)."""
+    if job_alive or shm.pid_alive(shm.segment_owner_pid(path)):
+        return False
+    try:
+        return time.time() - os.stat(path).st_mtime > quiet_seconds
+    except FileNotFoundError:
+        return False
+
+
+def owned_by_me(path: str) -> bool:
+    try:
+        return os.lstat(path).st_uid == os.geteuid()
+    except OSError:
+        return False
+
+
+_KEY_NAME = re.compile(r"^easyckpt-([0-9a-f]{12})-key$")
+
+
+def keyed_jobs() -> List[str]:
+    """Jobs with a key file (jobkey.py) on this node."""
+    try:
+        return [m.group(1) for m in map(_KEY_NAME.match, sorted(os.listdir(shm.SHM_DIR))) if m]
+    except FileNotFoundError:
+        return []
 
 
 class EventLog(Protocol):
@@ -25,14 +59,14 @@ def reap_dead_jobs(log: EventLog, keep: str) -> None:
     (docs/reliability.md promise 6). Other users' files are never touched."""
     alive: Dict[str, bool] = {}
     for path, job, *_ in shm.list_segments():
-        if job == keep or not shm.owned_by_me(path):
+        if job == keep or not owned_by_me(path):
             continue
         if job not in alive:
             alive[job] = agentsocket.agent_listening(job)
-        if shm.is_leftover(path, alive[job]):
+        if is_leftover(path, alive[job]):
             log.emit("shm_release", path=path, reason="leftover of a dead job")
             shm.unlink_quiet(path)
-    for job in shm.keyed_jobs():
-        if job != keep and not shm.segments_of(job) and shm.owned_by_me(jobkey.path(job)) \
-                and not agentsocket.agent_listening(job) and shm.is_leftover(jobkey.path(job), False):
+    for job in keyed_jobs():
+        if job != keep and not shm.segments_of(job) and owned_by_me(jobkey.path(job)) \
+                and not agentsocket.agent_listening(job) and is_leftover(jobkey.path(job), False):
             jobkey.remove(job)

@@ -40,7 +40,6 @@ from easyckpt.errors import EasyCkptError, ShmCapacityError
 from easyckpt.formats.shardfile import dtype_name
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.ipc import priority, shm, slotread
-from easyckpt.pages import populate_write
 from easyckpt.units import human
 
 _ALIGN = 64
@@ -172,13 +171,14 @@ class Snapshotter:
                 priority.bulk_thread()
             path, size = self.paths[i], self._size
             try:
-                slot = shm.Slot.create_or_grow(path, size, touch=False) if _file_size(path) < size \
+                slot = shm.Slot.create_or_grow(path, size, touch=False, reserve=False) if _file_size(path) < size \
                     else shm.Slot(path, writable=True)
-                # once a snapshot waits for this slot, the copy faults in the rest itself (with torch's threads:
-                # faster than this one thread)
-                assert slot.mm is not None
-                populate_write(slot.mm, stop=self._wanted[i].is_set)
-                self._prepared[i] = slot
+                # reserved and faulted in piece by piece, until a snapshot waits for this slot: the snapshot
+                # reserves the rest itself, on as many threads as torch copies with (_adopt)
+                if not slot.reserve(stop=self._wanted[i].is_set):
+                    slot.close()        # no MADV_POPULATE_WRITE here: the snapshot makes the slot its own way
+                else:
+                    self._prepared[i] = slot
             except (OSError, EasyCkptError):
                 pass                # the snapshot allocates, and reports, by itself
             finally:
@@ -193,7 +193,7 @@ class Snapshotter:
             self._preparing.append(self._prepare_thread(1, nice=False))
 
     def wait_prepared(self, both: bool = True) -> None:
-        """Both slots ready (what is left of their preparation done now; the copies fault in the rest).
+        """Both slots ready (what is left of their reservation done now, _adopt).
         ``both=False``: only wait for what was started (closing)."""
         if self._preparing is None:
             return
@@ -202,14 +202,25 @@ class Snapshotter:
         if both:
             self._prepare_second()
         for thread in self._preparing:
-            thread.join()      # bounded: posix_fallocate and a mapping of a known size
+            thread.join()      # bounded: it stops after the piece of the slot it is reserving
         self._preparing = None
-        for i, slot in enumerate(self._prepared):
-            if slot is not None and self.slots[i] is None:
-                self.slots[i] = slot
-            elif slot is not None:
-                slot.close()
-        self._prepared = [None, None]
+        prepared, self._prepared = self._prepared, [None, None]
+        for i, slot in enumerate(prepared):
+            try:
+                if slot is not None and self.slots[i] is None and both:
+                    self.slots[i], slot = self._adopt(slot), None
+            finally:        # (no room for the first: the second is let go all the same)
+                if slot is not None:
+                    slot.close()
+
+    @staticmethod
+    def _adopt(slot: shm.Slot) -> shm.Slot:
+        """A prepared slot, the pages its thread did not reserve reserved now (ShmCapacityError where there is
+        no room for them: nothing may be written to a page that is not), on as many threads as torch copies
+        with: the training thread waits for them either way."""
+        if not slot.pages_reserved:
+            slot.reserve(threads=min(8, torch.get_num_threads()))
+        return slot
 
     def _ensure_slots(self, meta_len: int, persist: bool) -> bool:
         """Allocate (or grow) both slots before the first copy, after checking /dev/shm has room.
@@ -221,10 +232,11 @@ class Snapshotter:
         assert self.layout is not None      # snapshot() builds it before sizing the slots
         if self._preparing is not None and all(s is None for s in self.slots):
             self._wanted[0].set()
-            self._ready[0].wait()          # bounded: one fallocate and one populated mapping
+            self._ready[0].wait()          # bounded: the thread stops after the piece it is reserving
             first = self._prepared[0]
             if first is not None and first.size >= shm.HEADER_BYTES + self.layout.data_bytes + meta_len:
-                self.slots[0], self._prepared[0] = first, None
+                self._prepared[0] = None
+                self.slots[0] = self._adopt(first)
                 if not self._ready[1].is_set():
                     return True
         elif self._preparing is not None and self.slots[0] is not None and self.slots[1] is None \
@@ -262,7 +274,7 @@ class Snapshotter:
                 if slot.size >= size:
                     continue
                 self._close_slot(i)
-            self.slots[i] = shm.Slot.create_or_grow(path, size)
+            self.slots[i] = shm.Slot.create_or_grow(path, size, threads=min(8, torch.get_num_threads()))
         return True
 
     def _dst_views(self, i: int) -> List[torch.Tensor]:
