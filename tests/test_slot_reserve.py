@@ -15,6 +15,8 @@ from typing import Iterator
 import pytest
 import torch
 
+from test_slot_prepare import _resident_bytes
+
 from easyckpt import pages
 from easyckpt.engine.save.snapshot import ShardSpec, Snapshotter
 from easyckpt.errors import ShmCapacityError
@@ -140,6 +142,8 @@ def test_prepared_slots_are_reserved_to_their_last_page_once_the_first_snapshot_
     try:
         snap.prepare(4 * MiB)
         assert snap.snapshot(1, [ShardSpec("model.safetensors", {"w": torch.ones(MiB)})], persist=False) is not None
+        first = snap.slots[0]        # faulted in by the snapshot's own threads: the copy found every page mapped
+        assert first is not None and first.pages_reserved and _resident_bytes(first.path) >= first.size
         snap.wait_prepared()
         assert all(s is not None and s.pages_reserved and _allocated(Path(s.path)) >= s.size for s in snap.slots)
     finally:

@@ -160,8 +160,9 @@ class Slot:
         st = os.fstat(self.fd)
         self.size, self.inode = st.st_size, st.st_ino
         self.mm: Optional[mmap.mmap] = None
-        # reserve(): where the pages not yet known to be reserved start, and the size to give back on no room
-        self._unreserved, self._kept = 0, self.size
+        # reserve(): where the pages not known to be reserved start, those not known to be mapped here, and the
+        # size to give the file back on no room
+        self._unreserved, self._unmapped, self._kept = 0, 0, self.size
         self._map(populate)
 
     def _map(self, populate: bool = False) -> None:
@@ -174,7 +175,8 @@ class Slot:
         # pages for reading only, and stays the way where the kernel has no MADV_POPULATE_WRITE (< 5.14)
         if populate and self.writable:
             self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, prot)
-            if self.reserve():     # (a slot whose reservation a killed process left half done is finished here)
+            # reserved again (a slot whose reservation a killed process left half done is finished here)
+            if self.reserve():
                 return
             self.mm.close()
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
@@ -185,16 +187,11 @@ class Slot:
                        threads: int = 1) -> "Slot":
         """Open the slot at ``path`` with at least ``size`` bytes, reserving the memory now: running out of
         /dev/shm is a ShmCapacityError here, before any copy, instead of a SIGBUS in the middle of a
-        snapshot (docs/reliability.md promise 6). ``reserve=False``: only the header's page now, the rest
-        by ``reserve`` (a thread of its own), which must be done before anything is written past the header.
-        ``threads``: how many reserve the new pages at once.
-
-        The new pages are reserved by faulting them in for writing (pages.py): tmpfs allocates a page at its
-        first write fault, and MADV_POPULATE_WRITE fails with EFAULT where there is no room for one. The
-        mapping is then ready for the copy, which posix_fallocate alone left to fault every page in: 2 GB
-        reserved and copied in 1.0-1.3 s on the test VM against 1.5-1.7 s (fallocate stays the way where the
-        kernel has no MADV_POPULATE_WRITE; ``touch``: fault its pages in too). Slots only grow: a reader may
-        hold a mapping of the old size, and shrinking would SIGBUS it.
+        snapshot (docs/reliability.md promise 6). ``touch``: the new pages faulted into this mapping too (a
+        replica receiver maps the slot populated instead). ``reserve=False``: only the header's page now, the
+        rest by ``reserve`` (a thread of its own), which must be done before anything is written past the
+        header. ``threads``: how many reserve the new pages at once (``reserve`` says how). Slots only grow: a
+        reader may hold a mapping of the old size, and shrinking would SIGBUS it.
         """
         # exclusively, never through a symlink: a pre-created slot is someone else's (docs/reliability.md promise 9)
         try:
@@ -211,46 +208,53 @@ class Slot:
         slot._kept = current
         if current < size:
             slot._unreserved = current - current % mmap.PAGESIZE
-            if not slot.reserve(threads=threads, upto=None if reserve else HEADER_BYTES):
-                slot._fallocate(touch)
+            slot.reserve(threads=threads, upto=None if reserve else HEADER_BYTES, touch=touch)
         if current == 0:   # a fresh slot names its owner at once, so no one mistakes it for a leftover
             assert slot.mm is not None
             slot.mm[:_HDR.size] = _HDR.pack(MAGIC, VERSION, EMPTY, -1, 0, 0, 0, 0, 0, 0, os.getpid(), 0, 0)
         return slot
 
-    def reserve(self, stop: Optional[Callable[[], bool]] = None, threads: int = 1,
-                upto: Optional[int] = None) -> bool:
-        """Reserve what create_or_grow left unreserved, to ``upto`` (the end), faulting it in: True when done or
-        ``stop`` ended it (``reserved`` says), False where the kernel cannot (the caller falls back). No room:
-        the slot is closed, the file given back its old size (a new one removed), and ShmCapacityError."""
+    def reserve(self, stop: Optional[Callable[[], bool]] = None, threads: int = 1, upto: Optional[int] = None,
+                touch: bool = True) -> bool:
+        """Reserve the pages create_or_grow left unreserved, to ``upto`` (the end) or until ``stop`` says so
+        (``pages_reserved`` tells which), and fault them into this mapping (``touch``, those an earlier call
+        reserved without it included): True when they are. No room: the slot is closed, the file given back its
+        old size (a new one removed), ShmCapacityError.
+
+        One thread: piece by piece (pages.POPULATE_CHUNK), posix_fallocate then MADV_POPULATE_WRITE. Several (the
+        training thread waiting, no ``stop``): the pages faulted in for writing on all of them at once, which is
+        what reserves them on tmpfs (pages.py), the kernel handing out and zeroing fresh pages on every core
+        where fallocate takes one. 2 GB of /dev/shm on the 2-core test VM (a probe, three rounds): 0.83-1.15 s on
+        two threads, 1.36-1.47 s on one, faulting in on one thread without fallocate 1.55-1.71 s."""
         assert self.mm is not None
         end = self.size if upto is None else min(upto, self.size)
-        if threads > 1 and stop is None:
-            err, reached = pages.populate_parallel(self.mm, self._unreserved, end, threads), end
-        else:
-            reached, err = pages.populate_pieces(self.mm, self._unreserved, end, stop)
-        if err in pages.UNSUPPORTED:
-            return False
-        if err:
-            self._give_back(os.strerror(err))
-        self._unreserved = max(self._unreserved, reached)
-        return True
+        if threads > 1 and stop is None and touch:
+            err = pages.populate_parallel(self.mm, min(self._unmapped, self._unreserved), end, threads)
+            if err == 0:
+                self._unreserved = self._unmapped = max(self._unreserved, end)
+                return True
+            if err not in pages.UNSUPPORTED:
+                self._give_back(os.strerror(err))
+        off, mapped = (min(self._unmapped, self._unreserved) if touch else self._unreserved), touch
+        while off < end and not (stop is not None and stop()):
+            n = min(pages.POPULATE_CHUNK, end - off)
+            if off + n > self._unreserved:
+                try:
+                    os.posix_fallocate(self.fd, off, n)
+                except OSError as exc:
+                    self._give_back(exc.strerror or str(exc))
+                self._unreserved = off + n
+            if touch and pages.populate_errno(self.mm, off, n) == 0:
+                self._unmapped = max(self._unmapped, off + n)
+            else:
+                mapped = False
+            off += n
+        return mapped
 
     @property
     def pages_reserved(self) -> bool:
         """Every page is reserved: the slot may be written anywhere."""
         return self._unreserved >= self.size
-
-    def _fallocate(self, touch: bool) -> None:
-        try:
-            os.posix_fallocate(self.fd, 0, self.size)
-        except OSError as exc:
-            self._give_back(exc.strerror or str(exc))
-        self._unreserved = self.size
-        if touch:          # (MAP_POPULATE: the way to map the pages in where there is no MADV_POPULATE_WRITE)
-            assert self.mm is not None
-            self.mm.close()
-            self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
     def _give_back(self, why: str) -> NoReturn:
         size, kept = self.size, self._kept

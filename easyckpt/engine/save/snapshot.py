@@ -171,14 +171,14 @@ class Snapshotter:
                 priority.bulk_thread()
             path, size = self.paths[i], self._size
             try:
-                slot = shm.Slot.create_or_grow(path, size, touch=False, reserve=False) if _file_size(path) < size \
+                slot = shm.Slot.create_or_grow(path, size, reserve=False) if _file_size(path) < size \
                     else shm.Slot(path, writable=True)
-                # reserved and faulted in piece by piece, until a snapshot waits for this slot: the snapshot
-                # reserves the rest itself, on as many threads as torch copies with (_adopt)
-                if not slot.reserve(stop=self._wanted[i].is_set):
-                    slot.close()        # no MADV_POPULATE_WRITE here: the snapshot makes the slot its own way
-                else:
-                    self._prepared[i] = slot
+                # reserved and faulted in piece by piece until a snapshot waits for it (which does the rest on
+                # more threads, _adopt). Reserving alone here and faulting in at the first snapshot made that
+                # snapshot pay more than the first iteration gained (bench_peer.py, first iteration + first save:
+                # 1.11 / 2.07-2.08 s at 1 / 2 GB, against 0.99-1.04 / 1.94-1.98 s this way)
+                slot.reserve(stop=self._wanted[i].is_set)
+                self._prepared[i] = slot
             except (OSError, EasyCkptError):
                 pass                # the snapshot allocates, and reports, by itself
             finally:
@@ -215,11 +215,10 @@ class Snapshotter:
 
     @staticmethod
     def _adopt(slot: shm.Slot) -> shm.Slot:
-        """A prepared slot, the pages its thread did not reserve reserved now (ShmCapacityError where there is
-        no room for them: nothing may be written to a page that is not), on as many threads as torch copies
-        with: the training thread waits for them either way."""
-        if not slot.pages_reserved:
-            slot.reserve(threads=min(8, torch.get_num_threads()))
+        """A prepared slot, what its thread did not reserve reserved now (ShmCapacityError where there is no
+        room: nothing may be written to a page that is not) and every page faulted in, on as many threads as torch
+        copies with: the training thread waits for them either way."""
+        slot.reserve(threads=min(8, torch.get_num_threads()))
         return slot
 
     def _ensure_slots(self, meta_len: int, persist: bool) -> bool:
