@@ -8,7 +8,7 @@ handshake, a ``put`` stores a replica of another node's rank in this node's repl
 A replica slot is double-buffered like a trainer's: a put is written into the one of the rank's two
 replica slots that does not hold its newest complete replica, under the same seqlock (state WRITING and a
 new generation first, the header last), so a put that breaks off never costs the last complete copy.
-Room is reserved (posix_fallocate) before the first byte: a node without room says so, naming the size
+Room is reserved (shm.Slot.create_or_grow) before the first byte: a node without room says so, naming the size
 and the setting that lowers it, and keeps what it holds.
 """
 from __future__ import annotations

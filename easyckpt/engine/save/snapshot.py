@@ -141,7 +141,7 @@ class Snapshotter:
 
     def prepare(self, data_bytes: int) -> Optional[str]:
         """Reserve and map both slots for about ``data_bytes`` of tensors on a thread of their own
-        (posix_fallocate and a populated mapping: system calls that release the GIL), so that the first
+        (Slot.reserve: system calls that release the GIL), so that the first
         snapshot finds them ready and waits only for what is left. Best effort: with no room in
         /dev/shm for the estimate nothing is prepared, and the first snapshot's own check says so.
         Returns why nothing is prepared, or None when the thread started."""
