@@ -126,6 +126,34 @@ def test_status_reports_say_each_commit_once_and_ignore_what_is_malformed(tmp_pa
     assert capsys.readouterr().err == "" and not other.waiting(10)
 
 
+def test_a_burst_of_commit_lines_is_cut_to_five_in_ten_seconds_and_the_rest_counted(capsys):
+    """A fast loop's persists, before they are paced, commit several times a second: five lines are said, the rest
+    of the burst is counted in the next line said, after ten seconds or when a wait for a commit ends (flush)."""
+    console.install(0)
+    clock = [100.0]
+    reports = StatusReports(0, NAMINGS["pytorch"], AuditLog(None, "rank0"), now=lambda: clock[0])
+    reports.requested(1)
+
+    def commit(*steps: int) -> str:
+        for step in steps:
+            reports.take(status_from_wire({"commits": [[step, 1024, 0.01]]}))
+            clock[0] += 0.05
+        return capsys.readouterr().err
+
+    said = commit(*range(1, 10))
+    assert [line.split()[1] for line in said.splitlines()] == [f"step_{s:08d}" for s in range(1, 6)], said
+    reports.flush()                     # finalize's wait for the last commit: the newest is said, with the count
+    assert capsys.readouterr().err == ("easyckpt: step_00000009 committed (1.0 KiB, written in 0.01 s; 3 more "
+                                       "committed since the last line, listed in the audit log)\n")
+    reports.flush()
+    assert commit(10) == "" and capsys.readouterr().err == ""      # still in the burst, and nothing held to flush
+    clock[0] += 10.0
+    assert commit(11) == ("easyckpt: step_00000011 committed (1.0 KiB, written in 0.01 s; 1 more committed since "
+                          "the last line, listed in the audit log)\n")
+    clock[0] += 10.0
+    assert commit(12) == "easyckpt: step_00000012 committed (1.0 KiB, written in 0.01 s)\n"
+
+
 def test_skip_episodes_are_said_at_most_once_a_minute_and_the_quiet_ones_counted(tmp_path, capsys):
     """A store slower than the persists (the default save_storage_interval before the budget spaces them out)
     skips in episode after episode: the first is said (two lines), those that begin within QUIET_SECONDS of its

@@ -324,8 +324,9 @@ class Engine:
             self.wait_committed(step, timeout)
             self.view.say_committed(step)
         # an earlier step that failed after the last storage interval's status is said now, not never; and
-        # the commit finalize waited for
+        # the commit finalize waited for, and the newest a burst of commit lines kept quiet (reports.py)
         self.status()
+        self.view.reports.flush()
         if self.preempt is not None:
             self.preempt.uninstall()
         self.client.send(protocol.Bye(self.rank))

@@ -30,7 +30,7 @@ class AgentView:
                  log: AuditLog, clock: Clock):
         self.cfg, self.rank, self.world_size, self.link = cfg, rank, world_size, link
         self.savedir, self.log, self.clock = savedir, log, clock
-        self.reports = StatusReports(rank, cfg.naming, log)
+        self.reports = StatusReports(rank, cfg.naming, log, clock.monotonic)
         self._next_status = 0.0        # rank 0 asks the agent for new commits now and then
         self._quiet_until, self._silent, self._silent_said = 0.0, 0, False   # an agent that stopped answering
         # a status question asked on a thread of its own (thread, its number, the box its answer lands in)
@@ -123,6 +123,7 @@ class AgentView:
             self.status()
             if self.reports.waiting(step):
                 self.clock.sleep(0.02)
+        self.reports.flush()
 
     def after_request(self) -> None:
         """After a persist was handed to the agent: ask for its news (a commit, a step it failed, a notice),

@@ -6,7 +6,9 @@ reply), so nothing here re-validates them.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Set
+import collections
+import time
+from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from easyckpt import console
 from easyckpt.formats.layout import Naming
@@ -15,9 +17,17 @@ from easyckpt.storage.auditlog import AuditLog
 from easyckpt.units import human
 
 
+# commit lines said within BURST_SECONDS at most; the rest of such a burst (a loop of 10 ms steps persisting every 5
+# steps said some 30 in its first seconds, before the persists were paced) is counted in the next line said
+BURST, BURST_SECONDS = 5, 10.0
+
+
 class StatusReports:
-    def __init__(self, rank: int, naming: Naming, log: AuditLog):
-        self.rank, self.naming, self.log = rank, naming, log
+    def __init__(self, rank: int, naming: Naming, log: AuditLog, now: Callable[[], float] = time.monotonic):
+        self.rank, self.naming, self.log, self.now = rank, naming, log, now
+        self._said_at: Deque[float] = collections.deque(maxlen=BURST)    # when the last commit lines were said
+        self._held: Optional[Tuple[int, int, float]] = None     # the newest commit not said (a burst's)
+        self._quiet = 0                                         # commits not said since the last line
         self.failures: Set[int] = set()
         self.refusals = 0
         self.notices = 0
@@ -59,12 +69,28 @@ class StatusReports:
         for step, nbytes, seconds in sorted(status.commits):
             if step > self.said_commit and step >= self.started_at:
                 self.said_commit = step
-                # only after "SIGTERM: saving step 9" could a bare "iter_0000005 committed" be read as step 9's;
-                # a commit learned while later steps are in flight is the normal asynchronous case, said bare
-                late = (f"; an earlier step, not the step {self.announced} being saved"
-                        if step < self.announced else "")
-                console.info(f"{self.naming.dir_name(step)} committed ({human(nbytes)}, written in {seconds:.2f} s"
-                             f"{late})")
+                now = self.now()
+                if len(self._said_at) == BURST and now - self._said_at[0] < BURST_SECONDS:
+                    self._held, self._quiet = (step, nbytes, seconds), self._quiet + 1
+                else:
+                    self._say(step, nbytes, seconds, now)
+
+    def flush(self) -> None:
+        """The newest commit a burst kept quiet, said now (a wait for a commit ends: the last one is said)."""
+        if self._held is not None:
+            self._say(*self._held, self.now())
+
+    def _say(self, step: int, nbytes: int, seconds: float, now: float) -> None:
+        held = self._held is not None and self._held[0] == step
+        more = self._quiet - held
+        self._held, self._quiet = None, 0
+        self._said_at.append(now)
+        # only after "SIGTERM: saving step 9" could a bare "iter_0000005 committed" be read as step 9's;
+        # a commit learned while later steps are in flight is the normal asynchronous case, said bare
+        late = f"; an earlier step, not the step {self.announced} being saved" if step < self.announced else ""
+        quiet = f"; {more} more committed since the last line, listed in the audit log" if more else ""
+        console.info(f"{self.naming.dir_name(step)} committed ({human(nbytes)}, written in {seconds:.2f} s{late}"
+                     f"{quiet})")
 
     def _failures(self, failed: Dict[int, str]) -> None:
         """A step that cannot be committed is said on the console once (rank 0), while training goes on
