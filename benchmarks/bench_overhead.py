@@ -35,6 +35,13 @@ the system measured was not the one a user runs. Nor do turns remove each proces
 runs taking turns still landed up to 14 % apart. With turns each peer runs in turns with a run without
 checkpoints of its own, at easyckpt's interval. The audit log is searched for waits on the agent that timed out
 (a pause may stop a wait), and the pair says how many.
+
+``--in-process``: the two runs of each comparison (and of the control, and each peer's against a run without
+checkpoints of its own) are blocks of one process, one after the other in the pair's order, each with a fresh
+model, optimizer and Trainer and easyckpt initialized and finalized within it (DLRover's pair under dlrover-run).
+Each process keeps a speed of its own (identical runs in two processes landed up to 14 % apart even taking turns);
+blocks of one process share it. Nothing of easyckpt's runs on into the next block: its agent leaves when the
+block's finalize says goodbye.
 """
 from __future__ import annotations
 
@@ -64,6 +71,7 @@ RUN_TIMEOUT = 900
 AGAIN = "none-again"     # the control: a second run without checkpoints, compared with the first (A/A)
 sys.path.insert(0, HERE)
 import bench_peer  # noqa: E402  (DLRover's leftovers, found and removed as bench_peer does)
+import turns  # noqa: E402
 DLROVER_PYTHON = os.path.join(ROOT, ".venv-dlrover", "bin", "python")
 
 
@@ -175,12 +183,18 @@ def worker_hf(mode: str, every: int, save_dir: str) -> List[float]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    save_dir = args.save_dir
-    mode = "none" if args.mode == AGAIN else args.mode
-    began = (worker_hf(mode, args.every, save_dir) if args.regime == "hf10"
-             else worker_plain(args.regime, mode, args.every, save_dir))
+    """One run, or (``--mode a,b``: --in-process) one block per mode, each in a save dir of its own."""
+    modes = args.mode.split(",")
+    done = []
+    for i, name in enumerate(modes):
+        save_dir = args.save_dir if len(modes) == 1 else os.path.join(args.save_dir, f"block{i}")
+        os.makedirs(save_dir, exist_ok=True)
+        mode = "none" if name == AGAIN else name
+        began = (worker_hf(mode, args.every, save_dir) if args.regime == "hf10"
+                 else worker_plain(args.regime, mode, args.every, save_dir))
+        done.append({"mode": name, "save_dir": save_dir, "began": began})
     with open(args.out, "w") as f:
-        json.dump(began, f)
+        json.dump(done[0]["began"] if len(modes) == 1 else done, f)
 
 
 def _cadence(save_dir: str) -> Optional[Dict[str, Any]]:
@@ -198,7 +212,7 @@ def _command(regime: str, mode: str, every: int, workdir: str) -> Tuple[List[str
     save_dir = tempfile.mkdtemp(dir=workdir)
     out = os.path.join(save_dir, "began.json")
     cmd = [sys.executable, __file__]
-    if mode == "dlrover":      # its own launcher, from its own venv
+    if "dlrover" in mode.split(","):      # its own launcher, from its own venv
         cmd = [DLROVER_PYTHON, os.path.join(HERE, "dlrover_launch.py"), "--standalone", "--nproc_per_node=1",
                __file__]
     return cmd + ["--worker", "--regime", regime, "--mode", mode, "--every", str(every), "--save-dir", save_dir,
@@ -209,10 +223,13 @@ def _env() -> Dict[str, str]:
     return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
 
 
-def _result(mode: str, save_dir: str, out: str, wall: float, windows: Optional[List[Tuple[float, float]]] = None
-            ) -> Dict[str, Any]:
+def _began(out: str) -> List[float]:
     with open(out) as f:
-        began = json.load(f)
+        return json.load(f)
+
+
+def _result(mode: str, save_dir: str, began: List[float], wall: float,
+            windows: Optional[List[Tuple[float, float]]] = None) -> Dict[str, Any]:
     return {"began": began, "wall": wall, "windows": windows,
             "cadence": _cadence(save_dir) if mode == "easyckpt" else None,
             "timed_out_waits": _timed_out_waits(save_dir) if mode == "easyckpt" else None}
@@ -228,34 +245,7 @@ def launch(regime: str, mode: str, every: int, workdir: str) -> Dict[str, Any]:
     finally:
         if before is not None:      # DLRover's own segments and directories, left behind after its run
             bench_peer._clean(before)
-    return _result(mode, save_dir, out, time.perf_counter() - t)
-
-
-def _descendants(pid: int) -> List[int]:
-    """``pid`` and every process under it (easyckpt's agent runs in a session of its own, but is its child)."""
-    children: Dict[int, List[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(name))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo.extend(children.get(p, []))
-    return found
-
-
-def _signal_tree(pid: int, sig: int) -> None:
-    for p in _descendants(pid):
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
+    return _result(mode, save_dir, _began(out), time.perf_counter() - t)
 
 
 def interleaved(regime: str, modes: List[str], every: int, workdir: str, turn: float) -> Dict[str, Dict[str, Any]]:
@@ -266,39 +256,33 @@ def interleaved(regime: str, modes: List[str], every: int, workdir: str, turn: f
     procs = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True) for cmd, _, _ in specs]
     for p in procs[1:]:
-        _signal_tree(p.pid, signal.SIGSTOP)
-    windows: List[List[Tuple[float, float]]] = [[] for _ in procs]
-    deadline = time.monotonic() + RUN_TIMEOUT * len(procs)
-    current, opened = 0, time.perf_counter()
+        turns.signal_tree(p.pid, signal.SIGSTOP)
     try:
-        while True:
-            end = time.perf_counter() + turn
-            while procs[current].poll() is None and time.perf_counter() < end:
-                time.sleep(0.005)
-            alive = [i for i, p in enumerate(procs) if p.poll() is None]
-            if procs[current].poll() is None and len(alive) > 1:
-                _signal_tree(procs[current].pid, signal.SIGSTOP)
-            windows[current].append((opened, time.perf_counter()))
-            if not alive:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{regime} {modes}: still running after {RUN_TIMEOUT * len(procs)} s")
-            current = next((i for i in alive if i > current), alive[0])
-            opened = time.perf_counter()
-            _signal_tree(procs[current].pid, signal.SIGCONT)
+        windows = turns.take_turns(procs, turn, RUN_TIMEOUT * len(procs), f"{regime} {modes}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _signal_tree(p.pid, signal.SIGCONT)
-                p.kill()
-            p.wait()
         if before is not None:
             bench_peer._clean(before)
     for mode, p in zip(modes, procs):
         if p.returncode:
             raise subprocess.CalledProcessError(p.returncode, f"{regime} {mode} worker")
-    return {mode: _result(mode, save_dir, out, sum(b - a for a, b in w), w)
+    return {mode: _result(mode, save_dir, _began(out), sum(b - a for a, b in w), w)
             for mode, (_, save_dir, out), w in zip(modes, specs, windows)}
+
+
+def blocks(regime: str, modes: List[str], every: int, workdir: str) -> Dict[str, Dict[str, Any]]:
+    """``--in-process``: ``modes`` run one after the other in one process (a fresh model, optimizer and Trainer
+    each, easyckpt initialized and finalized in its own), each block's result as a run's."""
+    cmd, save_dir, out = _command(regime, ",".join(modes), every, workdir)
+    before = bench_peer._dlrover_leftovers() if "dlrover" in modes else None
+    try:
+        subprocess.run(cmd, env=_env(), check=True, timeout=RUN_TIMEOUT * len(modes),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    finally:
+        if before is not None:
+            bench_peer._clean(before)
+    with open(out) as f:
+        done = json.load(f)
+    return {b["mode"]: _result(b["mode"], b["save_dir"], b["began"], b["began"][-1] - b["began"][0]) for b in done}
 
 
 def _timed_out_waits(save_dir: str) -> int:
@@ -320,18 +304,22 @@ def _per_step(run: Dict[str, Any], first: int) -> float:
     return ran / (len(began) - 1 - first)
 
 
-def one_pair(regime: str, index: int, workdir: str, turn: float, control: bool) -> Dict[str, Any]:
+def one_pair(regime: str, index: int, workdir: str, turn: float, control: bool, in_process: bool = False
+             ) -> Dict[str, Any]:
+    def compare(modes: List[str], every: int) -> Dict[str, Dict[str, Any]]:
+        if in_process:
+            return blocks(regime, modes, every, workdir)
+        if turn > 0:
+            return interleaved(regime, modes, every, workdir, turn)
+        return {mode: launch(regime, mode, every, workdir) for mode in modes}
     order = ["none", "easyckpt"] if index % 2 == 0 else ["easyckpt", "none"]
-    if turn > 0:
-        runs = interleaved(regime, order, 1, workdir, turn)
-    else:
-        runs = {mode: launch(regime, mode, 1, workdir) for mode in order}
+    runs = compare(order, 1)
     cadence = runs["easyckpt"]["cadence"]
     every = cadence["last"]["every"] if cadence else 1
     # the steady part: from the step the cadence was first decided (by then both runs are warm)
     first = cadence["first"] if cadence else len(runs["none"]["began"]) // 2
     base = _per_step(runs["none"], first)
-    row = {"order": order, "turn": turn, "steady_from": first, "step_none": base,
+    row = {"order": order, "turn": turn, "in_process": in_process, "steady_from": first, "step_none": base,
            "ratio": _per_step(runs["easyckpt"], first) / base,
            "whole_run_ratio": runs["easyckpt"]["wall"] / runs["none"]["wall"],
            "every": every, "bound": cadence["last"]["bound"] if cadence else 0,
@@ -340,16 +328,14 @@ def one_pair(regime: str, index: int, workdir: str, turn: float, control: bool) 
            "said_per_step": cadence["last"]["per_step"] if cadence else None,
            "timed_out_waits": runs["easyckpt"]["timed_out_waits"]}
     if control:
-        pair = [AGAIN, "none"] if index % 2 == 0 else ["none", AGAIN]
-        got = interleaved(regime, pair, 1, workdir, turn) if turn > 0 else \
-            {mode: launch(regime, mode, 1, workdir) for mode in pair}
+        got = compare([AGAIN, "none"] if index % 2 == 0 else ["none", AGAIN], 1)
         row["control_ratio"] = _per_step(got[AGAIN], first) / _per_step(got["none"], first)
     for peer in ("dcp", "dlrover") if regime != "hf10" else ():
         if peer == "dlrover" and not os.path.exists(DLROVER_PYTHON):
             continue
         try:
-            if turn > 0:         # against a run without checkpoints of its own, in turns with it
-                got = interleaved(regime, ["none", peer], every, workdir, turn)
+            if turn > 0 or in_process:         # against a run without checkpoints of its own, in turns or blocks
+                got = compare(["none", peer], every)
                 row[f"{peer}_ratio"] = _per_step(got[peer], first) / _per_step(got["none"], first)
             else:
                 row[f"{peer}_ratio"] = _per_step(launch(regime, peer, every, workdir), first) / base
@@ -367,6 +353,8 @@ def main() -> None:
                    help="an A/A pair (no checkpoints in either run) per pair: the machine's own spread")
     p.add_argument("--interleave", type=float, default=0.0, metavar="S",
                    help="the runs compared take turns of S seconds (0, the default: one after the other)")
+    p.add_argument("--in-process", action="store_true",
+                   help="the two runs of each comparison as blocks of one process, one after the other")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--regime", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -381,7 +369,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-overhead-") as workdir:
             rows = []
             for i in range(args.pairs):
-                row = one_pair(regime, i, workdir, args.interleave, args.control)
+                row = one_pair(regime, i, workdir, args.interleave, args.control, args.in_process)
                 rows.append(row)
                 print(f"{regime} pair {i + 1}: step {row['step_none'] * 1e3:.2f} ms, easyckpt x{row['ratio']:.3f} "
                       f"(whole run x{row['whole_run_ratio']:.3f}), every {row['every']} (bound {row['bound']}), "
