@@ -52,8 +52,7 @@ def populate_pieces(mm: mmap.mmap, start: int, end: int,
 def populate_parallel(mm: mmap.mmap, start: int, end: int, threads: int) -> int:
     """populate_pieces of ``[start, end)`` split in ``threads`` parts, each walked by a thread of its own (this one
     among them): 0 or the first errno. The kernel hands out and zeroes the fresh pages of a tmpfs file on every
-    walking thread's core at once: 2 GB of /dev/shm reserved in 0.83-1.10 s on two threads of the 2-core test
-    VM, 1.6-1.9 s on one, and posix_fallocate then faulting in took 1.4-1.6 s (a probe, three rounds)."""
+    walking thread's core at once (ipc/shm.py's Slot.reserve has the figures)."""
     page = mmap.PAGESIZE
     part = -(-(end - start) // max(1, threads) // page) * page or page
     bounds = [(a, min(a + part, end)) for a in range(start, end, part)]

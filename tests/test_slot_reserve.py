@@ -52,7 +52,7 @@ def _free(where: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _reserving(monkeypatch: pytest.MonkeyPatch) -> None:
+def _reserving() -> None:
     mm = mmap.mmap(-1, mmap.PAGESIZE)
     try:
         if pages.populate_errno(mm, 0, mmap.PAGESIZE) in pages.UNSUPPORTED:
@@ -63,7 +63,7 @@ def _reserving(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_root
 def test_no_room_for_a_new_slot_is_a_clear_error_and_nothing_is_left(tiny, monkeypatch):
-    _reserving(monkeypatch)
+    _reserving()
     path = tiny / f"easyckpt-{uuid.uuid4().hex[:12]}-r00000-s0"
     for threads in (1, 2):
         with pytest.raises(ShmCapacityError, match=r"cannot reserve 16.0 MiB .*snapshot slot .*--shm-size"):
@@ -73,7 +73,7 @@ def test_no_room_for_a_new_slot_is_a_clear_error_and_nothing_is_left(tiny, monke
 
 @needs_root
 def test_no_room_to_grow_a_slot_keeps_it_at_its_old_size_with_its_snapshot(tiny, monkeypatch):
-    _reserving(monkeypatch)
+    _reserving()
     path = tiny / f"easyckpt-{uuid.uuid4().hex[:12]}-r00000-s0"
     slot = shm.Slot.create_or_grow(str(path), 2 * MiB)
     data = bytes(range(256)) * 16
@@ -97,7 +97,7 @@ def test_a_slot_a_killed_process_left_half_reserved_is_refused_before_it_is_writ
     """A trainer killed while it reserved a slot leaves a file of the full size whose later pages were never
     allocated. Opened for writing again (a restarted trainer, the agent receiving a replica), it is reserved
     again first: with no room, a clear error instead of a SIGBUS at the first copy; the file is left as it is."""
-    _reserving(monkeypatch)
+    _reserving()
     path = tiny / f"easyckpt-{uuid.uuid4().hex[:12]}-r00000-s0"
     half = shm.Slot.create_or_grow(str(path), 16 * MiB, reserve=False)      # the header's page only
     half.close()
@@ -113,7 +113,7 @@ def test_a_snapshot_with_no_room_left_for_its_slot_fails_clearly_and_leaves_noth
     """The snapshotter's whole path: the slots prepared on a thread for an estimate /dev/shm seemed to have room
     for, the first snapshot then finishing the reservation itself: a ShmCapacityError from the snapshot, no slot
     left behind, the tmpfs as it was."""
-    _reserving(monkeypatch)
+    _reserving()
     snap = Snapshotter(uuid.uuid4().hex[:12], 0, 1)
     try:
         assert snap.prepare(10 * MiB) is None

@@ -20,7 +20,6 @@ import os
 import re
 import stat
 import struct
-import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, NamedTuple, NoReturn, Optional, Tuple, Union, cast
