@@ -41,7 +41,9 @@ checkpoints of its own) are blocks of one process, one after the other in the pa
 model, optimizer and Trainer and easyckpt initialized and finalized within it (DLRover's pair under dlrover-run).
 Each process keeps a speed of its own (identical runs in two processes landed up to 14 % apart even taking turns);
 blocks of one process share it. Nothing of easyckpt's runs on into the next block: its agent leaves when the
-block's finalize says goodbye.
+block's finalize says goodbye. The first block of a process tends to be the slow one (pt10, one pair: the run without
+checkpoints first, easyckpt x0.65 and the A/A x0.89; hf10, a probe of four blocks: 15.0 ms a step first, 10.6
+third): the pairs' alternating order is what balances it, so use an even number of pairs.
 """
 from __future__ import annotations
 

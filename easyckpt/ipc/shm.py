@@ -174,9 +174,14 @@ class Slot:
         # pages for reading only, and stays the way where the kernel has no MADV_POPULATE_WRITE (< 5.14)
         if populate and self.writable:
             self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, prot)
-            # reserved again (a slot whose reservation a killed process left half done is finished here)
-            if self.reserve():
+            # faulting in for writing also allocates any page a killed process left unreserved, and fails with
+            # EFAULT where there is no room for one (pages.py): no posix_fallocate pass over pages mostly there
+            err = pages.populate_pieces(self.mm, 0, self.size)[1]
+            if err == 0:
+                self._unreserved = self._unmapped = self.size
                 return
+            if err not in pages.UNSUPPORTED:
+                self._give_back(os.strerror(err))
             self.mm.close()
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self.mm = mmap.mmap(self.fd, self.size, flags, prot)
@@ -223,8 +228,8 @@ class Slot:
         One thread: piece by piece (pages.POPULATE_CHUNK), posix_fallocate then MADV_POPULATE_WRITE. Several (the
         training thread waiting, no ``stop``): the pages faulted in for writing on all of them at once, which is
         what reserves them on tmpfs (pages.py), the kernel handing out and zeroing fresh pages on every core
-        where fallocate takes one. 2 GB of /dev/shm on the 2-core test VM (a probe, three rounds): 0.83-1.15 s on
-        two threads, 1.36-1.47 s on one, faulting in on one thread without fallocate 1.55-1.71 s."""
+        where fallocate takes one. 2 GB of /dev/shm on the 2-core test VM (create_or_grow, three rounds side by side):
+        0.87-1.13 s on two threads, 1.56-1.64 s on one, faulting in alone on one thread 1.76-1.96 s."""
         assert self.mm is not None
         end = self.size if upto is None else min(upto, self.size)
         if threads > 1 and stop is None and touch:
