@@ -214,3 +214,30 @@ def test_a_shard_whose_shape_keeps_changing_stops_getting_new_plans():
         flattener.flatten("u", dict(steady, n=step))
     # the first snapshot walks only; the second walks and makes the plan, which serves the rest
     assert flattener._makes["u"] == 1 and flattener._served["u"] == Flattener.SERVED_BEFORE_REMAKE + 1
+
+
+def test_a_tree_of_tensors_alone_gets_one_skeleton_object_and_its_json_is_kept_with_it():
+    """A model's state dict has no value but its tensors: its plan hands out the same skeleton every time, which the
+    slot's JSON takes as unchanged without marshalling it; a tree with a number in it gets a new one each time."""
+    import collections
+
+    from easyckpt.engine.save.metajson import KeptJson
+    from easyckpt.engine.shards.treeplan import FlatPlan
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    tree = model.state_dict()
+    plan = FlatPlan.make(tree, flatten(tree)[1])
+    assert plan is not None
+    first, again = plan.run(model.state_dict()), plan.run(model.state_dict())
+    assert first is not None and again is not None and first[0] is again[0]
+    _same_as_walk(plan, model.state_dict())
+    model[0].weight = torch.nn.Parameter(torch.ones(2, 3))      # a parameter replaced: read where it now is
+    assert plan.run(model.state_dict())[1][0][1].data_ptr() == model[0].weight.data_ptr()
+    cache = KeptJson()
+    walked = flatten(tree)[0]
+    for skeletons in ({"m": first[0]}, {"m": again[0]}, {"m": walked}, {"m": first[0]}):
+        assert _meta(skeletons, cache) == _meta({"m": walked}) == {
+            "files": [], "step": 3, "skeletons": {"m": walked}, "info": {"x": 1}}
+    with_number = collections.OrderedDict(w=torch.ones(1), n=1)
+    numbered = FlatPlan.make(with_number, flatten(with_number)[1])
+    assert numbered is not None
+    assert numbered.run(with_number)[0] is not numbered.run(with_number)[0]

@@ -10,11 +10,13 @@ import json
 import marshal
 from typing import Any, Dict, Optional, Tuple
 
+from easyckpt.engine.shards.treeplan import ConstantSkeleton
+
 # made once: json.dumps with any option builds a new encoder at each call (a few us of every snapshot)
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 
-# relpath -> (marshal of the skeleton, its JSON): see _skeleton_json
-SkeletonCache = Dict[str, Tuple[bytes, str]]
+# relpath -> (marshal of the skeleton, its JSON, the skeleton): see _skeleton_json
+SkeletonCache = Dict[str, Tuple[bytes, str, Any]]
 _INFO = "\0info"
 
 
@@ -69,13 +71,17 @@ def _skeleton_json(relpath: str, skeleton: Any, cache: Optional[SkeletonCache]) 
         return "{" + ",".join(_name_json(k) + ":" + (int.__repr__(v) if type(v) is int else "null" if v is None
                                                       else _skeleton_json(f"{relpath}\0{k}", v, entries))
                               for k, v in skeleton.items()) + "}"
+    kept = cache.get(relpath)
+    if type(skeleton) is ConstantSkeleton:      # a plan's skeleton that never changes: its JSON kept with it
+        if kept is None or kept[2] is not skeleton:
+            kept = cache[relpath] = (b"", _COMPACT.encode(skeleton), skeleton)
+        return kept[1]
     try:
         key = marshal.dumps(skeleton, 2)
     except ValueError:           # a str or int subclass among the leaves: encoded each time
         return _COMPACT.encode(skeleton)
-    kept = cache.get(relpath)
     if kept is not None and kept[0] == key:
         return kept[1]
     text = _COMPACT.encode(skeleton)
-    cache[relpath] = (key, text)
+    cache[relpath] = (key, text, None)
     return text

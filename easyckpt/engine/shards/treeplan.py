@@ -35,6 +35,11 @@ MAX_DEPTH = 40          # (the skeleton is one nested expression)
 _GiveUp = ValueError    # the tree holds a node no plan takes (raised while writing a plan, caught by make)
 
 
+class ConstantSkeleton(dict):
+    """The skeleton of a plan whose tree holds no number, string or None: the same object at every snapshot, never
+    changed (read by the slot's JSON only)."""
+
+
 class FlatPlan:
     """``run(tree)``: flatten(tree) when ``tree`` has the shape of the tree the plan was made from, else None."""
 
@@ -56,9 +61,13 @@ class FlatPlan:
         scope: Dict[str, Any] = {
             "K": tuple(writer.consts), "C": tuple(writer.types), "KT": tuple(writer.key_tuples),
             "KTT": tuple(writer.key_types), "SC": _SCALARS, "TENSOR": torch.Tensor, "STRIDED": torch.strided,
-            "from_numpy": torch.from_numpy, **numpy}
+            "from_numpy": torch.from_numpy, "CONSTANT": ConstantSkeleton, **numpy}
         body = "".join(f"    {line}\n" for line in writer.lines)
-        code = f"def run(t0):\n    X = []\n{body}    return X, {expr}\n"
+        # a tree without a number, string or None in it (a model's state dict) has the same skeleton at every
+        # snapshot: built once and handed out as the same object, which tells the slot's JSON (metajson.py) it
+        # is unchanged without a look at it (a model of 160 tensors: its skeleton's building and marshal, each time)
+        made = f"S = CONSTANT({expr})\n" if writer.leaves == 0 and type(tree) in _DICTS else ""
+        code = f"{made}def run(t0):\n    X = []\n{body}    return X, {'S' if made else expr}\n"
         exec(compile(code, "<easyckpt.treeplan>", "exec"), scope)    # noqa: S102 - our own templates only
         return cls(scope["run"], keys)
 
@@ -83,6 +92,7 @@ class _Writer:
         self.key_tuples: List[Tuple[Any, ...]] = []
         self.key_types: List[Tuple[type, ...]] = []
         self.taken = 0
+        self.leaves = 0                 # the numbers, strings and None read into the skeleton
         self._names = 0
 
     def _child(self, var: str, index: str) -> str:
@@ -106,6 +116,7 @@ class _Writer:
             raise _GiveUp("too deep")
         kind = type(node)
         if kind in _SCALARS:
+            self.leaves += 1
             self.lines.append(f"if type({var}) not in SC: return None")
             return var
         if isinstance(node, torch.Tensor):
