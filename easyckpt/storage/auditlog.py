@@ -35,7 +35,8 @@ class AuditLog:
         self.host = socket.gethostname()
         # called with each event as written (engine/link/metrics.py counts snapshots and skips from them)
         self.listeners: List[Callable[[str, Dict[str, Any]], None]] = []
-        self._pid, self._heads = 0, {}      # see _head
+        self._pid = 0                       # see _head
+        self._heads: Dict[str, str] = {}
         if path:
             self._fd = self._open(path)
 
