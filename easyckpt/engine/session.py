@@ -127,7 +127,10 @@ class Engine:
         if not persist and not budget.due(step):
             return None
         budget.took()
-        return self.saver.in_loop(step, collect, persist, info, optimizer)
+        began = self.clock.monotonic()
+        result = self.saver.in_loop(step, collect, persist, info, optimizer)
+        budget.took_for(self.clock.monotonic() - began)
+        return result
 
     def _introduce(self) -> None:
         """Introduce the nodes' agents to each other (peers.py), once, at the first load or snapshot: both
