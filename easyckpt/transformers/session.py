@@ -5,7 +5,6 @@ both run the Trainer under one _Session (easyckpt/transformers/__init__.py); not
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import os
@@ -36,6 +35,7 @@ from easyckpt.formats.layout import deepspeed_tag
 from easyckpt.formats.manifest import Manifest
 from easyckpt.formats.shardformat import ShardFormat
 from easyckpt.transformers import fsdp, logs, peftmodel, rng
+from easyckpt.transformers.statejson import TrainerStateJson
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
@@ -67,6 +67,7 @@ class _Session(FrameworkState[Any]):
         self.peft = peftmodel.peft_model(trainer.model)
         self.peft_base = peftmodel.base_checksum(self.peft) if self.peft is not None else None
         self.static = self._static_files()
+        self.state_json = TrainerStateJson()        # trainer_state.json, its log history encoded once per entry
         if not self.fsdp and not trainer.is_deepspeed_enabled:     # (their readers open a path after restore)
             self.needed_in_memory = self.needed     # another world size's step from memory, decoded (resharded.py)
 
@@ -111,21 +112,6 @@ class _Session(FrameworkState[Any]):
             out.append(("zero_to_fp32.py", scratch.file_bytes(zero_to_fp32.__file__)))
         return out
 
-    def _trainer_state_json(self) -> str:
-        """trainer_state.json as the Trainer's _save_checkpoint would write it now, without changing the
-        live state (the Trainer appends callback states only when it really saves)."""
-        from transformers.trainer_callback import ExportableState
-        state = self.trainer.state
-        data = dataclasses.asdict(state)
-        callbacks = dict(data.get("stateful_callbacks") or {})
-        for cb in self.trainer.callback_handler.callbacks + [self.trainer.control]:
-            if isinstance(cb, ExportableState):
-                name = cb.__class__.__name__
-                callbacks[name] = (list(callbacks[name]) + [cb.state()]) if isinstance(callbacks.get(name), list) \
-                    else cb.state()
-        data["stateful_callbacks"] = callbacks
-        return json.dumps(data, indent=2, sort_keys=True) + "\n"
-
     def _model_state(self) -> Dict[str, torch.Tensor]:
         """The model's weights without the duplicates of tied parameters (what save_pretrained keeps)."""
         out, seen = {}, set()
@@ -168,7 +154,7 @@ class _Session(FrameworkState[Any]):
         if scaler is not None:
             shards.append(ShardSpec(SCALER, scaler.state_dict(), persist=writer, fmt=ShardFormat.TORCH))
         shards.append(ShardSpec(self._rng_file(), rng.states(args), persist=True, fmt=ShardFormat.TORCH))
-        shards.append(ShardSpec(STATE, self._trainer_state_json(), persist=writer, fmt=ShardFormat.RAW))
+        shards.append(ShardSpec(STATE, self.state_json.text(self.trainer), persist=writer, fmt=ShardFormat.RAW))
         return shards
 
     def snapshot_bytes(self) -> int:
