@@ -56,7 +56,7 @@ class TrainerStateJson:
         data["log_history"] = _MARK
         text = json.dumps(data, indent=2, sort_keys=True)
         if text.count(_MARK_JSON) != 1 or type(history) is not list:
-            data["log_history"] = copy.deepcopy(history)
+            data["log_history"] = history
             return json.dumps(data, indent=2, sort_keys=True) + "\n"
         return text.replace(_MARK_JSON, self._history(history)) + "\n"
 
