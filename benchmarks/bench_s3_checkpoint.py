@@ -101,6 +101,14 @@ def train(save: str, local: Path, hidden: int, iters: int, env: Dict[str, str], 
            "--iters", str(iters), "--storage-interval", "3", "--max-ckpt", "1", "--log-file", str(local / "a.log"),
            *extra]
     subprocess.run(cmd, check=True, env=env, timeout=1800, capture_output=True)
+    # its agent leaves after the trainer (a due copy to the local tier may be its last work): the next run
+    # starts when it has left, as a resume after a finished job does
+    deadline = time.monotonic() + 300
+    while sum(e["event"] == "agent_start" for e in events(local / "a.log")) > sum(
+            e["event"] == "agent_exit" for e in events(local / "a.log")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the agent of the run did not leave in 300 s (its audit log: {local / 'a.log'})")
+        time.sleep(0.1)
     return events(local / "a.log")
 
 

@@ -199,3 +199,48 @@ def test_after_a_reboot_the_local_tiers_newer_step_resumes_exactly_else_the_comm
     else:
         loads = [json.loads(ln) for ln in log.splitlines() if '"event": "load"' in ln]
         assert loads and all(e["source"] == "local" for e in loads[-2:]), loads
+
+
+def test_the_agent_leaving_after_the_job_copies_the_last_due_snapshot_its_thread_had_not_looked_at(tmp_path,
+                                                                                                  monkeypatch):
+    """The tier's thread runs niced and looks every POLL seconds; on a loaded machine the job's last snapshot
+    was persisted, committed and the agent gone before it looked once, so the last due step never reached the
+    tier (and the next resume read the store). Here the thread never looks before the agent leaves: the agent's
+    own last look copies it. A job whose trainers have not all said bye gets no last look (a slot the trainer
+    needs could be pinned)."""
+    import easyckpt.agent.localtier as localtier
+    monkeypatch.setattr(localtier, "POLL", 3600.0)       # the thread's first look would come in an hour
+    cfg = validate(Config(save_dir=str(tmp_path / "ckpt"), local_dir=str(tmp_path / "local"), save_mem_interval=1,
+                          save_storage_interval=4, save_local_interval=2, autocheckpoint_on_sigterm=False))
+    where = tierfiles.directory(cfg.node_dir, cfg.job_id)
+
+    def job(ckpt, group):
+        model, opt = model_and_optimizer()
+        for step in range(1, 7):
+            train_step(model, opt, step)
+            ckpt.save(step, state(ckpt, model, opt, step), optimizer=opt)
+        assert tierfiles.listing(where, cfg.job_id, group.rank) == []      # the thread has not looked
+        return ckpt.finalize()
+
+    with node(cfg) as local:
+        assert ranks(cfg, local, 2, job) == [6, 6]
+        local.tick(0)
+        assert local.left
+    for rank in (0, 1):
+        assert [c.step for c in tierfiles.listing(where, cfg.job_id, rank)] == [6], rank
+    log = [json.loads(ln) for ln in (tmp_path / "local" / "easyckpt.log").read_text().splitlines()]
+    assert sorted((e["step"], e["rank"]) for e in log if e["event"] == "tier_saved") == [(6, 0), (6, 1)]
+
+    cfg = validate(Config(save_dir=str(tmp_path / "ckpt2"), local_dir=str(tmp_path / "local2"), save_mem_interval=1,
+                          save_storage_interval=4, save_local_interval=2, autocheckpoint_on_sigterm=False))
+
+    def dies(ckpt, group):
+        model, opt = model_and_optimizer()
+        for step in range(1, 3):
+            train_step(model, opt, step)
+            ckpt.save(step, state(ckpt, model, opt, step), optimizer=opt)
+
+    with node(cfg) as local:
+        ranks(cfg, local, 1, dies)            # no bye: the agent is closed with its trainer still attached
+    assert tierfiles.listing(tierfiles.directory(cfg.node_dir, cfg.job_id), cfg.job_id, 0) == []
+    _lose_the_node(cfg)

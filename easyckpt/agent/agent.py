@@ -265,8 +265,10 @@ class Agent:
     def shutdown(self) -> None:
         self.server.close()
         self.replicas.close()
-        self.tier.close()           # before the slots it copies from go
-        if not any(c.rank is not None and not c.said_bye for c in self.server.clients.values()):
+        all_left = not any(c.rank is not None and not c.said_bye for c in self.server.clients.values())
+        # before the slots it copies from go; the last due snapshot copied unless the node is going down
+        self.tier.close(finish=all_left and not self.grace.leaving)
+        if all_left:
             removed = [p for p in shm.segments_of(self.job_id) if shm.unlink_quiet(p)]
             if removed:
                 self.log.emit("shm_release", segments=len(removed))

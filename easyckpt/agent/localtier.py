@@ -47,11 +47,20 @@ class LocalTier:
         """A copy under way (the agent does not leave in the middle of one)."""
         return self._copying
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Stop looking; a copy under way ends first (at most ``timeout`` seconds are waited for it)."""
+    def close(self, timeout: float = 60.0, finish: bool = False) -> None:
+        """Stop looking; a copy under way ends first (at most ``timeout`` seconds are waited for it). With
+        ``finish`` (every trainer has left, so no slot it needs can be pinned) one last look copies a due
+        snapshot the thread has not taken yet: the thread runs niced and looks every POLL seconds, and on a loaded
+        machine the last snapshot's persist and commit can be done before it has looked once (the job's last
+        due step was then missing from the tier, and the next resume read the store instead)."""
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if finish and not self._thread.is_alive():
+                try:
+                    self.look(last=True)
+                except Exception as exc:  # noqa: BLE001 - best effort, as the thread's looks
+                    self.warnings.say(f"local tier: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
         priority.bulk_thread()
@@ -61,8 +70,9 @@ class LocalTier:
             except Exception as exc:  # noqa: BLE001 - the tier is best effort; training never depends on it
                 self.warnings.say(f"local tier: {type(exc).__name__}: {exc}")
 
-    def look(self) -> None:
-        """One look at the local ranks' slots: copy what is due (the thread's body; tests call it directly)."""
+    def look(self, last: bool = False) -> None:
+        """One look at the local ranks' slots: copy what is due (the thread's body; tests call it directly).
+        ``last``: the trainers have left, so a slot may be pinned though the other one is reserved."""
         assert self.every is not None
         job = self.cfg.job_id
         ranks = sorted({seg.rank for seg in shm.list_segments(job) if not seg.replica})
@@ -81,7 +91,7 @@ class LocalTier:
                 continue
             step = max(due)
             slot, generation = per_rank[rank][step]
-            if slots.trainers_last_free(job, rank, slot):
+            if not last and slots.trainers_last_free(job, rank, slot):
                 self._seen = None    # a persist holds the other slot, and pinning this one would stall the
                 continue             # trainer: looked at again next time (a released persist changes no header)
             self._copying = True
