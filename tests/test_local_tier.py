@@ -72,6 +72,29 @@ def test_a_copy_is_listed_only_with_its_record_and_checked_against_it(tmp_path):
     assert "passed over" in (tmp_path / "audit.log").read_text()
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_header_word_set_while_the_slot_is_copied_leaves_a_copy_that_matches_its_record(tmp_path, monkeypatch,
+                                                                                          direct):
+    """A persist of the same snapshot ends while the tier copies it, and sets its agent word in the slot's header
+    (released): seen on a loaded machine, the copy held one value and its checksum the other, so the copy never
+    matched its record and the next resume passed the tier over as damaged. The header is read once now."""
+    mem = mmap.mmap(-1, 3 * 4096 + 100)
+    mem.write(os.urandom(len(mem)))
+
+    class PersistEndsMeanwhile(tierfiles.SequentialWriter):
+        def write(self, data):            # (every path of the first 4096 bytes goes through write)
+            n = super().write(data)
+            mem[40:48] = bytes(range(8))  # the agent's word, set between the copy's reading and the checksum's
+            return n
+    monkeypatch.setattr(tierfiles, "SequentialWriter", PersistEndsMeanwhile)
+    where = str(tmp_path / tf.dir_name(JOB))
+    tierfiles.write(where, tf.TierRecord(JOB, 4, 0, 1, "", 0, "", ""), memoryview(mem), lambda: None, direct=direct,
+                    volatile=4096)
+    [copy] = tierfiles.listing(where, JOB, 0)
+    _verify(copy)                         # before: ManifestError, "corrupted"
+    mem.close()
+
+
 def test_planted_records_and_copies_are_passed_over_without_blocking(tmp_path):
     where = str(tmp_path / tf.dir_name(JOB))
     _write(where, 2)

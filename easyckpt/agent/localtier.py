@@ -111,7 +111,8 @@ class LocalTier:
                 assert opened.mm is not None        # a complete slot is mapped
                 record = tf.TierRecord(job, step, rank, done.header.world_size, done.meta.layout or "", 0, "", "")
                 written = tierfiles.write(self.where, record, memoryview(opened.mm),
-                                          lambda: slotread.ensure_unchanged(opened, done), self.cfg.direct_io)
+                                          lambda: slotread.ensure_unchanged(opened, done), self.cfg.direct_io,
+                                          volatile=shm.HEADER_BYTES)
             finally:
                 opened.close()
         self.written[rank] = step

@@ -39,10 +39,14 @@ def directory(node_dir: str, job_id: str) -> str:
 
 
 def write(where: str, record: tf.TierRecord, view: memoryview, still_whole: Callable[[], None],
-          direct: bool = True) -> tf.TierRecord:
+          direct: bool = True, volatile: int = 0) -> tf.TierRecord:
     """Write ``view`` (a page-aligned mapping: the rank's slot) as the copy of ``record``'s step and rank, then
     its record with the size and checksum found on the way. ``still_whole`` is called once the copy is durable
-    and raises when the source changed while it was read: the copy is then removed and no record written."""
+    and raises when the source changed while it was read: the copy is then removed and no record written.
+    The first ``volatile`` bytes may change while they are read, and rightly so (a slot's header, whose agent
+    words a persist of the same snapshot sets when it ends): they are read once, and the copy and the checksum
+    both take that one reading. Read twice, a persist ending between the write and the hash left a copy that
+    never matched its record (seen on a loaded machine: the next resume passed the tier over as damaged)."""
     _storage.make_own_dir(where)
     copy = os.path.join(where, tf.copy_name(record.step, record.rank))
     rec = os.path.join(where, tf.record_name(record.step, record.rank))
@@ -53,7 +57,10 @@ def write(where: str, record: tf.TierRecord, view: memoryview, still_whole: Call
     # only as such, shm.Slot)
     out = SequentialWriter(copy, direct=direct, mode=0o600)
     try:
-        for start in range(0, size, CHUNK):
+        head = bytes(view[:min(volatile, size)])
+        out.write(head)
+        hasher.update(head)
+        for start in range(len(head), size, CHUNK):
             end = min(start + CHUNK, size)
             out.write_mapped(view, start, end)
             hasher.update(view[start:end])
