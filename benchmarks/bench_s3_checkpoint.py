@@ -104,12 +104,14 @@ def train(save: str, local: Path, hidden: int, iters: int, env: Dict[str, str], 
     # its agent leaves after the trainer (a due copy to the local tier may be its last work): the next run
     # starts when it has left, as a resume after a finished job does
     deadline = time.monotonic() + 300
-    while sum(e["event"] == "agent_start" for e in events(local / "a.log")) > sum(
-            e["event"] == "agent_exit" for e in events(local / "a.log")):
+    while True:
+        log = events(local / "a.log")
+        kinds = [e["event"] for e in log]
+        if kinds.count("agent_start") <= kinds.count("agent_exit"):
+            return log
         if time.monotonic() > deadline:
             raise RuntimeError(f"the agent of the run did not leave in 300 s (its audit log: {local / 'a.log'})")
         time.sleep(0.1)
-    return events(local / "a.log")
 
 
 def durable_seconds(log: List[Dict[str, Any]]) -> List[float]:
