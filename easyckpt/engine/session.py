@@ -335,6 +335,8 @@ class Engine:
         # with a local tier the agent removes the slots as it leaves, after its last look has copied a due
         # snapshot its niced thread had not taken yet (agent/localtier.py); removed here, that step was lost
         agent_removes = self.cfg.save_local_interval is not None and self.client.alive()
+        if agent_removes:      # every slot file made before the bye: one made after the agent left would stay
+            self.snapshotter.wait_prepared(both=False)
         self.client.send(protocol.Bye(self.rank))
         self.client.close()
         self.snapshotter.close(unlink=not agent_removes)
