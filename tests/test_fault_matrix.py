@@ -94,6 +94,8 @@ ROWS = {
     63: "test_s3.py::test_a_job_whose_clock_is_a_day_off_cannot_take_over_a_running_lease",
     64: "test_local_tier.py::test_the_agent_leaving_after_the_job_copies_the_last_due_snapshot_its_thread_had_not_looked_at",
     65: "test_local_tier.py::test_a_header_word_set_while_the_slot_is_copied_leaves_a_copy_that_matches_its_record",
+    66: "test_local_tier.py::"
+        "test_an_agent_leaving_while_the_job_was_started_again_on_its_node_leaves_the_new_runs_memory_alone",
 }
 
 

@@ -156,6 +156,54 @@ def test_save_local_interval_must_be_a_multiple_of_the_memory_interval(tmp_path)
         validate(Config(save_dir=str(tmp_path), save_local_interval=2, max_local_ckpt_num=0))
 
 
+def test_an_agent_leaving_while_the_job_was_started_again_on_its_node_leaves_the_new_runs_memory_alone(tmp_path):
+    """A job that ends is often started again at once (the next stage of the same run). The agent of the run that
+    ended leaves after its trainers, its last copy to the tier taking seconds; meanwhile the new run's trainers
+    start their own agent and reuse the job's slots and key. The leaving agent removed them all the same: the new
+    run's memory snapshots out of reach, its late ranks refused. Now it leaves them to the agent that listens."""
+    import socket
+
+    from easyckpt.ipc import agentsocket
+    cfg = validate(Config(save_dir=str(tmp_path / "ckpt"), local_dir=str(tmp_path / "local"), save_mem_interval=1,
+                          save_storage_interval=4, save_local_interval=2, autocheckpoint_on_sigterm=False))
+
+    def job(ckpt, group):
+        model, opt = model_and_optimizer()
+        for step in range(1, 5):
+            train_step(model, opt, step)
+            ckpt.save(step, state(ckpt, model, opt, step), optimizer=opt)
+        return ckpt.finalize()
+
+    # the new run's agent on the job's address (the in-process agent has none: its trainers reach it directly)
+    new_agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        new_agent.bind(agentsocket.address(cfg.job_id))
+        new_agent.listen(4)
+        with node(cfg) as local:
+            assert ranks(cfg, local, 2, job) == [4, 4]
+            local.tick(30)          # (the tier may still be copying: the agent leaves after it)
+            assert local.left
+            slots = [shm.slot_path(cfg.job_id, rank, i) for rank in (0, 1) for i in (0, 1)]
+            assert all(os.path.exists(p) for p in slots) and os.path.exists(jobkey.path(cfg.job_id))
+        log = (tmp_path / "local" / "easyckpt.log").read_text()
+        assert '"event": "shm_kept"' in log and '"event": "shm_release"' not in log, log
+    finally:
+        new_agent.close()
+        _lose_the_node(cfg)
+
+    # the same end with no other agent on the address: the job's memory and key go with its agent
+    cfg = validate(Config(save_dir=str(tmp_path / "ckpt2"), local_dir=str(tmp_path / "local2"), save_mem_interval=1,
+                          save_storage_interval=4, save_local_interval=2, autocheckpoint_on_sigterm=False))
+    try:
+        with node(cfg) as local:
+            assert ranks(cfg, local, 2, job) == [4, 4]
+            local.tick(30)          # (the tier may still be copying: the agent leaves after it)
+            assert local.left
+            assert shm.segments_of(cfg.job_id) == [] and not os.path.exists(jobkey.path(cfg.job_id))
+    finally:
+        _lose_the_node(cfg)
+
+
 def _lose_the_node(cfg: Config) -> None:
     """What a reboot leaves: no agent (closed by the caller), no shared memory; the disks as they were."""
     for path in shm.segments_of(cfg.job_id):

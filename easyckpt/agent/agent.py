@@ -69,7 +69,7 @@ from easyckpt.formats.replies import (
     StatusReply,
     reply_from_wire,
 )
-from easyckpt.ipc import jobkey, shm
+from easyckpt.ipc import jobkey, reap, shm
 from easyckpt.storage.auditlog import AuditLog
 
 HELLO_WAIT = 10.0   # seconds a new agent waits for its first trainer before it leaves
@@ -269,10 +269,7 @@ class Agent:
         # before the slots it copies from go; the last due snapshot copied unless the node is going down
         self.tier.close(finish=all_left and not self.grace.leaving)
         if all_left:
-            removed = [p for p in shm.segments_of(self.job_id) if shm.unlink_quiet(p)]
-            if removed:
-                self.log.emit("shm_release", segments=len(removed))
-            jobkey.remove(self.job_id)
+            reap.release_finished_job(self.job_id, self.log)
         self._lock_call(self.lock.release)
         self.log.emit("agent_exit", job_id=self.job_id)
         self.log.close()

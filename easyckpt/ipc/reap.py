@@ -70,3 +70,19 @@ def reap_dead_jobs(log: EventLog, keep: str) -> None:
         if job != keep and not shm.segments_of(job) and owned_by_me(jobkey.path(job)) \
                 and not agentsocket.agent_listening(job) and is_leftover(jobkey.path(job), False):
             jobkey.remove(job)
+
+
+def release_finished_job(job_id: str, log: EventLog) -> None:
+    """Remove a finished job's segments and key on this node: its agent leaving after every trainer said bye, its own
+    address already closed. Unless another agent of the job listens now: the job was started again here while this
+    one was on its way out (a last copy to the local tier takes seconds), and its trainers reuse the same slots and
+    key (a slot of an earlier run of the job is reused, not made anew), so removing them would take its memory
+    snapshots out of everyone's reach and refuse its late ranks. They are the new run's to remove."""
+    if agentsocket.agent_listening(job_id):
+        log.emit("shm_kept", message=f"another easyckpt agent of job {job_id} listens on this node (the job was "
+                                     f"started again): its shared memory and key are left to it")
+        return
+    removed = [p for p in shm.segments_of(job_id) if shm.unlink_quiet(p)]
+    if removed:
+        log.emit("shm_release", segments=len(removed))
+    jobkey.remove(job_id)
