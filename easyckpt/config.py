@@ -373,8 +373,14 @@ def take_back(cfg: Config, before: Mapping[str, FrozenSet[str]]) -> List[str]:
     if cfg.in_store:          # the lock is a lease object in the store, not a file here: nothing is taken back
         return []
     files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname())),
-             os.path.join(cfg.save_dir, LOCK_NAME)] + ([cfg.audit_log] if cfg.audit_log else [])
+             os.path.join(cfg.save_dir, LOCK_NAME)] + _audit_logs(cfg)
     return firstfiles.take_back(files, JobLock(cfg.save_dir, cfg.job_id, cfg.job_name), before)
+
+
+def _audit_logs(cfg: Config) -> List[str]:
+    """The audit log and the history log beside it (storage/auditlog.py), when the audit log is on."""
+    from easyckpt.storage.auditlog import history_path
+    return [cfg.audit_log, history_path(cfg.audit_log)] if cfg.audit_log else []
 
 
 def _check_own_files(cfg: Config) -> None:
@@ -385,7 +391,7 @@ def _check_own_files(cfg: Config) -> None:
     damaged record and the tracker of another user are only hints: read, they are refused and said (SaveDir)."""
     from easyckpt.storage.joblock import LOCK_NAME
 
-    node_files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname()))]
+    node_files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname()))] + _audit_logs(cfg)[1:]
     hints = []
     if not cfg.in_store:
         node_files.append(os.path.join(cfg.save_dir, LOCK_NAME))

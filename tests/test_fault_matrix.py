@@ -96,6 +96,7 @@ ROWS = {
     65: "test_local_tier.py::test_a_header_word_set_while_the_slot_is_copied_leaves_a_copy_that_matches_its_record",
     66: "test_local_tier.py::"
         "test_an_agent_leaving_while_the_job_was_started_again_on_its_node_leaves_the_new_runs_memory_alone",
+    67: "test_audit_history.py::test_what_was_committed_and_deleted_outlives_the_audit_logs_rotations",
 }
 
 

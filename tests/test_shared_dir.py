@@ -81,7 +81,8 @@ def test_a_damaged_record_planted_by_another_user_deletes_no_intact_step(shared_
 
 
 @AS_ROOT
-@pytest.mark.parametrize("name", ["easyckpt.log", f".easyckpt-agent-{socket.gethostname()}.log"])
+@pytest.mark.parametrize("name", ["easyckpt.log", "easyckpt-history.log",
+                                  f".easyckpt-agent-{socket.gethostname()}.log"])
 def test_a_log_planted_by_another_user_is_refused_at_start_never_appended_to(shared_dir, name):
     """Row 53: `nobody` plants the audit log or the agent's log (mode 0666) in the shared save dir before the
     job: the job stops at once naming the file and its owner, and writes nothing into it (before: the job
@@ -186,7 +187,7 @@ def test_planted_twin_and_future_step_names_never_outrank_the_jobs_own_steps(sha
 
 
 @AS_ROOT
-@pytest.mark.parametrize("name", ["latest", ".easyckpt.lock", "easyckpt.log",
+@pytest.mark.parametrize("name", ["latest", ".easyckpt.lock", "easyckpt.log", "easyckpt-history.log",
                                   f".easyckpt-agent-{socket.gethostname()}.log"])
 def test_a_directory_where_a_file_belongs_is_refused_at_start_naming_it(shared_dir, name):
     """Row 56: `nobody` makes a directory under the tracker's, the lock's or a log's name: the job stops at

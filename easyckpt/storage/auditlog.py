@@ -5,6 +5,12 @@ descriptor, so lines from different processes never interleave. ``emit`` also sa
 on the console (console.py), as one readable line; every event goes to the ``easyckpt.audit`` logger at
 DEBUG. ``record`` writes the file only, for callers that word the console line themselves. The file is
 capped in size (logcap.py): over the cap it becomes ``<name>.1`` and a new one is started.
+
+The events of a checkpoint's life (HISTORY: committed, deleted, moved aside) are also appended to the history log
+beside it (``easyckpt-history.log``, history_path), which nothing else writes to: a line a persist, not a line a
+snapshot, so the record of what was saved and deleted outlives the audit log's rotations (at a few snapshot
+lines a second from every rank of a node, the audit log and its ``.1`` hold only the last hours). It is
+capped the same way (a cap's worth of commits is years of a job's).
 """
 from __future__ import annotations
 
@@ -12,9 +18,10 @@ import json
 import os
 import socket
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from easyckpt import console
+from easyckpt.errors import EasyCkptError
 from easyckpt.formats import paths
 from easyckpt.storage import logcap
 
@@ -23,6 +30,15 @@ WARNINGS = ("warning", "skip")
 _LINE = json.JSONEncoder(default=str)
 # the fields every line starts with (record)
 _HEAD = frozenset(("time", "event", "source", "host", "pid"))
+# the events also written to the history log (see above); not the local tier's (a node's cache, copied as often as
+# every few snapshots)
+HISTORY = frozenset(("commit", "delete", "quarantine", "sigterm_save"))
+
+
+def history_path(path: str) -> str:
+    """The history log beside the audit log ``path``: ``easyckpt.log`` -> ``easyckpt-history.log``."""
+    root, ext = os.path.splitext(path)
+    return f"{root}-history{ext or '.log'}"
 
 
 class AuditLog:
@@ -30,7 +46,8 @@ class AuditLog:
         self.path = path
         self.source = source
         self._fd: Optional[int] = None
-        self._cap_said = False
+        self._history: Optional[int] = None     # the history log's descriptor, opened at its first line
+        self._said: Set[str] = set()            # the paths whose failed rotation or open was said (once each)
         # the node's name, asked once per log: a system call at every line otherwise (a line per snapshot)
         self.host = socket.gethostname()
         # called with each event as written (engine/link/metrics.py counts snapshots and skips from them)
@@ -52,7 +69,7 @@ class AuditLog:
         if self.path:
             fd = self._open(self.path)
             self.close()
-            self._fd = fd
+            self._fd = fd       # (the history log is opened again at its next line)
 
     def emit(self, event: str, **fields: Any) -> None:
         self.record(event, **fields)
@@ -77,12 +94,22 @@ class AuditLog:
                 listener(event, record)
             except Exception as exc:  # noqa: BLE001 - the figures must never take training down
                 console.audit_logger.debug("audit listener failed on %s: %r", event, exc)
-        if self._fd is not None:
+        if self._fd is not None and self.path:
+            data = (line + "\n").encode()
+            self._fd = self._append(self._fd, self.path, data)
+            if event in HISTORY:
+                self._append_history(data)
+
+    def _append_history(self, data: bytes) -> None:
+        assert self.path
+        path = history_path(self.path)
+        if self._history is None:
             try:
-                os.write(self._fd, (line + "\n").encode())
-            except OSError as exc:  # the log must never take training down
-                console.warning(f"cannot write the audit log {self.path}: {exc}")
-            self._cap()
+                self._history = self._open(path)
+            except (OSError, EasyCkptError) as exc:    # a planted file: refused, said once (the audit log has it)
+                self._say_once(path, f"cannot open the history log {path}: {exc}")
+                return
+        self._history = self._append(self._history, path, data)
 
     def _head(self, event: str, pid: int) -> str:
         """``, "event": ..., "source": ..., "host": ..., "pid": ...`` as json writes them (kept per pid: a fork)."""
@@ -94,26 +121,34 @@ class AuditLog:
                 {"event": event, "source": self.source, "host": self.host, "pid": pid})[1:-1]
         return head
 
-    def _cap(self) -> None:
-        """Over the size cap: rotate the file (or follow another writer's rotation) and write on in a new one."""
-        assert self._fd is not None and self.path
+    def _append(self, fd: int, path: str, data: bytes) -> int:
+        """Write ``data`` at the end of the log at ``fd``; over the size cap, rotate the file (or follow another
+        writer's rotation). Returns the descriptor to write on."""
         try:
-            if not logcap.over_cap_appended(self._fd) or not logcap.rotate(self._fd, self.path):
-                return
-            fd = self._open(self.path)
-        except OSError as exc:
-            if not self._cap_said:      # said once: a rotation that cannot happen must not add a line a write
-                self._cap_said = True
-                console.warning(f"the audit log {self.path} is over {logcap.MAX_LOG_BYTES} bytes and cannot be "
-                                f"rotated: {exc}")
-            return
-        os.close(self._fd)
-        self._fd = fd
+            os.write(fd, data)
+        except OSError as exc:  # the log must never take training down
+            console.warning(f"cannot write the audit log {path}: {exc}")
+        try:
+            if not logcap.over_cap_appended(fd) or not logcap.rotate(fd, path):
+                return fd
+            new = self._open(path)
+        except OSError as exc:      # said once: a rotation that cannot happen must not add a line a write
+            self._say_once(path, f"the audit log {path} is over {logcap.MAX_LOG_BYTES} bytes and cannot be "
+                                 f"rotated: {exc}")
+            return fd
+        os.close(fd)
+        return new
+
+    def _say_once(self, path: str, text: str) -> None:
+        if path not in self._said:
+            self._said.add(path)
+            console.warning(text)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (self._fd, self._history):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._history = None
 
 
 def readable(event: str, fields: Dict[str, Any]) -> str:

@@ -1,14 +1,15 @@
 """The files a job's start makes beside its steps, taken back when the job fails before its first snapshot.
 
 Starting a job writes three files of its own in the save directory: the audit log (``easyckpt.log``), the
-agent's log and the job lock (``.easyckpt.lock``). A run that fails before anything was snapshotted (the HF
+agent's log and the job lock (``.easyckpt.lock``); and the history log (``easyckpt-history.log``) once the agent
+deleted something (an earlier run's staging leftover). A run that fails before anything was snapshotted (the HF
 Trainer refusing an explicit ``resume_from_checkpoint`` path that does not exist) has nothing to persist, and
 its files would only mislead: a lock file and a log in a directory that holds no checkpoint. The order:
 
     1) before the job's settings are validated (which make the directory and the audit log): ``existing``
        notes the names in each directory the job may write to
     2) the run fails before its first snapshot; every trainer says bye to the agent, which then leaves at once
-    3) ``take_back`` takes the job lock, which proves the agent has gone, removes each of the three files that
+    3) ``take_back`` takes the job lock, which proves the agent has gone, removes each of those files that
        was not there in 1), logging each delete, and releases the lock
 
 Only files that did not exist before the run are removed, and only regular files of this user; an agent still
