@@ -69,6 +69,16 @@ def state(ckpt: Checkpointer, model: torch.nn.Module, optimizer: torch.optim.Opt
     return PytorchState(ckpt, model, optimizer, None, step, None)
 
 
+def run_steps(ckpt: Checkpointer, last: int, finalize: bool = True) -> Optional[int]:
+    """A rank's loop: steps 1..``last``, each handed to ``ckpt.save``; then ``finalize`` (its committed step),
+    unless not ``finalize`` (a rank that dies: no bye)."""
+    model, opt = model_and_optimizer()
+    for step in range(1, last + 1):
+        train_step(model, opt, step)
+        ckpt.save(step, state(ckpt, model, opt, step), optimizer=opt)
+    return ckpt.finalize() if finalize else None
+
+
 # ---- the test worker (tests/worker_pytorch.py) in this interpreter -------------------------------------
 
 # what an in-process run cannot do: end its own process (kill -9, os._exit, SIGTERM to itself), or run as

@@ -8,7 +8,7 @@ import os
 import stat
 
 import pytest
-from inproc import model_and_optimizer, node, ranks, state, train_step
+from inproc import node, ranks, run_steps
 
 from easyckpt.config import Config, validate
 from easyckpt.errors import ConfigError
@@ -69,15 +69,8 @@ def test_a_job_writes_its_commits_and_retentions_deletes_to_the_history_log(tmp_
     cfg = validate(Config(save_dir=str(tmp_path / "ckpt"), save_mem_interval=1, save_storage_interval=2,
                           max_ckpt_num=1, autocheckpoint_on_sigterm=False))
 
-    def job(ckpt, group):
-        model, opt = model_and_optimizer()
-        for step in range(1, 7):
-            train_step(model, opt, step)
-            ckpt.save(step, state(ckpt, model, opt, step), optimizer=opt)
-        return ckpt.finalize()
-
     with node(cfg) as local:
-        assert ranks(cfg, local, 1, job) == [6]
+        assert ranks(cfg, local, 1, lambda ckpt, group: run_steps(ckpt, 6)) == [6]
     history = _events(history_path(str(cfg.audit_log)))
     assert [e["step"] for e in history if e["event"] == "commit"] == [2, 4, 6]
     deleted = [e["path"] for e in history if e["event"] == "delete"]

@@ -18,7 +18,7 @@ import time
 
 import pytest
 from harness import cli_json
-from inproc import model_and_optimizer, node, ranks, state, train_step
+from inproc import model_and_optimizer, node, ranks, run_steps, state, train_step
 
 from easyckpt.config import Config, validate
 from easyckpt.errors import ConfigError, ManifestError
@@ -168,11 +168,7 @@ def test_an_agent_leaving_while_the_job_was_started_again_on_its_node_leaves_the
                           save_storage_interval=4, save_local_interval=2, autocheckpoint_on_sigterm=False))
 
     def job(ckpt, group):
-        model, opt = model_and_optimizer()
-        for step in range(1, 5):
-            train_step(model, opt, step)
-            ckpt.save(step, state(ckpt, model, opt, step), optimizer=opt)
-        return ckpt.finalize()
+        return run_steps(ckpt, 4)
 
     # the new run's agent on the job's address (the in-process agent has none: its trainers reach it directly)
     new_agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -306,10 +302,7 @@ def test_the_agent_leaving_after_the_job_copies_the_last_due_snapshot_its_thread
                           save_storage_interval=4, save_local_interval=2, autocheckpoint_on_sigterm=False))
 
     def dies(ckpt, group):
-        model, opt = model_and_optimizer()
-        for step in range(1, 3):
-            train_step(model, opt, step)
-            ckpt.save(step, state(ckpt, model, opt, step), optimizer=opt)
+        run_steps(ckpt, 2, finalize=False)
 
     with node(cfg) as local:
         ranks(cfg, local, 1, dies)            # no bye: the agent is closed with its trainer still attached
