@@ -15,6 +15,12 @@ torch-format shards of Megatron, DeepSpeed and the HF Trainer pay instead of fla
 shard pickled as torch.save pickles it), timed on the same optimizer state and on an RNG state like the Trainer's
 rng_state.pth (Python's 625-number state, numpy's, torch's).
 
+``--without ROUNDS``: what each part costs the call where it runs, by taking it out: in ROUNDS rounds, 80 calls each
+with the whole snapshot and with each part taken out in turn (the audit log's line, model.state_dict and the
+optimizer's state_dict handed back as kept, the copy into the slot), in this process, one after the other; a part's
+figure is the median over the rounds of what its round took less than the whole one's beside it. Timed alone, a part
+costs a third to a quarter of what it costs among the rest of a snapshot on the test VM.
+
 ``--between-steps``: a training step (forward, backward, AdamW's step on a batch of 32) before every call, as in
 a loop, and the parts timed in place, inside those calls (each of our functions wrapped in a timer for the
 run): what a snapshot costs among the loop's own work, with the caches the step left, rather than in a tight
@@ -69,6 +75,8 @@ def main() -> None:
     p.add_argument("--overlap", action="store_true",
                    help="snapshot_overlap=True: the optimizer's tensors copied by a thread started per snapshot "
                         "(default: the synchronous copy, which auto picks when every core computes)")
+    p.add_argument("--without", type=int, default=0, metavar="ROUNDS",
+                   help="each part's cost where it runs, by taking it out (see above)")
     p.add_argument("--between-steps", action="store_true",
                    help="a training step before every call; the parts timed in place (see above)")
     args = p.parse_args()
@@ -90,8 +98,11 @@ def main() -> None:
             ep.save_checkpoint_if_needed(step[0], model, opt)
         for _ in range(200):
             save()
-        if args.between_steps:
-            in_place(model, opt, engine, save, args.calls, h)
+        if args.between_steps or args.without:
+            if args.between_steps:
+                in_place(model, opt, engine, save, args.calls, h)
+            else:
+                taken_out(model, opt, engine, save, args.without)
             ep.finalize_easyckpt()
             return
         snapshot = timed(save, args.calls)
@@ -189,6 +200,38 @@ def in_place(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: Any, sa
     inside = sum(v for k, v in parts.items() if not k.startswith("  "))
     for name, seconds in list(parts.items()) + [("the rest", whole - inside)]:
         print(f"  {name:28s} {seconds * 1e6:7.1f} us  {seconds / whole:6.1%}")
+
+
+def taken_out(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: Any, save: Callable[[], None],
+              rounds: int) -> None:
+    """--without: each part's cost where it runs, as what a round of calls without it took less (see above)."""
+    import easyckpt.engine.save.snapshot as snapshot_module
+    model_sd, opt_sd = model.state_dict(), opt.state_dict()
+    parts: Dict[str, Callable[[], None]] = {
+        "the whole snapshot": lambda: None,
+        "the audit log's line": lambda: setattr(engine.log, "record", lambda *a, **k: None),
+        "model.state_dict": lambda: setattr(model, "state_dict", lambda: model_sd),
+        "the optimizer's state_dict": lambda: setattr(opt, "state_dict", lambda: opt_sd),
+        "the copy into the slot": lambda: setattr(snapshot_module, "copy_all", lambda dsts, srcs: None),
+    }
+    copy_all_ = snapshot_module.copy_all
+    took: Dict[str, List[float]] = {name: [] for name in parts}
+    for _ in range(rounds):
+        for name, take_out in parts.items():
+            take_out()
+            try:
+                took[name].append(timed(save, 80))
+            finally:      # each put back (instance attributes dropped: the class's method again)
+                for owner in (engine.log, model, opt):
+                    for attr in ("record", "state_dict"):
+                        vars(owner).pop(attr, None)
+                snapshot_module.copy_all = copy_all_
+    whole = took.pop("the whole snapshot")
+    print(f"a call with a snapshot {statistics.median(whole) * 1e3:.3f} ms (median of {rounds} rounds of 80); what "
+          f"each part costs it where it runs (the round without it, less the whole one's beside it):")
+    for name, seconds in took.items():
+        saved = statistics.median(w - t for w, t in zip(whole, seconds))
+        print(f"  {name:28s} {saved * 1e6:7.1f} us  {saved / statistics.median(whole):6.1%}")
 
 
 def torch_shard(opt: torch.optim.Optimizer, n: int) -> Dict[str, float]:
