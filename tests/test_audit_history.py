@@ -45,6 +45,27 @@ def test_what_was_committed_and_deleted_outlives_the_audit_logs_rotations(tmp_pa
     assert history_path("/x/run.log") == "/x/run-history.log" and history_path("/x/audit") == "/x/audit-history.log"
 
 
+def test_a_writer_silent_while_the_others_rotated_the_log_twice_writes_on_in_the_new_log(tmp_path, monkeypatch):
+    """The agent writes a line a commit, the trainers a line a snapshot. When the trainers rotated the audit log twice
+    between two commits, the agent's file was the one the second rotation replaced: its next line, and every one
+    after, went into a file no one could read (the rotation saw neither name holding it and kept it). Now that line
+    is written again in the new log, which the writer follows from then on."""
+    monkeypatch.setattr(logcap, "MAX_LOG_BYTES", 4096)
+    path = str(tmp_path / "easyckpt.log")
+    trainer, agent = AuditLog(path, "rank0"), AuditLog(path, "agent")
+    try:
+        agent.record("commit", step=5, bytes=100, seconds=0.1)
+        for i in range(100):        # about 150 bytes a line: two rotations and more
+            trainer.record("snapshot", step=i, rank=0, slot=i % 2, bytes=411000, seconds=0.000123)
+        agent.record("commit", step=105, bytes=100, seconds=0.1)
+        agent.record("delete", path="/ckpt/step_00000005", reason="max_ckpt_num=1")
+    finally:
+        trainer.close()
+        agent.close()
+    kept = [(e["event"], e.get("step")) for e in _events(path + ".1") + _events(path) if e["event"] != "snapshot"]
+    assert kept == [("commit", 105), ("delete", None)], kept
+
+
 def test_a_fifo_planted_where_the_history_log_goes_is_refused_and_left_alone(tmp_path, capsys):
     """At start the job is refused, naming it (as for the audit log: docs/reliability.md promise 13); planted
     mid-run, it is never opened for writing (no wait for a reader), said once, and the audit log keeps the lines."""

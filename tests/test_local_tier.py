@@ -200,6 +200,38 @@ def test_an_agent_leaving_while_the_job_was_started_again_on_its_node_leaves_the
         _lose_the_node(cfg)
 
 
+def test_a_trainer_whose_key_goes_while_its_agent_starts_makes_a_new_one_and_attaches(tmp_path, monkeypatch):
+    """The other half of row 66: the previous run's agent, leaving, finds no agent listening (the new run's is
+    still starting) and removes the job's key, which the new run's trainer had already read. Its agent then cannot
+    start (no key), nor could any it started again: the trainer gave up after agent_start_timeout. Now the trainer
+    reads the key at each try, makes a new one when it is gone, and its next agent attaches (a real process)."""
+    from harness import wait_no_agent
+
+    from easyckpt.engine.link.client import AgentClient
+    from easyckpt.formats import protocol
+    cfg = validate(Config(save_dir=str(tmp_path / "ckpt"), agent_start_timeout=30, autocheckpoint_on_sigterm=False))
+    first = jobkey.ensure(cfg.job_id)          # read by the new run's trainer, as it starts
+    spawn = AgentClient._spawn
+    removed = []
+
+    def while_the_agent_starts(self):
+        if not removed:      # the previous run's agent removes the key just as this one starts
+            removed.append(True)
+            jobkey.remove(cfg.job_id)
+        spawn(self)
+
+    monkeypatch.setattr(AgentClient, "_spawn", while_the_agent_starts)
+    client = AgentClient(cfg, 0, 0, 1, AuditLog(cfg.audit_log, "rank0"))
+    try:
+        assert removed and client.agent_pid is not None and shm.pid_alive(client.agent_pid)
+        assert jobkey.read(cfg.job_id) != first
+        client.send(protocol.Bye(0))
+    finally:
+        client.close()
+        wait_no_agent(tmp_path / "ckpt", timeout=60)
+        _lose_the_node(cfg)
+
+
 def _lose_the_node(cfg: Config) -> None:
     """What a reboot leaves: no agent (closed by the caller), no shared memory; the disks as they were."""
     for path in shm.segments_of(cfg.job_id):

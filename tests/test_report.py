@@ -119,6 +119,38 @@ def test_a_hostile_audit_log_is_refused_or_its_bad_lines_skipped_without_hanging
     assert "holds no event easyckpt wrote (2 line(s) skipped" in said and "not JSON" in said
 
 
+def test_the_commits_the_audit_logs_rotations_took_away_are_drawn_from_the_history_log(tmp_path, monkeypatch):
+    """The audit log rotates near its cap, and a snapshot line a step takes the commits of a long job away with it;
+    the history log beside it keeps them (storage/auditlog.py), and the report draws those older than the audit
+    log's first line, once each. A history log planted as a FIFO is not read, said, and the audit log drawn."""
+    from easyckpt.storage import logcap
+    from easyckpt.storage.auditlog import AuditLog, history_path
+    monkeypatch.setattr(logcap, "MAX_LOG_BYTES", 4096)
+    save = tmp_path / "save"
+    save.mkdir()
+    trainer, agent = AuditLog(str(save / "easyckpt.log"), "rank0"), AuditLog(str(save / "easyckpt.log"), "agent")
+    try:
+        trainer.record("load", step=0, rank=0, source="none")
+        agent.record("commit", step=5, bytes=10, seconds=0.25)
+        for step in range(6, 206):      # the load and the commit rotated away from the log and its .1
+            trainer.record("snapshot", step=step, rank=0, slot=step % 2, bytes=10, seconds=0.002)
+        agent.record("commit", step=205, bytes=10, seconds=0.5)
+    finally:
+        trainer.close()
+        agent.close()
+    assert '"commit"' not in (save / "easyckpt.log.1").read_text()
+    drawn = json.loads(cli("report", save, "--json").stdout)
+    assert drawn["commits"] == [[5, 250.0], [205, 500.0]], drawn["commits"]
+    assert drawn["runs"] == ["the log holds no start"]     # (the load went with the rotations: only commits, deletes,
+                                                            # quarantines and SIGTERM saves are kept beside)
+    history = Path(history_path(str(save / "easyckpt.log")))
+    history.unlink()
+    os.mkfifo(history)
+    said = cli_process("report", save, "--json", timeout=60).stdout     # a real process: a FIFO must not hang it
+    drawn = json.loads(said[said.index("{"):])
+    assert drawn["commits"] == [[205, 500.0]] and "not read" in " ".join(drawn["why_skipped"]), drawn
+
+
 def test_a_png_needs_the_report_extra_or_is_a_png(tmp_path):
     save = tmp_path / "save"
     save.mkdir()

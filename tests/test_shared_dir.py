@@ -81,6 +81,39 @@ def test_a_damaged_record_planted_by_another_user_deletes_no_intact_step(shared_
 
 
 @AS_ROOT
+def test_a_strangers_listener_on_the_agents_address_does_not_keep_a_finished_jobs_memory():
+    """Row 66's probe: a leaving agent keeps a finished job's slots and key only for an agent of the job's own user;
+    `nobody` listening on the job's abstract address (its id shows in /dev/shm's names) is none, and they go."""
+    from easyckpt.ipc import agentsocket, jobkey, reap, shm
+    job = "0123456789ab"
+    code = ("import socket, time; s = socket.socket(socket.AF_UNIX); "
+            f"s.bind({agentsocket.address(job)!r}); s.listen(4); time.sleep(120)")
+    holder = subprocess.Popen(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", code],
+                              start_new_session=True)
+    slot = shm.slot_path(job, 0, 0)
+    said: List[str] = []
+
+    class Log:
+        def emit(self, event: str, **fields: object) -> None:
+            said.append(event)
+    try:
+        deadline = time.monotonic() + 30
+        while not agentsocket.agent_listening(job):
+            assert time.monotonic() < deadline and holder.poll() is None, "nobody's listener did not start"
+            time.sleep(0.05)
+        Path(slot).write_bytes(b"\0" * 4096)
+        jobkey.ensure(job)
+        assert not agentsocket.own_agent_listening(job)
+        reap.release_finished_job(job, Log())
+        assert said == ["shm_release"] and not os.path.exists(slot) and not os.path.exists(jobkey.path(job))
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+        shm.unlink_quiet(slot)
+        jobkey.remove(job)
+
+
+@AS_ROOT
 @pytest.mark.parametrize("name", ["easyckpt.log", "easyckpt-history.log",
                                   f".easyckpt-agent-{socket.gethostname()}.log"])
 def test_a_log_planted_by_another_user_is_refused_at_start_never_appended_to(shared_dir, name):

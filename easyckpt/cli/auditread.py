@@ -4,7 +4,9 @@ The file is opened without blocking and must be a regular file, not a symlink (f
 FIFO planted under its name is refused at once, naming it and its owner), of at most MAX_BYTES (the writers
 rotate it near logcap.MAX_LOG_BYTES, so a larger one is not theirs). Each line is JSON, never anything
 else; every field the report uses is checked for its type and range, and a line that fails is skipped and
-counted, with why for the first few. A rotated older part (``<name>.1``) is read first when there is one.
+counted, with why for the first few. A rotated older part (``<name>.1``) is read first when there is one; before
+it, the history log's events older than the audit log's first (its commits and deletes that the rotations took away,
+storage/auditlog.py), read the same way. A history log that cannot be read is said among the skipped, not fatal.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from easyckpt.formats import paths
 from easyckpt.storage import logcap
+from easyckpt.storage.auditlog import history_path
 
 MAX_BYTES = logcap.MAX_LOG_BYTES + (1 << 20)     # the cap, plus the one write that may cross it
 MAX_LINE = 1 << 16
@@ -59,7 +62,24 @@ def read(path: str) -> AuditRead:
     parts = [older] if os.path.lexists(older) else []
     for part in parts + [path]:
         _read_part(part, out)
+    _history_before(path, out)
     return out
+
+
+def _history_before(path: str, out: AuditRead) -> None:
+    """The history log's events from before ``out``'s first, put first (see above)."""
+    history = history_path(path)
+    older = AuditRead(history)
+    for part in (history + ".1", history):
+        if os.path.lexists(part):
+            try:
+                _read_part(part, older)
+            except OSError as exc:      # (a planted FIFO or symlink: refused, and the audit log still drawn)
+                older.skip(os.path.basename(part), f"not read: {exc}")
+    first = min((e.time for e in out.events), default=math.inf)
+    out.events[:0] = [e for e in older.events if e.time < first]
+    out.skipped += older.skipped
+    out.why.extend(older.why[:max(0, WHY_KEPT - len(out.why))])
 
 
 def _read_part(path: str, out: AuditRead) -> None:

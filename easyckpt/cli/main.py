@@ -194,7 +194,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
             print(f"easyckpt prune: {holder} is running on {args.dir} and prunes after each commit itself; "
                   f"stop it first, or set max_ckpt_num", file=sys.stderr)
             return 1
-        log = AuditLog(args.log_file or os.path.join(jobfiles.node_dir(args.dir, job), "easyckpt-prune.log"), "cli")
+        log = AuditLog(args.log_file or os.path.join(jobfiles.node_dir(args.dir, job), "easyckpt-prune.log"), "cli",
+                       history=False)       # (its own deletes, a few lines a run: nothing to rotate them away)
         try:
             report["deleted"] = retention.prune(sd, policy, log)
         finally:

@@ -126,11 +126,12 @@ def open_own(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, max_bytes: 
 
 def describe(path: str, own: bool = True) -> Optional[str]:
     """Why ``path``, where easyckpt expects a regular file (of its own if ``own``: a log, the lock), cannot be
-    one, or None (missing is fine: easyckpt creates it; a directory above it that is not one is said where the
-    file is made, log_file_path's own check). Never opens it."""
+    one, or None (missing is fine: easyckpt creates it; a path that cannot even be looked at, under a file, a
+    symlink loop, a name too long, is said where the file is made, as log_file_path's own check does). Never opens
+    it."""
     try:
         st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:
         return None
     if not stat.S_ISREG(st.st_mode):
         return str(_not_regular(path, st))

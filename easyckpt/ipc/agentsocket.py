@@ -63,6 +63,23 @@ def agent_listening(job_id: str, timeout: float = 0.5) -> bool:
         probe.close()
 
 
+def own_agent_listening(job_id: str, timeout: float = 0.5) -> bool:
+    """Whether a process of this user listens on the job's agent address (connect only; nothing is sent): another
+    user's listener is not an agent of the job. One that accepts nothing (its backlog full) cannot be asked who it
+    is, and counts as listening."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(address(job_id))
+        return same_user(probe)
+    except (BlockingIOError, socket.timeout):
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 def peer_uid(sock: socket.socket) -> int:
     """The user id of the process at the other end (SO_PEERCRED: set by the kernel, cannot be forged)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))

@@ -77,8 +77,10 @@ def release_finished_job(job_id: str, log: EventLog) -> None:
     address already closed. Unless another agent of the job listens now: the job was started again here while this
     one was on its way out (a last copy to the local tier takes seconds), and its trainers reuse the same slots and
     key (a slot of an earlier run of the job is reused, not made anew), so removing them would take its memory
-    snapshots out of everyone's reach and refuse its late ranks. They are the new run's to remove."""
-    if agentsocket.agent_listening(job_id):
+    snapshots out of everyone's reach and refuse its late ranks. They are the new run's to remove. (A listener of
+    another user is no agent of the job; one still starting, not yet listening, finds the key gone and its trainers
+    make a new one: engine/link/client.py.)"""
+    if agentsocket.own_agent_listening(job_id):
         log.emit("shm_kept", message=f"another easyckpt agent of job {job_id} listens on this node (the job was "
                                      f"started again): its shared memory and key are left to it")
         return

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set
 
@@ -42,11 +43,15 @@ def history_path(path: str) -> str:
 
 
 class AuditLog:
-    def __init__(self, path: Optional[str], source: str):
+    def __init__(self, path: Optional[str], source: str, history: bool = True):
+        """``history``: the HISTORY events also go to the history log (not for a log of its own command's deletes:
+        ``easyckpt prune``'s)."""
         self.path = path
+        self.history = history
         self.source = source
         self._fd: Optional[int] = None
         self._history: Optional[int] = None     # the history log's descriptor, opened at its first line
+        self._opening = threading.Lock()        # (the agent logs commits from its persister thread too)
         self._said: Set[str] = set()            # the paths whose failed rotation or open was said (once each)
         # the node's name, asked once per log: a system call at every line otherwise (a line per snapshot)
         self.host = socket.gethostname()
@@ -97,18 +102,19 @@ class AuditLog:
         if self._fd is not None and self.path:
             data = (line + "\n").encode()
             self._fd = self._append(self._fd, self.path, data)
-            if event in HISTORY:
+            if event in HISTORY and self.history:
                 self._append_history(data)
 
     def _append_history(self, data: bytes) -> None:
         assert self.path
         path = history_path(self.path)
-        if self._history is None:
-            try:
-                self._history = self._open(path)
-            except (OSError, EasyCkptError) as exc:    # a planted file: refused, said once (the audit log has it)
-                self._say_once(path, f"cannot open the history log {path}: {exc}")
-                return
+        with self._opening:
+            if self._history is None:
+                try:
+                    self._history = self._open(path)
+                except (OSError, EasyCkptError) as exc:    # a planted file: refused, said once (the audit log has it)
+                    self._say_once(path, f"cannot open the history log {path}: {exc}")
+                    return
         self._history = self._append(self._history, path, data)
 
     def _head(self, event: str, pid: int) -> str:
@@ -129,14 +135,23 @@ class AuditLog:
         except OSError as exc:  # the log must never take training down
             console.warning(f"cannot write the audit log {path}: {exc}")
         try:
-            if not logcap.over_cap_appended(fd) or not logcap.rotate(fd, path):
+            if not logcap.over_cap_appended(fd):
                 return fd
+            # False: the file was rotated away twice by the others while this writer was silent (an agent between
+            # two commits), so the line went into a file no one can read, as would every later one: it is written
+            # again in the new file, which this writer follows from now on
+            kept = logcap.rotate(fd, path)
             new = self._open(path)
         except OSError as exc:      # said once: a rotation that cannot happen must not add a line a write
             self._say_once(path, f"the audit log {path} is over {logcap.MAX_LOG_BYTES} bytes and cannot be "
                                  f"rotated: {exc}")
             return fd
         os.close(fd)
+        if not kept:
+            try:
+                os.write(new, data)
+            except OSError as exc:
+                console.warning(f"cannot write the audit log {path}: {exc}")
         return new
 
     def _say_once(self, path: str, text: str) -> None:

@@ -51,8 +51,10 @@ class AgentClient:
 
     def _connect(self) -> None:
         deadline = time.monotonic() + self.cfg.agent_start_timeout
-        key = self._key = jobkey.ensure(self.cfg.job_id)
         while True:
+            # read at each try: the agent of the job's previous run, leaving, removes the key when no agent listens,
+            # and one this job is starting may not listen yet; a new key is then made, which the next agent reads
+            key = self._key = jobkey.ensure(self.cfg.job_id)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.cfg.agent_start_timeout)
             reply: Optional[Reply] = None
@@ -77,7 +79,7 @@ class AgentClient:
                 self._attached_once = True
                 return
             sock.close()
-            if isinstance(reply, (HelloReply, ErrorReply)) and reply.error:
+            if isinstance(reply, (HelloReply, ErrorReply)) and reply.error and not self._key_changed(key):
                 raise ConfigError(reply.error[:2000])
             if (self.local_rank == 0 or self._attached_once) and (self._spawned is None or
                                                                  self._spawned.poll() is not None):
@@ -90,6 +92,13 @@ class AgentClient:
                 raise AgentError(f"rank {self.rank}: no easyckpt agent answered for job {self.cfg.job_id} within "
                                  f"{self.cfg.agent_start_timeout}s; {where}")
             time.sleep(0.05)
+
+    def _key_changed(self, sent: str) -> bool:
+        """The job's key is no longer the one a refused hello carried (see _connect): try again with the new one."""
+        try:
+            return jobkey.read(self.cfg.job_id) != sent
+        except FileNotFoundError:
+            return True
 
     def alive(self) -> bool:
         """Whether the agent this trainer attached to still runs (a cheap check, no message)."""
