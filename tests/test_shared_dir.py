@@ -103,7 +103,7 @@ def test_a_strangers_listener_on_the_agents_address_does_not_keep_a_finished_job
             time.sleep(0.05)
         Path(slot).write_bytes(b"\0" * 4096)
         jobkey.ensure(job)
-        assert not agentsocket.own_agent_listening(job)
+        assert not agentsocket.agent_listening(job, own=True)
         reap.release_finished_job(job, Log())
         assert said == ["shm_release"] and not os.path.exists(slot) and not os.path.exists(jobkey.path(job))
     finally:

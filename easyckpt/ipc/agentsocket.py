@@ -46,32 +46,17 @@ def recv_one(sock: socket.socket, reader: LineReader) -> Optional[Reply]:
             return parse_reply(line)
 
 
-def agent_listening(job_id: str, timeout: float = 0.5) -> bool:
+def agent_listening(job_id: str, timeout: float = 0.5, own: bool = False) -> bool:
     """Whether anything listens on the job's agent address (connect only; nothing is sent). Bounded: an
     agent that accepts nothing (stopped, or its backlog filled by others) answers EAGAIN at once, and that
-    still counts as listening: the name is held (docs/reliability.md promise 13)."""
+    still counts as listening: the name is held (docs/reliability.md promise 13). ``own``: a process of this
+    user only (another user's listener is no agent of the job; one that accepts nothing cannot be asked who it is,
+    and counts)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(timeout)
     try:
         probe.connect(address(job_id))
-        return True
-    except (BlockingIOError, socket.timeout):
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
-def own_agent_listening(job_id: str, timeout: float = 0.5) -> bool:
-    """Whether a process of this user listens on the job's agent address (connect only; nothing is sent): another
-    user's listener is not an agent of the job. One that accepts nothing (its backlog full) cannot be asked who it
-    is, and counts as listening."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(timeout)
-    try:
-        probe.connect(address(job_id))
-        return same_user(probe)
+        return same_user(probe) if own else True
     except (BlockingIOError, socket.timeout):
         return True
     except OSError:

@@ -80,7 +80,7 @@ def release_finished_job(job_id: str, log: EventLog) -> None:
     snapshots out of everyone's reach and refuse its late ranks. They are the new run's to remove. (A listener of
     another user is no agent of the job; one still starting, not yet listening, finds the key gone and its trainers
     make a new one: engine/link/client.py.)"""
-    if agentsocket.own_agent_listening(job_id):
+    if agentsocket.agent_listening(job_id, own=True):
         log.emit("shm_kept", message=f"another easyckpt agent of job {job_id} listens on this node (the job was "
                                      f"started again): its shared memory and key are left to it")
         return
