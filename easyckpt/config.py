@@ -391,7 +391,10 @@ def _check_own_files(cfg: Config) -> None:
     damaged record and the tracker of another user are only hints: read, they are refused and said (SaveDir)."""
     from easyckpt.storage.joblock import LOCK_NAME
 
-    node_files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname()))] + _audit_logs(cfg)[1:]
+    # (the audit log itself is checked where it is opened, with log_file_path's own error; the history log is
+    # opened only at its first line, so it is checked here)
+    history = _audit_logs(cfg)[1:]
+    node_files = [os.path.join(cfg.node_dir, layout.agent_log_name(socket.gethostname()))] + history
     hints = []
     if not cfg.in_store:
         node_files.append(os.path.join(cfg.save_dir, LOCK_NAME))

@@ -47,7 +47,7 @@ class AuditLog:
         """``history``: the HISTORY events also go to the history log (not for a log of its own command's deletes:
         ``easyckpt prune``'s)."""
         self.path = path
-        self.history = history
+        self.keeps_history = history
         self.source = source
         self._fd: Optional[int] = None
         self._history: Optional[int] = None     # the history log's descriptor, opened at its first line
@@ -102,7 +102,7 @@ class AuditLog:
         if self._fd is not None and self.path:
             data = (line + "\n").encode()
             self._fd = self._append(self._fd, self.path, data)
-            if event in HISTORY and self.history:
+            if event in HISTORY and self.keeps_history:
                 self._append_history(data)
 
     def _append_history(self, data: bytes) -> None:
