@@ -98,6 +98,7 @@ ROWS = {
         "test_an_agent_leaving_while_the_job_was_started_again_on_its_node_leaves_the_new_runs_memory_alone",
     67: "test_audit_history.py::test_what_was_committed_and_deleted_outlives_the_audit_logs_rotations",
     68: "test_audit_history.py::test_a_writer_silent_while_the_others_rotated_the_log_twice_writes_on_in_the_new_log",
+    69: "test_shared_dir.py::test_a_strangers_listener_on_the_agents_address_does_not_keep_a_jobs_memory",
 }
 
 

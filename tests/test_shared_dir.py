@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -81,9 +82,11 @@ def test_a_damaged_record_planted_by_another_user_deletes_no_intact_step(shared_
 
 
 @AS_ROOT
-def test_a_strangers_listener_on_the_agents_address_does_not_keep_a_finished_jobs_memory():
+@pytest.mark.parametrize("how", ["finished", "dead"])
+def test_a_strangers_listener_on_the_agents_address_does_not_keep_a_jobs_memory(how):
     """Row 66's probe: a leaving agent keeps a finished job's slots and key only for an agent of the job's own user;
-    `nobody` listening on the job's abstract address (its id shows in /dev/shm's names) is none, and they go."""
+    `nobody` listening on the job's abstract address (its id shows in /dev/shm's names) is none, and they go. So too
+    when any easyckpt start reaps a dead job's memory (promise 6): before, any listener kept it there for ever."""
     from easyckpt.ipc import agentsocket, jobkey, reap, shm
     job = "0123456789ab"
     code = ("import socket, time; s = socket.socket(socket.AF_UNIX); "
@@ -101,11 +104,22 @@ def test_a_strangers_listener_on_the_agents_address_does_not_keep_a_finished_job
         while not agentsocket.agent_listening(job):
             assert time.monotonic() < deadline and holder.poll() is None, "nobody's listener did not start"
             time.sleep(0.05)
-        Path(slot).write_bytes(b"\0" * 4096)
+        dead = subprocess.Popen(["true"])
+        dead.wait(timeout=30)
+        # a slot's header naming its writer (pid at offset 60), a process that is gone
+        Path(slot).write_bytes(struct.pack("<8sIIqQQQQIIqII", b"EZCKSLOT", 1, 2, 7, 1, 0, 0, 0, 0, 0, dead.pid, 0, 1)
+                               + bytes(4096))
         jobkey.ensure(job)
-        assert not agentsocket.agent_listening(job, own=True)
-        reap.release_finished_job(job, Log())
-        assert said == ["shm_release"] and not os.path.exists(slot) and not os.path.exists(jobkey.path(job))
+        assert agentsocket.agent_listening(job) and not agentsocket.agent_listening(job, own=True)
+        if how == "finished":
+            reap.release_finished_job(job, Log())
+            assert said == ["shm_release"]
+        else:
+            for path in (slot, jobkey.path(job)):
+                os.utime(path, (1e9, 1e9))       # quiet for longer than reap.LEFTOVER_SECONDS
+            reap.reap_dead_jobs(Log(), keep="feedfeedfeed")
+            assert "shm_release" in said
+        assert not os.path.exists(slot) and not os.path.exists(jobkey.path(job))
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait(timeout=30)

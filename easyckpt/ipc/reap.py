@@ -56,19 +56,21 @@ class EventLog(Protocol):
 def reap_dead_jobs(log: EventLog, keep: str) -> None:
     """Remove this user's segments (and keys) of jobs whose agent and writers are gone: any easyckpt
     start on the node does this, so a killed job's memory does not wait for that same job to return
-    (docs/reliability.md promise 6). Other users' files are never touched."""
+    (docs/reliability.md promise 6). Other users' files are never touched, and another user's listener on a job's
+    address keeps nothing of it."""
     alive: Dict[str, bool] = {}
     for path, job, *_ in shm.list_segments():
         if job == keep or not owned_by_me(path):
             continue
         if job not in alive:
-            alive[job] = agentsocket.agent_listening(job)
+            # another user's listener on the job's address (its id shows in /dev/shm's names) is no agent of it
+            alive[job] = agentsocket.agent_listening(job, own=True)
         if is_leftover(path, alive[job]):
             log.emit("shm_release", path=path, reason="leftover of a dead job")
             shm.unlink_quiet(path)
     for job in keyed_jobs():
         if job != keep and not shm.segments_of(job) and owned_by_me(jobkey.path(job)) \
-                and not agentsocket.agent_listening(job) and is_leftover(jobkey.path(job), False):
+                and not agentsocket.agent_listening(job, own=True) and is_leftover(jobkey.path(job), False):
             jobkey.remove(job)
 
 
