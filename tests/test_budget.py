@@ -134,7 +134,7 @@ def test_the_cadence_keeps_the_budget_by_the_stopwatchs_means_not_the_medians_al
         collect = 0.15 if took and taken % 40 == 0 else 0.0
         now += 0.01 + cost + collect
     assert b.phase is Phase.STEADY and b.every == 4            # 3.7 ms of a 10 ms step within 10 %
-    assert b.cadence().cost == pytest.approx(0.002)             # the medians' own figure, beside it
+    assert b.cadence().cost == pytest.approx(0.0037, rel=0.1)   # what status and the metrics say too
 
 
 def test_a_second_save_call_at_the_same_step_is_no_step_and_no_second_agreement():

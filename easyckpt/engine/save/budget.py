@@ -243,12 +243,6 @@ class SnapshotBudget:
     def vote(self) -> Vote:
         warm = self._now - self._started >= WARMUP_SECONDS
         cost, step = self.measured()
-        # what the cadence cost since the last agreement, by the means a stopwatch adds up, when that says more:
-        # the medians of the HF Trainer's steps after a snapshot said a third less than their means, and the cadence
-        # chosen on them cost 2.4 % of step time against max_overhead=0.02 by the job's own stopwatch
-        since = self.since_agreed()
-        if cost is not None and since is not None:
-            cost = max(cost, since.cost)
         want = self._wanted(cost, step) if (self.phase is not Phase.WARMUP and cost is not None
                                             and step is not None) else 0
         persist = self.pace.want(self._now) if self.pace is not None and self.phase is not Phase.WARMUP else 0
@@ -324,6 +318,12 @@ class SnapshotBudget:
         if step is None or len(self.snap) < MIN_SAMPLES:
             return None, step
         paid = statistics.median(self.paid) if len(self.paid) >= MIN_SAMPLES else 0.0
+        # what the cadence cost since the last agreement, by the means a stopwatch adds up, when that says more:
+        # the medians of the HF Trainer's steps after a snapshot said a third less than their means, and the cadence
+        # chosen on them cost 2.4 % of step time against max_overhead=0.02 by the job's own stopwatch
+        since = self.since_agreed()
+        if since is not None:
+            paid = max(paid, since.cost)
         cost = statistics.median(self.snap) - step
         # (snapshots every step or every other one leave no plain step: the windows would hold stale ones)
         spaced = self.phase is Phase.MEASURE or self.every >= 3
