@@ -254,10 +254,7 @@ class SnapshotBudget:
         and again only when that spacing changes by RELAX times or more."""
         rate = self._taken / self._steps if self._steps else 0.0
         self._agreed_at = self._ticked
-        self._steps = self._taken = 0
-        self._sums = [0.0, 0, 0.0, 0, 0.0, 0, 0.0, 0]
-        usual = [statistics.median(w) for w in (self.snap, self.plain) if len(w) >= MIN_SAMPLES]
-        self._outlier = OUTLIER * max(usual) if usual else math.inf
+        self._restart_stopwatch()
         self._info = None
         persist_before = self.persist_every
         if self.pace is not None:
@@ -309,6 +306,13 @@ class SnapshotBudget:
                                  <= pace.every or pace.every * RELAX <= (self._said_persist or 0)):
             say, self._said_persist = True, pace.every
         return self._cadence(costliest[2], costliest[3]), say
+
+    def _restart_stopwatch(self) -> None:
+        """since_agreed's sums begin again, leaving out the steps far longer than the usual ones now."""
+        self._steps = self._taken = 0
+        self._sums = [0.0, 0, 0.0, 0, 0.0, 0, 0.0, 0]
+        usual = [statistics.median(w) for w in (self.snap, self.plain) if len(w) >= MIN_SAMPLES]
+        self._outlier = OUTLIER * max(usual) if usual else math.inf
 
     # ---- figures -------------------------------------------------------------------------------
 
