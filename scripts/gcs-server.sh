@@ -45,7 +45,7 @@ server_start() {
     echo $! >"$dir/pid"
     until answering; do
         mine "$!" || fail "the server exited: $(tail -5 "$dir/server.log")"
-        (( SECONDS - t0 < 30 )) || fail "no answer on port $port after 30 s"
+        (( SECONDS - t0 < 30 )) || { server_stop; fail "no answer on port $port after 30 s"; }
         sleep 0.2
     done
 }
