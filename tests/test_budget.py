@@ -117,9 +117,9 @@ def test_what_a_snapshot_costs_the_step_after_its_own_is_counted_too():
 
 def test_the_cadence_keeps_the_budget_by_the_stopwatchs_means_not_the_medians_alone():
     """Two snapshots in three cost 2 ms, the third 7 ms: the median says 2 ms, a stopwatch 3.7 ms. The HF Trainer's
-    steps after a snapshot were so (their median a third below their mean), and the cadence chosen on medians cost 2.4 % of
-    step time against a budget of 2 %. A full garbage collection now and then (150 ms, in a step that snapshotted) is
-    no snapshot's cost and moves nothing."""
+    steps after a snapshot were so (their median a fifth below their mean), and the cadence chosen on medians cost
+    2.4 % of step time against a budget of 2 %. A full garbage collection now and then (150 ms, in a step that
+    snapshotted) is no snapshot's cost and moves nothing."""
     b = SnapshotBudget(floor=1, budget=0.1)
     now, taken = 0.0, 0
     for s in range(1, 6000):
