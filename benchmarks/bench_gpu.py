@@ -293,22 +293,21 @@ def run_dlrover(args: argparse.Namespace) -> Optional[Dict[str, Dict[str, float]
     return None
 
 
-def _feed_when_ready(background: Any) -> None:
-    """An experiment for issue 50's item 7, in the benchmark only: the background copy's thread waits on the host
-    for this step's kernels (an event) before its first copy call, instead of inside that call (on the H200 of
-    2026-11-28 a copy call into the registered slot returned only once its stream could run it). With
-    --in-flight 0 every copy call is then made while the side stream is idle."""
-    plain_init, plain_run = background._PacedDeviceCopy.__init__, background._PacedDeviceCopy.run
+def _feed_at_once(background: Any) -> None:
+    """The background copy as shipped until 2026-11-30, for comparison (issue 50's item 7): the feeding thread makes
+    its copy calls at once, two pieces in flight, without first waiting for this step's kernels on the host. On the
+    H200 of that day it hid none of the copy when the loop read its loss with loss.item() (x1.454)."""
+    plain_init = background._PacedDeviceCopy.__init__
+
+    class _Now:
+        def synchronize(self) -> None:
+            pass
 
     def init(self: Any, pairs: Any) -> None:
         plain_init(self, pairs)
-        self.ready = torch.cuda.Event(blocking=True)
-        self.ready.record(torch.cuda.current_stream(self.device))
-
-    def run(self: Any) -> None:
-        self.ready.synchronize()
-        plain_run(self)
-    background._PacedDeviceCopy.__init__, background._PacedDeviceCopy.run = init, run
+        self.ready = _Now()
+    background._PacedDeviceCopy.__init__ = init
+    background.IN_FLIGHT = 2
 
 
 def main() -> int:
@@ -328,20 +327,20 @@ def main() -> int:
                    help="wait for the training stream instead of loss.item() (no device-to-host copy of the loss)")
     p.add_argument("--loss-pinned", action="store_true",
                    help="read the loss through a page-locked buffer (an asynchronous copy) instead of loss.item()")
-    p.add_argument("--feed-when-ready", action="store_true",
-                   help="the feeding thread waits for the step's kernels before its first copy call (an experiment)")
+    p.add_argument("--feed-at-once", action="store_true",
+                   help="the background copy as shipped until 2026-11-30: two pieces in flight, fed at once")
     p.add_argument("--piece-mb", type=int, help="the background copy's piece size (default 64)")
-    p.add_argument("--in-flight", type=int, help="the background copy's pieces in flight (default 2)")
+    p.add_argument("--in-flight", type=int, help="the background copy's pieces queued beyond the running one (default 0)")
     args = p.parse_args()
     global TRACE, SYNC_BY_STREAM, LOSS_PINNED
     TRACE, SYNC_BY_STREAM, LOSS_PINNED = args.trace, args.sync_by_stream, args.loss_pinned
     from easyckpt.engine.save import background
     if args.piece_mb:
         background.PIECE_BYTES = args.piece_mb << 20
+    if args.feed_at_once:
+        _feed_at_once(background)
     if args.in_flight is not None:      # 0: each piece's copy call made once the piece before it has ended
         background.IN_FLIGHT = args.in_flight
-    if args.feed_when_ready:
-        _feed_when_ready(background)
     if not torch.cuda.is_available():
         print("no GPU: this benchmark measures device-to-host snapshots (benchmarks/bench_checkpoint.py is the CPU one)")
         return 2

@@ -91,13 +91,16 @@ def _copy_single_threaded(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-# A background copy of device tensors is fed to the side stream in pieces of this size, at most two in flight:
-# a GPU has one copy engine per direction, so a device-to-host copy the training issues meanwhile (``loss.item()``,
-# a metric) queues behind whatever of the snapshot is already queued. Queued whole, a 4 GB snapshot held each
-# ``loss.item()`` for the whole copy (72 ms on an H200) and the overlap hid 13% of it; in pieces, such a copy waits
-# for two pieces at most (bench_gpu.py measures it).
+# A background copy of device tensors is fed to the side stream in pieces of this size, each copy call made once the
+# piece before it has ended (IN_FLIGHT pieces queued beyond the one running) and the first once this step's kernels
+# have ended: a GPU has one copy engine per direction, so a device-to-host copy the training issues meanwhile
+# (``loss.item()``, a metric) queues behind whatever of the snapshot is already queued, and on an H200 a copy call
+# into the registered slot made while its stream still waited for other work held the training thread's own calls.
+# Queued whole, a 4 GB snapshot held each ``loss.item()`` for the whole copy (72 ms) and the overlap hid 13% of it;
+# two pieces in flight, fed at once, still hid none of it when the loop read its loss (x1.454 a step); fed as each
+# becomes runnable, all of it (x1.002; bench_gpu.py measures it, benchmarks/results/gpu.txt).
 PIECE_BYTES = 64 << 20
-IN_FLIGHT = 2
+IN_FLIGHT = 0
 
 _SIDE_STREAMS: Dict[Any, Any] = {}
 
@@ -119,8 +122,8 @@ def _pieces(dst: torch.Tensor, src: torch.Tensor) -> List[Tuple[torch.Tensor, to
 
 
 class _PacedDeviceCopy:
-    """Device tensors copied to the host by the background thread, a few pieces in flight at a time (PIECE_BYTES,
-    IN_FLIGHT): ordered after this step's kernels (the side stream waits for the current stream when the
+    """Device tensors copied to the host by the background thread, one piece at a time (PIECE_BYTES, IN_FLIGHT):
+    ordered after this step's kernels (the side stream waits for the current stream when the
     snapshot starts, on the training thread), fed while the next forward/backward runs. ``event`` marks the
     end of the last piece once ``submitted`` is set."""
 
@@ -129,6 +132,9 @@ class _PacedDeviceCopy:
         self.device = pairs[0][1].device
         self.side = _side_stream(self.device)
         self.side.wait_stream(torch.cuda.current_stream(self.device))
+        # the feeding thread sleeps on this before its first copy call (see PIECE_BYTES): no call waits inside CUDA
+        self.ready = torch.cuda.Event(blocking=True)
+        self.ready.record(torch.cuda.current_stream(self.device))
         self.submitted = threading.Event()
         self.event: Optional[Any] = None
         self.error: Optional[BaseException] = None
@@ -138,6 +144,7 @@ class _PacedDeviceCopy:
         ``submitted`` is set whatever happens; ``event`` stays None if feeding failed (``error``)."""
         window: List[Any] = []
         try:
+            self.ready.synchronize()
             with torch.cuda.device(self.device), torch.cuda.stream(self.side):
                 for dst, src in self.pairs:
                     for d, s in _pieces(dst, src):
