@@ -10,12 +10,14 @@ Regimes (the step times are this machine's; the sizes are fixed):
   loop074  bench_checkpoint.py's loop: 0.25 GB of state, about 0.74 s steps (save_storage_interval=10)
 
 Per pair it starts the loop twice, once without checkpoints and once with easyckpt, in alternating order (with the
-control, twice more without), and then, in the plain PyTorch regimes, with torch DCP's ``async_save`` and with
-DLRover's flash checkpoint (to memory; launched by its own ``dlrover-run`` from .venv-dlrover,
-benchmarks/setup_dlrover.sh) every k steps, k the number of steps between easyckpt's snapshots in that pair (the
-same loss bound). Neither peer persists more than that, while easyckpt also persists every save_storage_interval
-steps as its defaults say (DLRover's disk saves every 5 steps of 10 ms held its loop for minutes): the comparison
-is tilted against easyckpt. The step time is the mean over the steady part of the run (from the step easyckpt's
+control, twice more without), and then with torch DCP's ``async_save`` and with DLRover's flash checkpoint (to
+memory; launched by its own ``dlrover-run`` from .venv-dlrover, benchmarks/setup_dlrover.sh) every k steps, k the
+number of steps between easyckpt's snapshots in that pair (the same loss bound). In the HF Trainer regime each
+peer saves the Trainer's model and optimizer from a callback at the step's end (DLRover's own FlashCkptTrainer
+imports DeepSpeed and overrides the Trainer's internals of transformers 4: it is not the one measured). Neither
+peer persists more than that, while easyckpt also persists every save_storage_interval steps as its defaults say
+(DLRover's disk saves every 5 steps of 10 ms held its loop for minutes): the comparison is tilted against
+easyckpt. The step time is the mean over the steady part of the run (from the step easyckpt's
 snapshot budget decided its cadence, the same steps in every run of the pair); the whole run's time is printed
 too.
 
@@ -112,8 +114,6 @@ def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[floa
     model = _mlp(spec)
     opt = torch.optim.AdamW(model.parameters(), 1e-4)
     x = torch.randn(spec["batch"], spec.get("width", spec.get("hidden")))
-    if mode == "dlrover":
-        return dlrover_loop(model, opt, x, spec, every, save_dir)
     if mode == "easyckpt":
         import easyckpt.pytorch as ep
         ep.initialize_easyckpt(save_dir, **({"save_storage_interval": spec["storage"]} if "storage" in spec else {}))
@@ -123,38 +123,45 @@ def worker_plain(regime: str, mode: str, every: int, save_dir: str) -> List[floa
         return began
     if mode == "none":
         return _loop(model, opt, x, spec["steps"], lambda step: None)
+    save, end = peer_saver(mode, every, save_dir, model, opt)
+    began = _loop(model, opt, x, spec["steps"], save)
+    end()
+    return began
+
+
+def peer_saver(mode: str, every: int, save_dir: str, model: Any, opt: Any
+               ) -> Tuple[Callable[[int], None], Callable[[], None]]:
+    """A peer's save every ``every`` steps, as its documentation shows, and what ends the run: torch DCP's
+    ``async_save`` (one save in flight) or DLRover's flash checkpoint to memory (under dlrover-run)."""
+    if mode == "dlrover":
+        import torch.distributed as dist
+        from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+        own_group = not dist.is_initialized()       # the HF Trainer under dlrover-run starts one of its own
+        if own_group:
+            dist.init_process_group("gloo")
+        ckpt = DdpCheckpointer(save_dir)
+        ckpt.load_checkpoint()
+
+        def save_dlrover(step: int) -> None:
+            if step % every == 0:
+                ckpt.save_checkpoint(step, {"model": model.state_dict(), "optimizer": opt.state_dict()},
+                                     storage_type=StorageType.MEMORY)
+        return save_dlrover, (dist.destroy_process_group if own_group else lambda: None)
     import torch.distributed.checkpoint as dcp
     pending: List[Any] = []
 
-    def save(step: int) -> None:
+    def save_dcp(step: int) -> None:
         if step % every:
             return
         if pending:
             pending.pop().result()        # one save in flight at a time, as DCP's documentation shows
         pending.append(dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
                                       checkpoint_id=os.path.join(save_dir, f"step_{step}")))
-    began = _loop(model, opt, x, spec["steps"], save)
-    for p in pending:
-        p.result()
-    return began
 
-
-def dlrover_loop(model: Any, opt: Any, x: Any, spec: Dict[str, Any], every: int, save_dir: str) -> List[float]:
-    """The plain loop with DLRover's flash checkpoint: to memory every ``every`` steps, as its documentation
-    shows (under dlrover-run)."""
-    import torch.distributed as dist
-    from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
-    dist.init_process_group("gloo")
-    ckpt = DdpCheckpointer(save_dir)
-    ckpt.load_checkpoint()
-
-    def save(step: int) -> None:
-        if step % every == 0:
-            ckpt.save_checkpoint(step, {"model": model.state_dict(), "optimizer": opt.state_dict()},
-                                 storage_type=StorageType.MEMORY)
-    began = _loop(model, opt, x, spec["steps"], save)
-    dist.destroy_process_group()
-    return began
+    def end() -> None:
+        for p in pending:
+            p.result()
+    return save_dcp, end
 
 
 def worker_hf(mode: str, every: int, save_dir: str) -> List[float]:
@@ -164,11 +171,21 @@ def worker_hf(mode: str, every: int, save_dir: str) -> List[float]:
     torch.manual_seed(0)
     began: List[float] = []
 
+    peer: List[Tuple[Callable[[int], None], Callable[[], None]]] = []
+
     class Stopwatch(TrainerCallback):
         def on_step_begin(self, *_: Any, **__: Any) -> None:
             began.append(time.perf_counter())
 
+        def on_step_end(self, _args: Any, state: Any, _control: Any, **kw: Any) -> None:
+            if mode in ("dcp", "dlrover"):       # a peer saves the Trainer's model and optimizer at the bound
+                if not peer:
+                    peer.append(peer_saver(mode, every, save_dir, kw["model"], kw["optimizer"]))
+                peer[0][0](state.global_step)
+
         def on_train_end(self, *_: Any, **__: Any) -> None:
+            for _, end in peer:
+                end()
             began.append(time.perf_counter())
 
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (4096, 32))]
@@ -332,7 +349,7 @@ def one_pair(regime: str, index: int, workdir: str, turn: float, control: bool, 
     if control:
         got = compare([AGAIN, "none"] if index % 2 == 0 else ["none", AGAIN], 1)
         row["control_ratio"] = _per_step(got[AGAIN], first) / _per_step(got["none"], first)
-    for peer in ("dcp", "dlrover") if regime != "hf10" else ():
+    for peer in ("dcp", "dlrover"):
         if peer == "dlrover" and not os.path.exists(DLROVER_PYTHON):
             continue
         try:

@@ -7,4 +7,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv-dlrover/bin/python ] || "$PYTHON" -m venv .venv-dlrover
-.venv-dlrover/bin/pip install --quiet --disable-pip-version-check -c constraints.txt "dlrover[k8s,torch]==0.6.1" numpy protobuf
+# transformers and accelerate for the HF Trainer regime of bench_overhead.py (DLRover's flash checkpoint called from
+# a Trainer callback), at the versions .venv has, so that both sides run the same Trainer
+hf=("transformers>=5" "accelerate>=1")
+if [ -x .venv/bin/python ]; then
+    hf=($(.venv/bin/python -c 'import transformers as t, accelerate as a
+print(f"transformers=={t.__version__}", f"accelerate=={a.__version__}")' 2>/dev/null \
+        || echo "transformers>=5 accelerate>=1"))
+fi
+.venv-dlrover/bin/pip install --quiet --disable-pip-version-check -c constraints.txt "dlrover[k8s,torch]==0.6.1" numpy protobuf \
+    "${hf[@]}"
